@@ -1,0 +1,1 @@
+"""Specialisation and build of kernels through TVM (TVM is imported lazily)."""

@@ -1,0 +1,1 @@
+"""Graph passes: TeSA propagation and execution-plan transformation."""

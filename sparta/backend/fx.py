@@ -1,0 +1,94 @@
+"""Emit a ``torch.fx.GraphModule`` that runs a sparta graph with torch ops.
+
+Weights are registered on the root module under their ``state_dict`` names (a module
+hierarchy is created for dotted names), so ``gm.state_dict()`` matches the original
+model and ONNX export names initializers after them. ``replacements`` lets later passes
+swap an op for a kernel module: it maps an op name to a callable module which receives
+the op's input tensors (in ``op.inputs`` order) and returns its outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import fx
+
+from ..graph import Graph, TensorRef, substitute
+
+
+def _ensure_parent(root: torch.nn.Module, dotted: str) -> tuple[torch.nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    return mod, leaf
+
+
+def _fx_name(name: str) -> str:
+    out = re.sub(r"\W", "_", name)
+    return out if not out[:1].isdigit() else "_" + out
+
+
+def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = None,
+                    replacements: Mapping[str, torch.nn.Module] | None = None) -> fx.GraphModule:
+    """Build a GraphModule computing ``graph.outputs`` (a flat tuple) from ``graph.inputs``.
+
+    ``weights`` overrides the stored weight data by name (e.g. masked weights).
+    """
+    weights = dict(weights or {})
+    replacements = dict(replacements or {})
+    root = torch.nn.Module()
+    fg = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in graph.inputs:
+        env[name] = fg.placeholder(_fx_name(name))
+    for v in graph.tensors("weight"):
+        data = weights.get(v.name, v.data)
+        if data is None:
+            continue
+        parent, leaf = _ensure_parent(root, v.name)
+        if v.is_parameter:
+            parent.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
+        else:
+            parent.register_buffer(leaf, data)
+    used = {t for o in graph.ops() for t in o.inputs} | set(graph.outputs)
+
+    def lookup(name):
+        if name not in env:
+            if graph.tensor(name).kind == "weight":
+                env[name] = fg.get_attr(name)
+            else:
+                raise KeyError(f"tensor {name!r} is used before it is computed")
+        return env[name]
+
+    for op in graph.ops():
+        if op.name in replacements:
+            mod_name = "kernel_" + _fx_name(op.name)
+            root.add_module(mod_name, replacements[op.name])
+            result = fg.create_node("call_module", mod_name, tuple(lookup(t) for t in op.inputs),
+                                    name=_fx_name(op.name))
+            multi = len(op.outputs) > 1
+        else:
+            refs = {t: lookup(t) for t in op.inputs}
+            args = substitute(op.args, refs)
+            kwargs = substitute(op.kwargs, refs)
+            result = fg.create_node("call_function", op.target, tuple(args), kwargs, name=_fx_name(op.name))
+            multi = op.multi_output
+        if multi:
+            for i, t in enumerate(op.outputs):
+                if t in used:
+                    env[t] = fg.call_function(operator.getitem, (result, i))
+        else:
+            env[op.outputs[0]] = result
+    fg.output(tuple(lookup(t) for t in graph.outputs))
+    gm = fx.GraphModule(root, fg, class_name=_fx_name(graph.name) + "Sparta")
+    gm.graph.lint()
+    return gm
+
+
+__all__ = ["to_graph_module", "TensorRef"]

@@ -1,0 +1,161 @@
+"""``sparta.compile``: the whole pipeline as a flat list of passes, and CompiledModel."""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections.abc import Mapping
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import SpartaError, TeSAError
+from .graph import Graph
+from .sampling import random_inputs
+from .tesa import TeSA
+
+TARGETS = ("cpu", "cuda")
+
+
+class VerificationError(SpartaError):
+    """The compiled model disagrees with its dense reference."""
+
+
+def attach_tesa(graph: Graph, initial_tesa: Mapping | None) -> Graph:
+    """Attach user TeSAs by parameter or tensor name (TeSA, or a bool mask tensor)."""
+    known = graph.tensor_names()
+    for name, tesa in (initial_tesa or {}).items():
+        if not graph.has_tensor(name):
+            close = difflib.get_close_matches(str(name), known, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise TeSAError(f"TeSA given for unknown parameter or tensor {name!r}{hint}")
+        if isinstance(tesa, torch.Tensor) and tesa.dtype == torch.bool:
+            tesa = TeSA.from_mask(tesa, name=name)
+        if not isinstance(tesa, TeSA):
+            raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA or a bool mask, got {type(tesa).__name__}")
+        value = graph.tensor(name)
+        tesa.check_shape(value.shape, name)
+        graph.set_tesa(name, value.tesa.meet(tesa))
+    return graph
+
+
+def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
+    """Weights with their pruned elements zeroed (the dense reference's weights)."""
+    out = {}
+    for v in graph.tensors("weight"):
+        if v.data is not None and not v.tesa.is_dense:
+            out[v.name] = v.data * v.tesa.mask.to(v.data.dtype) if v.data.dtype != torch.bool else v.data & v.tesa.mask
+    return out
+
+
+def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
+            target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
+            quant_tolerance=None) -> CompiledModel:
+    """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
+
+    ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
+    ``initial_tesa`` maps parameter/tensor names to :class:`TeSA` (or bool masks).
+    """
+    from .frontend import capture
+
+    if target not in TARGETS:
+        raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
+    if calibration is not None or quant_tolerance is not None:
+        raise SpartaError("quantization calibration is not available yet (calibration/quant_tolerance)")
+    timings = {}
+    t0 = time.perf_counter()
+    graph = capture(model, example_inputs, example_kwargs)
+    timings["capture"] = time.perf_counter() - t0
+    attach_tesa(graph, initial_tesa)
+    if propagate:
+        from .passes import propagate as run_propagation
+        t0 = time.perf_counter()
+        graph = run_propagation(graph)
+        timings["propagate"] = time.perf_counter() - t0
+    compiled = CompiledModel(graph, target=target, timings=timings)
+    if verify:
+        compiled.verify()
+    return compiled
+
+
+class CompiledModel(torch.nn.Module):
+    """A model compiled by sparta: call it like the original module."""
+
+    def __init__(self, graph: Graph, *, target: str = "cpu", plan=None, replacements=None, timings=None):
+        super().__init__()
+        from .backend.fx import to_graph_module
+
+        self.graph = graph
+        self.target = target
+        self.plan = plan
+        self.timings = dict(timings or {})
+        self.module = to_graph_module(graph, masked_weights(graph), replacements)
+        self._reference = None
+
+    def forward(self, *args, **kwargs):
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        spec = self.graph.meta.get("input_leaves")
+        if spec is not None and len(leaves) == len(spec):
+            flat = [x for x, name in zip(leaves, spec) if name is not None]
+        else:
+            flat = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if len(flat) != len(self.graph.inputs):
+            raise SpartaError(f"the compiled model takes {len(self.graph.inputs)} tensor inputs "
+                              f"({', '.join(self.graph.inputs)}), got {len(flat)}")
+        for x, name in zip(flat, self.graph.inputs):
+            v = self.graph.tensor(name)
+            if tuple(x.shape) != v.shape:
+                raise SpartaError(f"input {name!r}: shape {tuple(x.shape)} differs from the compiled {v.shape} "
+                                  "(sparta specialises to the example shapes; recompile for new shapes)")
+        outs = self.module(*flat)
+        out_spec = self.graph.meta.get("out_spec")
+        return pytree.tree_unflatten(list(outs), out_spec) if out_spec is not None else outs
+
+    def tesa(self, name: str) -> TeSA:
+        return self.graph.tesa(name)
+
+    def reference(self) -> torch.nn.Module:
+        """The dense reference: the graph run with plain torch ops on masked weights."""
+        if self._reference is None:
+            from .backend.fx import to_graph_module
+            self._reference = to_graph_module(self.graph, masked_weights(self.graph))
+        return self._reference
+
+    def verify(self, trials: int = 2, rtol: float | None = None, atol: float | None = None, seed: int = 0) -> dict:
+        """Compare against the dense reference on fresh random inputs; raise on mismatch."""
+        worst = {}
+        for trial in range(trials):
+            inputs = random_inputs(self.graph, seed + 1 + trial)
+            with torch.no_grad():
+                got, ref = self.module(*inputs), self.reference()(*inputs)
+            for name, a, b in zip(self.graph.outputs, got, ref):
+                tol_r, tol_a = _tolerance(b.dtype, rtol, atol)
+                if not torch.allclose(a.float(), b.float(), rtol=tol_r, atol=tol_a, equal_nan=True):
+                    err = (a.float() - b.float()).abs().max().item()
+                    raise VerificationError(f"output {name!r} differs from the dense reference: max abs error "
+                                            f"{err:.3g} (rtol={tol_r}, atol={tol_a}, trial {trial})")
+                scale = b.float().abs().max().clamp_min(1e-30)
+                worst[name] = max(worst.get(name, 0.0), ((a.float() - b.float()).abs().max() / scale).item())
+        return worst
+
+    def report(self) -> str:
+        """A table of every tensor whose TeSA is not dense: kind, shape, density, bits."""
+        rows = [("tensor", "kind", "shape", "density", "bits")]
+        for s in self.graph.tesa_stats():
+            if s["density"] < 1.0 or len(s["bits"]) > 1:
+                bits = " ".join(f"{b}:{c}" for b, c in sorted(s["bits"].items()))
+                rows.append((s["name"], s["kind"], "x".join(map(str, s["shape"])), f"{s['density']:.3f}", bits))
+        return _table(rows)
+
+
+def _tolerance(dtype, rtol, atol):
+    defaults = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-4, 1e-5)}
+    r, a = defaults.get(dtype, (0.0, 0.0))
+    return (r if rtol is None else rtol), (a if atol is None else atol)
+
+
+def _table(rows) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""The sparta graph IR: tensors and ops in one networkx multigraph.
+
+Tensor values and op nodes live in separate namespaces (node keys ``("t", name)`` and
+``("o", name)``); an edge tensor→op is an input (its ``index`` is the position in
+``op.inputs``), an edge op→tensor an output. Weights are named by their ``state_dict``
+name, so ``graph.tesa("fc1.weight")`` works directly. Op types are normalised ATen
+names (``"linear"``, ``"conv2d"``, ``"add"``; see ``docs/ops.md``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import networkx as nx
+import torch
+
+from .errors import GraphError
+from .tesa import TeSA
+
+KINDS = ("input", "weight", "activation", "output")
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A placeholder for a graph tensor inside an op's argument template."""
+
+    name: str
+
+
+@dataclass
+class Value:
+    """A tensor of the graph: shape, dtype, role and its TeSA."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str
+    tesa: TeSA
+    data: torch.Tensor | None = None  # weights and constants only
+    is_parameter: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GraphError(f"tensor {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        self.shape = tuple(int(s) for s in self.shape)
+        self.tesa.check_shape(self.shape, self.name)
+
+
+@dataclass
+class Op:
+    """An operator node: normalised type, ordered tensor inputs/outputs, attributes.
+
+    ``roles[i]`` names the schema argument ``inputs[i]`` fills (``"input"``,
+    ``"weight"``, ``"tensors.1"``); ``attrs`` holds the non-tensor arguments by name
+    (defaults filled in). ``target`` with ``args``/``kwargs`` (tensors as
+    :class:`TensorRef`) re-creates the call.
+    """
+
+    name: str
+    op: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    roles: list[str] = field(default_factory=list)
+    target: Any = None
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+    multi_output: bool = False  # the target returns a tuple/list even for one output
+
+    def input_of(self, role: str) -> str | None:
+        """The tensor filling schema argument ``role`` (None if absent)."""
+        for r, name in zip(self.roles, self.inputs):
+            if r == role:
+                return name
+        return None
+
+    def call(self, env: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Run the op on tensors looked up by name in ``env``; returns its outputs."""
+        if self.target is None:
+            raise GraphError(f"op {self.name!r} ({self.op}) has no executable target")
+        args = substitute(self.args, env)
+        kwargs = substitute(self.kwargs, env)
+        out = self.target(*args, **kwargs)
+        if self.multi_output:
+            return list(out)
+        return [out]
+
+
+def substitute(template, env):
+    """Replace every TensorRef in a nested args template by ``env[name]``."""
+    if isinstance(template, TensorRef):
+        return env[template.name]
+    if isinstance(template, (list, tuple)):
+        return type(template)(substitute(t, env) for t in template)
+    if isinstance(template, dict):
+        return {k: substitute(v, env) for k, v in template.items()}
+    return template
+
+
+def _t(name):
+    return ("t", name)
+
+
+def _o(name):
+    return ("o", name)
+
+
+class Graph:
+    """A dataflow graph whose every tensor carries a TeSA."""
+
+    def __init__(self, name: str = "graph"):
+        self.name = name
+        self._g = nx.MultiDiGraph()
+        self._order: list[str] = []  # ops in a topological order
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.in_spec: str | None = None  # pytree spec (treespec_dumps) of the user inputs
+        self.out_spec: str | None = None
+        self.meta: dict[str, Any] = {}
+
+    # ---- building ---------------------------------------------------------------------
+    def add_tensor(self, value: Value) -> Value:
+        if self._g.has_node(_t(value.name)):
+            raise GraphError(f"tensor {value.name!r} already exists")
+        self._g.add_node(_t(value.name), value=value)
+        return value
+
+    def add_op(self, op: Op) -> Op:
+        if self._g.has_node(_o(op.name)):
+            raise GraphError(f"op {op.name!r} already exists")
+        for name in op.inputs:
+            self.tensor(name)
+        for name in op.outputs:
+            if self.producer(name) is not None:
+                raise GraphError(f"tensor {name!r} is produced twice ({self.producer(name)} and {op.name})")
+        if len(op.roles) != len(op.inputs):
+            op.roles = op.roles + [f"arg{i}" for i in range(len(op.roles), len(op.inputs))]
+        self._g.add_node(_o(op.name), op=op)
+        for i, name in enumerate(op.inputs):
+            self._g.add_edge(_t(name), _o(op.name), index=i)
+        for i, name in enumerate(op.outputs):
+            self._g.add_edge(_o(op.name), _t(name), index=i)
+        self._order.append(op.name)
+        return op
+
+    # ---- reading -----------------------------------------------------------------------
+    def tensor(self, name: str) -> Value:
+        node = self._g.nodes.get(_t(name))
+        if node is None:
+            raise GraphError(self._unknown("tensor", name, self.tensor_names()))
+        return node["value"]
+
+    def op(self, name: str) -> Op:
+        node = self._g.nodes.get(_o(name))
+        if node is None:
+            raise GraphError(self._unknown("op", name, [o.name for o in self.ops()]))
+        return node["op"]
+
+    def has_tensor(self, name: str) -> bool:
+        return self._g.has_node(_t(name))
+
+    def tensor_names(self) -> list[str]:
+        return [k[1] for k in self._g.nodes if k[0] == "t"]
+
+    def tensors(self, kind: str | None = None) -> Iterator[Value]:
+        for key, data in self._g.nodes(data=True):
+            if key[0] == "t" and (kind is None or data["value"].kind == kind):
+                yield data["value"]
+
+    def ops(self, op_type: str | Iterable[str] | None = None) -> Iterator[Op]:
+        """Ops in topological order, optionally only of the given type(s)."""
+        types = {op_type} if isinstance(op_type, str) else set(op_type) if op_type else None
+        for name in self._order:
+            node = self._g.nodes.get(_o(name))
+            if node is not None and (types is None or node["op"].op in types):
+                yield node["op"]
+
+    def producer(self, tensor: str) -> str | None:
+        preds = list(self._g.predecessors(_t(tensor))) if self._g.has_node(_t(tensor)) else []
+        return preds[0][1] if preds else None
+
+    def consumers(self, tensor: str) -> list[str]:
+        """Names of the ops reading ``tensor`` (each once, in topological order)."""
+        succ = {k[1] for k in self._g.successors(_t(tensor))} if self._g.has_node(_t(tensor)) else set()
+        return [n for n in self._order if n in succ]
+
+    def neighbors(self, op: str) -> list[str]:
+        """Ops sharing a tensor with ``op``: producers of its inputs, consumers of its outputs."""
+        o = self.op(op)
+        out = {self.producer(t) for t in o.inputs} | {c for t in o.outputs for c in self.consumers(t)}
+        out |= {c for t in o.inputs for c in self.consumers(t)}  # siblings: input→input rules
+        out.discard(None)
+        out.discard(op)
+        return [n for n in self._order if n in out]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {v.name: v.data for v in self.tensors("weight") if v.data is not None}
+
+    # ---- TeSAs ---------------------------------------------------------------------------
+    def tesa(self, name: str) -> TeSA:
+        """The TeSA of a tensor, by tensor name or parameter (``state_dict``) name."""
+        return self.tensor(name).tesa
+
+    def set_tesa(self, name: str, tesa: TeSA) -> None:
+        """Attach ``tesa`` to a tensor; its shape must match."""
+        value = self.tensor(name)
+        if not isinstance(tesa, TeSA):
+            from .errors import TeSAError
+            raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA, got {type(tesa).__name__}")
+        value.tesa = tesa.check_shape(value.shape, name)
+
+    def tesa_stats(self) -> list[dict]:
+        """Per tensor: name, kind, shape, density and bit histogram."""
+        return [{"name": v.name, "kind": v.kind, "shape": v.shape, "density": v.tesa.density,
+                 "bits": v.tesa.bit_histogram()} for v in self.tensors()]
+
+    # ---- views and copies --------------------------------------------------------------
+    def subgraph(self, op_names: Iterable[str]) -> Graph:
+        """A view holding the given ops and the tensors they touch (shares the values)."""
+        names = set(op_names)
+        for n in names:
+            self.op(n)
+        nodes = {_o(n) for n in names}
+        for n in names:
+            nodes |= set(self._g.predecessors(_o(n))) | set(self._g.successors(_o(n)))
+        sub = Graph(f"{self.name}[sub]")
+        sub._g = self._g.subgraph(nodes)
+        sub._order = [n for n in self._order if n in names]
+        sub.inputs = [t for t in self.inputs if _t(t) in nodes]
+        sub.outputs = [t for t in self.outputs if _t(t) in nodes]
+        return sub
+
+    def copy(self) -> Graph:
+        """A structural copy with fresh Value/Op records (weights and TeSAs shared: immutable)."""
+        g = Graph(self.name)
+        for v in self.tensors():
+            g.add_tensor(replace(v))
+        for o in self.ops():
+            g.add_op(replace(o, inputs=list(o.inputs), outputs=list(o.outputs), attrs=dict(o.attrs),
+                             roles=list(o.roles)))
+        g.inputs, g.outputs = list(self.inputs), list(self.outputs)
+        g.in_spec, g.out_spec, g.meta = self.in_spec, self.out_spec, dict(self.meta)
+        return g
+
+    def validate(self) -> None:
+        """Check structure: acyclic, every op's tensors exist, outputs produced once."""
+        if not nx.is_directed_acyclic_graph(self._g):
+            raise GraphError(f"graph {self.name!r} has a cycle")
+        for t in self.inputs + self.outputs:
+            self.tensor(t)
+        for o in self.ops():
+            for t in o.outputs:
+                if self.producer(t) != o.name:
+                    raise GraphError(f"tensor {t!r} is not produced by {o.name!r}")
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text: tensors as ellipses labelled with density, ops as boxes."""
+        def q(s):
+            return '"' + str(s).replace('"', r'\"') + '"'
+        lines = [f"digraph {q(self.name)} {{", "  rankdir=TB;"]
+        for v in self.tensors():
+            style = ', style=filled, fillcolor="#eeeeee"' if v.kind == "weight" else ""
+            label = q(f"{v.name}|{list(v.shape)} d={v.tesa.density:.2f}").replace("|", "\\n", 1)
+            lines.append(f"  {q('t:' + v.name)} [label={label}{style}];")
+        for o in self.ops():
+            lines.append(f"  {q('o:' + o.name)} [shape=box, label={q(o.name + ' : ' + o.op)}];")
+            lines += [f"  {q('t:' + t)} -> {q('o:' + o.name)};" for t in o.inputs]
+            lines += [f"  {q('o:' + o.name)} -> {q('t:' + t)};" for t in o.outputs]
+        lines.append("}")
+        return "\n".join(lines)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __repr__(self) -> str:
+        return (f"Graph({self.name!r}, {len(self._order)} ops, {sum(1 for _ in self.tensors())} tensors, "
+                f"inputs={self.inputs}, outputs={self.outputs})")
+
+    @staticmethod
+    def _unknown(what, name, known):
+        close = difflib.get_close_matches(str(name), known, n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        return f"unknown {what} {name!r}{hint}"

@@ -1,0 +1,1 @@
+"""Kernel templates parameterised by block shape, bits and compile-time sparsity."""
