@@ -1,1 +1,7 @@
-"""Graph passes: TeSA propagation and execution-plan transformation."""
+"""Graph passes: TeSA propagation (rules, scrambling, fixed point) and plan transformation."""
+
+from .propagate import PropagationReport, propagate
+from .rules import RULES, get_rule, rule, unregister
+from .scramble import scramble
+
+__all__ = ["propagate", "PropagationReport", "rule", "get_rule", "unregister", "RULES", "scramble"]

@@ -70,6 +70,7 @@ class Op:
     kwargs: dict[str, Any] = field(default_factory=dict)
     source: str = ""
     multi_output: bool = False  # the target returns a tuple/list even for one output
+    meta: dict[str, Any] = field(default_factory=dict)  # in_dtypes/out_dtypes, filled by Graph.add_op
 
     def input_of(self, role: str) -> str | None:
         """The tensor filling schema argument ``role`` (None if absent)."""
@@ -88,6 +89,39 @@ class Op:
         if self.multi_output:
             return list(out)
         return [out]
+
+
+def bind_call(target, args, kwargs) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Split a call template (tensors as TensorRef) into (inputs, roles, attrs) by the op's schema.
+
+    Tensor arguments become inputs named by their schema argument (``"weight"``; list
+    elements as ``"tensors.1"``); everything else becomes an attribute, defaults filled.
+    """
+    inputs, roles, attrs = [], [], {}
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    else:
+        named = []
+        for i, arg in enumerate(schema.arguments):
+            if i < len(args) and not arg.kwarg_only:
+                named.append((arg.name, args[i]))
+            elif arg.name in kwargs:
+                named.append((arg.name, kwargs[arg.name]))
+            elif arg.has_default_value():
+                named.append((arg.name, arg.default_value))
+    for name, val in named:
+        if isinstance(val, TensorRef):
+            inputs.append(val.name)
+            roles.append(name)
+        elif isinstance(val, (list, tuple)) and any(isinstance(v, TensorRef) for v in val):
+            for j, v in enumerate(val):
+                if isinstance(v, TensorRef):
+                    inputs.append(v.name)
+                    roles.append(f"{name}.{j}")
+        else:
+            attrs[name] = val
+    return inputs, roles, attrs
 
 
 def substitute(template, env):
@@ -139,6 +173,8 @@ class Graph:
                 raise GraphError(f"tensor {name!r} is produced twice ({self.producer(name)} and {op.name})")
         if len(op.roles) != len(op.inputs):
             op.roles = op.roles + [f"arg{i}" for i in range(len(op.roles), len(op.inputs))]
+        op.meta["in_dtypes"] = [self.tensor(t).dtype for t in op.inputs]
+        op.meta["out_dtypes"] = [self.tensor(t).dtype for t in op.outputs]
         self._g.add_node(_o(op.name), op=op)
         for i, name in enumerate(op.inputs):
             self._g.add_edge(_t(name), _o(op.name), index=i)
@@ -241,7 +277,7 @@ class Graph:
             g.add_tensor(replace(v))
         for o in self.ops():
             g.add_op(replace(o, inputs=list(o.inputs), outputs=list(o.outputs), attrs=dict(o.attrs),
-                             roles=list(o.roles)))
+                             roles=list(o.roles), meta=dict(o.meta)))
         g.inputs, g.outputs = list(self.inputs), list(self.outputs)
         g.in_spec, g.out_spec, g.meta = self.in_spec, self.out_spec, dict(self.meta)
         return g

@@ -197,6 +197,20 @@ class TeSA:
             return other
         return TeSA(torch.minimum(self._bits, other._bits), _trusted=True)
 
+    def join(self, other: TeSA) -> TeSA:
+        """Element-wise maximum (least upper bound): kept wins, more bits win."""
+        if not isinstance(other, TeSA):
+            raise TeSAError(f"join needs a TeSA, got {type(other).__name__}")
+        if other.shape != self.shape:
+            raise TeSAError(f"join of TeSAs with different shapes {self.shape} and {other.shape}")
+        if self._uniform is not None and other._uniform is not None:
+            return TeSA.dense(self.shape, max(self._uniform, other._uniform))
+        if other._uniform == 0:
+            return self
+        if self._uniform == 0:
+            return other
+        return TeSA(torch.maximum(self._bits, other._bits), _trusted=True)
+
     def __le__(self, other: TeSA) -> bool:
         """Lattice order: every element of self is at most other's."""
         return self.shape == other.shape and bool((self._bits <= other._bits).all())

@@ -20,7 +20,7 @@ import torch
 from onnx import numpy_helper
 
 from ..errors import CaptureError
-from ..graph import Graph, Op, TensorRef, Value
+from ..graph import Graph, Op, TensorRef, Value, bind_call, substitute
 from ..tesa import TeSA, bits_of_dtype
 
 A = torch.ops.aten
@@ -94,10 +94,8 @@ class _Importer:
         """Add one ATen-backed op; TensorRef leaves in args are its inputs."""
         kwargs = kwargs or {}
         outputs = outputs or list(node.output)
-        refs = [a for a in _leaves((args, kwargs)) if isinstance(a, TensorRef)]
-        inputs = [r.name for r in refs]
-        env = {r.name: self.env[r.name] for r in refs}
-        from ..graph import substitute
+        inputs, roles, attrs = bind_call(target, args, kwargs)
+        env = {name: self.env[name] for name in inputs}
         try:
             out = target(*substitute(args, env), **substitute(kwargs, env))
         except Exception as exc:  # noqa: BLE001 - report which node failed
@@ -110,10 +108,8 @@ class _Importer:
         while name in self.op_names:
             name = f"{name}_{self.counter}"
         self.op_names.add(name)
-        schema_names = _schema_roles(target, args)
-        self.g.add_op(Op(name, _op_name(target), inputs, outputs[:len(outs)],
-                         {k: v for k, v in _schema_attrs(target, args, kwargs).items()},
-                         schema_names, target, tuple(args), kwargs, f"onnx:{node.op_type}", multi_output=multi))
+        self.g.add_op(Op(name, _op_name(target), inputs, outputs[:len(outs)], attrs, roles, target, tuple(args),
+                         kwargs, f"onnx:{node.op_type}", multi_output=multi))
 
     def run(self):
         graph = self.model.graph
@@ -279,41 +275,6 @@ class _Importer:
         x, s, b, m, v = (TensorRef(i) for i in n.input[:5])
         self.emit(n, A.batch_norm.default, (x, s, b, m, v, False, a.get("momentum", 0.9), a.get("epsilon", 1e-5),
                                              False))
-
-
-def _leaves(tree):
-    if isinstance(tree, (list, tuple)):
-        for t in tree:
-            yield from _leaves(t)
-    elif isinstance(tree, dict):
-        for t in tree.values():
-            yield from _leaves(t)
-    else:
-        yield tree
-
-
-def _schema_roles(target, args):
-    schema = getattr(target, "_schema", None)
-    roles = []
-    for i, arg in enumerate(args):
-        base = schema.arguments[i].name if schema is not None and i < len(schema.arguments) else f"arg{i}"
-        if isinstance(arg, TensorRef):
-            roles.append(base)
-        elif isinstance(arg, (list, tuple)):
-            roles += [f"{base}.{j}" for j, v in enumerate(arg) if isinstance(v, TensorRef)]
-    return roles
-
-
-def _schema_attrs(target, args, kwargs):
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return {}
-    attrs = {}
-    for i, arg in enumerate(schema.arguments):
-        val = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
-        if not isinstance(val, TensorRef) and not (isinstance(val, (list, tuple)) and any(isinstance(v, TensorRef) for v in val)):
-            attrs[arg.name] = val
-    return attrs
 
 
 def _op_name(target):

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ..graph import Graph, Op, TensorRef, Value
+from ..graph import Graph, Op, TensorRef, Value, bind_call
 from ..tesa import TeSA, bits_of_dtype
 
 A = torch.ops.aten
@@ -139,35 +139,6 @@ def _build(ep, name: str) -> Graph:
     return g
 
 
-def _bind(target, node, ref):
-    """Split an ATen call into (inputs, roles, attrs) by the op's schema."""
-    inputs, roles, attrs = [], [], {}
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        flat = pytree.tree_leaves((node.args, node.kwargs))
-        for i, a in enumerate(a for a in flat if isinstance(a, torch.fx.Node)):
-            inputs.append(ref(a)), roles.append(f"arg{i}")
-        return inputs, roles, attrs
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            val = node.args[i]
-        elif arg.name in node.kwargs:
-            val = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            val = arg.default_value
-        else:
-            continue
-        if isinstance(val, torch.fx.Node):
-            inputs.append(ref(val)), roles.append(arg.name)
-        elif isinstance(val, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in val):
-            for j, v in enumerate(val):
-                if isinstance(v, torch.fx.Node):
-                    inputs.append(ref(v)), roles.append(f"{arg.name}.{j}")
-        else:
-            attrs[arg.name] = val
-    return inputs, roles, attrs
-
-
 def _add_call(g: Graph, n, names, nodes):
     def ref(node):
         t = names.get(node.name)
@@ -175,9 +146,9 @@ def _add_call(g: Graph, n, names, nodes):
             raise CaptureError(f"op {n.name!r} reads {node.name!r}, which is not a tensor")
         return t
 
-    inputs, roles, attrs = _bind(n.target, n, ref)
     args = pytree.tree_map_only(torch.fx.Node, lambda a: TensorRef(ref(a)), n.args)
     kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: TensorRef(ref(a)), n.kwargs)
+    inputs, roles, attrs = bind_call(n.target, args, kwargs)
     val = n.meta.get("val")
     multi = isinstance(val, (list, tuple))
     if multi:

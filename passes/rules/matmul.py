@@ -1,0 +1,90 @@
+"""Rules for matrix products: linear, mm, bmm, matmul (batched, broadcast), addmm, baddbmm.
+
+A product's output element is pruned iff every term of its sum has a pruned factor
+(boolean matrix product); added terms (bias, ``addmm``'s ``self``) keep an element when
+they are kept. Backward, an element of ``A`` is needed iff it meets a kept element of
+``B`` on the way to a needed output (so a pruned column of ``A`` prunes the matching row
+of ``B``: input → input). Computed exactly by :func:`common.multilinear`. Bits are not
+changed here (the bit width of a product is chosen by calibration).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...graph import Op
+from ...tesa import TeSA
+from .common import any_to_shape, kept, multilinear, refine, result
+from .registry import rule
+
+
+def affine_rule(op: Op, ins: list[TeSA], outs: list[TeSA], fn, factors: list[int], addends: list[int],
+                channel_dim: int | None = None, alpha=1, beta=1):
+    """out = alpha · fn(factors) + beta · Σ addends; exact boolean rule.
+
+    Addends broadcast like torch (trailing dims), or, with ``channel_dim``, a 1-D addend
+    runs along that output dim (a convolution's bias).
+    """
+    nd = len(outs[0].shape)
+
+    def addend_view(a):
+        return a if channel_dim is None else a.reshape([-1 if d == channel_dim else 1 for d in range(nd)])
+
+    y = outs[0]
+    addends = [i for i in addends if i is not None] if beta != 0 else []
+    add_keep = torch.zeros((), dtype=torch.bool)
+    for i in addends:
+        a = kept(ins[i])
+        add_keep = add_keep | addend_view(a)
+
+    def need_of(fwd):
+        return kept(refine(y, (fwd if alpha != 0 else torch.zeros((), dtype=torch.bool)) | add_keep))
+
+    fwd, needs = multilinear(fn, [ins[i] for i in factors], need_of)
+    if alpha == 0:
+        fwd = torch.zeros_like(fwd)
+        needs = [torch.zeros_like(n) for n in needs]
+    new_y = refine(y, fwd | add_keep)
+    new_ins = list(ins)
+    for i, n in zip(factors, needs):
+        new_ins[i] = refine(ins[i], n)
+    need = kept(new_y)
+    for i in addends:
+        if channel_dim is not None:
+            n = need.any(dim=[d for d in range(nd) if d != channel_dim]) if nd > 1 else need
+        else:
+            n = any_to_shape(need, ins[i].shape)
+        new_ins[i] = refine(ins[i], n)
+    if beta == 0:
+        for i in [j for j in range(len(ins)) if j not in factors]:
+            new_ins[i] = refine(ins[i], torch.zeros((), dtype=torch.bool))
+    return result(ins, outs, new_ins, [new_y, *outs[1:]])
+
+
+def _role(op: Op, role: str) -> int | None:
+    return op.roles.index(role) if role in op.roles else None
+
+
+@rule("linear")
+def linear(op: Op, ins, outs):
+    x, w, b = _role(op, "input"), _role(op, "weight"), _role(op, "bias")
+    if x is None or w is None:
+        return None
+    return affine_rule(op, ins, outs, lambda a, m: F.linear(a, m), [x, w], [b])
+
+
+@rule("mm", "bmm", "matmul", "mv", "dot", "vdot")
+def matmul(op: Op, ins, outs):
+    if len(ins) != 2:
+        return None
+    return affine_rule(op, ins, outs, torch.matmul, [0, 1], [])
+
+
+@rule("addmm", "baddbmm", "addmv", "addbmm")
+def addmm(op: Op, ins, outs):
+    if len(ins) != 3 or op.op == "addbmm":
+        return None
+    a, b = (1, 2)
+    return affine_rule(op, ins, outs, torch.matmul, [a, b], [0], alpha=op.attrs.get("alpha", 1),
+                       beta=op.attrs.get("beta", 1))
