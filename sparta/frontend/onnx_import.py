@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
+from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ..graph import Graph, Op, TensorRef, Value, bind_call, substitute
@@ -134,6 +135,9 @@ class _Importer:
             if self.g.tensor(t).kind == "activation":
                 self.g.tensor(t).kind = "output"
         self.g.meta["input_leaves"] = list(self.g.inputs)
+        outs = self.g.outputs
+        self.g.meta["out_spec"] = pytree.tree_structure(0 if len(outs) == 1 else tuple(range(len(outs))))
+        self.g.out_spec = pytree.treespec_dumps(self.g.meta["out_spec"])
         for prop in self.model.metadata_props:
             if prop.key.startswith(TESA_PREFIX):
                 name = prop.key[len(TESA_PREFIX):]

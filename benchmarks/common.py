@@ -1,0 +1,41 @@
+"""Shared helpers for benchmark scripts: device description, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+    except (OSError, StopIteration):
+        model = platform.processor() or "cpu"
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    date = datetime.date.today().isoformat()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    path = RESULTS / f"{name}-{dev}-{date}.json"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = {"device": device_name(), "date": date, "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "commit": commit}
+    path.write_text(json.dumps({"meta": meta, **payload}, indent=1))
+    return path

@@ -1,0 +1,62 @@
+import pytest
+import torch
+from op_cases import make_op, rand
+
+from sparta import TeSA
+from sparta.graph import TensorRef as R
+from sparta.passes import scramble
+
+A = torch.ops.aten
+
+
+def test_scramble_finds_structural_zeros_and_not_relu_half_spaces():
+    x = rand((6, 5))
+    op, _ = make_op("relu", A.relu.default, (R("x"),), {}, {"x": x})
+    mask = torch.rand(6, 5, generator=torch.Generator().manual_seed(0)) < 0.5
+    ins, outs = scramble(op, [TeSA.from_mask(mask)], [TeSA.dense((6, 5))], trials=8, seed=0)
+    assert torch.equal(outs[0].mask, mask), "relu(x) < 0 half of the time must not look pruned"
+    assert torch.equal(ins[0].mask, mask)
+
+
+def test_scramble_backward_through_black_box_with_two_outputs():
+    def box(a, b):
+        return a @ b, (a * 0).sum(1)        # second output never depends on values
+
+    a, b = rand((4, 3)), rand((3, 5))
+    op, _ = make_op("box", box, (R("a"), R("b")), {}, {"a": a, "b": b})
+    bmask = torch.ones(3, 5, dtype=torch.bool)
+    bmask[1] = False                        # row 1 of b pruned: column 1 of a irrelevant
+    need = torch.ones(4, 5, dtype=torch.bool)
+    need[:, 4] = False
+    ins, outs = scramble(op, [TeSA.dense((4, 3)), TeSA.from_mask(bmask)],
+                         [TeSA.from_mask(need), TeSA.dense((4,))], trials=8)
+    assert not ins[0].mask[:, 1].any() and ins[0].mask[:, [0, 2]].all()
+    assert not ins[1].mask[:, 4].any()
+    assert outs[1].density == 0.0
+
+
+def test_scramble_is_deterministic_and_needs_two_trials():
+    x = rand((3, 3))
+    op, _ = make_op("sin", A.sin.default, (R("x"),), {}, {"x": x})
+    t = TeSA.from_mask(torch.eye(3, dtype=torch.bool))
+    r1 = scramble(op, [t], [TeSA.dense((3, 3))], seed=3)
+    r2 = scramble(op, [t], [TeSA.dense((3, 3))], seed=3)
+    assert r1[0][0] == r2[0][0] and r1[1][0] == r2[1][0]
+    with pytest.raises(ValueError, match="at least 2"):
+        scramble(op, [t], [TeSA.dense((3, 3))], trials=1)
+
+
+def test_scramble_treats_nan_inf_as_nonzero():
+    x = rand((4,))
+    op, _ = make_op("reciprocal", A.reciprocal.default, (R("x"),), {}, {"x": x})
+    _, outs = scramble(op, [TeSA.from_mask(torch.tensor([True, False, True, False]))], [TeSA.dense((4,))])
+    assert outs[0].is_dense, "1/0 = inf is not a zero"
+
+
+@pytest.mark.cuda
+def test_scramble_on_cuda():
+    a = rand((4, 3))
+    op, _ = make_op("mm", A.mm.default, (R("a"), R("b")), {}, {"a": a, "b": rand((3, 2))})
+    bm = torch.tensor([[True, False], [True, False], [True, False]])
+    _, outs = scramble(op, [TeSA.dense((4, 3)), TeSA.from_mask(bm)], [TeSA.dense((4, 2))], device="cuda")
+    assert torch.equal(outs[0].mask, bm[:1].expand(4, 2))

@@ -1,0 +1,58 @@
+import pytest
+import torch
+from models import MLP, tiny_bert
+
+import sparta
+from sparta import SpartaError, TeSA, TeSAError
+
+
+def test_masks_apply_and_equal_masked_dense_reference():
+    model = MLP().eval()
+    x = torch.randn(6, 24)
+    mask = torch.rand(48, 24, generator=torch.Generator().manual_seed(0)) < 0.4
+    compiled = sparta.compile(model, {"fc1.weight": TeSA.from_mask(mask)}, (x,), propagate=False)
+    ref = MLP().eval()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ref.fc1.weight.mul_(mask)
+        assert torch.equal(compiled(x), ref(x))
+        assert not torch.equal(compiled(x), model(x))
+    assert model.fc1.weight.count_nonzero() == 48 * 24, "the user's model is never modified"
+
+
+def test_bool_mask_accepted_and_propagation_on_by_default():
+    model = MLP().eval()
+    cols = torch.ones(48, 48, dtype=torch.bool)
+    cols[:, :8] = False
+    compiled = sparta.compile(model, {"fc2.weight": cols}, (torch.randn(2, 24),))
+    assert compiled.tesa("fc1.weight").density == pytest.approx(40 / 48)
+    off = sparta.compile(model, {"fc2.weight": cols}, (torch.randn(2, 24),), propagate=False)
+    assert off.tesa("fc1.weight").is_dense
+    assert "fc1.weight" in compiled.report() and "propagate" in compiled.timings
+
+
+def test_verify_passes_and_reports():
+    model = tiny_bert()
+    ids = torch.randint(0, 100, (2, 9))
+    w = "encoder.layer.1.output.dense.weight"
+    compiled = sparta.compile(model, {w: TeSA.from_mask(torch.rand(64, 128) < 0.3)}, (ids,), verify=True)
+    errs = compiled.verify()
+    assert set(errs) == set(compiled.graph.outputs) and max(errs.values()) < 1e-5
+
+
+@pytest.mark.parametrize("tesa, match", [
+    ({"fc9.weight": TeSA.dense((48, 24))}, "unknown parameter.*fc9.weight.*did you mean"),
+    ({"fc1.weight": TeSA.dense((24, 48))}, "fc1.weight.*does not match"),
+    ({"fc1.weight": torch.ones(48, 24)}, "fc1.weight.*expected a sparta.TeSA"),
+])
+def test_bad_tesa_inputs(tesa, match):
+    with pytest.raises(TeSAError, match=match):
+        sparta.compile(MLP().eval(), tesa, (torch.randn(2, 24),))
+
+
+def test_bad_target_and_inputs():
+    with pytest.raises(SpartaError, match="unknown target"):
+        sparta.compile(MLP().eval(), {}, (torch.randn(2, 24),), target="tpu")
+    compiled = sparta.compile(MLP().eval(), {}, (torch.randn(2, 24),))
+    with pytest.raises(SpartaError, match="1 tensor inputs"):
+        compiled(torch.randn(2, 24), torch.randn(2, 24))
