@@ -3,5 +3,6 @@
 from .propagate import PropagationReport, propagate
 from .rules import RULES, get_rule, rule, unregister
 from .scramble import scramble
+from .transform import Plan, load_profile, transform
 
-__all__ = ["propagate", "PropagationReport", "rule", "get_rule", "unregister", "RULES", "scramble"]
+__all__ = ["transform", "Plan", "load_profile", "propagate", "PropagationReport", "rule", "get_rule", "unregister", "RULES", "scramble"]

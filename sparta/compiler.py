@@ -72,7 +72,11 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         t0 = time.perf_counter()
         graph = run_propagation(graph)
         timings["propagate"] = time.perf_counter() - t0
-    compiled = CompiledModel(graph, target=target, timings=timings)
+    from .passes import transform
+    t0 = time.perf_counter()
+    plan = transform(graph, target)
+    timings["transform"] = time.perf_counter() - t0
+    compiled = CompiledModel(graph, target=target, plan=plan, timings=timings)
     if verify:
         compiled.verify()
     return compiled
@@ -137,6 +141,12 @@ class CompiledModel(torch.nn.Module):
                 scale = b.float().abs().max().clamp_min(1e-30)
                 worst[name] = max(worst.get(name, 0.0), ((a.float() - b.float()).abs().max() / scale).item())
         return worst
+
+    def plan_report(self, only_gemm: bool = False) -> str:
+        """The execution plan as a table: op, density, bits, chosen blocks, estimated µs, dense µs."""
+        if self.plan is None:
+            return "no plan"
+        return self.plan.report(only_gemm)
 
     def report(self) -> str:
         """A table of every tensor whose TeSA is not dense: kind, shape, density, bits."""

@@ -1,0 +1,178 @@
+"""Measure a hardware profile: the cost of each (kernel, block shape) on this machine.
+
+    python -m sparta.codegen.profile --target cpu  -o passes/profiles/cpu.json
+    python -m sparta.codegen.profile --target cuda -o passes/profiles/cuda.json   # on the GPU
+
+Until sparta's own kernels exist for a (bits, block) pair, its cost is measured on the
+closest stand-in that really runs here, and the profile's ``notes`` say which:
+
+* dense GEMM: the vendor library (``F.linear``: MKL/oneDNN, cuBLAS; ``_int_mm``;
+  fbgemm's dynamic int8 linear; tinygemm's ``_weight_int4pack_mm``);
+* a BH×BW block: a batched GEMM over the weight's block rows, each with its kept blocks
+  gathered side by side, ``bmm((rows, M, kb·BW), (rows, kb·BW, BH))`` at 10% blocks kept:
+  the work of a block-sparse kernel that accumulates a row's blocks, with perfect gathering;
+* 1×1 (fine-grained): CSR SpMM (``torch.sparse.mm``) per non-zero per row;
+* kernels without a batched stand-in (int8 / int4 on the GPU): the fp16 block costs
+  scaled by the measured dense-rate ratio.
+
+No TVM is needed: this runs on the GPU machine too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+
+BLOCKS = [(64, 64), (32, 32), (16, 16), (1, 32), (1, 1)]
+
+
+def _timer(device: str):
+    if device == "cuda":
+        def run(fn, iters):
+            fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(iters):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3)
+            return statistics.median(times)
+    else:
+        def run(fn, iters):
+            fn()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(times)
+    return run  # µs
+
+
+def _rand(*shape, device, dtype):
+    x = torch.randn(*shape, device=device)
+    return torch.where(x == 0, torch.ones_like(x), x).to(dtype)
+
+
+def measure(target: str, m: int | None = None, iters: int = 20, size: int | None = None) -> dict:
+    device = "cuda" if target == "cuda" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("profiling the cuda target needs a GPU")
+    timed = _timer(device)
+    m = m or (4096 if device == "cuda" else 128)
+    n = k = size or (1024 if device == "cpu" else 3072)
+    notes = {"dense": "vendor library through torch", "blocks": "bmm over blocks (stand-in for block-sparse)",
+             "1x1": "torch.sparse.mm CSR SpMM (stand-in for fine-grained)", "rows": m}
+    tiny = torch.randn(1, 1, device=device)
+
+    def launches():
+        for _ in range(100):
+            torch.nn.functional.linear(tiny, tiny)
+    fixed = timed(launches, iters) / 100
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    copy_us = timed(lambda: big.clone(), iters)
+    bandwidth = 2 * big.numel() / (copy_us * 1e3)
+    del big
+
+    float_kernels = [(32, 32, torch.float32)] + ([(16, 16, torch.float16)] if device == "cuda" else [])
+    kernels = []
+    for wb, ab, dt in float_kernels:
+        x, w = _rand(m, k, device=device, dtype=dt), _rand(n, k, device=device, dtype=dt)
+        dense_us = timed(lambda: torch.nn.functional.linear(x, w), iters)
+        blocks = {}
+        for bh, bw in BLOCKS:
+            if (bh, bw) == (1, 1):
+                ws = torch.where(torch.rand(n, k, device=device) < 0.05, w, torch.zeros((), device=device, dtype=dt))
+                try:
+                    csr = ws.to_sparse_csr()
+                    xt = x.t().contiguous()
+                    us = timed(lambda: torch.sparse.mm(csr, xt), iters)
+                    blocks[(1, 1)] = us * 1e3 / (csr.values().numel() * m)
+                except (RuntimeError, NotImplementedError):
+                    continue
+            else:
+                rows, kb = n // bh, max(1, k // bw // 10)  # 10% of each block row kept
+                xb = _rand(rows, m, kb * bw, device=device, dtype=dt)
+                wblk = _rand(rows, kb * bw, bh, device=device, dtype=dt)
+                us = timed(lambda: torch.bmm(xb, wblk), iters)
+                blocks[(bh, bw)] = us * 1e3 / (rows * kb * m)
+        kernels.append({"weight_bits": wb, "act_bits": ab, "dense_gflops": 2 * m * n * k / (dense_us * 1e3),
+                        "blocks": blocks})
+    base = kernels[-1]  # fp16 on cuda, fp32 on cpu: the block-cost shape the integer kernels scale
+    for wb, ab, rate, how in _integer_rates(device, m, n, k, timed, iters):
+        scale = base["dense_gflops"] / rate
+        kernels.append({"weight_bits": wb, "act_bits": ab, "dense_gflops": rate,
+                        "blocks": {s: v * scale for s, v in base["blocks"].items()}})
+        notes[f"W{wb}A{ab}"] = f"dense: {how}; blocks: W{base['weight_bits']} block costs x dense-rate ratio"
+    name = torch.cuda.get_device_name(0) if device == "cuda" else _cpu_name()
+    return {"target": target, "device": name, "date": datetime.date.today().isoformat(),
+            "source": "measured on stand-ins (see notes) by python -m sparta.codegen.profile",
+            "fixed_us": fixed, "bandwidth_gbs": bandwidth, "notes": notes,
+            "sparse_ops": ["linear", "addmm", "mm", "matmul"],
+            "kernels": [{**kk, "blocks": {f"{a}x{b}": v for (a, b), v in kk["blocks"].items()}} for kk in kernels]}
+
+
+def _integer_rates(device, m, n, k, timed, iters):
+    """(weight bits, act bits, dense GOP/s, how) for the integer kernels measurable here."""
+    out = []
+    if device == "cuda":
+        a = torch.randint(-127, 127, (m, k), device=device, dtype=torch.int8)
+        b = torch.randint(-127, 127, (n, k), device=device, dtype=torch.int8).t()  # column-major: cuBLASLt's fast path
+        us = timed(lambda: torch._int_mm(a, b), iters)
+        out.append((8, 8, 2 * m * n * k / (us * 1e3), "torch._int_mm (cuBLASLt int8)"))
+        try:
+            w = torch.randint(0, 16, (n, k // 2), device=device, dtype=torch.uint8)
+            wpk = torch._convert_weight_to_int4pack(w, 8)
+            sz = torch.rand(k // 128, n, 2, device=device, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            us = timed(lambda: torch._weight_int4pack_mm(x, wpk, 128, sz), iters)
+            out.append((4, 16, 2 * m * n * k / (us * 1e3), "torch._weight_int4pack_mm (tinygemm)"))
+        except (RuntimeError, AttributeError):
+            pass
+    else:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lin = torch.nn.Sequential(torch.nn.Linear(k, n))
+            q = torch.ao.quantization.quantize_dynamic(lin, {torch.nn.Linear}, dtype=torch.qint8)
+        x = torch.randn(m, k)
+        us = timed(lambda: q(x), iters)
+        out.append((8, 8, 2 * m * n * k / (us * 1e3), "fbgemm dynamic int8 linear"))
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+    except (OSError, StopIteration):
+        model = "cpu"
+    return f"{model} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="measure a sparta hardware profile")
+    ap.add_argument("--target", choices=["cpu", "cuda"], required=True)
+    ap.add_argument("-o", "--output", help="write the profile JSON here (default: print)")
+    ap.add_argument("--rows", type=int, default=None, help="activation rows M used for the measurements")
+    ap.add_argument("--size", type=int, default=None, help="weight size N = K used for the measurements")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    prof = measure(args.target, args.rows, args.iters, args.size)
+    text = json.dumps(prof, indent=1)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

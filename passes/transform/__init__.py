@@ -1,0 +1,38 @@
+"""Execution-plan transformation: bit rounding, weighted block cover, sub-operator plans."""
+
+from __future__ import annotations
+
+import math
+
+from ...graph import Graph
+from .bitround import BitGroup, groupings, round_bits
+from .cover import ShapeCover, block_cover, check_cover, cover_cost
+from .plan import Candidate, OpPlan, Plan, SubOp
+from .profile import HardwareProfile, KernelCosts, load_profile
+from .transform_op import gemm_view, transform_gemm
+
+
+def transform(graph: Graph, target: str = "cpu", *, profile=None, sparse_ops=None) -> Plan:
+    """Plan every op of ``graph`` for ``target``: GEMM-like ops get the cheapest sub-operator
+    plan by the hardware profile's cost model; the others stay torch ops."""
+    prof = load_profile(profile or target)
+    plan = Plan(target, {"device": prof.device, "date": prof.date, "source": prof.source})
+    ops_with_templates = sparse_ops if sparse_ops is not None else prof.sparse_ops
+    for op in graph.ops():
+        p = transform_gemm(graph, op, prof, ops_with_templates)
+        if p is None:
+            nbytes = sum(_nbytes(graph, t) for t in [*op.inputs, *op.outputs])
+            us = prof.memory_us(nbytes)
+            p = OpPlan(op.name, op.op, "torch", us, us)
+        plan.ops[op.name] = p
+    return plan
+
+
+def _nbytes(graph: Graph, name: str) -> int:
+    v = graph.tensor(name)
+    return math.prod(v.shape) * v.dtype.itemsize
+
+
+__all__ = ["transform", "Plan", "OpPlan", "SubOp", "Candidate", "HardwareProfile", "KernelCosts", "load_profile",
+           "block_cover", "check_cover", "cover_cost", "ShapeCover", "round_bits", "groupings", "BitGroup",
+           "gemm_view", "transform_gemm"]

@@ -1,0 +1,118 @@
+"""Weighted block cover: cover every kept element of a 2-D mask with grid-aligned blocks.
+
+Candidates are the blocks of each shape on its own aligned grid (edge blocks may stick
+out of the tensor: the kernel pads them). Greedy weighted set cover: repeatedly take the
+block with the lowest cost per newly covered kept element (lazy priority queue), which
+is within ``H(max block size)`` of the optimum. Several shapes mix freely (32×32 blocks
+where the mask is dense, 1×1 for stragglers).
+
+Overlap is allowed but harmless: every kept element is *assigned* to exactly one block
+(the first chosen that covers it), so each shape's sub-mask holds only its assigned
+elements and the sub-operators' partial sums add up exactly once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ShapeCover:
+    """The blocks of one shape in a cover, and the elements assigned to them."""
+
+    shape: tuple[int, int]
+    blocks: torch.Tensor      # bool grid (ceil(H/bh), ceil(W/bw)): chosen blocks
+    assigned: torch.Tensor    # bool (H, W): kept elements this shape computes
+    cost: float               # sum of block costs
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.blocks.sum())
+
+    def block_list(self) -> list[tuple[int, int]]:
+        return [tuple(ij) for ij in torch.nonzero(self.blocks).tolist()]
+
+
+def _grid_counts(mask: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
+    h, w = mask.shape
+    m = mask.to(torch.float32).reshape(1, 1, h, w)
+    counts = torch.nn.functional.avg_pool2d(m, (bh, bw), ceil_mode=True, divisor_override=1)
+    return counts[0, 0].round().to(torch.int64)
+
+
+def block_cover(mask: torch.Tensor, costs: dict[tuple[int, int], float]) -> list[ShapeCover]:
+    """Greedy min-cost cover of ``mask`` (2-D bool) by blocks priced ``costs[(bh, bw)]``."""
+    if mask.dim() != 2:
+        raise ValueError(f"block cover needs a 2-D mask, got shape {tuple(mask.shape)}")
+    if not costs:
+        raise ValueError("block cover needs at least one block shape")
+    h, w = mask.shape
+    shapes = sorted(costs, key=lambda s: -s[0] * s[1])
+    uncovered = mask.clone()
+    chosen = {s: torch.zeros(math.ceil(h / s[0]), math.ceil(w / s[1]), dtype=torch.bool) for s in shapes}
+    assigned = {s: torch.zeros(h, w, dtype=torch.bool) for s in shapes}
+    total = {s: 0.0 for s in shapes}
+    fine = [s for s in shapes if s == (1, 1)]
+    coarse = [s for s in shapes if s != (1, 1)]
+    fine_ratio = costs[(1, 1)] if fine else math.inf
+    if len(coarse) == 1:  # one grid: blocks never overlap, each is taken on its own merit
+        s = coarse[0]
+        counts = _grid_counts(mask, *s)
+        take = (counts > 0) & (costs[s] / counts.clamp_min(1) < fine_ratio)
+        chosen[s] = take
+        inside = take.repeat_interleave(s[0], 0).repeat_interleave(s[1], 1)[:h, :w]
+        assigned[s] = mask & inside
+        total[s] = costs[s] * int(take.sum())
+        uncovered = mask & ~inside
+        coarse = []
+    heap = []
+    for s in coarse:
+        counts = _grid_counts(mask, *s)
+        idx = torch.nonzero(counts > 0)
+        for (i, j), c in zip(idx.tolist(), counts[counts > 0].tolist()):
+            heapq.heappush(heap, (costs[s] / c, c, s, i, j))
+    remaining = int(uncovered.sum())
+    while heap and remaining > 0:
+        ratio, count, s, i, j = heapq.heappop(heap)
+        if ratio >= fine_ratio:
+            break
+        bh, bw = s
+        window = uncovered[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw]
+        now = int(window.sum())
+        if now == 0:
+            continue
+        if now != count:  # stale: re-queue with the current count
+            heapq.heappush(heap, (costs[s] / now, now, s, i, j))
+            continue
+        chosen[s][i, j] = True
+        assigned[s][i * bh:(i + 1) * bh, j * bw:(j + 1) * bw] = window
+        total[s] += costs[s]
+        window.zero_()
+        remaining -= now
+    if remaining > 0:
+        if not fine:
+            raise ValueError("the candidate blocks cannot cover every kept element")
+        chosen[(1, 1)] |= uncovered
+        assigned[(1, 1)] |= uncovered
+        total[(1, 1)] += costs[(1, 1)] * int(uncovered.sum())
+    return [ShapeCover(s, chosen[s], assigned[s], total[s]) for s in shapes if chosen[s].any()]
+
+
+def cover_cost(cover: list[ShapeCover]) -> float:
+    return sum(c.cost for c in cover)
+
+
+def check_cover(mask: torch.Tensor, cover: list[ShapeCover]) -> None:
+    """Raise AssertionError unless every kept element is assigned exactly once, inside a chosen block."""
+    count = torch.zeros(mask.shape, dtype=torch.int32)
+    for c in cover:
+        bh, bw = c.shape
+        inside = c.blocks.repeat_interleave(bh, 0).repeat_interleave(bw, 1)[: mask.shape[0], : mask.shape[1]]
+        assert not (c.assigned & ~inside).any(), f"{c.shape}: element assigned outside its blocks"
+        count += c.assigned.to(torch.int32)
+    assert torch.equal(count > 0, mask), "cover misses kept elements or assigns pruned ones"
+    assert (int(count.max()) if count.numel() else 0) <= 1, "an element is assigned twice"

@@ -1,0 +1,120 @@
+"""Hardware profiles: what a target runs and what each block shape costs there.
+
+A profile is JSON shipped in ``passes/profiles/`` (``cpu.json``, ``cuda.json``), written by
+``python -m sparta.codegen.profile --target ...`` from measurements. It lists the kernels
+the target runs, each a pair (weight bits, activation bits), with:
+
+* ``dense_gflops``: the dense GEMM rate (the dense path's cost, vendor library);
+* ``blocks``: time per block per activation row, in ns, for each candidate block shape
+  ``"BHxBW"`` (BH output rows × BW input columns of the weight);
+
+plus a fixed per-kernel cost (launch, loop setup) and the memory bandwidth used to
+estimate ops that stay on torch. ``source`` says how the numbers were measured (until
+sparta's kernels exist, on stand-ins: batched GEMMs over the blocks, CSR SpMM).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from ...errors import PlanError
+
+PROFILE_FILES = {"cpu": "cpu.json", "cuda": "cuda.json"}
+
+
+@dataclass(frozen=True)
+class KernelCosts:
+    weight_bits: int
+    act_bits: int
+    dense_gflops: float
+    blocks: dict[tuple[int, int], float]  # (bh, bw) -> ns per block per activation row
+
+    def block_shapes(self) -> list[tuple[int, int]]:
+        return sorted(self.blocks, key=lambda s: -s[0] * s[1])
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    target: str
+    device: str
+    date: str
+    source: str
+    fixed_us: float
+    bandwidth_gbs: float
+    kernels: tuple[KernelCosts, ...]
+    notes: dict = field(default_factory=dict)
+    sparse_ops: tuple[str, ...] = ("linear", "addmm", "mm", "matmul")  # ops with sparse templates
+
+    # ---- what the hardware runs ---------------------------------------------------------
+    def act_widths(self) -> list[int]:
+        return sorted({k.act_bits for k in self.kernels})
+
+    def weight_widths(self, act_bits: int) -> list[int]:
+        return sorted({k.weight_bits for k in self.kernels if k.act_bits == act_bits})
+
+    def kernel(self, weight_bits: int, act_bits: int) -> KernelCosts:
+        for k in self.kernels:
+            if k.weight_bits == weight_bits and k.act_bits == act_bits:
+                return k
+        raise PlanError(f"profile {self.target!r} has no kernel for W{weight_bits}A{act_bits}")
+
+    @staticmethod
+    def round_up(bits: int, widths: list[int]) -> int:
+        """The smallest supported width holding ``bits`` (the widest if none does)."""
+        for w in sorted(widths):
+            if w >= bits:
+                return w
+        return max(widths)
+
+    # ---- cost model (µs) -----------------------------------------------------------------
+    def dense_us(self, m: int, n: int, k: int, weight_bits: int, act_bits: int) -> float:
+        kern = self.kernel(weight_bits, act_bits)
+        return self.fixed_us + 2.0 * m * n * k / (kern.dense_gflops * 1e3)
+
+    def block_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int) -> float:
+        ns = self.kernel(weight_bits, act_bits).blocks.get(tuple(shape))
+        if ns is None:
+            raise PlanError(f"profile {self.target!r} has no cost for block {shape} at W{weight_bits}A{act_bits}")
+        return n_blocks * m * ns / 1e3
+
+    def memory_us(self, nbytes: int) -> float:
+        return nbytes / (self.bandwidth_gbs * 1e3)
+
+    # ---- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"target": self.target, "device": self.device, "date": self.date, "source": self.source,
+                "fixed_us": self.fixed_us, "bandwidth_gbs": self.bandwidth_gbs, "notes": self.notes,
+                "sparse_ops": list(self.sparse_ops),
+                "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
+                             "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()}} for k in self.kernels]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> HardwareProfile:
+        try:
+            kernels = tuple(KernelCosts(int(k["weight_bits"]), int(k["act_bits"]), float(k["dense_gflops"]),
+                                        {tuple(int(x) for x in s.split("x")): float(v) for s, v in k["blocks"].items()})
+                            for k in data["kernels"])
+            if not kernels:
+                raise ValueError("no kernels")
+            return cls(data["target"], data.get("device", ""), data.get("date", ""), data.get("source", ""),
+                       float(data["fixed_us"]), float(data["bandwidth_gbs"]), kernels, dict(data.get("notes", {})),
+                       tuple(data.get("sparse_ops", cls.sparse_ops)))
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise PlanError(f"invalid hardware profile: {exc}") from exc
+
+
+def load_profile(target_or_path) -> HardwareProfile:
+    """The shipped profile of ``"cpu"``/``"cuda"``, or a profile JSON file."""
+    if isinstance(target_or_path, HardwareProfile):
+        return target_or_path
+    if str(target_or_path) in PROFILE_FILES:
+        text = resources.files("sparta.passes").joinpath("profiles", PROFILE_FILES[str(target_or_path)]).read_text()
+    else:
+        path = Path(target_or_path)
+        if not path.is_file():
+            raise PlanError(f"no hardware profile for {target_or_path!r} (targets: {sorted(PROFILE_FILES)})")
+        text = path.read_text()
+    return HardwareProfile.from_json(json.loads(text))

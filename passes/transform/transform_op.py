@@ -1,0 +1,183 @@
+"""TransformOp: turn one GEMM-like op into the cheapest plan of sub-operators.
+
+For ``Y = X·Wᵀ`` (linear; ``addmm``/``mm``/``matmul`` with a constant weight; convolutions
+seen as im2col GEMMs) the candidates are the Cartesian product of
+
+* the activation's decomposition: its width rounded to a supported activation width,
+  and its rows (tokens) that are entirely pruned dropped;
+* the weight's decompositions: every bit-rounding grouping, and for each group every
+  block-shape menu covered by weighted block cover (or the group run dense at its width);
+
+and the dense vendor GEMM at the model's own precision. Each candidate's cost comes from
+the hardware profile (per block per row, plus a fixed cost per kernel); the cheapest
+wins, and all candidates stay in the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from ...graph import Graph, Op
+from ...tesa import TeSA, bits_of_dtype
+from .bitround import groupings
+from .cover import block_cover
+from .plan import Candidate, OpPlan, SubOp
+from .profile import HardwareProfile
+
+GEMM_OPS = ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d")
+ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
+FULL_DISMANTLE_MAX_BLOCKS = 2048   # beyond this, per-tile block lists keep code size bounded
+FULL_DISMANTLE_MAX_NNZ = 4096
+
+
+def gemm_view(graph: Graph, op: Op):
+    """(activation, weight name, weight TeSA as (N, K), M, N, K) of a GEMM-like op, or None."""
+    def is_weight(name):
+        v = graph.tensor(name)
+        return v.kind == "weight" and v.data is not None and v.data.dtype.is_floating_point
+
+    if op.op == "linear":
+        x, w = op.input_of("input"), op.input_of("weight")
+        if x is None or w is None or not is_weight(w):
+            return None
+        wv = graph.tensor(w)
+        if len(wv.shape) != 2:
+            return None
+        n, k = wv.shape
+        return x, w, graph.tesa(w), _rows(graph, x), n, k
+    if op.op in ("addmm", "mm", "matmul"):
+        a, b = (op.input_of("mat1"), op.input_of("mat2")) if op.op != "matmul" else \
+            (op.input_of("self"), op.input_of("other"))
+        if op.op == "mm":
+            a, b = op.input_of("self"), op.input_of("mat2")
+        if a is None or b is None or not is_weight(b) or len(graph.tensor(b).shape) != 2:
+            return None
+        k, n = graph.tensor(b).shape
+        return a, b, TeSA(graph.tesa(b).view().t().contiguous(), _trusted=True), _rows(graph, a), n, k
+    if op.op in ("conv1d", "conv2d", "conv3d"):
+        x, w = op.input_of("input"), op.input_of("weight")
+        if x is None or w is None or not is_weight(w) or int(op.attrs.get("groups", 1)) != 1:
+            return None
+        wv = graph.tensor(w)
+        out = graph.tensor(op.outputs[0]).shape
+        n = wv.shape[0]
+        k = math.prod(wv.shape[1:])
+        m = math.prod(out) // n
+        return x, w, TeSA(graph.tesa(w).view().reshape(n, k), _trusted=True), m, n, k
+    return None
+
+
+def _rows(graph: Graph, x: str) -> int:
+    shape = graph.tensor(x).shape
+    return math.prod(shape[:-1]) if len(shape) > 1 else 1
+
+
+def _kept_rows(graph: Graph, x: str, m: int) -> int:
+    t = graph.tesa(x)
+    if t.is_dense or t.ndim < 2:
+        return m
+    return int(t.mask.reshape(-1, t.shape[-1]).any(-1).sum())
+
+
+def _menus(shapes):
+    """Block-shape menus to try: each shape alone, each coarse shape with 1×1, all together."""
+    fine = [s for s in shapes if s == (1, 1)]
+    coarse = [s for s in shapes if s != (1, 1)]
+    menus = [[s] for s in shapes] + [[s, (1, 1)] for s in coarse if fine]
+    if len(shapes) > 2:
+        menus.append(list(shapes))
+    return menus
+
+
+def _epilogue(graph: Graph, op: Op) -> list[str]:
+    epi = ["bias"] if (op.input_of("bias") or op.op == "addmm") else []
+    users = graph.consumers(op.outputs[0])
+    if len(users) == 1 and op.outputs[0] not in graph.outputs:
+        nxt = graph.op(users[0])
+        if nxt.op in ACTIVATIONS:
+            epi.append(nxt.op)
+    return epi
+
+
+def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=None) -> OpPlan | None:
+    view = gemm_view(graph, op)
+    if view is None:
+        return None
+    x, w, wtesa, m, n, k = view
+    wv = graph.tensor(w)
+    model_bits = bits_of_dtype(wv.dtype)
+    act_model_bits = bits_of_dtype(graph.tensor(x).dtype)
+    dense_us = profile.dense_us(m, n, k, profile.round_up(model_bits, profile.act_widths()),
+                                profile.round_up(act_model_bits, profile.act_widths()))
+    base = dict(op=op.name, op_type=op.op, weight=w, gemm=(m, n, k), density=wtesa.density,
+                bits=wtesa.bit_histogram(), epilogue=_epilogue(graph, op), dense_us=dense_us)
+    dense_candidate = Candidate("dense", dense_us, f"vendor dense GEMM at W{model_bits}A{act_model_bits}")
+    sparse_ok = sparse_ops is None or op.op in sparse_ops
+    if wtesa.is_dense and wtesa.uniform == model_bits or not sparse_ok:
+        note = [] if sparse_ok else [Candidate("sparse", math.inf, f"no sparse template for {op.op} on "
+                                                                    f"{profile.target}")]
+        sub = SubOp("dense", model_bits, act_model_bits, None, 0, wtesa.numel(), dense_us)
+        return OpPlan(kind="dense", est_us=dense_us, subops=[sub], candidates=[dense_candidate, *note], **base)
+
+    act_bits = profile.round_up(int(graph.tesa(x).max_bits()) or act_model_bits, profile.act_widths())
+    m_eff = _kept_rows(graph, x, m)
+    widths = profile.weight_widths(act_bits)
+    candidates = [dense_candidate]
+    seen = set()
+    best = (dense_us, None, "dense")
+    for grouping in groupings(wtesa, widths):
+        per_group = []
+        for group in grouping:
+            per_group.append(_group_options(group, profile, act_bits, m_eff, (model_bits, act_model_bits)))
+        for combo in itertools.product(*per_group):
+            cost = sum(c for c, _, _ in combo)
+            name = " + ".join(d for _, _, d in combo) or "all pruned (output is the bias)"
+            if name in seen:
+                continue
+            seen.add(name)
+            candidates.append(Candidate(name, cost))
+            if cost < best[0]:
+                best = (cost, [s for _, subs, _ in combo for s in subs], name)
+    cost, subops, _ = best
+    if subops is None:
+        sub = SubOp("dense", model_bits, act_model_bits, None, 0, wtesa.numel(), dense_us)
+        return OpPlan(kind="dense", est_us=dense_us, subops=[sub], candidates=candidates, **base)
+    blocks = sum(s.n_blocks for s in subops if s.template == "block_sparse")
+    nnz = sum(s.nnz for s in subops if s.template == "fine_sparse")
+    dismantle = "full" if blocks <= FULL_DISMANTLE_MAX_BLOCKS and nnz <= FULL_DISMANTLE_MAX_NNZ else "tile"
+    return OpPlan(kind="sparse", est_us=cost, subops=subops, candidates=candidates, dismantle=dismantle, **base)
+
+
+def _group_options(group, profile: HardwareProfile, act_bits: int, m: int, model_bits: tuple[int, int]):
+    """(cost, sub-ops, description) for each way to run one bit group."""
+    mask = group.tesa.mask
+    kern = profile.kernel(group.bits, act_bits)
+    n, k = mask.shape
+    options = []
+    if (group.bits, act_bits) != model_bits:  # at the model's own widths this is the dense candidate
+        us = profile.dense_us(m, n, k, group.bits, act_bits)
+        options.append((us, [SubOp("dense", group.bits, act_bits, None, 0, int(mask.sum()), us,
+                                   elements=group.tesa)], f"dense@W{group.bits}A{act_bits}"))
+    seen = set()
+    for menu in _menus(kern.block_shapes()):
+        cover = block_cover(mask, {s: kern.blocks[s] for s in menu})
+        key = tuple((c.shape, c.n_blocks) for c in cover)
+        if key in seen:
+            continue
+        seen.add(key)
+        subs, cost = [], 0.0
+        for c in cover:
+            us = profile.fixed_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits)
+            fine = c.shape == (1, 1)
+            subs.append(SubOp("fine_sparse" if fine else "block_sparse", group.bits, act_bits, c.shape,
+                              c.n_blocks, int(c.assigned.sum()), us,
+                              blocks=TeSA.from_mask(c.blocks, 1) if not fine else None,
+                              elements=TeSA.from_mask(c.assigned, group.bits)))
+            cost += us
+        desc = " + ".join(f"{c.n_blocks}x{c.shape[0]}x{c.shape[1]}@W{group.bits}A{act_bits}" for c in cover)
+        options.append((cost, subs, desc or "empty"))
+    return options
+
+
+__all__ = ["transform_gemm", "gemm_view", "GEMM_OPS"]
