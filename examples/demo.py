@@ -49,6 +49,8 @@ def main():
     print()
     print(compiled.graph.meta["propagation"].table())
     print()
+    print(compiled.plan_report(only_gemm=True))
+    print()
     with torch.no_grad():
         out = compiled(ids)
         ref = model(ids)
