@@ -4,7 +4,9 @@ Weights are registered on the root module under their ``state_dict`` names (a mo
 hierarchy is created for dotted names), so ``gm.state_dict()`` matches the original
 model and ONNX export names initializers after them. ``replacements`` lets later passes
 swap an op for a kernel module: it maps an op name to a callable module which receives
-the op's input tensors (in ``op.inputs`` order) and returns its outputs.
+the op's input tensors (in ``op.inputs`` order, or the tensors named by the module's
+``input_names``) and returns its outputs. Weights no remaining torch op reads are not
+registered (a kernel module holds its own packed copy).
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
     env: dict[str, fx.Node] = {}
     for name in graph.inputs:
         env[name] = fg.placeholder(_fx_name(name))
+    read = {t for o in graph.ops() if o.name not in replacements for t in o.inputs} | set(graph.outputs)
     for v in graph.tensors("weight"):
         data = weights.get(v.name, v.data)
-        if data is None:
+        if data is None or v.name not in read:
             continue
         parent, leaf = _ensure_parent(root, v.name)
         if v.is_parameter:
@@ -70,7 +73,8 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
         if op.name in replacements:
             mod_name = "kernel_" + _fx_name(op.name)
             root.add_module(mod_name, replacements[op.name])
-            result = fg.create_node("call_module", mod_name, tuple(lookup(t) for t in op.inputs),
+            names = getattr(replacements[op.name], "input_names", None) or op.inputs
+            result = fg.create_node("call_module", mod_name, tuple(lookup(t) for t in names),
                                     name=_fx_name(op.name))
             multi = len(op.outputs) > 1
         else:

@@ -1,0 +1,61 @@
+"""Build a PrimFunc for the CPU through TVM (LLVM), cached on disk, and load it."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import time
+from dataclasses import dataclass
+
+from ..errors import CodegenError
+from . import cache
+from .tvm_env import cpu_target, tvm, versions
+
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(module) -> str:
+    """Hash of a template module's source: an edited template never hits a stale cache entry."""
+    return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:16]
+
+
+@dataclass
+class BuiltKernel:
+    fn: object          # callable(*tvm/torch tensors)
+    key: str
+    cached: bool
+    build_s: float
+    nbytes: int         # size of the compiled library
+
+
+def build_cpu(template, spec) -> BuiltKernel:
+    """Compile ``template(spec)`` (a PrimFunc named ``spec.name``) unless cached; load it.
+
+    The cache key covers the spec, the target, the TVM versions and the source of the
+    template's module, so an edited template never hits a stale entry.
+    """
+    t = tvm()
+    target = cpu_target()
+    name = spec.name
+    key = cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
+                           "target": str(target.export()), "versions": versions(),
+                           "source": _source_digest(inspect.getmodule(template))})
+    t0 = time.perf_counter()
+    path = cache.lookup(key, "kernel.so")
+    cached = path is not None
+    if path is not None:
+        try:
+            mod = t.runtime.load_module(str(path))
+        except Exception:  # noqa: BLE001 - unloadable entry: rebuild
+            cache.invalidate(key)
+            cached, path = False, None
+    if path is None:
+        func = template(spec)
+        try:
+            ex = t.compile(t.IRModule({name: func}), target=target)
+        except Exception as exc:  # noqa: BLE001 - report which kernel failed
+            raise CodegenError(f"TVM could not build kernel {name!r}: {exc}") from exc
+        path = cache.store(key, "kernel.so", lambda p: ex.export_library(str(p)), {"name": name})
+        mod = t.runtime.load_module(str(path))
+    return BuiltKernel(mod[name], key, cached, time.perf_counter() - t0, path.stat().st_size)

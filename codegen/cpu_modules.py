@@ -1,0 +1,102 @@
+"""CPU kernel modules: a planned GEMM-like op run through its sparta kernels.
+
+A :class:`SparseLinearCPU` holds, for each sub-operator of the op's plan, the compiled
+TVM function and its packed arguments (only kept blocks / non-zeros). It is called with
+the op's activation and returns the op's output; sub-operators after the first add into
+the same output (the plan's ``reduction="sum"``). Tensors go to TVM zero-copy (DLPack).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..templates import cpu_fine, cpu_linear
+from ..templates.cpu_linear import quantize_rows
+from ..templates.epilogue import torch_activation
+
+
+class SubKernel:
+    """One compiled sub-operator: function, template module, spec and packed arguments."""
+
+    def __init__(self, fn, template, spec, packed: dict[str, torch.Tensor], info: dict):
+        self.fn, self.template, self.spec, self.packed, self.info = fn, template, spec, packed, info
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, xq=None) -> None:
+        args = dict(self.packed)
+        if getattr(self.spec, "weight_bits", 32) == 8:
+            args["X"], args["XS"] = xq
+        else:
+            args["X"] = x
+        args["Y"] = y
+        if bias is not None:
+            args["B"] = bias
+        self.fn(*[args[a] for a in self.template.argument_names(self.spec)])
+
+
+class SparseLinearCPU(torch.nn.Module):
+    """``y = act(x · Wᵀ + b)`` computed by sub-operator kernels over padded (N, K)."""
+
+    def __init__(self, op_name: str, input_name: str, subs: list[SubKernel], n: int, k: int, n_pad: int,
+                 k_pad: int, out_shape: tuple[int, ...], bias: torch.Tensor | None, fused_activation: str | None,
+                 post_activation: str | None, extra_bias: torch.Tensor | None = None):
+        super().__init__()
+        self.op_name, self.input_names = op_name, [input_name]
+        self.subs = subs
+        self.n, self.k, self.n_pad, self.k_pad = n, k, n_pad, k_pad
+        self.out_shape = tuple(out_shape)
+        self.fused_activation, self.post_activation = fused_activation, post_activation
+        for i, s in enumerate(subs):  # register packed tensors so .state_dict()/memory accounting see them
+            for name, t in s.packed.items():
+                self.register_buffer(f"sub{i}_{name}", t, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("extra_bias", extra_bias, persistent=False)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.subs for t in s.packed.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = math.prod(x.shape[:-1])
+        x2 = x.reshape(m, self.k).to(torch.float32).contiguous()
+        if self.k_pad != self.k:
+            x2 = torch.nn.functional.pad(x2, (0, self.k_pad - self.k))
+        y = torch.empty(m, self.n_pad, dtype=torch.float32)
+        if not self.subs:
+            y.zero_()
+            if self.bias is not None:
+                y[:, : self.n] += self.bias
+        bias = self.bias
+        if bias is not None and self.n_pad != self.n:
+            bias = torch.nn.functional.pad(bias, (0, self.n_pad - self.n))
+        xq = quantize_rows(x2) if any(getattr(s.spec, "weight_bits", 32) == 8 for s in self.subs) else None
+        for i, sub in enumerate(self.subs):
+            sub(x2, y, bias if i == 0 and sub.spec.bias else None, xq)
+        out = y[:, : self.n] if self.n_pad != self.n else y
+        if self.extra_bias is not None:
+            out = out + self.extra_bias.reshape(-1, self.n) if self.extra_bias.dim() > 1 else out + self.extra_bias
+        out = torch_activation(self.post_activation, out)
+        return out.reshape(self.out_shape).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        parts = ", ".join(f"{s.info['template']}[{s.info.get('blocks', '')}]" for s in self.subs)
+        return f"{self.op_name}: {self.k}->{self.n}, subs=({parts}), act={self.fused_activation or self.post_activation}"
+
+
+class Passthrough(torch.nn.Module):
+    """Stands in for an activation already fused into the producing kernel."""
+
+    def __init__(self, input_name: str):
+        super().__init__()
+        self.input_names = [input_name]
+
+    def forward(self, x):
+        return x
+
+
+def block_rows(grid: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(torch.nonzero(grid[i]).flatten().tolist()) for i in range(grid.shape[0]))
+
+
+__all__ = ["SparseLinearCPU", "SubKernel", "Passthrough", "block_rows", "cpu_linear", "cpu_fine"]

@@ -1,0 +1,159 @@
+"""Specialisation: turn each sparse op plan into compiled kernels bound to packed weights.
+
+``specialize(graph, plan, target)`` returns the fx replacements (op name → module) and
+a per-kernel report (template, blocks, dismantle level, build seconds, cache hit, code
+bytes). Each sub-operator's weight is the op's weight restricted to the elements the
+plan assigned to it, so overlapping covers add every weight exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..errors import CodegenError
+from ..graph import Graph, Op
+from ..passes.transform.plan import OpPlan, Plan, SubOp
+from ..passes.transform.transform_op import gemm_view
+from ..templates import cpu_fine, cpu_linear
+from .build import build_cpu
+from .cpu_modules import Passthrough, SparseLinearCPU, SubKernel, block_rows
+
+FULL_FINE_MAX_NNZ = 256  # baked FMAs: ~11 s of LLVM at 855 non-zeros (measured), so bake only small weights
+
+
+def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
+    """Build every sparse op of ``plan``; returns (replacements, kernel report rows)."""
+    replacements, report = {}, []
+    for op_plan in plan.ops.values():
+        if op_plan.kind != "sparse":
+            continue
+        if target != "cpu":
+            raise CodegenError(f"no kernels for target {target!r} yet (op {op_plan.op!r})")
+        op = graph.op(op_plan.op)
+        module, rows, fused = build_linear_cpu(graph, op, op_plan)
+        replacements[op.name] = module
+        if fused is not None:
+            replacements[fused.name] = Passthrough(fused.inputs[0])
+        report += rows
+    return replacements, report
+
+
+def _weight_matrix(graph: Graph, op: Op) -> torch.Tensor:
+    """The op's weight as (N, K) fp32 (transposed for addmm/mm/matmul, flattened for conv)."""
+    w = graph.tensor(gemm_view(graph, op)[1]).data.to(torch.float32)
+    if op.op in ("addmm", "mm", "matmul"):
+        return w.t().contiguous()
+    return w.reshape(w.shape[0], -1)
+
+
+def _padding(subs: list[SubOp]) -> tuple[int, int]:
+    bh = bw = 1
+    for s in subs:
+        if s.block is not None:
+            bh, bw = math.lcm(bh, s.block[0]), math.lcm(bw, s.block[1])
+    return bh, bw
+
+
+def _dense_block(n_pad: int, k_pad: int) -> tuple[int, int]:
+    for b in (32, 16, 8, 4, 2, 1):
+        if n_pad % b == 0 and k_pad % b == 0:
+            return b, b
+    return 1, 1
+
+
+def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
+    x_name, _, _, m, n, k = gemm_view(graph, op)
+    weight = _weight_matrix(graph, op)
+    ph, pw = _padding(op_plan.subops)
+    n_pad, k_pad = -(-n // ph) * ph, -(-k // pw) * pw
+    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias = graph.tensor(bias_name).data if bias_name else None
+    extra_bias = None
+    if bias is not None and bias.shape != (n,):
+        extra_bias, bias = bias, None  # e.g. addmm with a full (M, N) addend
+    if bias is not None:
+        bias = bias.to(torch.float32) * graph.tesa(bias_name).mask.to(torch.float32)
+    fused = _fusable_activation(graph, op, op_plan, single=len(op_plan.subops) == 1 and extra_bias is None)
+    act = fused.op if fused is not None else None
+    subs, rows = [], []
+    for i, sub in enumerate(op_plan.subops):
+        w = weight * sub.elements.mask.to(torch.float32).reshape(n, k)
+        w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
+        common = dict(bias=bias is not None and i == 0, activation=act, accumulate=i > 0,
+                      name=f"{_cname(op.name)}_s{i}")
+        if sub.template == "fine_sparse":
+            mode = "full" if sub.nnz <= FULL_FINE_MAX_NNZ else "tile"
+            mask = torch.nn.functional.pad(sub.elements.mask.reshape(n, k), (0, k_pad - k, 0, n_pad - n))
+            spec = cpu_fine.spec_from_weight(m, w, mask, mode, **common)
+            template, packed, blocks = cpu_fine, cpu_fine.pack(spec, w), f"{sub.nnz} nnz"
+            fn_template = cpu_fine.fine_linear
+        else:
+            if sub.template == "dense":
+                block = _dense_block(n_pad, k_pad)
+                grid = torch.ones(n_pad // block[0], k_pad // block[1], dtype=torch.bool)
+                mode = "tile"
+            else:
+                block = sub.block
+                grid = sub.blocks.mask
+                grid = torch.nn.functional.pad(grid, (0, k_pad // block[1] - grid.shape[1],
+                                                      0, n_pad // block[0] - grid.shape[0]))
+                mode = op_plan.dismantle if op_plan.dismantle != "none" else "tile"
+            spec = cpu_linear.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
+                                              dismantle=mode, **common)
+            template, packed, blocks = cpu_linear, cpu_linear.pack(spec, w), f"{spec.n_blocks}x{block[0]}x{block[1]}"
+            fn_template = cpu_linear.block_linear
+        built = build_cpu(fn_template, spec)
+        info = {"op": op.name, "template": sub.template, "blocks": blocks, "bits": f"W{sub.weight_bits}A{sub.act_bits}",
+                "dismantle": mode, "build_s": round(built.build_s, 3), "cached": built.cached,
+                "code_bytes": built.nbytes}
+        subs.append(SubKernel(built.fn, template, spec, packed, info))
+        rows.append(info)
+    out_shape = graph.tensor(op.outputs[0]).shape
+    module = SparseLinearCPU(op.name, x_name, subs, n, k, n_pad, k_pad, out_shape, bias, act, None, extra_bias)
+    module.weight_name = gemm_view(graph, op)[1]
+    module.reference_weight = _effective_weight(graph, op, subs, n, k)
+    if fused is None and len(op_plan.subops) > 1:
+        nxt = _fusable_activation(graph, op, op_plan, single=True)
+        if nxt is not None:  # several sub-ops: apply the activation once, after the sum
+            module.post_activation = nxt.op
+            fused = nxt
+    return module, rows, fused
+
+
+def _effective_weight(graph: Graph, op: Op, subs: list[SubKernel], n: int, k: int) -> torch.Tensor | None:
+    """The weight the kernels really apply (quantised sub-ops dequantised), in the graph's layout."""
+    if all(getattr(s.spec, "weight_bits", 32) == 32 for s in subs):
+        return None
+    total = torch.zeros(n, k)
+    for s in subs:
+        if s.template is cpu_linear:
+            total += cpu_linear.dequantized_weight(s.spec, s.packed)[:n, :k]
+        else:
+            total += cpu_fine.dense_weight(s.spec, s.packed)[:n, :k]
+    w = graph.tensor(gemm_view(graph, op)[1])
+    return total.t().contiguous() if op.op in ("addmm", "mm", "matmul") else total.reshape(w.shape)
+
+
+def _fusable_activation(graph: Graph, op: Op, op_plan: OpPlan, single: bool) -> Op | None:
+    if not single or len(op_plan.epilogue) < 1 or op_plan.epilogue[-1] == "bias":
+        return None
+    users = graph.consumers(op.outputs[0])
+    nxt = graph.op(users[0]) if len(users) == 1 else None
+    if nxt is None or nxt.op != op_plan.epilogue[-1] or len(nxt.inputs) != 1:
+        return None
+    if nxt.op == "gelu" and nxt.attrs.get("approximate", "none") != "none":
+        return None
+    return nxt
+
+
+def _cname(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def timed_specialize(graph: Graph, plan: Plan, target: str):
+    t0 = time.perf_counter()
+    replacements, report = specialize(graph, plan, target)
+    return replacements, report, time.perf_counter() - t0

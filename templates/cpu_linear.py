@@ -1,0 +1,260 @@
+"""CPU block-sparse linear ``Y = X · Wᵀ (+ b, activation)`` as a TIR template.
+
+The weight is stored as its kept ``BH × BW`` blocks only, each ``k``-major
+(``W[p, kk, r]`` = ``w[bi·BH + r, bj·BW + kk]``). The kernel walks panels of ``PANEL``
+rows of ``X`` in parallel; for each output block row and each ``RV``-wide slice of it, a
+``MT × RV`` register tile accumulates ``x[m, k] · w[k, r]`` over the row's kept blocks
+(broadcast-FMA micro-kernel, vectorised over ``r``), then the epilogue adds the bias,
+applies the activation and stores.
+
+How the kept blocks are found is the dismantle level (``spec.dismantle``):
+
+* ``"none"``: the generic BCSR kernel, reading ``rowptr``/``cols`` arrays at run time;
+* ``"full"``: every grid block is emitted under a compile-time condition and TVM's
+  simplifier deletes the pruned ones: no index array, no code for pruned blocks;
+* ``"tile"``: block rows are specialised (empty rows vanish, loop bounds are constants)
+  but a row's blocks are looped over a compile-time column list, bounding code size.
+
+Weight precisions: 32 (fp32), 8 (int8 × int8 activations, int32 accumulation, per-row
+activation scale × per-channel weight scale), 4 (int4 weights, zero point 8, one fp32
+scale per block row, dequantised to fp32 in the loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .epilogue import tir_activation, torch_activation
+
+MT, PANEL = 4, 64          # register-tile rows; rows per parallel task
+
+
+@dataclass(frozen=True)
+class BlockLinearSpec:
+    m: int
+    n: int                                  # multiple of block[0]
+    k: int                                  # multiple of block[1]
+    block: tuple[int, int]
+    rows: tuple[tuple[int, ...], ...]       # kept block columns of each block row
+    weight_bits: int = 32
+    bias: bool = False
+    activation: str | None = None
+    accumulate: bool = False
+    dismantle: str = "full"
+    name: str = "block_linear"
+
+    def __post_init__(self):
+        bh, bw = self.block
+        if self.n % bh or self.k % bw or len(self.rows) != self.n // bh:
+            raise ValueError(f"spec {self.name}: N={self.n}, K={self.k} must be multiples of the block {self.block} "
+                             f"and rows must list {self.n // bh} block rows")
+        if self.weight_bits not in (32, 8, 4) or (self.weight_bits == 4 and bh % 2):
+            raise ValueError(f"spec {self.name}: unsupported weight bits {self.weight_bits} for block {self.block}")
+        if self.dismantle not in ("none", "full", "tile"):
+            raise ValueError(f"spec {self.name}: unknown dismantle level {self.dismantle!r}")
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    def offsets(self) -> list[int]:
+        """Packed index of each block row's first block."""
+        out, p = [], 0
+        for r in self.rows:
+            out.append(p)
+            p += len(r)
+        return out
+
+    def key(self) -> dict:
+        return asdict(self)
+
+
+def vector_width(bh: int) -> int:
+    for rv in (16, 8, 4, 2):
+        if bh % rv == 0:
+            return rv
+    return 1
+
+
+# ---- packing and the torch reference -----------------------------------------------------------
+
+def pack(spec: BlockLinearSpec, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Kernel arguments holding only the kept blocks of ``weight`` (N, K) (plus scales/indices)."""
+    bh, bw = spec.block
+    w = weight.detach().to(torch.float32).reshape(spec.n // bh, bh, spec.k // bw, bw)
+    blocks = [w[i, :, j, :].t() for i, row in enumerate(spec.rows) for j in row]       # (bw, bh) k-major
+    wp = torch.stack(blocks) if blocks else torch.zeros(1, bw, bh)
+    out = {}
+    if spec.weight_bits == 32:
+        out["W"] = wp.contiguous()
+    elif spec.weight_bits == 8:
+        scale = weight.detach().to(torch.float32).abs().amax(1).clamp_min(1e-12) / 127.0      # per channel
+        rows = torch.cat([torch.arange(i * bh, (i + 1) * bh) for i, row in enumerate(spec.rows) for _ in row]) \
+            if blocks else torch.zeros(bh, dtype=torch.long)
+        out["W"] = torch.round(wp / scale[rows].reshape(-1, 1, bh)).clamp(-127, 127).to(torch.int8).contiguous()
+        out["WS"] = scale.contiguous()
+    else:
+        scale = wp.abs().amax(1).clamp_min(1e-12) / 7.0                                    # (nb, bh)
+        q = (torch.round(wp / scale[:, None, :]).clamp(-8, 7) + 8).to(torch.uint8)          # 0..15
+        out["W"] = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).contiguous()
+        out["S"] = scale.contiguous()
+    if spec.dismantle != "full":
+        out["C"] = torch.tensor([j for row in spec.rows for j in row] or [0], dtype=torch.int32)
+    if spec.dismantle == "none":
+        out["R"] = torch.tensor(spec.offsets() + [spec.n_blocks], dtype=torch.int32)
+    return out
+
+
+def dequantized_weight(spec: BlockLinearSpec, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The dense (N, K) fp32 weight the kernel computes with (after quantisation)."""
+    bh, bw = spec.block
+    if spec.weight_bits == 32:
+        wp = packed["W"]
+    elif spec.weight_bits == 8:
+        rows = torch.cat([torch.arange(i * bh, (i + 1) * bh) for i, row in enumerate(spec.rows) for _ in row]) \
+            if spec.n_blocks else torch.zeros(bh, dtype=torch.long)
+        wp = packed["W"].to(torch.float32) * packed["WS"][rows].reshape(-1, 1, bh)
+    else:
+        b = packed["W"]
+        q = torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], bw, bh).to(torch.float32) - 8
+        wp = q * packed["S"][:, None, :]
+    w = torch.zeros(spec.n // bh, bh, spec.k // bw, bw)
+    p = 0
+    for i, row in enumerate(spec.rows):
+        for j in row:
+            w[i, :, j, :] = wp[p].t()
+            p += 1
+    return w.reshape(spec.n, spec.k)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantisation of activations: (int8 values, fp32 scales)."""
+    scale = x.abs().amax(1).clamp_min(1e-12) / 127.0
+    return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(torch.float32)
+
+
+def reference(spec: BlockLinearSpec, x: torch.Tensor, packed: dict, bias=None, y=None) -> torch.Tensor:
+    """What the kernel computes, in fp64 torch ops."""
+    w = dequantized_weight(spec, packed).double()
+    if spec.weight_bits == 8:
+        q, s = quantize_rows(x)
+        x = q.double() * s.double()[:, None]
+    out = x.double() @ w.t()
+    if spec.accumulate:
+        out = out + y.double()
+    if spec.bias:
+        out = out + bias.double()
+    return torch_activation(spec.activation, out.float())
+
+
+# ---- the TIR template ---------------------------------------------------------------------------
+
+def block_linear(spec: BlockLinearSpec):
+    """The PrimFunc of ``spec`` (see module docstring); arguments in ``argument_names(spec)`` order."""
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    bh, bw = spec.block
+    rv = vector_width(bh)
+    nb = max(spec.n_blocks, 1)
+    int8 = spec.weight_bits == 8
+    acc_dt = "int32" if int8 else "float32"
+    offsets = spec.offsets()
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name(spec.name)
+            T.func_attr({"tirx.noalias": True})
+            X = T.arg("X", T.buffer((spec.m, spec.k), "int8" if int8 else "float32"))
+            XS = T.arg("XS", T.buffer((spec.m,), "float32")) if int8 else None
+            if spec.weight_bits == 4:
+                W = T.arg("W", T.buffer((nb, bw, bh // 2), "uint8"))
+                S = T.arg("S", T.buffer((nb, bh), "float32"))
+            else:
+                W = T.arg("W", T.buffer((nb, bw, bh), "int8" if int8 else "float32"))
+            WS = T.arg("WS", T.buffer((spec.n,), "float32")) if int8 else None
+            C = T.arg("C", T.buffer((nb,), "int32")) if spec.dismantle != "full" else None
+            R = T.arg("R", T.buffer((len(spec.rows) + 1,), "int32")) if spec.dismantle == "none" else None
+            B = T.arg("B", T.buffer((spec.n,), "float32")) if spec.bias else None
+            Y = T.arg("Y", T.buffer((spec.m, spec.n), "float32"))
+
+            def weight(p, kk, r):
+                if spec.weight_bits == 4:
+                    byte = W[p, kk, r // 2]
+                    nib = tirx.bitwise_and(tirx.shift_right(byte, (r % 2 * 4).astype("uint8")), tirx.const(15, "uint8"))
+                    return (nib.astype("float32") - tirx.const(8.0, "float32")) * S[p, r]
+                return W[p, kk, r].astype("int32") if int8 else W[p, kk, r]
+
+            def xval(m, kk):
+                return X[m, kk].astype("int32") if int8 else X[m, kk]
+
+            def fma(acc, m0, mt, p, col, r0):
+                with T.serial(0, bw) as kk:
+                    with T.unroll(0, mt) as mi:
+                        with T.vectorized(0, rv) as r:
+                            T.buffer_store(acc, acc[mi, r] + xval(m0 + mi, col * bw + kk) * weight(p, kk, r0 + r), [mi, r])
+
+            def row_tile(acc, m0, mt, bi, rh):
+                r0 = rh * rv
+                with T.unroll(0, mt) as mi:
+                    with T.vectorized(0, rv) as r:
+                        T.buffer_store(acc, tirx.const(0, acc_dt), [mi, r])
+                row = spec.rows[bi]
+                if spec.dismantle == "full":  # every grid block, guarded by a compile-time constant
+                    for j in range(spec.k // bw):
+                        kept = j in row
+                        with T.If(tirx.const(kept, "bool")):
+                            with T.Then():
+                                fma(acc, m0, mt, offsets[bi] + row.index(j) if kept else 0, j, r0)
+                elif spec.dismantle == "tile" and row:
+                    with T.serial(0, len(row)) as t:
+                        fma(acc, m0, mt, offsets[bi] + t, C[offsets[bi] + t], r0)
+                elif spec.dismantle == "none":
+                    with T.serial(R[bi], R[bi + 1]) as p:
+                        fma(acc, m0, mt, p, C[p], r0)
+                with T.unroll(0, mt) as mi:
+                    with T.vectorized(0, rv) as r:
+                        col = bi * bh + r0 + r
+                        v = acc[mi, r]
+                        if int8:
+                            v = v.astype("float32") * XS[m0 + mi] * WS[col]
+                        if spec.accumulate:
+                            v = v + Y[m0 + mi, col]
+                        if spec.bias:
+                            v = v + B[col]
+                        T.buffer_store(Y, tir_activation(spec.activation, v), [m0 + mi, col])
+
+            def rows_of(m0, mt):
+                acc = T.alloc_buffer((mt, rv), acc_dt, scope="global")  # global + small: a stack array
+                for bi in range(len(spec.rows)):
+                    for rh in range(bh // rv):
+                        row_tile(acc, m0, mt, bi, rh)
+
+            tiles = spec.m // MT
+            per_panel = PANEL // MT
+            panels = -(-tiles // per_panel)
+            if tiles:
+                with T.parallel(0, panels) as po:
+                    with T.serial(0, per_panel) as mq:
+                        mo = po * per_panel + mq
+                        if tiles % per_panel:
+                            with T.If(mo < tiles):
+                                with T.Then():
+                                    rows_of(mo * MT, MT)
+                        else:
+                            rows_of(mo * MT, MT)
+            if spec.m % MT:
+                rows_of(tiles * MT, spec.m % MT)
+    return ib.get()
+
+
+def argument_names(spec: BlockLinearSpec) -> list[str]:
+    names = ["X"] + (["XS"] if spec.weight_bits == 8 else []) + ["W"]
+    names += ["S"] if spec.weight_bits == 4 else []
+    names += ["WS"] if spec.weight_bits == 8 else []
+    names += ["C"] if spec.dismantle != "full" else []
+    names += ["R"] if spec.dismantle == "none" else []
+    names += ["B"] if spec.bias else []
+    return names + ["Y"]
