@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..errors import CodegenError
 from . import cache
+from .dismantle import eliminate_dead_code
 from .tvm_env import cpu_target, tvm, versions
 
 
@@ -51,7 +52,7 @@ def build_cpu(template, spec) -> BuiltKernel:
             cache.invalidate(key)
             cached, path = False, None
     if path is None:
-        func = template(spec)
+        func = eliminate_dead_code(template(spec))
         try:
             ex = t.compile(t.IRModule({name: func}), target=target)
         except Exception as exc:  # noqa: BLE001 - report which kernel failed

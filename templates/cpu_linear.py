@@ -9,7 +9,7 @@ applies the activation and stores.
 
 How the kept blocks are found is the dismantle level (``spec.dismantle``):
 
-* ``"none"``: the generic BCSR kernel, reading ``rowptr``/``cols`` arrays at run time;
+* ``"none"``: the generic BCSR kernel, reading row pointers ``P`` and columns ``C`` at run time;
 * ``"full"``: every grid block is emitted under a compile-time condition and TVM's
   simplifier deletes the pruned ones: no index array, no code for pruned blocks;
 * ``"tile"``: block rows are specialised (empty rows vanish, loop bounds are constants)
@@ -103,7 +103,7 @@ def pack(spec: BlockLinearSpec, weight: torch.Tensor) -> dict[str, torch.Tensor]
     if spec.dismantle != "full":
         out["C"] = torch.tensor([j for row in spec.rows for j in row] or [0], dtype=torch.int32)
     if spec.dismantle == "none":
-        out["R"] = torch.tensor(spec.offsets() + [spec.n_blocks], dtype=torch.int32)
+        out["P"] = torch.tensor(spec.offsets() + [spec.n_blocks], dtype=torch.int32)
     return out
 
 
@@ -176,7 +176,7 @@ def block_linear(spec: BlockLinearSpec):
                 W = T.arg("W", T.buffer((nb, bw, bh), "int8" if int8 else "float32"))
             WS = T.arg("WS", T.buffer((spec.n,), "float32")) if int8 else None
             C = T.arg("C", T.buffer((nb,), "int32")) if spec.dismantle != "full" else None
-            R = T.arg("R", T.buffer((len(spec.rows) + 1,), "int32")) if spec.dismantle == "none" else None
+            P = T.arg("P", T.buffer((len(spec.rows) + 1,), "int32")) if spec.dismantle == "none" else None
             B = T.arg("B", T.buffer((spec.n,), "float32")) if spec.bias else None
             Y = T.arg("Y", T.buffer((spec.m, spec.n), "float32"))
 
@@ -212,7 +212,7 @@ def block_linear(spec: BlockLinearSpec):
                     with T.serial(0, len(row)) as t:
                         fma(acc, m0, mt, offsets[bi] + t, C[offsets[bi] + t], r0)
                 elif spec.dismantle == "none":
-                    with T.serial(R[bi], R[bi + 1]) as p:
+                    with T.serial(P[bi], P[bi + 1]) as p:
                         fma(acc, m0, mt, p, C[p], r0)
                 with T.unroll(0, mt) as mi:
                     with T.vectorized(0, rv) as r:
@@ -255,6 +255,6 @@ def argument_names(spec: BlockLinearSpec) -> list[str]:
     names += ["S"] if spec.weight_bits == 4 else []
     names += ["WS"] if spec.weight_bits == 8 else []
     names += ["C"] if spec.dismantle != "full" else []
-    names += ["R"] if spec.dismantle == "none" else []
+    names += ["P"] if spec.dismantle == "none" else []
     names += ["B"] if spec.bias else []
     return names + ["Y"]

@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from sparta.codegen.build import build_cpu
+from sparta.templates.cpu_fine import argument_names, dense_weight, fine_linear, pack, reference, spec_from_weight
+
+
+@pytest.mark.parametrize("m, n, k, density, mode, act", [
+    (37, 20, 30, 0.2, "full", "gelu"),
+    (70, 24, 40, 0.1, "tile", None),
+    (1, 9, 13, 1.0, "tile", "relu"),    # 100%
+    (33, 7, 5, 0.0, "tile", None),      # 0%
+    (64, 16, 16, 0.5, "full", None),
+])
+def test_fine_linear_matches_reference(m, n, k, density, mode, act):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    mask = torch.rand(n, k, generator=g) < density
+    spec = spec_from_weight(m, w, mask, mode, bias=True, activation=act, name=f"fine_t_{m}_{n}_{k}_{mode}")
+    kern = build_cpu(fine_linear, spec)
+    packed = pack(spec, w)
+    y = torch.full((m, n), float("nan"))
+    args = {"X": x, "B": b, "Y": y, **packed}
+    kern.fn(*[args[a] for a in argument_names(spec)])
+    torch.testing.assert_close(y, reference(spec, x, w, b), rtol=1e-4, atol=1e-4)
+    assert torch.equal(dense_weight(spec, packed), w * mask)
+
+
+def test_full_needs_values():
+    with pytest.raises(ValueError, match="values"):
+        from sparta.templates.cpu_fine import FineLinearSpec
+        FineLinearSpec(2, 1, 2, ((0,),), dismantle="full")
