@@ -150,6 +150,56 @@ def _integer_rates(device, m, n, k, timed, iters):
     return out
 
 
+def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
+    """Kernel costs of sparta's own CPU templates (replaces the stand-ins for the CPU target)."""
+    from ..templates import cpu_fine, cpu_linear
+    from .build import build_cpu
+    gen = torch.Generator().manual_seed(0)
+    timed = _timer("cpu")
+    x = torch.randn(m, size, generator=gen)
+    base = measure("cpu", m=m, iters=iters, size=size)
+    kernels = []
+    for wb, ab in ((32, 32), (8, 8), (4, 32)):
+        blocks = {}
+        for bh, bw in BLOCKS:
+            if (bh, bw) == (1, 1):
+                if wb != 32:
+                    continue
+                mask = torch.rand(size, size, generator=gen) < 0.05
+                w = torch.randn(size, size, generator=gen)
+                spec = cpu_fine.spec_from_weight(m, w, mask, "tile", name=f"prof_fine_{m}_{size}")
+                fn = build_cpu(cpu_fine.fine_linear, spec).fn
+                args = {"X": x, "Y": torch.empty(m, size), **cpu_fine.pack(spec, w)}
+                us = timed(lambda: fn(*[args[a] for a in cpu_fine.argument_names(spec)]), iters)
+                blocks[(1, 1)] = us * 1e3 / (spec.nnz * m)
+                continue
+            if wb == 4 and bh % 2:
+                continue
+            keep = torch.rand(size // bh, size // bw, generator=gen) < 0.1
+            keep[0, 0] = True
+            rows = tuple(tuple(torch.nonzero(keep[i]).flatten().tolist()) for i in range(size // bh))
+            spec = cpu_linear.BlockLinearSpec(m, size, size, (bh, bw), rows, wb, dismantle="tile",
+                                              name=f"prof_{wb}_{bh}x{bw}_{m}_{size}")
+            fn = build_cpu(cpu_linear.block_linear, spec).fn
+            args = {"Y": torch.empty(m, size), **cpu_linear.pack(spec, torch.randn(size, size, generator=gen))}
+            if wb == 8:
+                args["X"], args["XS"] = cpu_linear.quantize_rows(x)
+            else:
+                args["X"] = x
+            us = timed(lambda: fn(*[args[a] for a in cpu_linear.argument_names(spec)]), iters)
+            blocks[(bh, bw)] = us * 1e3 / (spec.n_blocks * m)
+        dense = next((k["dense_gflops"] for k in base["kernels"] if (k["weight_bits"], k["act_bits"]) == (wb, ab)),
+                     base["kernels"][0]["dense_gflops"])
+        kernels.append({"weight_bits": wb, "act_bits": ab, "dense_gflops": dense,
+                        "blocks": {f"{a}x{b}": v for (a, b), v in blocks.items()}})
+    base["kernels"] = kernels
+    base["source"] = "measured: sparta's CPU kernels (tile-dismantled, 10% blocks kept) by " \
+                     "python -m sparta.codegen.profile --target cpu --kernels sparta"
+    base["notes"]["blocks"] = "sparta block_linear kernels; 1x1: sparta fine_linear"
+    base["notes"]["W4A32"] = "dense: fp32 rate (the dense path dequantises nothing)"
+    return base
+
+
 def _cpu_name() -> str:
     try:
         model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
@@ -165,8 +215,15 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=None, help="activation rows M used for the measurements")
     ap.add_argument("--size", type=int, default=None, help="weight size N = K used for the measurements")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--kernels", choices=["stand-in", "sparta"], default="stand-in",
+                    help="measure block costs on stand-ins (vendor ops) or on sparta's own kernels")
     args = ap.parse_args(argv)
-    prof = measure(args.target, args.rows, args.iters, args.size)
+    if args.kernels == "sparta":
+        if args.target != "cpu":
+            raise SystemExit("sparta's own kernels are profiled on the cpu target here (CUDA: see the codegen issue)")
+        prof = measure_sparta_cpu(args.rows or 256, args.size or 768, args.iters)
+    else:
+        prof = measure(args.target, args.rows, args.iters, args.size)
     text = json.dumps(prof, indent=1)
     if args.output:
         with open(args.output, "w") as f:

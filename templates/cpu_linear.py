@@ -187,14 +187,40 @@ def block_linear(spec: BlockLinearSpec):
                     return (nib.astype("float32") - tirx.const(8.0, "float32")) * S[p, r]
                 return W[p, kk, r].astype("int32") if int8 else W[p, kk, r]
 
-            def xval(m, kk):
-                return X[m, kk].astype("int32") if int8 else X[m, kk]
+            packed_x = {}  # inside a panel: the panel's X columns copied into a dense workspace
+
+            def xval(m, col, kk):
+                if packed_x:
+                    u = packed_x["cols"].get(col, 0) if isinstance(col, int) else col
+                    v = packed_x["xp"][u, m - packed_x["row0"], kk]
+                else:
+                    v = X[m, col * bw + kk]
+                return v.astype("int32") if int8 else v
 
             def fma(acc, m0, mt, p, col, r0):
                 with T.serial(0, bw) as kk:
                     with T.unroll(0, mt) as mi:
                         with T.vectorized(0, rv) as r:
-                            T.buffer_store(acc, acc[mi, r] + xval(m0 + mi, col * bw + kk) * weight(p, kk, r0 + r), [mi, r])
+                            T.buffer_store(acc, acc[mi, r] + xval(m0 + mi, col, kk) * weight(p, kk, r0 + r), [mi, r])
+
+            def pack_panel(row0, group):
+                """Copy the panel's rows of the block columns this group reads (the GEMM packing step):
+                the micro-kernel then reads contiguous memory instead of rows K floats apart."""
+                if spec.dismantle == "full":
+                    used = sorted({j for bi in group for j in spec.rows[bi]})
+                    cols = {j: u for u, j in enumerate(used)}
+                else:
+                    used, cols = list(range(spec.k // bw)), None
+                if not used:
+                    return
+                xp = T.alloc_buffer((len(used), PANEL, bw), "int8" if int8 else "float32", scope="global")
+                for u, j in enumerate(used):
+                    with T.serial(0, PANEL) as r:
+                        with T.If(row0 + r < (spec.m // MT) * MT):
+                            with T.Then():
+                                with T.vectorized(0, bw) as kk:
+                                    T.buffer_store(xp, X[row0 + r, j * bw + kk], [u, r, kk])
+                packed_x.update(xp=xp, row0=row0, cols=cols or {})
 
             def row_tile(acc, m0, mt, bi, rh):
                 r0 = rh * rv
@@ -226,28 +252,53 @@ def block_linear(spec: BlockLinearSpec):
                             v = v + B[col]
                         T.buffer_store(Y, tir_activation(spec.activation, v), [m0 + mi, col])
 
-            def rows_of(m0, mt):
-                acc = T.alloc_buffer((mt, rv), acc_dt, scope="global")  # global + small: a stack array
-                for bi in range(len(spec.rows)):
-                    for rh in range(bh // rv):
-                        row_tile(acc, m0, mt, bi, rh)
-
             tiles = spec.m // MT
             per_panel = PANEL // MT
             panels = -(-tiles // per_panel)
-            if tiles:
-                with T.parallel(0, panels) as po:
-                    with T.serial(0, per_panel) as mq:
-                        mo = po * per_panel + mq
-                        if tiles % per_panel:
-                            with T.If(mo < tiles):
-                                with T.Then():
-                                    rows_of(mo * MT, MT)
-                        else:
-                            rows_of(mo * MT, MT)
-            if spec.m % MT:
-                rows_of(tiles * MT, spec.m % MT)
+            for group in row_groups(spec):  # one parallel region each: LLVM's time grows with function size
+                if tiles:  # block rows outside, the panel's tiles inside: a block row's weights stay in L1
+                    with T.parallel(0, panels) as po:
+                        acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")  # global + small: a stack array
+                        if spec.dismantle != "none":
+                            pack_panel(po * PANEL, group)
+                        for bi in group:
+                            for rh in range(bh // rv):
+                                with T.serial(0, per_panel) as mq:
+                                    mo = po * per_panel + mq
+                                    if tiles % per_panel:
+                                        with T.If(mo < tiles):
+                                            with T.Then():
+                                                row_tile(acc, mo * MT, MT, bi, rh)
+                                    else:
+                                        row_tile(acc, mo * MT, MT, bi, rh)
+                    packed_x.clear()
+                if spec.m % MT:
+                    acc = T.alloc_buffer((spec.m % MT, rv), acc_dt, scope="global")
+                    for bi in group:
+                        for rh in range(bh // rv):
+                            row_tile(acc, tiles * MT, spec.m % MT, bi, rh)
     return ib.get()
+
+
+# Loop nests per parallel region. LLVM's time grows faster than linearly with a function's size
+# (one region of 96 block rows: 21-46 s; in regions of ~64 nests: 7-8 s), while every extra
+# region re-reads X. Measured on FFN1/FFN2 at 90% (benchmarks/RESULTS.md): these budgets keep
+# compile under ~10 s and run time within the noise of a single region.
+GROUP_WORK = {"full": 192, "tile": 64, "none": 10**9}
+
+
+def row_groups(spec: BlockLinearSpec) -> list[list[int]]:
+    """Consecutive block rows split so each parallel region emits about GROUP_WORK loop nests."""
+    bh = spec.block[0]
+    groups, cur, work = [], [], 0
+    for bi, row in enumerate(spec.rows):
+        nests = (bh // vector_width(bh)) * (1 + (len(row) if spec.dismantle == "full" else 1))
+        if cur and work + nests > GROUP_WORK[spec.dismantle]:
+            groups.append(cur)
+            cur, work = [], 0
+        cur.append(bi)
+        work += nests
+    return groups + ([cur] if cur else [])
 
 
 def argument_names(spec: BlockLinearSpec) -> list[str]:

@@ -81,10 +81,12 @@ def test_dismantling_removes_pruned_blocks_and_index_arrays():
     assert before.count("if T.bool(False)") == 4 and before.count("if T.bool(True)") == 2  # 6 grid blocks
     assert "T.bool(" not in after, "the compile-time guards are folded away"
     assert "C[" not in after and "P[" not in after and "C: T.Buffer" not in after
-    fmas = re.findall(r"buffer\[v_3, v_4\] \+ X\[.*?, (.*?)\] \* W\[(\d), v_2, v_4\]", after)
-    assert fmas == [("v_2", "0"), ("v_2 + 4", "1")], "one FMA nest per kept block, with constant offsets"
+    fmas = re.findall(r"buffer\[v_3, v_4\] \+ buffer_1\[(\d), .*?\] \* W\[(\d), v_2, v_4\]", after)
+    assert fmas == [("0", "0"), ("1", "1")], "one FMA nest per kept block, with constant packed indices"
+    copies = re.findall(r"= X\[v_1, (.*?)\]", after)
+    assert copies == ["v_2", "v_2 + 4"], "only the block columns some kept block reads are packed"
     tile, _ = before_after(block_linear, BlockLinearSpec(4, 4, 6, (2, 2), rows, dismantle="tile", name="t"))
-    assert "C[" in tile and "P[" not in tile and tile.count("X[") == 1
+    assert "C[" in tile and "P: T.Buffer" not in tile and "if T.bool" not in tile
 
 
 def test_bad_specs():
