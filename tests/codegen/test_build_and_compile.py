@@ -45,21 +45,21 @@ def block_mask(shape, block, density, seed):
 
 def test_compile_mlp_runs_kernels_and_matches_masked_reference():
     torch.manual_seed(0)
-    model = MLP(d_in=64, d_hidden=96, d_out=10).eval()
-    x = torch.randn(37, 64)
-    tesa = {"fc1.weight": TeSA.from_mask(block_mask((96, 64), 32, 0.5, 1)),
-            "fc2.weight": TeSA.from_mask(torch.rand(96, 96) < 0.05)}
+    model = MLP(d_in=128, d_hidden=256, d_out=10).eval()
+    x = torch.randn(67, 128)
+    tesa = {"fc1.weight": TeSA.from_mask(block_mask((256, 128), 32, 0.15, 1)),
+            "fc2.weight": TeSA.from_mask(torch.rand(256, 256) < 0.03)}
     compiled = sparta.compile(model, tesa, (x,), verify=True)
     kinds = {k["op"]: k["template"] for k in compiled.kernels}
     assert kinds["linear"] == "block_sparse" and kinds["linear_1"] == "fine_sparse"
     calls = [n.target for n in compiled.module.graph.nodes if n.op == "call_module"]
     assert "kernel_linear" in calls and "kernel_relu" in calls, "relu is fused into the first kernel"
-    ref = MLP(d_in=64, d_hidden=96, d_out=10).eval()
+    ref = MLP(d_in=128, d_hidden=256, d_out=10).eval()
     ref.load_state_dict(model.state_dict())
     with torch.no_grad():
         ref.fc1.weight.mul_(tesa["fc1.weight"].mask)
         ref.fc2.weight.mul_(tesa["fc2.weight"].mask)
-        x2 = torch.randn(37, 64)
+        x2 = torch.randn(67, 128)
         torch.testing.assert_close(compiled(x2), ref(x2), rtol=1e-4, atol=1e-4)
     assert "fc1.weight" not in dict(compiled.module.named_buffers()) | dict(compiled.module.named_parameters())
     assert "block_sparse" in compiled.kernel_report()
