@@ -22,7 +22,7 @@ def block_mask(shape, block, density, gen):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
@@ -50,6 +50,8 @@ def main():
     print(compiled.graph.meta["propagation"].table())
     print()
     print(compiled.plan_report(only_gemm=True))
+    print()
+    print(compiled.kernel_report())
     print()
     with torch.no_grad():
         out = compiled(ids)
