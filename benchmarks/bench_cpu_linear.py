@@ -12,7 +12,9 @@ measured dense peak; bytes of X + kept W + Y at the measured copy bandwidth).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -97,11 +99,35 @@ def run_case(name, m, n, k, pattern, density, reps, peak_gflops, bw_gbs, gen):
     return row
 
 
+def dismantle_study(name, m, n, k, density, reps, gen):
+    """The same 90% FFN weight built at each dismantle level: build seconds, code bytes, kernel ms."""
+    mask = block_mask(n, k, 32, density, gen)
+    lin = torch.nn.Linear(k, n, bias=False).eval()
+    x = torch.randn(m, k, generator=gen)
+    y = torch.empty(m, n)
+    fns, info = {}, {}
+    for mode in ("none", "tile", "full"):
+        compiled = sparta.compile(lin, {"weight": TeSA.from_mask(mask)}, (x,), dismantle=mode, verify=True)
+        kernel = next(mm for mm in compiled.module.modules() if hasattr(mm, "subs"))
+        fns[mode] = (lambda kern: lambda: [sub(x, y, None) for sub in kern.subs])(kernel)
+        info[mode] = {"build_s": sum(kk["build_s"] for kk in compiled.kernels),
+                      "code_bytes": sum(kk["code_bytes"] for kk in compiled.kernels)}
+    t = interleaved(fns, reps)
+    for mode in fns:
+        info[mode]["kernel_ms"] = t[mode]
+    print(f"{name} {1 - density:.0%} dismantle: " + "  ".join(
+        f"{mode} {v['kernel_ms']:.2f} ms (build {v['build_s']:.1f} s, {v['code_bytes'] / 1e3:.0f} kB)"
+        for mode, v in info.items()))
+    return {"case": name, "density": density, "m": m, "n": n, "k": k, "levels": info}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--cache", help="kernel cache folder (default: a fresh one, so build times are cold)")
     args = ap.parse_args()
+    os.environ["SPARTA_CACHE"] = args.cache or tempfile.mkdtemp(prefix="sparta_bench_cache_")
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1024, 1024)
@@ -114,7 +140,9 @@ def main():
         for sparsity in (0.5, 0.7, 0.9, 0.95):
             rows.append(run_case(name, args.tokens, n, k, "block32", 1 - sparsity, args.reps, peak, bw, gen))
         rows.append(run_case(name, args.tokens, n, k, "fine", 0.1, args.reps, peak, bw, gen))
-    path = save("cpu_linear", {"peak_gflops": peak, "bandwidth_gbs": bw, "rows": rows})
+    study = [dismantle_study(name, args.tokens, n, k, 0.1, args.reps, gen)
+             for name, n, k in (("FFN1", 3072, 768), ("FFN2", 768, 3072))]
+    path = save("cpu_linear", {"peak_gflops": peak, "bandwidth_gbs": bw, "rows": rows, "dismantle": study})
     print("wrote", path)
 
 

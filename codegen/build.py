@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..errors import CodegenError
 from . import cache
 from .dismantle import eliminate_dead_code
-from .tvm_env import cpu_target, tvm, versions
+from .tvm_env import cpu_target, cpu_target_spec, load_kernel, tvm, versions
 
 
 
@@ -30,33 +30,39 @@ class BuiltKernel:
     nbytes: int         # size of the compiled library
 
 
+_LOADED: dict[str, BuiltKernel] = {}  # this process's loaded kernels: shared kernels load once
+
+
 def build_cpu(template, spec) -> BuiltKernel:
     """Compile ``template(spec)`` (a PrimFunc named ``spec.name``) unless cached; load it.
 
     The cache key covers the spec, the target, the TVM versions and the source of the
     template's module, so an edited template never hits a stale entry.
     """
-    t = tvm()
-    target = cpu_target()
     name = spec.name
     key = cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
-                           "target": str(target.export()), "versions": versions(),
+                           "target": cpu_target_spec(), "versions": versions(),
                            "source": _source_digest(inspect.getmodule(template))})
     t0 = time.perf_counter()
+    if key in _LOADED and cache.lookup(key, "kernel.so") is not None:
+        hit = _LOADED[key]
+        return BuiltKernel(hit.fn, key, True, time.perf_counter() - t0, hit.nbytes)
     path = cache.lookup(key, "kernel.so")
     cached = path is not None
     if path is not None:
         try:
-            mod = t.runtime.load_module(str(path))
+            fn = load_kernel(path, name)
         except Exception:  # noqa: BLE001 - unloadable entry: rebuild
             cache.invalidate(key)
             cached, path = False, None
     if path is None:
+        t = tvm()
         func = eliminate_dead_code(template(spec))
         try:
-            ex = t.compile(t.IRModule({name: func}), target=target)
+            ex = t.compile(t.IRModule({name: func}), target=cpu_target())
         except Exception as exc:  # noqa: BLE001 - report which kernel failed
             raise CodegenError(f"TVM could not build kernel {name!r}: {exc}") from exc
         path = cache.store(key, "kernel.so", lambda p: ex.export_library(str(p)), {"name": name})
-        mod = t.runtime.load_module(str(path))
-    return BuiltKernel(mod[name], key, cached, time.perf_counter() - t0, path.stat().st_size)
+        fn = load_kernel(path, name)
+    _LOADED[key] = BuiltKernel(fn, key, cached, time.perf_counter() - t0, path.stat().st_size)
+    return _LOADED[key]

@@ -8,6 +8,7 @@ plan assigned to it, so overlapping covers add every weight exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -100,15 +101,17 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
                 grid = sub.blocks.mask
                 grid = torch.nn.functional.pad(grid, (0, k_pad // block[1] - grid.shape[1],
                                                       0, n_pad // block[0] - grid.shape[0]))
-                mode = op_plan.dismantle if op_plan.dismantle != "none" else "tile"
+                mode = op_plan.dismantle
             spec = cpu_linear.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
                                               dismantle=mode, **common)
+            if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape
+                spec = dataclasses.replace(spec, name=spec.generic_name())
             template, packed, blocks = cpu_linear, cpu_linear.pack(spec, w), f"{spec.n_blocks}x{block[0]}x{block[1]}"
             fn_template = cpu_linear.block_linear
         built = build_cpu(fn_template, spec)
         info = {"op": op.name, "template": sub.template, "blocks": blocks, "bits": f"W{sub.weight_bits}A{sub.act_bits}",
                 "dismantle": mode, "build_s": round(built.build_s, 3), "cached": built.cached,
-                "code_bytes": built.nbytes}
+                "code_bytes": built.nbytes, "key": built.key}
         subs.append(SubKernel(built.fn, template, spec, packed, info))
         rows.append(info)
     out_shape = graph.tensor(op.outputs[0]).shape

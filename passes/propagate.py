@@ -16,6 +16,8 @@ it was given raises :class:`PropagationError`. Ops without a rule (or all ops, w
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +45,19 @@ class PropagationReport:
     no_rule: list[str] = field(default_factory=list)
     before: dict[str, tuple[float, dict]] = field(default_factory=dict)
     after: dict[str, tuple[float, dict]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        for side in ("before", "after"):
+            d[side] = {n: [dens, {str(b): c for b, c in bits.items()}] for n, (dens, bits) in d[side].items()}
+        return d
+
+    @classmethod
+    def from_json(cls, data: dict) -> PropagationReport:
+        data = dict(data)
+        for side in ("before", "after"):
+            data[side] = {n: (dens, {int(b): c for b, c in bits.items()}) for n, (dens, bits) in data[side].items()}
+        return cls(**data)
 
     def changed(self) -> list[str]:
         return [n for n in self.after if self.after[n] != self.before.get(n)]

@@ -50,11 +50,13 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
-            quant_tolerance=None) -> CompiledModel:
+            quant_tolerance=None, dismantle: str | None = None) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
     ``initial_tesa`` maps parameter/tensor names to :class:`TeSA` (or bool masks).
+    ``dismantle`` ("full", "tile", "none") overrides the plan's per-op dismantle level,
+    which by default follows the target's measured profile.
     """
     from .frontend import capture
 
@@ -67,15 +69,11 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     graph = capture(model, example_inputs, example_kwargs)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
-    if propagate:
-        from .passes import propagate as run_propagation
-        t0 = time.perf_counter()
-        graph = run_propagation(graph)
-        timings["propagate"] = time.perf_counter() - t0
-    from .passes import transform
-    t0 = time.perf_counter()
-    plan = transform(graph, target)
-    timings["transform"] = time.perf_counter() - t0
+    graph, plan = _propagate_and_plan(graph, target, propagate, timings)
+    if dismantle is not None:
+        for op_plan in list(plan.ops.values()):
+            if op_plan.kind == "sparse":
+                plan.pin(op_plan.op, dismantle=dismantle)
     replacements, kernels = {}, []
     if target == "cpu":
         from .codegen.specialize import specialize
@@ -87,6 +85,37 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     if verify:
         compiled.verify()
     return compiled
+
+
+def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dict):
+    """Propagation then transformation, or both read back from the pipeline cache."""
+    from . import pipeline_cache
+    from .passes import propagate as run_propagation
+    from .passes import transform
+    from .passes.propagate import PropagationReport
+    from .passes.transform import Plan
+
+    t0 = time.perf_counter()
+    key = pipeline_cache.pipeline_key(graph, target, {"propagate": propagate})
+    hit = pipeline_cache.load(key)
+    if hit is not None:
+        tesas, report, plan = hit
+        for name, tesa in tesas.items():
+            graph.set_tesa(name, tesa)
+        if report is not None:
+            graph.meta["propagation"] = PropagationReport.from_json(report)
+        timings["plan_cache"] = time.perf_counter() - t0
+        return graph, Plan.from_json(plan)
+    if propagate:
+        t0 = time.perf_counter()
+        graph = run_propagation(graph)
+        timings["propagate"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = transform(graph, target)
+    timings["transform"] = time.perf_counter() - t0
+    report = graph.meta.get("propagation")
+    pipeline_cache.store(key, graph, report.to_json() if report is not None else None, plan.to_json())
+    return graph, plan
 
 
 class CompiledModel(torch.nn.Module):

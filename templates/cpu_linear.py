@@ -68,7 +68,19 @@ class BlockLinearSpec:
         return out
 
     def key(self) -> dict:
-        return asdict(self)
+        """What the compiled code depends on: a generic (``"none"``) kernel reads the block
+        structure at run time, so every weight of one shape shares it."""
+        d = asdict(self)
+        if self.dismantle == "none":
+            d["rows"] = None
+        return d
+
+    def generic_name(self) -> str:
+        """A name for the shared generic kernel of this shape."""
+        bh, bw = self.block
+        tail = "".join(["_b" if self.bias else "", f"_{self.activation}" if self.activation else "",
+                        "_acc" if self.accumulate else ""])
+        return f"bsr_m{self.m}_n{self.n}_k{self.k}_{bh}x{bw}_w{self.weight_bits}{tail}"
 
 
 def vector_width(bh: int) -> int:
@@ -159,7 +171,7 @@ def block_linear(spec: BlockLinearSpec):
 
     bh, bw = spec.block
     rv = vector_width(bh)
-    nb = max(spec.n_blocks, 1)
+    nb = max(spec.n_blocks, 1) if spec.dismantle != "none" else tirx.Var("nb", "int32")  # generic: any count
     int8 = spec.weight_bits == 8
     acc_dt = "int32" if int8 else "float32"
     offsets = spec.offsets()
@@ -227,7 +239,7 @@ def block_linear(spec: BlockLinearSpec):
                 with T.unroll(0, mt) as mi:
                     with T.vectorized(0, rv) as r:
                         T.buffer_store(acc, tirx.const(0, acc_dt), [mi, r])
-                row = spec.rows[bi]
+                row = spec.rows[bi] if spec.dismantle != "none" else None
                 if spec.dismantle == "full":  # every grid block, guarded by a compile-time constant
                     for j in range(spec.k // bw):
                         kept = j in row
@@ -252,6 +264,15 @@ def block_linear(spec: BlockLinearSpec):
                             v = v + B[col]
                         T.buffer_store(Y, tir_activation(spec.activation, v), [m0 + mi, col])
 
+            def block_row_loop(group):
+                """Specialised kernels unroll the block rows (each gets its own constants);
+                the generic one loops over them, so its code does not grow with N."""
+                if spec.dismantle != "none":
+                    yield from group
+                    return
+                with T.serial(0, len(spec.rows)) as bi:
+                    yield bi
+
             tiles = spec.m // MT
             per_panel = PANEL // MT
             panels = -(-tiles // per_panel)
@@ -259,9 +280,8 @@ def block_linear(spec: BlockLinearSpec):
                 if tiles:  # block rows outside, the panel's tiles inside: a block row's weights stay in L1
                     with T.parallel(0, panels) as po:
                         acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")  # global + small: a stack array
-                        if spec.dismantle != "none":
-                            pack_panel(po * PANEL, group)
-                        for bi in group:
+                        pack_panel(po * PANEL, group)
+                        for bi in block_row_loop(group):
                             for rh in range(bh // rv):
                                 with T.serial(0, per_panel) as mq:
                                     mo = po * per_panel + mq
@@ -274,7 +294,7 @@ def block_linear(spec: BlockLinearSpec):
                     packed_x.clear()
                 if spec.m % MT:
                     acc = T.alloc_buffer((spec.m % MT, rv), acc_dt, scope="global")
-                    for bi in group:
+                    for bi in block_row_loop(group):
                         for rh in range(bh // rv):
                             row_tile(acc, tiles * MT, spec.m % MT, bi, rh)
     return ib.get()

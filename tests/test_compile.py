@@ -28,7 +28,7 @@ def test_bool_mask_accepted_and_propagation_on_by_default():
     assert compiled.tesa("fc1.weight").density == pytest.approx(40 / 48)
     off = sparta.compile(model, {"fc2.weight": cols}, (torch.randn(2, 24),), propagate=False)
     assert off.tesa("fc1.weight").is_dense
-    assert "fc1.weight" in compiled.report() and "propagate" in compiled.timings
+    assert "fc1.weight" in compiled.report() and {"propagate", "plan_cache"} & set(compiled.timings)
 
 
 def test_verify_passes_and_reports():

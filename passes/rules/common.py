@@ -26,12 +26,12 @@ def refine(t: TeSA, keep: torch.Tensor | None = None, bits: torch.Tensor | None 
     cur = t.view()
     new = cur
     if keep is not None:
-        keep = keep.expand(t.shape) if keep.shape != t.shape else keep
         if t.uniform is not None and t.uniform == 0:
             return t
-        if bool(keep.all()):
+        if int(torch.count_nonzero(keep)) == keep.numel():  # before expanding: cheaper, same answer
             keep = None
         else:
+            keep = keep.expand(t.shape) if keep.shape != t.shape else keep
             new = torch.where(keep, new, torch.zeros((), dtype=torch.uint8))
     if bits is not None:
         bits = bits.to(torch.uint8)

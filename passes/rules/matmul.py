@@ -71,7 +71,48 @@ def linear(op: Op, ins, outs):
     x, w, b = _role(op, "input"), _role(op, "weight"), _role(op, "bias")
     if x is None or w is None:
         return None
-    return affine_rule(op, ins, outs, lambda a, m: F.linear(a, m), [x, w], [b])
+    compact = _distinct_rows(ins[x], outs[0]) if ins[x].ndim >= 2 and ins[w].ndim == 2 else None
+    if compact is None:
+        return affine_rule(op, ins, outs, lambda a, m: F.linear(a, m), [x, w], [b])
+    # rows of (x, y) with one pattern behave alike: run the rule once per distinct pattern
+    xs, ys, inverse = compact
+    small_ins = list(ins)
+    small_ins[x] = TeSA.from_mask(xs)
+    new_ins, new_outs = affine_rule(op, small_ins, [TeSA.from_mask(ys), *outs[1:]], lambda a, m: F.linear(a, m),
+                                    [x, w], [b])
+    new_ins[x] = refine(ins[x], kept(new_ins[x])[inverse].reshape(ins[x].shape))
+    new_y = refine(outs[0], kept(new_outs[0])[inverse].reshape(outs[0].shape))
+    return result(ins, outs, new_ins, [new_y, *new_outs[1:]])
+
+
+def _distinct_rows(x: TeSA, y: TeSA):
+    """(distinct x rows, matching y rows, row → pattern index) when that shrinks the work by ≥ 2×.
+
+    Activations usually repeat few row patterns (all kept, or whole tokens pruned), so
+    the boolean product over distinct patterns is exact and far smaller than over rows.
+    """
+    k, n = x.shape[-1], y.shape[-1]
+    rows = x.numel() // max(k, 1)
+    if rows < 4 or y.numel() // max(n, 1) != rows:
+        return None
+    key = torch.cat([kept(x).reshape(rows, k), kept(y).reshape(rows, n)], 1)
+    if bool((key == key[0]).all()):
+        uniq, inverse = key[:1], torch.zeros(rows, dtype=torch.long)
+    else:
+        _, inverse = torch.unique(_pack_bits(key), dim=0, return_inverse=True)
+        uniq = torch.zeros(int(inverse.max()) + 1, key.shape[1], dtype=torch.bool)
+        uniq[inverse] = key
+    if uniq.shape[0] * 2 > rows:
+        return None
+    return uniq[:, :k], uniq[:, k:], inverse
+
+
+def _pack_bits(key: torch.Tensor) -> torch.Tensor:
+    """Bool rows packed 62 bits per int64 (exact), so sorting rows is cheap."""
+    rows, cols = key.shape
+    pad = -cols % 62
+    chunks = torch.nn.functional.pad(key.to(torch.int64), (0, pad)).reshape(rows, -1, 62)
+    return (chunks << torch.arange(62, dtype=torch.int64)).sum(-1)
 
 
 @rule("mm", "bmm", "matmul", "mv", "dot", "vdot")

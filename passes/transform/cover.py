@@ -31,17 +31,25 @@ class ShapeCover:
 
     @property
     def n_blocks(self) -> int:
-        return int(self.blocks.sum())
+        return int(torch.count_nonzero(self.blocks))
 
     def block_list(self) -> list[tuple[int, int]]:
         return [tuple(ij) for ij in torch.nonzero(self.blocks).tolist()]
 
 
+ROUNDS = 32  # vectorised greedy rounds before the heap takes over (each costs one pass per shape)
+
+
 def _grid_counts(mask: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
+    """Kept elements per grid block (edge blocks sticking out count what is inside)."""
     h, w = mask.shape
-    m = mask.to(torch.float32).reshape(1, 1, h, w)
-    counts = torch.nn.functional.avg_pool2d(m, (bh, bw), ceil_mode=True, divisor_override=1)
-    return counts[0, 0].round().to(torch.int64)
+    gh, gw = -(-h // bh), -(-w // bw)
+    if (gh * bh, gw * bw) != (h, w):
+        padded = torch.zeros(gh * bh, gw * bw, dtype=torch.bool)
+        padded[:h, :w] = mask
+        mask = padded
+    rows = mask.contiguous().view(torch.uint8).reshape(gh * bh, gw, bw).sum(-1, dtype=torch.int32)
+    return rows.reshape(gh, bh, gw).sum(1)
 
 
 def block_cover(mask: torch.Tensor, costs: dict[tuple[int, int], float]) -> list[ShapeCover]:
@@ -66,16 +74,34 @@ def block_cover(mask: torch.Tensor, costs: dict[tuple[int, int], float]) -> list
         chosen[s] = take
         inside = take.repeat_interleave(s[0], 0).repeat_interleave(s[1], 1)[:h, :w]
         assigned[s] = mask & inside
-        total[s] = costs[s] * int(take.sum())
+        total[s] = costs[s] * int(torch.count_nonzero(take))
         uncovered = mask & ~inside
         coarse = []
+    # Greedy in rounds while the best ratio is shared by many blocks of one grid: those are
+    # disjoint, so greedy would take them one after the other anyway (their counts cannot change
+    # in between); the lazy heap then finishes the few remaining choices.
+    for _ in range(ROUNDS if coarse else 0):
+        ratios = {}
+        for s in coarse:
+            counts = _grid_counts(uncovered, *s)
+            ratios[s] = torch.where(counts > 0, costs[s] / counts.clamp_min(1).to(torch.float64), math.inf)
+        s = min(coarse, key=lambda s: float(ratios[s].min()) if ratios[s].numel() else math.inf)
+        best = float(ratios[s].min()) if ratios[s].numel() else math.inf
+        take = ratios[s] == best
+        if best >= fine_ratio:
+            break
+        inside = take.repeat_interleave(s[0], 0).repeat_interleave(s[1], 1)[:h, :w]
+        chosen[s] |= take
+        assigned[s] |= uncovered & inside
+        total[s] += costs[s] * int(torch.count_nonzero(take))
+        uncovered &= ~inside
     heap = []
     for s in coarse:
-        counts = _grid_counts(mask, *s)
+        counts = _grid_counts(uncovered, *s)
         idx = torch.nonzero(counts > 0)
         for (i, j), c in zip(idx.tolist(), counts[counts > 0].tolist()):
             heapq.heappush(heap, (costs[s] / c, c, s, i, j))
-    remaining = int(uncovered.sum())
+    remaining = int(torch.count_nonzero(uncovered))
     while heap and remaining > 0:
         ratio, count, s, i, j = heapq.heappop(heap)
         if ratio >= fine_ratio:
@@ -98,7 +124,7 @@ def block_cover(mask: torch.Tensor, costs: dict[tuple[int, int], float]) -> list
             raise ValueError("the candidate blocks cannot cover every kept element")
         chosen[(1, 1)] |= uncovered
         assigned[(1, 1)] |= uncovered
-        total[(1, 1)] += costs[(1, 1)] * int(uncovered.sum())
+        total[(1, 1)] += costs[(1, 1)] * int(torch.count_nonzero(uncovered))
     return [ShapeCover(s, chosen[s], assigned[s], total[s]) for s in shapes if chosen[s].any()]
 
 

@@ -47,6 +47,11 @@ class HardwareProfile:
     kernels: tuple[KernelCosts, ...]
     notes: dict = field(default_factory=dict)
     sparse_ops: tuple[str, ...] = ("linear", "addmm", "mm", "matmul")  # ops with sparse templates
+    # dismantle policy (measured, see the JSON's notes): unroll an op's blocks into code up to
+    # this many blocks; beyond it use ``large_dismantle`` ("tile": per-row constant lists;
+    # "none": the generic kernel, one per shape, shared by every layer of that shape)
+    full_max_blocks: int = 512
+    large_dismantle: str = "tile"
 
     # ---- what the hardware runs ---------------------------------------------------------
     def act_widths(self) -> list[int]:
@@ -88,6 +93,7 @@ class HardwareProfile:
         return {"target": self.target, "device": self.device, "date": self.date, "source": self.source,
                 "fixed_us": self.fixed_us, "bandwidth_gbs": self.bandwidth_gbs, "notes": self.notes,
                 "sparse_ops": list(self.sparse_ops),
+                "dismantle": {"full_max_blocks": self.full_max_blocks, "large": self.large_dismantle},
                 "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
                              "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()}} for k in self.kernels]}
 
@@ -99,9 +105,13 @@ class HardwareProfile:
                             for k in data["kernels"])
             if not kernels:
                 raise ValueError("no kernels")
+            dis = data.get("dismantle", {})
+            large = str(dis.get("large", "tile"))
+            if large not in ("none", "tile", "full"):
+                raise ValueError(f"unknown dismantle level {large!r}")
             return cls(data["target"], data.get("device", ""), data.get("date", ""), data.get("source", ""),
                        float(data["fixed_us"]), float(data["bandwidth_gbs"]), kernels, dict(data.get("notes", {})),
-                       tuple(data.get("sparse_ops", cls.sparse_ops)))
+                       tuple(data.get("sparse_ops", cls.sparse_ops)), int(dis.get("full_max_blocks", 512)), large)
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise PlanError(f"invalid hardware profile: {exc}") from exc
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import torch
+
 from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
 from .bitround import groupings
@@ -27,7 +29,6 @@ from .profile import HardwareProfile
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d")
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
-FULL_DISMANTLE_MAX_BLOCKS = 512   # full unrolling compiles in ~8 s at 226 blocks (measured); tile beyond
 FULL_DISMANTLE_MAX_NNZ = 4096
 TIE_MARGIN = 0.05  # profiles re-measured on this machine agree within about 5% (benchmarks/RESULTS.md)
 
@@ -145,7 +146,8 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
         return OpPlan(kind="dense", est_us=dense_us, subops=[sub], candidates=candidates, **base)
     blocks = sum(s.n_blocks for s in subops if s.template == "block_sparse")
     nnz = sum(s.nnz for s in subops if s.template == "fine_sparse")
-    dismantle = "full" if blocks <= FULL_DISMANTLE_MAX_BLOCKS and nnz <= FULL_DISMANTLE_MAX_NNZ else "tile"
+    small = blocks <= profile.full_max_blocks and nnz <= FULL_DISMANTLE_MAX_NNZ
+    dismantle = "full" if small else profile.large_dismantle
     return OpPlan(kind="sparse", est_us=cost, subops=subops, candidates=candidates, dismantle=dismantle, **base)
 
 
@@ -170,7 +172,7 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, m: int, model
     options = []
     if (group.bits, act_bits) != model_bits:  # at the model's own widths this is the dense candidate
         us = profile.dense_us(m, n, k, group.bits, act_bits)
-        options.append((us, [SubOp("dense", group.bits, act_bits, None, 0, int(mask.sum()), us,
+        options.append((us, [SubOp("dense", group.bits, act_bits, None, 0, int(torch.count_nonzero(mask)), us,
                                    elements=group.tesa)], f"dense@W{group.bits}A{act_bits}"))
     seen = set()
     for menu in _menus(kern.block_shapes()):
@@ -184,7 +186,7 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, m: int, model
             us = profile.fixed_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits)
             fine = c.shape == (1, 1)
             subs.append(SubOp("fine_sparse" if fine else "block_sparse", group.bits, act_bits, c.shape,
-                              c.n_blocks, int(c.assigned.sum()), us,
+                              c.n_blocks, int(torch.count_nonzero(c.assigned)), us,
                               blocks=TeSA.from_mask(c.blocks, 1) if not fine else None,
                               elements=TeSA.from_mask(c.assigned, group.bits)))
             cost += us

@@ -87,3 +87,27 @@ def test_cuda_target_plans_without_cpu_kernels():
     compiled = sparta.compile(torch.nn.Linear(64, 64).eval(), {"weight": TeSA.from_mask(block_mask((64, 64), 32, 0.5, 4))},
                               (torch.randn(8, 64),), target="cuda")
     assert compiled.plan.target == "cuda" and compiled.kernels == []
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, d=512):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_large_ops_share_one_generic_kernel_and_dismantle_can_be_forced():
+    torch.manual_seed(1)
+    model = TwoLayers().eval()
+    x = torch.randn(64, 512)
+    tesa = {"a.weight": block_mask((512, 512), 32, 0.25, 3), "b.weight": block_mask((512, 512), 32, 0.25, 4)}
+    compiled = sparta.compile(model, tesa, (x,), verify=True)
+    assert {k["dismantle"] for k in compiled.kernels} == {"none"}
+    assert len({k["key"] for k in compiled.kernels}) == 1, "both layers run the same generic kernel"
+    forced = sparta.compile(model, tesa, (x,), verify=True, dismantle="full")
+    assert {k["dismantle"] for k in forced.kernels} == {"full"}
+    assert len({k["key"] for k in forced.kernels}) == 2, "dismantled kernels are specialised per layer"
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), forced(x), rtol=1e-4, atol=1e-4)

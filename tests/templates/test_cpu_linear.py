@@ -96,3 +96,18 @@ def test_bad_specs():
         BlockLinearSpec(4, 16, 16, (16, 16), ((0,),), weight_bits=6)
     with pytest.raises(ValueError, match="dismantle"):
         BlockLinearSpec(4, 16, 16, (16, 16), ((0,),), dismantle="half")
+
+
+def test_generic_kernel_is_shared_by_every_sparsity_of_one_shape():
+    """dismantle="none" reads the block structure at run time: one build serves all layers."""
+    g = torch.Generator().manual_seed(11)
+    built = []
+    for density in (0.0, 0.3, 1.0):
+        keep = torch.rand(3, 2, generator=g) < density
+        spec = BlockLinearSpec(9, 96, 64, (32, 32), rows_of(keep), bias=True, activation="relu", dismantle="none")
+        spec = BlockLinearSpec(**{**spec.key(), "rows": spec.rows, "name": spec.generic_name()})
+        x, w, b = torch.randn(9, 64, generator=g), torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+        out, ref, _ = run(spec, x, w, b)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        built.append(build_cpu(block_linear, spec))
+    assert len({b.key for b in built}) == 1 and all(b.cached for b in built[1:])

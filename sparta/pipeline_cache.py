@@ -1,0 +1,88 @@
+"""Cache of propagation + transformation results, so an unchanged re-compile skips both.
+
+The key hashes everything those passes read: the graph's structure (ops, attributes,
+tensor names, shapes, dtypes, kinds), every TeSA after the user's TeSAs are attached,
+the target's hardware profile, the passes' options and the source of ``sparta.passes``.
+Weight *values* are not part of it: propagation and planning read only TeSAs (the
+kernels, which do pack the values, have their own cache). The entry holds every
+propagated TeSA (compact encoding), the propagation report and the plan JSON, in one
+file whose SHA-256 the kernel cache checks; a bad entry is recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+from .codegen import cache
+from .graph import Graph
+from .tesa import TeSA
+
+_LEN = struct.Struct("<Q")
+FILENAME = "pipeline.bin"
+
+
+@functools.lru_cache(maxsize=None)
+def _passes_digest() -> str:
+    """Hash of the passes' source and shipped profiles: edited rules never hit a stale entry."""
+    from . import passes
+    h = hashlib.sha256()
+    root = Path(passes.__file__).parent
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def pipeline_key(graph: Graph, target: str, options: dict) -> str:
+    """Content hash of what propagation and transformation depend on."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"target": target, "options": options, "passes": _passes_digest()},
+                        sort_keys=True, default=str).encode())
+    for op in graph.ops():
+        h.update(json.dumps([op.name, op.op, op.inputs, op.outputs, op.roles, str(op.target), op.attrs],
+                            sort_keys=True, default=repr).encode())
+    for v in graph.tensors():
+        h.update(f"{v.name}|{v.shape}|{v.dtype}|{v.kind}|{v.tesa.digest()}".encode())
+    return h.hexdigest()[:32]
+
+
+def load(key: str):
+    """(TeSAs by tensor name, propagation report JSON or None, plan JSON), or None on a miss.
+
+    A corrupt or unreadable entry counts as a miss and is removed."""
+    path = cache.lookup(key, FILENAME)
+    if path is None:
+        return None
+    try:
+        return _read(path)
+    except Exception:  # noqa: BLE001 - any decoding failure: recompute
+        cache.invalidate(key)
+        return None
+
+
+def store(key: str, graph: Graph, report: dict | None, plan: dict) -> None:
+    cache.store(key, FILENAME, lambda p: _write(p, graph, report, plan), {"kind": "pipeline"})
+
+
+def _read(path: Path):
+    blob = path.read_bytes()
+    (n,) = _LEN.unpack_from(blob)
+    index = json.loads(blob[_LEN.size:_LEN.size + n])
+    base = _LEN.size + n
+    tesas = {name: TeSA.from_bytes(blob[base + off:base + off + size]) for name, (off, size) in index["tesas"].items()}
+    return tesas, index.get("report"), index["plan"]
+
+
+def _write(path: Path, graph: Graph, report: dict | None, plan: dict) -> None:
+    chunks, index, off = [], {}, 0
+    for v in graph.tensors():
+        b = v.tesa.to_bytes()
+        index[v.name] = (off, len(b))
+        chunks.append(b)
+        off += len(b)
+    head = json.dumps({"tesas": index, "report": report, "plan": plan}).encode()
+    path.write_bytes(_LEN.pack(len(head)) + head + b"".join(chunks))
