@@ -1,0 +1,158 @@
+"""Build a CUDA kernel through TVM: CUDA C from TVM, cubins from nvcc, a JSON launch spec.
+
+Works on a machine without a GPU (nothing is run). The artifact is a folder in the
+kernel cache holding ``kernel.cu``, one ``kernel.<arch>.cubin`` per architecture and
+``launch.json`` (entry name, grid, block, dynamic shared memory, the arguments in launch
+order with dtype and shape, each cubin's SHA-256). ``sparta.runtime.cuda`` loads it
+without TVM.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CodegenError
+from . import cache
+from .tvm_env import tvm, versions
+
+ARCHS = ("sm_80", "sm_90")
+NVCC_FLAGS = ("-O3", "-diag-suppress", "177,550", "--expt-relaxed-constexpr")
+
+
+@dataclass
+class CudaArtifact:
+    path: Path          # the cache folder
+    launch: dict        # launch.json
+    cached: bool
+    build_s: float
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version() -> str:
+    exe = shutil.which("nvcc")
+    if exe is None:
+        raise CodegenError("building CUDA kernels needs nvcc (the CUDA toolkit) on PATH")
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    return out.strip().splitlines()[-1] if out else "?"
+
+
+def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
+    """``template(spec)`` (an IRModule with one PrimFunc ``spec.name``) → cached CUDA artifact."""
+    key = cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
+                           "archs": list(archs), "versions": versions(), "nvcc": nvcc_version(),
+                           "source": hashlib.sha256(inspect.getsource(inspect.getmodule(template)).encode())
+                           .hexdigest()[:16]})
+    t0 = time.perf_counter()
+    path = cache.lookup(key, "launch.json")
+    if path is not None:
+        launch = json.loads(path.read_text())
+        if _cubins_intact(path.parent, launch):
+            return CudaArtifact(path.parent, launch, True, time.perf_counter() - t0)
+        cache.invalidate(key)
+    mod = template(spec)
+    source, launch = _lower(mod, spec.name)
+
+    def write(launch_path: Path):
+        folder = launch_path.parent
+        (folder / "kernel.cu").write_text(source)
+        launch["cubins"] = {}
+        for arch in archs:
+            cubin = folder / f"kernel.{arch}.cubin"
+            _nvcc(folder / "kernel.cu", cubin, arch)
+            launch["cubins"][arch] = {"file": cubin.name, "sha256": cache.file_digest(cubin)}
+        launch_path.write_text(json.dumps(launch, indent=1))
+
+    path = cache.store(key, "launch.json", write, {"name": spec.name, "kind": "cuda"})
+    return CudaArtifact(path.parent, json.loads(path.read_text()), False, time.perf_counter() - t0)
+
+
+def _cubins_intact(folder: Path, launch: dict) -> bool:
+    for info in launch.get("cubins", {}).values():
+        f = folder / info["file"]
+        if not f.is_file() or cache.file_digest(f) != info["sha256"]:
+            return False
+    return bool(launch.get("cubins"))
+
+
+def _nvcc(src: Path, out: Path, arch: str) -> None:
+    nvcc_version()
+    r = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", *NVCC_FLAGS, str(src), "-o", str(out)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CodegenError(f"nvcc failed for {src.name} ({arch}):\n{r.stderr[-2000:]}")
+
+
+def _lower(mod, name: str) -> tuple[str, dict]:
+    """CUDA C of ``mod`` and its launch spec (from the lowered device function)."""
+    t = tvm()
+    from tvm import tirx
+    from tvm.tirx.build import split_host_device_mods
+
+    target = t.target.Target({"kind": "cuda", "arch": ARCHS[0]})
+    try:
+        with target:
+            ex = t.compile(mod, target=target)
+        source = ex.mod.imports[0].inspect_source()
+        bound = tirx.transform.BindTarget(target.with_host(t.target.Target("llvm")))(mod)
+        pipe, _, _ = tirx.get_tir_pipeline("default")
+        _, dev_mods = split_host_device_mods(pipe(bound))
+    except Exception as exc:  # noqa: BLE001 - report which kernel failed
+        raise CodegenError(f"TVM could not build CUDA kernel {name!r}: {exc}") from exc
+    kernels = [(gv.name_hint, f) for dm in dev_mods.values() for gv, f in dm.functions.items()]
+    if len(kernels) != 1:
+        raise CodegenError(f"kernel {name!r}: expected one device function, got {[k for k, _ in kernels]}")
+    entry, func = kernels[0]
+    extents = _thread_extents(func.body, {})
+    sig = re.search(rf"__global__ void (?:__launch_bounds__\(\d+\) )?{re.escape(entry)}\(([^)]*)\)", source)
+    if sig is None:
+        raise CodegenError(f"kernel {name!r}: entry {entry!r} not found in the CUDA source")
+    args = []
+    buffers = {p.name: p for p in mod[name].params}  # 0.27: params carry name, dtype, shape
+    for param in sig.group(1).split(","):
+        pname = param.strip().split()[-1]
+        bname = pname[:-4] if pname.endswith("_ptr") else pname
+        if bname not in buffers:
+            raise CodegenError(f"kernel {name!r}: parameter {pname!r} is not a buffer of the PrimFunc")
+        buf = buffers[bname]
+        args.append({"name": bname, "dtype": str(buf.dtype), "shape": [int(s) for s in buf.shape]})
+    launch = {"entry": entry, "name": name,
+              "grid": [extents.get(f"blockIdx.{a}", 1) for a in "xyz"],
+              "block": [extents.get(f"threadIdx.{a}", 1) for a in "xyz"],
+              "shared_bytes": int(extents.get("dyn_shared", 0)), "args": args,
+              "tvm": versions(), "nvcc": nvcc_version()}
+    return source, launch
+
+
+def _thread_extents(stmt, out: dict) -> dict:
+    from tvm import tirx
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent":
+        out[stmt.node.var.name] = int(stmt.value)
+    for field in ("body", "then_case", "else_case"):
+        child = getattr(stmt, field, None)
+        if isinstance(child, tirx.Stmt):
+            _thread_extents(child, out)
+    for s in getattr(stmt, "seq", None) or []:
+        _thread_extents(s, out)
+    return out
+
+
+def save_dir(artifact: CudaArtifact, dest: Path) -> Path:
+    """Copy an artifact folder (sources, cubins, launch spec) to ``dest``."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in artifact.path.iterdir():
+        if f.name != "meta.json":
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
+__all__ = ["build_cuda", "CudaArtifact", "ARCHS", "save_dir"]

@@ -1,0 +1,1 @@
+"""TVM-free runtimes for compiled kernels (CUDA through cuda-bindings)."""

@@ -1,0 +1,122 @@
+"""Launch sparta's CUDA kernels from torch without TVM: cuda-bindings' driver API.
+
+A kernel folder (``launch.json`` + ``kernel.<arch>.cubin``, see ``sparta.codegen.cuda_build``)
+is loaded into the current device's primary context, which torch has made current,
+and launched on torch's current stream, so it orders with torch's work and can be
+captured in a CUDA graph. Errors say what is wrong: no GPU, no cubin for this
+architecture, a cubin that fails to load, wrong argument shapes or dtypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import SpartaError
+
+
+class CudaRuntimeError(SpartaError):
+    """A CUDA kernel could not be loaded or launched."""
+
+
+_DTYPES = {"float16": torch.float16, "float32": torch.float32, "int8": torch.int8, "int32": torch.int32,
+           "uint8": torch.uint8, "bfloat16": torch.bfloat16}
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise CudaRuntimeError("running CUDA kernels needs cuda-bindings: pip install cuda-bindings") from exc
+    return driver
+
+
+def _check(result, what: str):
+    driver = _driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, msg = driver.cuGetErrorString(err)
+        raise CudaRuntimeError(f"{what}: {err.name if hasattr(err, 'name') else err} "
+                               f"({msg.decode() if isinstance(msg, bytes) else msg})")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def device_arch(device=None) -> str:
+    if not torch.cuda.is_available():
+        raise CudaRuntimeError("no CUDA GPU is available (torch.cuda.is_available() is False)")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+class CudaKernel:
+    """One compiled kernel, loaded lazily per device; call it with torch CUDA tensors."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        try:
+            self.launch = json.loads((self.folder / "launch.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise CudaRuntimeError(f"no readable launch.json in {self.folder}: {exc}") from exc
+        self.name = self.launch["name"]
+        self._functions = {}
+
+    def _function(self, device: int):
+        if device in self._functions:
+            return self._functions[device]
+        arch = device_arch(device)
+        info = self.launch.get("cubins", {}).get(arch)
+        if info is None:
+            raise CudaRuntimeError(f"kernel {self.name!r} has no cubin for {arch} "
+                                   f"(built for {sorted(self.launch.get('cubins', {}))})")
+        blob = (self.folder / info["file"]).read_bytes()
+        if hashlib.sha256(blob).hexdigest() != info["sha256"]:
+            raise CudaRuntimeError(f"kernel {self.name!r}: {info['file']} does not match its recorded SHA-256")
+        driver = _driver()
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.empty(1, device=f"cuda:{device}")  # torch makes the primary context current
+            module = _check(driver.cuModuleLoadData(blob), f"loading {info['file']} of {self.name!r}")
+            fn = _check(driver.cuModuleGetFunction(module, self.launch["entry"].encode()),
+                        f"finding {self.launch['entry']!r}")
+            shared = int(self.launch.get("shared_bytes", 0))
+            if shared > 48 * 1024:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _check(driver.cuFuncSetAttribute(fn, attr, shared), "raising the shared-memory limit")
+        self._functions[device] = (module, fn)
+        return self._functions[device]
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        specs = self.launch["args"]
+        if len(tensors) != len(specs):
+            raise CudaRuntimeError(f"kernel {self.name!r} takes {len(specs)} tensors "
+                                   f"({', '.join(a['name'] for a in specs)}), got {len(tensors)}")
+        device = None
+        for t, a in zip(tensors, specs):
+            if not isinstance(t, torch.Tensor) or not t.is_cuda:
+                raise CudaRuntimeError(f"kernel {self.name!r}: argument {a['name']} must be a CUDA tensor")
+            if t.dtype != _DTYPES[a["dtype"]] or list(t.shape) != a["shape"] or not t.is_contiguous():
+                raise CudaRuntimeError(f"kernel {self.name!r}: argument {a['name']} must be a contiguous "
+                                       f"{a['dtype']} tensor of shape {a['shape']}, got {t.dtype} "
+                                       f"{list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+            device = t.device.index if device is None else device
+            if t.device.index != device:
+                raise CudaRuntimeError(f"kernel {self.name!r}: all tensors must be on one device")
+        _, fn = self._function(device)
+        driver = _driver()
+        stream = torch.cuda.current_stream(device).cuda_stream
+        ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
+        params = (ctypes.c_void_p * len(ptrs))(*[ctypes.addressof(p) for p in ptrs])
+        gx, gy, gz = self.launch["grid"]
+        bx, by, bz = self.launch["block"]
+        _check(driver.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, int(self.launch.get("shared_bytes", 0)),
+                                     driver.CUstream(stream), ctypes.addressof(params), 0),
+               f"launching {self.name!r}")
+
+
+def argument_order(folder) -> list[str]:
+    """The launch order of a kernel's tensor arguments (as in launch.json)."""
+    return [a["name"] for a in json.loads((Path(folder) / "launch.json").read_text())["args"]]
