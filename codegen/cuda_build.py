@@ -10,7 +10,6 @@ without TVM.
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import json
 import re
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from ..errors import CodegenError
 from . import cache
+from .build import _source_digest
 from .tvm_env import tvm, versions
 
 ARCHS = ("sm_80", "sm_90")
@@ -49,8 +49,7 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     """``template(spec)`` (an IRModule with one PrimFunc ``spec.name``) → cached CUDA artifact."""
     key = cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
                            "archs": list(archs), "versions": versions(), "nvcc": nvcc_version(),
-                           "source": hashlib.sha256(inspect.getsource(inspect.getmodule(template)).encode())
-                           .hexdigest()[:16]})
+                           "source": _source_digest(inspect.getmodule(template))})
     t0 = time.perf_counter()
     path = cache.lookup(key, "launch.json")
     if path is not None:

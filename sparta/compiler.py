@@ -62,6 +62,8 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
 
     if target not in TARGETS:
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
+    if dismantle not in (None, "full", "tile", "none"):
+        raise SpartaError(f"dismantle must be 'full', 'tile', 'none' or None, got {dismantle!r}")
     if calibration is not None or quant_tolerance is not None:
         raise SpartaError("quantization calibration is not available yet (calibration/quant_tolerance)")
     timings = {}

@@ -50,6 +50,11 @@ def test_bad_tesa_inputs(tesa, match):
         sparta.compile(MLP().eval(), tesa, (torch.randn(2, 24),))
 
 
+def test_bad_dismantle_level():
+    with pytest.raises(sparta.SpartaError, match="dismantle"):
+        sparta.compile(MLP().eval(), {}, (torch.randn(2, 24),), dismantle="sometimes")
+
+
 def test_bad_target_and_inputs():
     with pytest.raises(SpartaError, match="unknown target"):
         sparta.compile(MLP().eval(), {}, (torch.randn(2, 24),), target="tpu")
