@@ -14,7 +14,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,22 +21,10 @@ import time
 
 import torch
 import transformers
-from common import save
+from common import interleaved, save
 
 import sparta
 from sparta import TeSA
-
-
-def interleaved(fns: dict, reps: int) -> dict:
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main():

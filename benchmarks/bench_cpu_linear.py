@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
 import torch
-from common import save
+from common import interleaved, save
 
 import sparta
 from sparta import TeSA
@@ -26,19 +25,6 @@ from sparta import TeSA
 
 def median_ms(fn, reps):
     return interleaved({"f": fn}, reps)["f"]
-
-
-def interleaved(fns: dict, reps: int) -> dict:
-    """Median ms of each function, calls interleaved so machine drift hits all alike."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def block_mask(n, k, block, density, gen):

@@ -6,13 +6,28 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def interleaved(fns: dict, reps: int) -> dict:
+    """Median ms of each function, calls interleaved so machine drift hits all alike."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def device_name() -> str:
