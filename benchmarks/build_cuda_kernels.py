@@ -1,10 +1,10 @@
 """Build sparta's CUDA kernels here (TVM + nvcc, no GPU needed) for the GPU machine, which has no TVM.
 
-    python benchmarks/build_cuda_kernels.py            # writes artifacts/cuda/<name>/
+    python benchmarks/build_cuda_kernels.py [--only NAME ...]     # writes artifacts/cuda/<name>/
 
-Each folder holds the CUDA source, cubins for sm_80 and sm_90 and launch.json;
-``tests/runtime/test_cuda_runtime.py`` and ``benchmarks/bench_cuda_gemm.py`` load them there
-through ``sparta.runtime.cuda`` (cuda-bindings).
+Each folder holds the CUDA source, cubins for sm_80 and sm_90 and launch.json; spec.json
+records the kernel's spec. ``tests/runtime/`` and ``benchmarks/bench_cuda_*.py`` load them
+on the GPU machine through ``sparta.runtime.cuda`` (cuda-bindings).
 """
 
 from __future__ import annotations
@@ -12,34 +12,73 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
-from sparta.codegen.cuda_build import build_cuda, save_dir
-from sparta.templates.cuda_gemm import GemmSpec, mma_gemm
+import torch
 
-GEMMS = {  # name: (M, N, K)
-    "gemm_small": (192, 128, 96),        # odd multiples of the tile: several CTAs, several K steps
-    "gemm_ffn1": (4096, 3072, 768),      # BERT-base FFN1, 4096 tokens
-    "gemm_ffn2": (4096, 768, 3072),      # BERT-base FFN2
-}
+from sparta.codegen.cuda_build import build_cuda, save_dir
+from sparta.templates.cuda_bsr import BsrSpec, bsr_linear
+
+FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 tokens: (M, N, K)
+DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, stages=4),
+               "t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
+               "t128x256k32": dict(bn=256, bk=32, tm=128, warps_m=2, warps_n=4, stages=4),
+               "t256x128k32": dict(bn=128, bk=32, tm=256, warps_m=4, warps_n=2, stages=3)}
+SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, stages=4),
+                "b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
+                "b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
+                "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3)}
+
+
+def _pattern(rows, cols, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(rows, cols, generator=g) < density
+    return tuple((int(r), int(c)) for r, c in torch.nonzero(mask).tolist())
+
+
+def kernels() -> dict[str, BsrSpec]:
+    specs = {
+        # correctness: odd M, partial last block row (N) and block column (K), every epilogue
+        "t_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu"),
+        "t_ragged_relu": BsrSpec(130, 100, 40, bn=32, bk=32, tm=64, warps_m=2, stages=2, act="relu"),
+        "t_const_nobias": BsrSpec(192, 128, 256, bn=32, bk=32, tm=64, warps_m=2, stages=3, bias=False,
+                                  table="const", pattern=_pattern(4, 8, 0.4, 0)),
+        "t_b64": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
+        "t_dense_tile": BsrSpec(256, 256, 128, **DENSE_TILES["t128x128k32"]),
+    }
+    for shape_name, (m, n, k) in (("ffn1", FFN1), ("ffn2", FFN2)):
+        for tile, kw in {**DENSE_TILES, **SPARSE_TILES}.items():
+            specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, **kw)
+    return {name: BsrSpec(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
     ap.add_argument("--only", nargs="*", help="names to build (default: all)")
+    ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
     out = Path(args.out)
-    for name, (m, n, k) in GEMMS.items():
-        if args.only and name not in args.only:
-            continue
-        art = build_cuda(mma_gemm, GemmSpec(m, n, k, name=name))
+    out.mkdir(parents=True, exist_ok=True)
+    todo = {n: s for n, s in kernels().items() if not args.only or n in args.only}
+
+    def one(item):
+        name, spec = item
+        t0 = time.perf_counter()
+        art = build_cuda(bsr_linear, spec)
         dest = out / name
         shutil.rmtree(dest, ignore_errors=True)
         save_dir(art, dest)
-        print(f"{name}: {m}x{n}x{k} grid {art.launch['grid']} block {art.launch['block']} "
-              f"({'cached' if art.cached else f'built in {art.build_s:.1f} s'}) -> {dest}")
-    (out / "index.json").write_text(json.dumps({n: dict(zip("mnk", s)) for n, s in GEMMS.items()}, indent=1))
+        (dest / "spec.json").write_text(json.dumps({**asdict(spec), "pattern": list(map(list, spec.pattern))}))
+        return name, art, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for name, art, dt in pool.map(one, todo.items()):
+            print(f"{name}: grid {art.launch['grid']} block {art.launch['block']} smem {art.launch['shared_bytes']} "
+                  f"({'cached' if art.cached else f'built in {dt:.1f} s'})", flush=True)
 
 
 if __name__ == "__main__":

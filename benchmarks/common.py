@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(os.environ.get("SPARTA_RESULTS", Path(__file__).parent / "results"))
 
 
 def interleaved(fns: dict, reps: int) -> dict:
@@ -28,6 +28,55 @@ def interleaved(fns: dict, reps: int) -> dict:
             fn()
             times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def gpu_kernel_us(fn, variants: int, reps: int = 5, per_graph: int = 40) -> float:
+    """Median µs of ``fn(i)`` on the GPU alone: ``per_graph`` calls (cycling ``i`` over
+    ``variants`` input sets, to defeat L2) captured in one CUDA graph and replayed; falls back
+    to CUDA events over back-to-back calls where the work cannot be captured."""
+    for i in range(variants):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = None
+    try:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            fn(0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(per_graph):
+                fn(i % variants)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - not capturable (host-side sparse setup): time eagerly
+        graph = None
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for i in range(per_graph):
+                fn(i % variants)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_graph)
+    return statistics.median(times)
+
+
+def gpu_wall_us(fn, variants: int, iters: int = 50) -> float:
+    """µs per call from the host's clock, synchronised at the end: what an eager caller waits."""
+    for i in range(variants):
+        fn(i)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(iters):
+        fn(i % variants)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / iters
 
 
 def device_name() -> str:

@@ -59,6 +59,8 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
         cache.invalidate(key)
     mod = template(spec)
     source, launch = _lower(mod, spec.name)
+    if hasattr(spec, "shared_bytes"):     # dynamic shared memory the template sized itself
+        launch["shared_bytes"] = int(spec.shared_bytes)
 
     def write(launch_path: Path):
         folder = launch_path.parent
@@ -116,13 +118,15 @@ def _lower(mod, name: str) -> tuple[str, dict]:
         raise CodegenError(f"kernel {name!r}: entry {entry!r} not found in the CUDA source")
     args = []
     buffers = {p.name: p for p in mod[name].params}  # 0.27: params carry name, dtype, shape
+    buffers.update({b.name: b for b in mod[name].buffer_map.values()} if hasattr(mod[name], "buffer_map") else {})
     for param in sig.group(1).split(","):
         pname = param.strip().split()[-1]
         bname = pname[:-4] if pname.endswith("_ptr") else pname
         if bname not in buffers:
             raise CodegenError(f"kernel {name!r}: parameter {pname!r} is not a buffer of the PrimFunc")
         buf = buffers[bname]
-        args.append({"name": bname, "dtype": str(buf.dtype), "shape": [int(s) for s in buf.shape]})
+        args.append({"name": bname, "dtype": str(buf.dtype), "shape": [int(s) if isinstance(s, tirx.IntImm) else None
+                                                                      for s in buf.shape]})
     launch = {"entry": entry, "name": name,
               "grid": [extents.get(f"blockIdx.{a}", 1) for a in "xyz"],
               "block": [extents.get(f"threadIdx.{a}", 1) for a in "xyz"],

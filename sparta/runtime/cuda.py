@@ -98,7 +98,8 @@ class CudaKernel:
         for t, a in zip(tensors, specs):
             if not isinstance(t, torch.Tensor) or not t.is_cuda:
                 raise CudaRuntimeError(f"kernel {self.name!r}: argument {a['name']} must be a CUDA tensor")
-            if t.dtype != _DTYPES[a["dtype"]] or list(t.shape) != a["shape"] or not t.is_contiguous():
+            shape_ok = t.dim() == len(a["shape"]) and all(e is None or e == d for e, d in zip(a["shape"], t.shape))
+            if t.dtype != _DTYPES[a["dtype"]] or not shape_ok or not t.is_contiguous():
                 raise CudaRuntimeError(f"kernel {self.name!r}: argument {a['name']} must be a contiguous "
                                        f"{a['dtype']} tensor of shape {a['shape']}, got {t.dtype} "
                                        f"{list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
@@ -115,6 +116,15 @@ class CudaKernel:
         _check(driver.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, int(self.launch.get("shared_bytes", 0)),
                                      driver.CUstream(stream), ctypes.addressof(params), 0),
                f"launching {self.name!r}")
+
+
+    def call(self, **tensors: torch.Tensor) -> None:
+        """Launch with tensors given by argument name; names the kernel does not take are ignored
+        (a constant table baked in, a bias the kernel was built without)."""
+        missing = [a["name"] for a in self.launch["args"] if a["name"] not in tensors]
+        if missing:
+            raise CudaRuntimeError(f"kernel {self.name!r}: missing arguments {missing}")
+        self(*[tensors[a["name"]] for a in self.launch["args"]])
 
 
 def argument_order(folder) -> list[str]:

@@ -1,0 +1,297 @@
+"""Block-sparse (and dense) fp16 tensor-core linear ``Y = act(X · Wᵀ + b)`` for CUDA, in TVMScript.
+
+``X`` is ``(M, K)`` fp16, ``W`` is ``(N, K)`` (a linear layer's weight) kept in blocks of
+``bn × bk``; ``Y`` is ``(M, N)`` fp16. One CTA computes a ``tm × bn`` tile of ``Y``: a block
+row of ``W`` against ``tm`` rows of ``X``, looping only over that row's kept blocks. The
+kept blocks are packed contiguously (``Wp``, ``(nnz, bn, bk)``) and visited through a
+table of (row, first packed block, count) per CTA row slot plus the blocks' K indices;
+slots are ordered by decreasing work so the heaviest rows start first.
+
+The table is either baked into the kernel as ``__constant__`` data (``table="const"``:
+dismantled at the tile level, one kernel per sparsity pattern) or passed as an int32
+argument (``table="arg"``: one kernel per shape, shared by every layer of that shape).
+Dense is the same kernel with every block kept (``bn`` = the CTA's N extent).
+
+Inside: ``cp.async`` multi-stage pipeline into XOR-swizzled shared memory (no bank
+conflicts for ``ldmatrix``), ``ldmatrix.x4`` fragments, ``mma.sync.m16n8k16`` fp32
+accumulation, fused bias + activation, fp16 stores. Rows past ``M`` and K past ``K``
+are zero-filled by the copy; columns past ``N`` are not stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+ACTIVATIONS = ("none", "relu", "gelu")
+
+
+@dataclass(frozen=True)
+class BsrSpec:
+    """Shape, block, tiling and epilogue of one kernel; ``pattern`` only for ``table="const"``."""
+    m: int
+    n: int
+    k: int
+    bn: int = 32
+    bk: int = 32
+    tm: int = 128
+    warps_m: int = 4
+    warps_n: int = 1
+    stages: int = 4
+    bias: bool = True
+    act: str = "none"
+    table: str = "arg"
+    pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
+    name: str = "bsr_linear"
+
+    def __post_init__(self):
+        bad = []
+        if min(self.m, self.n, self.k) <= 0:
+            bad.append("M, N, K must be positive")
+        if self.k % 8:
+            bad.append(f"K={self.k} must be a multiple of 8 (16-byte rows)")
+        if self.bk % 16 or self.bk > 128 or self.bn % 16:
+            bad.append(f"block {self.bn}x{self.bk}: bn must be a multiple of 16, bk of 16 up to 128")
+        if self.tm % (16 * self.warps_m) or self.bn % (16 * self.warps_n):
+            bad.append(f"tile {self.tm}x{self.bn} does not split into {self.warps_m}x{self.warps_n} warps "
+                       "of 16-multiples")
+        if self.act not in ACTIVATIONS:
+            bad.append(f"activation {self.act!r} not in {ACTIVATIONS}")
+        if self.table not in ("arg", "const"):
+            bad.append(f"table {self.table!r} must be 'arg' or 'const'")
+        if self.table == "const" and self.pattern_nnz() > 12000:
+            bad.append("too many blocks for a constant table (64 KiB); use table='arg'")
+        if self.stages < 2:
+            bad.append("stages must be >= 2")
+        if bad:
+            raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    @property
+    def row_blocks(self) -> int:
+        return -(-self.n // self.bn)
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k // self.bk)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * (self.tm + self.bn) * self.bk * 2
+
+    def pattern_nnz(self) -> int:
+        return len(self.pattern)
+
+    def key(self) -> dict:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "pattern"}
+        if self.table == "const":
+            d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
+        return d
+
+
+def block_mask_of(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """(row_blocks, k_blocks) bool: which ``bn × bk`` blocks of ``w`` hold a nonzero."""
+    n, k = w.shape
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=w.dtype, device=w.device)
+    pad[:n, :k] = w
+    return pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).ne(0).any(dim=(1, 3))
+
+
+def build_table(block_mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Table (int32: per slot row, first packed block, count; then the packed blocks' K
+    indices) and the packed order of kept blocks. Slots are sorted by decreasing count."""
+    mask = block_mask.cpu().bool()
+    counts = mask.sum(dim=1).tolist()
+    order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
+    head, kidx, packed = [], [], []
+    for r in order:
+        ks = torch.nonzero(mask[r]).flatten().tolist()
+        head += [r, len(packed), len(ks)]
+        packed += [(r, kb) for kb in ks]
+        kidx += ks
+    return torch.tensor(head + kidx, dtype=torch.int32), packed
+
+
+def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wp, table)``: the kept ``bn × bk`` blocks of ``w`` (zero-padded at the edges), fp16,
+    contiguous in table order, and the int32 table. ``Wp`` has at least one block."""
+    table, packed = build_table(block_mask)
+    n, k = w.shape
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=torch.float16, device=w.device)
+    pad[:n, :k] = w
+    blocks = pad.reshape(spec.row_blocks, spec.bn, spec.k_blocks, spec.bk).permute(0, 2, 1, 3)
+    if packed:
+        rows = torch.tensor([r for r, _ in packed], device=w.device)
+        cols = torch.tensor([c for _, c in packed], device=w.device)
+        wp = blocks[rows, cols].contiguous()
+    else:
+        wp = torch.zeros(1, spec.bn, spec.bk, dtype=torch.float16, device=w.device)
+    return wp, table.to(w.device)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None, bias: torch.Tensor | None,
+              act: str, bn: int, bk: int) -> torch.Tensor:
+    """What the kernel computes, in fp32 from the fp16 operands, rounded to fp16 at the end."""
+    w = w.float()
+    if block_mask is not None:
+        keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
+        w = w * keep.to(w.device)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    if act == "relu":
+        y = torch.relu(y)
+    elif act == "gelu":
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y.half()
+
+
+def argument_names(spec: BsrSpec) -> list[str]:
+    return ["X", "Wp", *(["B"] if spec.bias else []), *(["Tab"] if spec.table == "arg" else []), "Y"]
+
+
+def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
+    mask = torch.zeros(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
+    for r, c in spec.pattern:
+        mask[r, c] = True
+    values = build_table(mask)[0].tolist()
+    digest = hashlib.sha256(repr(values).encode()).hexdigest()[:12]
+    fn = f"sparta_tab_{digest}"
+    src = (f"__constant__ int {fn}_data[{len(values)}] = {{{', '.join(map(str, values))}}};\n"
+           f"__device__ __forceinline__ int {fn}(int i) {{ return {fn}_data[i]; }}\n")
+    return fn, src
+
+
+def bsr_linear(spec: BsrSpec):
+    """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm.script import tirx as T
+
+    M, N, K, BN, BK, TM, S = spec.m, spec.n, spec.k, spec.bn, spec.bk, spec.tm, spec.stages
+    NT, WM, WN = spec.threads, spec.warps_m, spec.warps_n
+    WTM, WTN = TM // WM, BN // WN            # warp tile
+    MI, NI = WTM // 16, WTN // 8             # mma tiles per warp: 16 rows x 8 cols each
+    R = spec.row_blocks
+    C = BK // 8                              # 16-byte chunks per shared row
+    RPL = max(1, 8 // C)                     # rows per 128-byte bank line
+    X_ELEMS, STAGE = TM * BK, (TM + BN) * BK
+    X_CHUNKS, W_CHUNKS = TM * C, BN * C
+    X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
+    HEAD = 3 * R
+    use_bias, act, const_tab = spec.bias, spec.act, spec.table == "const"
+    if const_tab:
+        tab_fn, tab_src = _const_table_source(spec)
+
+    def swz(row, chunk):                     # shared offset of a 16-byte chunk, XOR-swizzled
+        return row * BK + T.bitwise_xor(chunk, T.truncmod(T.truncdiv(row, RPL), C)) * 8
+
+    def tab(tab_buf, i):
+        if const_tab:
+            return T.cuda.func_call(tab_fn, i, source_code=tab_src, return_type="int32")
+        return tab_buf[i]
+
+    def epilogue(v, b):
+        if use_bias:
+            v = v + T.Cast("float32", b)
+        if act == "relu":
+            v = T.max(v, T.float32(0))
+        elif act == "gelu":
+            v = T.float32(0.5) * v * (T.float32(1) + T.tanh(T.float32(0.7978845608028654) *
+                                                            (v + T.float32(0.044715) * v * v * v)))
+        return T.Cast("float16", v)
+
+    @T.macro
+    def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):
+        # X[m0 : m0+TM, kb*BK : +BK] and packed block ``blk`` into ``stage``, 16 bytes per cp.async
+        for it in T.unroll(X_ITERS):
+            c = T.meta_var(tx + it * NT)
+            if X_CHUNKS % NT == 0 or c < X_CHUNKS:
+                r = T.meta_var(c // C)
+                kc = T.meta_var(kb * BK + (c % C) * 8)
+                ok = T.meta_var(T.Cast("uint32", T.if_then_else(T.And(m0 + r < M, kc < K), 16, 0)))
+                T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                    smem.ptr_to([stage * STAGE + swz(r, c % C)]),
+                    X.ptr_to([T.min(m0 + r, M - 1), T.min(kc, K - 8)]), 16, ok))
+        for it in T.unroll(W_ITERS):
+            c = T.meta_var(tx + it * NT)
+            if W_CHUNKS % NT == 0 or c < W_CHUNKS:
+                T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                    smem.ptr_to([stage * STAGE + X_ELEMS + swz(c // C, c % C)]),
+                    Wp.ptr_to([blk * (BN * BK) + c * 8]), 16))
+
+    @T.macro
+    def mma_stage(smem, acc, af, bf, lane, wr, wc, base):
+        for kk in T.unroll(BK // 16):
+            for mi in T.unroll(MI):
+                T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
+                    af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
+                    smem.ptr_to([base + swz(wr * WTM + mi * 16 + lane % 16, kk * 2 + lane // 16)])))
+            for nj in T.unroll(NI // 2):
+                T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
+                    bf[nj * 4], bf[nj * 4 + 1], bf[nj * 4 + 2], bf[nj * 4 + 3],
+                    smem.ptr_to([base + X_ELEMS + swz(wc * WTN + nj * 16 + (lane // 16) * 8 + lane % 8,
+                                                      kk * 2 + (lane // 8) % 2)])))
+            for mi in T.unroll(MI):
+                for ni in T.unroll(NI):
+                    T.evaluate(T.ptx["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"](
+                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
+                        af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
+                        bf[ni * 2], bf[ni * 2 + 1],
+                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
+
+    @T.prim_func
+    def kernel(x_h: T.handle, wp_h: T.handle, b_h: T.handle, tab_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        wlen = T.int32()
+        ntab = T.int32()
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Wp = T.match_buffer(wp_h, (wlen,), "float16")
+        B = T.match_buffer(b_h, (N,), "float16")
+        Tab = T.match_buffer(tab_h, (ntab,), "int32")
+        Y = T.match_buffer(y_h, (M, N), "float16")
+        bx = T.launch_thread("blockIdx.x", -(-M // TM))
+        by = T.launch_thread("blockIdx.y", R)
+        tx = T.launch_thread("threadIdx.x", NT)
+        smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
+        acc = T.alloc_buffer((MI * NI * 4,), "float32", scope="local")
+        af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
+        bf = T.alloc_buffer((NI * 2,), "uint32", scope="local")
+        lane = T.meta_var(tx % 32)
+        wr = T.meta_var(tx // 32 // WN)
+        wc = T.meta_var(tx // 32 % WN)
+        m0 = T.meta_var(bx * TM)
+        row = tab(Tab, by * 3)
+        first = tab(Tab, by * 3 + 1)
+        count = tab(Tab, by * 3 + 2)
+        for i in T.unroll(MI * NI * 4):
+            acc[i] = T.float32(0)
+        for s in T.unroll(S - 1):                      # prologue: stages 0 .. S-2 in flight
+            if s < count:
+                load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + first + s), first + s)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for t in T.serial(count):
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.tvm_storage_sync("shared")               # stage t landed; stage t-1 is free
+            if t + (S - 1) < count:
+                load_stage(smem, X, Wp, tx, m0, (t + (S - 1)) % S, tab(Tab, HEAD + first + t + (S - 1)),
+                           first + t + (S - 1))
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
+        T.evaluate(T.ptx["cp.async.wait_group"](0))
+        for mi in T.unroll(MI):
+            for ni in T.unroll(NI):
+                for h in T.unroll(2):
+                    for e in T.unroll(2):
+                        yr = T.meta_var(m0 + wr * WTM + mi * 16 + lane // 4 + h * 8)
+                        yc = T.meta_var(row * BN + wc * WTN + ni * 8 + (lane % 4) * 2 + e)
+                        if yr < M and yc < N:
+                            Y[yr, yc] = epilogue(acc[(mi * NI + ni) * 4 + h * 2 + e], B[T.min(yc, N - 1)])
+
+    return tvm.IRModule({spec.name: kernel})
