@@ -82,6 +82,7 @@ def dense_rows(bw, peak):
                 r["vs_cublas"] = res["cublas"]["kernel_us"] / r["kernel_us"]
             r["max_rel_err"] = errs.get(name)
         rows.append({"shape": shape, "m": m, "n": n, "k": k, "floor_us": floor, "results": res})
+        print("  " + " ".join(f"{k_}={v['tflops']:.0f}" for k_, v in res.items() if "tflops" in v))
         best = max((v["tflops"], k_) for k_, v in res.items() if k_ != "cublas" and "tflops" in v)
         print(f"dense {shape}: cuBLAS {res['cublas']['kernel_us']:.1f} us ({res['cublas']['tflops']:.0f} TFLOP/s); "
               f"best sparta {best[1]} {best[0]:.0f} TFLOP/s = {best[0] / res['cublas']['tflops']:.2f}x", flush=True)
@@ -145,6 +146,7 @@ def sparse_rows(bw, peak, sparsities, blocks):
                        "floor_us": floor, "floor_speedup": res["cublas"]["kernel_us"] / floor, "results": res}
                 rows.append(row)
                 sp_best = min((v["kernel_us"], k_) for k_, v in res.items() if k_.startswith("sparta") and "kernel_us" in v)
+                print("  " + " ".join(f"{k_}={v['kernel_us']:.1f}" for k_, v in res.items() if "kernel_us" in v))
                 print(f"{shape} {blk}x{blk} {sp}%: cuBLAS {res['cublas']['kernel_us']:.1f} us | "
                       f"{sp_best[1]} {sp_best[0]:.1f} us x{res['cublas']['kernel_us'] / sp_best[0]:.2f} "
                       f"(eager x{res[sp_best[1]]['speedup_eager']:.2f}) | floor x{row['floor_speedup']:.2f} | " +

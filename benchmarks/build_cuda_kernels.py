@@ -26,9 +26,13 @@ FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 toke
 DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, stages=4),
                "t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
                "t128x256k32": dict(bn=256, bk=32, tm=128, warps_m=2, warps_n=4, stages=4),
-               "t256x128k32": dict(bn=128, bk=32, tm=256, warps_m=4, warps_n=2, stages=3)}
+               "t256x128k32": dict(bn=128, bk=32, tm=256, warps_m=4, warps_n=2, stages=3),
+               "t128x128k32s3": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, stages=3),
+               "t256x128k64": dict(bn=128, bk=64, tm=256, warps_m=4, warps_n=2, stages=3)}
 SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, stages=4),
                 "b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
+                "b32_t64": dict(bn=32, bk=32, tm=64, warps_m=2, warps_n=1, stages=4),
+                "b32_t128w2": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
                 "b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
                 "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3)}
 

@@ -14,7 +14,8 @@ Dense is the same kernel with every block kept (``bn`` = the CTA's N extent).
 
 Inside: ``cp.async`` multi-stage pipeline into XOR-swizzled shared memory (no bank
 conflicts for ``ldmatrix``), ``ldmatrix.x4`` fragments, ``mma.sync.m16n8k16`` fp32
-accumulation, fused bias + activation, fp16 stores. Rows past ``M`` and K past ``K``
+accumulation, fused bias + activation, the fp16 tile staged through shared memory and
+written in coalesced 16-byte rows. Rows past ``M`` and K past ``K``
 are zero-filled by the copy; columns past ``N`` are not stored.
 """
 
@@ -82,7 +83,7 @@ class BsrSpec:
 
     @property
     def shared_bytes(self) -> int:
-        return self.stages * (self.tm + self.bn) * self.bk * 2
+        return max(self.stages * (self.tm + self.bn) * self.bk, self.tm * (self.bn + 8)) * 2
 
     def pattern_nnz(self) -> int:
         return len(self.pattern)
@@ -183,6 +184,9 @@ def bsr_linear(spec: BsrSpec):
     X_CHUNKS, W_CHUNKS = TM * C, BN * C
     X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
     HEAD = 3 * R
+    OUT_LD = BN + 8                          # padded row of the output tile: conflict-free half2 writes
+    OUT_CHUNKS = TM * (BN // 8)
+    OUT_ITERS = -(-OUT_CHUNKS // NT)
     use_bias, act, const_tab = spec.bias, spec.act, spec.table == "const"
     if const_tab:
         tab_fn, tab_src = _const_table_source(spec)
@@ -263,6 +267,7 @@ def bsr_linear(spec: BsrSpec):
         acc = T.alloc_buffer((MI * NI * 4,), "float32", scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NI * 2,), "uint32", scope="local")
+        kn = T.alloc_buffer((1,), "int32", scope="local")
         lane = T.meta_var(tx % 32)
         wr = T.meta_var(tx // 32 // WN)
         wc = T.meta_var(tx // 32 % WN)
@@ -276,22 +281,40 @@ def bsr_linear(spec: BsrSpec):
             if s < count:
                 load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + first + s), first + s)
             T.evaluate(T.ptx["cp.async.commit_group"]())
+        if S - 1 < count:                              # K index of the next block, read one step early
+            kn[0] = tab(Tab, HEAD + first + S - 1)
         for t in T.serial(count):
             T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
             T.tvm_storage_sync("shared")               # stage t landed; stage t-1 is free
             if t + (S - 1) < count:
-                load_stage(smem, X, Wp, tx, m0, (t + (S - 1)) % S, tab(Tab, HEAD + first + t + (S - 1)),
-                           first + t + (S - 1))
+                load_stage(smem, X, Wp, tx, m0, (t + (S - 1)) % S, kn[0], first + t + (S - 1))
+                if t + S < count:
+                    kn[0] = tab(Tab, HEAD + first + t + S)
             T.evaluate(T.ptx["cp.async.commit_group"]())
             mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
-        for mi in T.unroll(MI):
+        T.tvm_storage_sync("shared")                   # every warp is done with the stages
+        for mi in T.unroll(MI):                        # bias + activation, fp16 tile into shared
             for ni in T.unroll(NI):
                 for h in T.unroll(2):
                     for e in T.unroll(2):
-                        yr = T.meta_var(m0 + wr * WTM + mi * 16 + lane // 4 + h * 8)
-                        yc = T.meta_var(row * BN + wc * WTN + ni * 8 + (lane % 4) * 2 + e)
-                        if yr < M and yc < N:
-                            Y[yr, yc] = epilogue(acc[(mi * NI + ni) * 4 + h * 2 + e], B[T.min(yc, N - 1)])
+                        lr = T.meta_var(wr * WTM + mi * 16 + lane // 4 + h * 8)
+                        lc = T.meta_var(wc * WTN + ni * 8 + (lane % 4) * 2 + e)
+                        smem[lr * OUT_LD + lc] = epilogue(acc[(mi * NI + ni) * 4 + h * 2 + e],
+                                                          B[T.min(row * BN + lc, N - 1)])
+        T.tvm_storage_sync("shared")
+        for it in T.unroll(OUT_ITERS):                 # coalesced 16-byte rows out
+            c = T.meta_var(tx + it * NT)
+            if OUT_CHUNKS % NT == 0 or c < OUT_CHUNKS:
+                yr = T.meta_var(m0 + c // (BN // 8))
+                yc = T.meta_var(row * BN + (c % (BN // 8)) * 8)
+                if N % 8 == 0:
+                    if yr < M and yc < N:
+                        for v in T.vectorized(8):
+                            Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+                else:
+                    for v in T.unroll(8):
+                        if yr < M and yc + v < N:
+                            Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
 
     return tvm.IRModule({spec.name: kernel})
