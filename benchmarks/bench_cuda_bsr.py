@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_kernel_us, gpu_wall_us, save  # noqa: E402
+from common import bench_mask, gpu_kernel_us, gpu_wall_us, save  # noqa: E402
 
 from sparta.runtime.bsr_linear import BsrLinearOp, load_spec  # noqa: E402
 from sparta.templates.cuda_bsr import reference  # noqa: E402
@@ -38,10 +38,6 @@ def ceilings() -> tuple[float, float]:
     x = torch.randn(8192, 8192, device="cuda").half()
     us_mm = gpu_kernel_us(lambda i: x @ x, 1, per_graph=10)
     return 2 * a.numel() / us / 1e3, 2 * 8192 ** 3 / us_mm / 1e6
-
-
-def random_mask(rows, cols, density, gen):
-    return torch.rand(rows, cols, generator=gen) < density
 
 
 def expand(mask, bn, bk, n, k):
@@ -91,27 +87,28 @@ def dense_rows(bw, peak):
 
 def sparse_rows(bw, peak, sparsities, blocks):
     rows = []
-    gen = torch.Generator().manual_seed(0)
     for shape, (m, n, k) in SHAPES.items():
         xs = [torch.randn(m, k, device="cuda").half() for _ in range(SETS)]
         ys = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(SETS)]
         b = torch.randn(n, device="cuda").half()
         ws = [torch.randn(n, k, device="cuda").half() for _ in range(SETS)]
         for blk in blocks:
-            folders = sorted(ROOT.glob(f"{shape}_b{blk}_*"))
             for sp in sparsities:
                 density = 1 - sp / 100
-                masks = [random_mask(-(-n // blk), -(-k // blk), density, gen) for _ in range(SETS)]
+                masks = [bench_mask(-(-n // blk), -(-k // blk), density, f"{shape}-{blk}-{sp}-{i}") for i in range(SETS)]
+                configs = {f.name: [f] * SETS for f in sorted(ROOT.glob(f"{shape}_b{blk}_t*")) if "c_sp" not in f.name}
+                for f in sorted(ROOT.glob(f"{shape}_b{blk}_t*c_sp{sp}_s0")):      # patterns baked in
+                    configs[f.name[: -len("_s0")]] = [f.parent / f"{f.name[:-1]}{i}" for i in range(SETS)]
                 wm = [w * expand(mk, blk, blk, n, k).to(w.device) for w, mk in zip(ws, masks)]
                 fns = {"cublas": lambda i: F.linear(xs[i], ws[i], b)}
                 errs = {}
-                for folder in folders:
-                    spec = load_spec(folder)
-                    ops = [BsrLinearOp(folder, spec, ws[i], masks[i], b) for i in range(SETS)]
+                for cname, set_folders in configs.items():
+                    ops = [BsrLinearOp(f, load_spec(f), ws[i], masks[i], b) for i, f in enumerate(set_folders)]
                     ops[0](xs[0], out=ys[0])
                     ref = reference(xs[0], ws[0], masks[0], b, "none", blk, blk).float()
-                    errs[folder.name] = ((ys[0].float() - ref).abs().max() / ref.abs().max()).item()
-                    fns[f"sparta_{folder.name.split('_', 1)[1]}"] = (lambda ops: lambda i: ops[i](xs[i], out=ys[i]))(ops)
+                    key = f"sparta_{cname.split('_', 1)[1].replace(f'_sp{sp}', '')}"
+                    errs[key] = ((ys[0].float() - ref).abs().max() / ref.abs().max()).item()
+                    fns[key] = (lambda ops: lambda i: ops[i](xs[i], out=ys[i]))(ops)
                 try:
                     from torch.sparse._triton_ops import bsr_dense_mm
                     bsrs = [x.to_sparse_bsr((blk, blk)) for x in wm]
@@ -138,7 +135,8 @@ def sparse_rows(bw, peak, sparsities, blocks):
                     if "kernel_us" in r:
                         r["speedup_kernel"] = res["cublas"]["kernel_us"] / r["kernel_us"]
                         r["speedup_eager"] = res["cublas"]["eager_us"] / r["eager_us"]
-                    r["max_rel_err"] = errs.get(name.replace("sparta_", f"{shape}_"))
+                    if not isinstance(errs.get(name), str):
+                        r["max_rel_err"] = errs.get(name)
                 for name, e in errs.items():
                     if isinstance(e, str):
                         res[name] = {"error": e}

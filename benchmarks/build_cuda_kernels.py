@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from common import bench_mask  # noqa: E402  (benchmarks/ is the script's folder)
 from sparta.codegen.cuda_build import build_cuda, save_dir
 from sparta.templates.cuda_bsr import BsrSpec, bsr_linear
 
@@ -35,6 +36,9 @@ SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, sta
                 "b32_t128w2": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
                 "b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
                 "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3)}
+
+
+CONST_TILES, CONST_SPARSITIES, CONST_SETS = ("b32_t128w2", "b64_t128"), (90, 95), 4
 
 
 def _pattern(rows, cols, density, seed):
@@ -56,6 +60,15 @@ def kernels() -> dict[str, BsrSpec]:
     for shape_name, (m, n, k) in (("ffn1", FFN1), ("ffn2", FFN2)):
         for tile, kw in {**DENSE_TILES, **SPARSE_TILES}.items():
             specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, **kw)
+        for tile in CONST_TILES:                 # dismantled: the benchmark's block patterns baked in
+            kw = SPARSE_TILES[tile]
+            for sp in CONST_SPARSITIES:
+                for i in range(CONST_SETS):
+                    mask = bench_mask(-(-n // kw["bn"]), -(-k // kw["bk"]), 1 - sp / 100,
+                                      f"{shape_name}-{kw['bn']}-{sp}-{i}")
+                    pattern = tuple(map(tuple, torch.nonzero(mask).tolist()))
+                    specs[f"{shape_name}_{tile}c_sp{sp}_s{i}"] = BsrSpec(m, n, k, bias=True, table="const",
+                                                                        pattern=pattern, **kw)
     return {name: BsrSpec(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
 

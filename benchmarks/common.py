@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -28,6 +29,13 @@ def interleaved(fns: dict, reps: int) -> dict:
             fn()
             times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_mask(rows: int, cols: int, density: float, tag: str) -> torch.Tensor:
+    """A seeded random block mask, the same on every machine (kernels with the pattern baked in
+    are built on one machine and benchmarked on another)."""
+    g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))
+    return torch.rand(rows, cols, generator=g) < density
 
 
 def gpu_kernel_us(fn, variants: int, reps: int = 5, per_graph: int = 40) -> float:

@@ -48,6 +48,7 @@ class BsrLinearOp:
         dev = weight.device
         self.wp, self.table = pack_weight(weight.half(), spec, block_mask)
         self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(spec.n, dtype=torch.float16, device=dev)
+        self._prepared = None
         self.density = float(block_mask.float().mean()) if block_mask.numel() else 0.0
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,7 +57,10 @@ class BsrLinearOp:
             raise CudaRuntimeError(f"{s.name}: input must be a contiguous fp16 ({s.m}, {s.k}) tensor, "
                                    f"got {x.dtype} {tuple(x.shape)}")
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out
-        self.kernel.call(X=x, Wp=self.wp.view(-1), B=self.bias, Tab=self.table, Y=y)
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(X=x, Wp=self.wp.view(-1), B=self.bias, Tab=self.table, Y=y)
+        else:
+            self._prepared.launch(X=x, Y=y)
         return y
 
 

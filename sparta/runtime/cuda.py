@@ -127,6 +127,47 @@ class CudaKernel:
         self(*[tensors[a["name"]] for a in self.launch["args"]])
 
 
+    def prepare(self, **tensors: torch.Tensor) -> PreparedLaunch:
+        """Check every argument once; the result launches again with only some tensors swapped."""
+        self.call(**tensors)          # full checks, loads the module
+        return PreparedLaunch(self, tensors)
+
+
+class PreparedLaunch:
+    """A launch whose arguments were checked once: ``launch(X=x, Y=y)`` swaps same-shaped
+    tensors in and launches on the current stream with a few µs of host work."""
+
+    def __init__(self, kernel: CudaKernel, tensors: dict):
+        self.kernel = kernel
+        names = [a["name"] for a in kernel.launch["args"]]
+        self.index = {n: i for i, n in enumerate(names)}
+        self.meta = {n: (tensors[n].shape, tensors[n].dtype) for n in names}
+        self.keep = [tensors[n] for n in names]             # keeps the static tensors alive
+        self.device = self.keep[0].device.index
+        self.fn = kernel._functions[self.device][1]
+        self.values = [ctypes.c_void_p(t.data_ptr()) for t in self.keep]
+        self.params = (ctypes.c_void_p * len(names))(*[ctypes.addressof(v) for v in self.values])
+        self.grid, self.block = kernel.launch["grid"], kernel.launch["block"]
+        self.shared = int(kernel.launch.get("shared_bytes", 0))
+        self.driver = _driver()
+
+    def launch(self, **tensors: torch.Tensor) -> None:
+        for name, t in tensors.items():
+            i = self.index[name]
+            shape, dtype = self.meta[name]
+            if t.shape != shape or t.dtype != dtype or not t.is_cuda or t.device.index != self.device \
+                    or not t.is_contiguous():
+                raise CudaRuntimeError(f"kernel {self.kernel.name!r}: argument {name} must be a contiguous "
+                                       f"{dtype} CUDA tensor of shape {list(shape)} on cuda:{self.device}")
+            self.keep[i] = t
+            self.values[i].value = t.data_ptr()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        err, = self.driver.cuLaunchKernel(self.fn, *self.grid, *self.block, self.shared, self.driver.CUstream(stream),
+                                          ctypes.addressof(self.params), 0)
+        if err != self.driver.CUresult.CUDA_SUCCESS:
+            _check((err,), f"launching {self.kernel.name!r}")
+
+
 def argument_order(folder) -> list[str]:
     """The launch order of a kernel's tensor arguments (as in launch.json)."""
     return [a["name"] for a in json.loads((Path(folder) / "launch.json").read_text())["args"]]

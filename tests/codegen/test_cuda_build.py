@@ -1,38 +1,90 @@
-"""Compile-only CUDA build (no GPU needed): TVM emits CUDA C, nvcc builds cubins, launch spec is right."""
+"""Compile-only CUDA builds (no GPU needed): TVM emits CUDA C, nvcc builds cubins, the launch spec is right."""
 
 import json
 import shutil
 
 import pytest
+import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
-from sparta.templates.cuda_gemm import GemmSpec, mma_gemm
+from sparta.templates.cuda_bsr import BsrSpec, block_mask_of, bsr_linear, build_table, pack_weight, reference
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
 
-def test_gemm_template_builds_cubins_for_every_arch(tmp_path, monkeypatch):
+@needs_nvcc
+def test_bsr_template_builds_cubins_for_every_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = GemmSpec(128, 192, 64, name="probe_gemm")
-    art = build_cuda(mma_gemm, spec)
+    spec = BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", name="probe_bsr")
+    art = build_cuda(bsr_linear, spec)
     src = (art.path / "kernel.cu").read_text()
-    assert "mma.sync.aligned.m16n8k16" in src and "ldmatrix" in src, "tensor-core instructions are emitted"
+    for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4",
+                  "cp.async.cg.shared.global", "cp.async.wait_group", "uint4"):
+        assert instr in src, f"{instr} is emitted"
     launch = json.loads((art.path / "launch.json").read_text())
     assert sorted(launch["cubins"]) == sorted(ARCHS)
     for info in launch["cubins"].values():
         assert (art.path / info["file"]).read_bytes()[:4] == b"\x7fELF"
-    assert sorted(a["name"] for a in launch["args"]) == ["W", "X", "Y"]
     shapes = {a["name"]: (a["dtype"], a["shape"]) for a in launch["args"]}
-    assert shapes == {"X": ("float16", [128, 64]), "W": ("float16", [192, 64]), "Y": ("float32", [128, 192])}
-    assert launch["grid"][0] * launch["grid"][1] == (128 // 64) * (192 // 64)
-    assert launch["block"][0] * launch["block"][1] == 128
-    again = build_cuda(mma_gemm, spec)
+    assert shapes == {"X": ("float16", [200, 72]), "Wp": ("float16", [None]), "B": ("float16", [96]),
+                      "Tab": ("int32", [None]), "Y": ("float16", [200, 96])}
+    assert launch["grid"][:2] == [-(-200 // 64), 3] and launch["block"][0] == 64
+    assert launch["shared_bytes"] == spec.shared_bytes > 0
+    again = build_cuda(bsr_linear, spec)
     assert again.cached and again.path == art.path
     (art.path / launch["cubins"]["sm_90"]["file"]).write_bytes(b"corrupt")
-    rebuilt = build_cuda(mma_gemm, spec)
-    assert not rebuilt.cached, "a damaged cubin is rebuilt"
+    assert not build_cuda(bsr_linear, spec).cached, "a damaged cubin is rebuilt"
 
 
-def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="multiples"):
-        GemmSpec(100, 64, 32)
+@needs_nvcc
+def test_constant_table_is_baked_and_unused_arguments_vanish(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    pattern = ((0, 1), (1, 0), (1, 3), (3, 2))
+    spec = BsrSpec(64, 128, 128, bn=32, bk=32, tm=64, warps_m=2, stages=2, bias=False, table="const",
+                   pattern=pattern, name="probe_const")
+    art = build_cuda(bsr_linear, spec)
+    src = (art.path / "kernel.cu").read_text()
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    for r, c in pattern:
+        mask[r, c] = True
+    values = build_table(mask)[0].tolist()
+    assert "__constant__ int" in src and ", ".join(map(str, values)) in src
+    assert [a["name"] for a in art.launch["args"]] == ["Wp", "X", "Y"]
+    other = BsrSpec(**{**spec.__dict__, "pattern": ((0, 0),)})
+    assert build_cuda(bsr_linear, other).path != art.path, "another pattern is another kernel"
+
+
+def test_table_orders_rows_by_work_and_packs_kept_blocks():
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0], [0, 1, 1]], dtype=torch.bool)
+    table, packed = build_table(mask)
+    head = table[:12].reshape(4, 3).tolist()
+    assert head == [[1, 0, 3], [3, 3, 2], [0, 5, 1], [2, 6, 0]]       # (row, first, count), heaviest first
+    assert table[12:].tolist() == [0, 1, 2, 1, 2, 0]
+    assert packed == [(1, 0), (1, 1), (1, 2), (3, 1), (3, 2), (0, 0)]
+    spec = BsrSpec(4 * 16, 4 * 16, 3 * 16, bn=16, bk=16, tm=64, warps_m=4)
+    w = torch.randn(64, 48)
+    wp, tab = pack_weight(w, spec, mask)
+    assert wp.shape == (6, 16, 16) and torch.equal(tab, table)
+    assert torch.equal(wp[3], w[48:64, 16:32].half())
+
+
+def test_block_mask_and_reference_agree_with_dense_math():
+    w = torch.randn(40, 24)
+    w[:16] = 0                                                         # first block row (bn=16) empty
+    mask = block_mask_of(w, 16, 16)
+    assert mask.shape == (3, 2) and not mask[0].any() and mask[1:].all()
+    x, b = torch.randn(5, 24).half(), torch.randn(40).half()
+    y = reference(x, w.half(), mask, b, "relu", 16, 16)
+    torch.testing.assert_close(y.float(), torch.relu(x.float() @ w.half().float().t() + b.float()),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        BsrSpec(64, 64, 30)
+    with pytest.raises(ValueError, match="split into"):
+        BsrSpec(64, 64, 64, bn=32, tm=64, warps_m=3)
+    with pytest.raises(ValueError, match="activation"):
+        BsrSpec(64, 64, 64, act="swish")
+    with pytest.raises(ValueError, match="table"):
+        BsrSpec(64, 64, 64, table="rom")
