@@ -82,6 +82,11 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         t0 = time.perf_counter()
         replacements, kernels = specialize(graph, plan, target)
         timings["codegen"] = time.perf_counter() - t0
+    elif target == "cuda":
+        from .codegen.specialize_cuda import specialize_cuda
+        t0 = time.perf_counter()
+        replacements, kernels = specialize_cuda(graph, plan)
+        timings["codegen"] = time.perf_counter() - t0
     compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
                              kernels=kernels)
     if verify:

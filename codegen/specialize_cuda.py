@@ -1,0 +1,106 @@
+"""Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel.
+
+Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
+sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
+covered by the template's square blocks of the plan's largest block side (32 or 64); the
+block list goes in a table argument, so ops of one shape share one kernel. Ops the template
+cannot take (K not a multiple of 8, conv, a full-matrix addend) stay torch ops, with the
+reason in the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..graph import Graph, Op
+from ..passes.transform.plan import OpPlan, Plan
+from ..passes.transform.transform_op import gemm_view
+from ..templates.cuda_bsr import BsrSpec, block_mask_of, bsr_linear
+from .cuda_build import build_cuda
+from .specialize import _fusable_activation, _weight_matrix
+
+TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),    # measured best (RESULTS.md)
+         64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
+FUSED = {"relu": "relu"}                                                      # the kernel's gelu is the tanh form
+
+
+class SparseLinearCUDA(torch.nn.Module):
+    """Runs one op's ``bsr_linear`` kernel (built for ``spec``) on CUDA fp16 inputs."""
+
+    def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, weight: torch.Tensor,
+                 block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple):
+        super().__init__()
+        self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], folder, spec
+        self.register_buffer("weight", weight.half())
+        self.register_buffer("block_mask", block_mask)
+        self.register_buffer("bias", bias.half() if bias is not None else torch.zeros(spec.n, dtype=torch.float16))
+        self.out_shape = tuple(out_shape)
+        self._op = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..runtime.bsr_linear import BsrLinearOp
+        from ..runtime.cuda import CudaRuntimeError
+        if not x.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
+                                   "(compiled.to('cuda'))")
+        if self._op is None:
+            self._op = BsrLinearOp(self.folder, self.spec, self.weight, self.block_mask, self.bias)
+        y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
+        return y.reshape(self.out_shape).to(x.dtype)
+
+
+def specialize_cuda(graph: Graph, plan: Plan):
+    """Build a kernel for every sparse GEMM of ``plan``; returns (replacements, kernel report rows)."""
+    replacements, report = {}, []
+    for op_plan in plan.ops.values():
+        if op_plan.kind != "sparse":
+            continue
+        op = graph.op(op_plan.op)
+        built = _build_op(graph, op, op_plan)
+        if isinstance(built, str):
+            report.append({"op": op.name, "template": "torch", "blocks": "-", "bits": "W16A16", "dismantle": "-",
+                           "build_s": 0.0, "cached": False, "code_bytes": 0, "key": built})
+            continue
+        module, row, fused = built
+        replacements[op.name] = module
+        if fused is not None:
+            from .cpu_modules import Passthrough
+            replacements[fused.name] = Passthrough(fused.inputs[0])
+        report.append(row)
+    return replacements, report
+
+
+def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
+    view = gemm_view(graph, op)
+    if view is None or op.op not in ("linear", "addmm", "mm", "matmul"):
+        return f"not a GEMM the CUDA template takes ({op.op})"
+    x_name, _, _, m, n, k = view
+    if k % 8:
+        return f"K={k} is not a multiple of 8"
+    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias = graph.tensor(bias_name).data if bias_name else None
+    if bias is not None and tuple(bias.shape) != (n,):
+        return "bias is not a vector"
+    side = 64 if max((max(s.block) for s in op_plan.subops if s.block is not None), default=32) >= 64 else 32
+    keep = torch.zeros(n, k, dtype=torch.bool)
+    for s in op_plan.subops:
+        keep |= s.elements.mask.reshape(n, k)
+    weight = _weight_matrix(graph, op) * keep
+    if bias is not None:
+        bias = bias.float() * graph.tesa(bias_name).mask.float()
+    fused = _fusable_activation(graph, op, op_plan, single=True)
+    act = FUSED.get(fused.op) if fused is not None else None
+    fused = fused if act else None
+    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", **TILES[side])
+    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_b{side}_{act or 'none'}{'_bias' if spec.bias else ''}")
+    art = build_cuda(bsr_linear, spec)
+    mask = block_mask_of(weight, side, side)
+    out_shape = graph.tensor(op.outputs[0]).shape
+    module = SparseLinearCUDA(op.name, x_name, str(art.path), spec, weight, mask, bias, out_shape)
+    row = {"op": op.name, "template": "bsr_linear", "blocks": f"{int(mask.sum())}x{side}x{side}", "bits": "W16A16",
+           "dismantle": "tile (table argument)", "build_s": round(art.build_s, 3), "cached": art.cached,
+           "code_bytes": sum((art.path / c["file"]).stat().st_size for c in art.launch["cubins"].values()),
+           "key": art.path.name, "artifact": str(art.path)}
+    return module, row, fused
