@@ -21,7 +21,7 @@ import torch
 
 from common import bench_mask  # noqa: E402  (benchmarks/ is the script's folder)
 from sparta.codegen.cuda_build import build_cuda, save_dir
-from sparta.templates.cuda_bsr import BsrSpec, bsr_linear
+from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 
 FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 tokens: (M, N, K)
 DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, stages=4),
@@ -33,18 +33,16 @@ DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, 
 SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, stages=4),
                 "b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
                 "b32_t64": dict(bn=32, bk=32, tm=64, warps_m=2, warps_n=1, stages=4),
-                "b32_t128w2": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
-                "b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
+                "b32_t128w2": TUNED_TILES[32],
+                "b64_t128": TUNED_TILES[64],
                 "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3)}
 
 
 CONST_TILES, CONST_SPARSITIES, CONST_SETS = ("b32_t128w2", "b64_t128"), (90, 95), 4
 
 
-def _pattern(rows, cols, density, seed):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(rows, cols, generator=g) < density
-    return tuple((int(r), int(c)) for r, c in torch.nonzero(mask).tolist())
+def _pattern(mask: torch.Tensor) -> tuple:
+    return tuple(map(tuple, torch.nonzero(mask).tolist()))
 
 
 def kernels() -> dict[str, BsrSpec]:
@@ -53,7 +51,7 @@ def kernels() -> dict[str, BsrSpec]:
         "t_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu"),
         "t_ragged_relu": BsrSpec(130, 100, 40, bn=32, bk=32, tm=64, warps_m=2, stages=2, act="relu"),
         "t_const_nobias": BsrSpec(192, 128, 256, bn=32, bk=32, tm=64, warps_m=2, stages=3, bias=False,
-                                  table="const", pattern=_pattern(4, 8, 0.4, 0)),
+                                  table="const", pattern=_pattern(bench_mask(4, 8, 0.4, "t_const"))),
         "t_b64": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
         "t_dense_tile": BsrSpec(256, 256, 128, **DENSE_TILES["t128x128k32"]),
     }
@@ -66,9 +64,8 @@ def kernels() -> dict[str, BsrSpec]:
                 for i in range(CONST_SETS):
                     mask = bench_mask(-(-n // kw["bn"]), -(-k // kw["bk"]), 1 - sp / 100,
                                       f"{shape_name}-{kw['bn']}-{sp}-{i}")
-                    pattern = tuple(map(tuple, torch.nonzero(mask).tolist()))
                     specs[f"{shape_name}_{tile}c_sp{sp}_s{i}"] = BsrSpec(m, n, k, bias=True, table="const",
-                                                                        pattern=pattern, **kw)
+                                                                        pattern=_pattern(mask), **kw)
     return {name: BsrSpec(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
 

@@ -118,7 +118,6 @@ def _lower(mod, name: str) -> tuple[str, dict]:
         raise CodegenError(f"kernel {name!r}: entry {entry!r} not found in the CUDA source")
     args = []
     buffers = {p.name: p for p in mod[name].params}  # 0.27: params carry name, dtype, shape
-    buffers.update({b.name: b for b in mod[name].buffer_map.values()} if hasattr(mod[name], "buffer_map") else {})
     for param in sig.group(1).split(","):
         pname = param.strip().split()[-1]
         bname = pname[:-4] if pname.endswith("_ptr") else pname

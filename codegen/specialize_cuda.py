@@ -17,12 +17,10 @@ import torch
 from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
-from ..templates.cuda_bsr import BsrSpec, block_mask_of, bsr_linear
+from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, block_mask_of, bsr_linear
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
 
-TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),    # measured best (RESULTS.md)
-         64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
 FUSED = {"relu": "relu"}                                                      # the kernel's gelu is the tanh form
 
 
@@ -93,7 +91,7 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     fused = _fusable_activation(graph, op, op_plan, single=True)
     act = FUSED.get(fused.op) if fused is not None else None
     fused = fused if act else None
-    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", **TILES[side])
+    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", **TUNED_TILES[side])
     spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_b{side}_{act or 'none'}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
     mask = block_mask_of(weight, side, side)

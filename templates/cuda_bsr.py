@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 ACTIVATIONS = ("none", "relu", "gelu")
+# measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
+TUNED_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
+               64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,13 @@ class BsrSpec:
 
     def pattern_nnz(self) -> int:
         return len(self.pattern)
+
+    def pattern_mask(self) -> torch.Tensor:
+        """The baked ``pattern`` as a (row_blocks, k_blocks) bool mask."""
+        mask = torch.zeros(self.row_blocks, self.k_blocks, dtype=torch.bool)
+        for r, c in self.pattern:
+            mask[r, c] = True
+        return mask
 
     def key(self) -> dict:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "pattern"}
@@ -157,10 +167,7 @@ def argument_names(spec: BsrSpec) -> list[str]:
 
 
 def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
-    mask = torch.zeros(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
-    for r, c in spec.pattern:
-        mask[r, c] = True
-    values = build_table(mask)[0].tolist()
+    values = build_table(spec.pattern_mask())[0].tolist()
     digest = hashlib.sha256(repr(values).encode()).hexdigest()[:12]
     fn = f"sparta_tab_{digest}"
     src = (f"__constant__ int {fn}_data[{len(values)}] = {{{', '.join(map(str, values))}}};\n"

@@ -38,10 +38,7 @@ class BsrLinearOp:
             block_mask = block_mask_of(weight, spec.bn, spec.bk)
         block_mask = block_mask.bool().cpu()
         if spec.table == "const":
-            baked = torch.zeros_like(block_mask)
-            for r, c in spec.pattern:
-                baked[r, c] = True
-            if not torch.equal(baked, block_mask):
+            if not torch.equal(spec.pattern_mask(), block_mask):
                 raise CudaRuntimeError(f"{spec.name}: the block mask differs from the pattern baked into the kernel")
         if spec.bias and bias is None:
             raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")

@@ -90,6 +90,26 @@ class CudaKernel:
         return self._functions[device]
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        self._checked(tensors).launch()
+
+    def call(self, **tensors: torch.Tensor) -> None:
+        """Launch with tensors given by argument name; names the kernel does not take are ignored
+        (a constant table baked in, a bias the kernel was built without)."""
+        self(*self._ordered(tensors))
+
+    def prepare(self, **tensors: torch.Tensor) -> PreparedLaunch:
+        """Check every argument once and launch; the result launches again with only some tensors swapped."""
+        prepared = self._checked(self._ordered(tensors))
+        prepared.launch()
+        return prepared
+
+    def _ordered(self, tensors: dict) -> list:
+        missing = [a["name"] for a in self.launch["args"] if a["name"] not in tensors]
+        if missing:
+            raise CudaRuntimeError(f"kernel {self.name!r}: missing arguments {missing}")
+        return [tensors[a["name"]] for a in self.launch["args"]]
+
+    def _checked(self, tensors) -> PreparedLaunch:
         specs = self.launch["args"]
         if len(tensors) != len(specs):
             raise CudaRuntimeError(f"kernel {self.name!r} takes {len(specs)} tensors "
@@ -107,45 +127,21 @@ class CudaKernel:
             if t.device.index != device:
                 raise CudaRuntimeError(f"kernel {self.name!r}: all tensors must be on one device")
         _, fn = self._function(device)
-        driver = _driver()
-        stream = torch.cuda.current_stream(device).cuda_stream
-        ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
-        params = (ctypes.c_void_p * len(ptrs))(*[ctypes.addressof(p) for p in ptrs])
-        gx, gy, gz = self.launch["grid"]
-        bx, by, bz = self.launch["block"]
-        _check(driver.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, int(self.launch.get("shared_bytes", 0)),
-                                     driver.CUstream(stream), ctypes.addressof(params), 0),
-               f"launching {self.name!r}")
-
-
-    def call(self, **tensors: torch.Tensor) -> None:
-        """Launch with tensors given by argument name; names the kernel does not take are ignored
-        (a constant table baked in, a bias the kernel was built without)."""
-        missing = [a["name"] for a in self.launch["args"] if a["name"] not in tensors]
-        if missing:
-            raise CudaRuntimeError(f"kernel {self.name!r}: missing arguments {missing}")
-        self(*[tensors[a["name"]] for a in self.launch["args"]])
-
-
-    def prepare(self, **tensors: torch.Tensor) -> PreparedLaunch:
-        """Check every argument once; the result launches again with only some tensors swapped."""
-        self.call(**tensors)          # full checks, loads the module
-        return PreparedLaunch(self, tensors)
+        return PreparedLaunch(self, fn, list(tensors))
 
 
 class PreparedLaunch:
     """A launch whose arguments were checked once: ``launch(X=x, Y=y)`` swaps same-shaped
     tensors in and launches on the current stream with a few µs of host work."""
 
-    def __init__(self, kernel: CudaKernel, tensors: dict):
-        self.kernel = kernel
+    def __init__(self, kernel: CudaKernel, fn, tensors: list):
+        self.kernel, self.fn = kernel, fn
         names = [a["name"] for a in kernel.launch["args"]]
         self.index = {n: i for i, n in enumerate(names)}
-        self.meta = {n: (tensors[n].shape, tensors[n].dtype) for n in names}
-        self.keep = [tensors[n] for n in names]             # keeps the static tensors alive
-        self.device = self.keep[0].device.index
-        self.fn = kernel._functions[self.device][1]
-        self.values = [ctypes.c_void_p(t.data_ptr()) for t in self.keep]
+        self.meta = {n: (t.shape, t.dtype) for n, t in zip(names, tensors)}
+        self.keep = tensors                                  # keeps the tensors alive
+        self.device = tensors[0].device.index
+        self.values = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
         self.params = (ctypes.c_void_p * len(names))(*[ctypes.addressof(v) for v in self.values])
         self.grid, self.block = kernel.launch["grid"], kernel.launch["block"]
         self.shared = int(kernel.launch.get("shared_bytes", 0))
@@ -161,11 +157,9 @@ class PreparedLaunch:
                                        f"{dtype} CUDA tensor of shape {list(shape)} on cuda:{self.device}")
             self.keep[i] = t
             self.values[i].value = t.data_ptr()
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        err, = self.driver.cuLaunchKernel(self.fn, *self.grid, *self.block, self.shared, self.driver.CUstream(stream),
-                                          ctypes.addressof(self.params), 0)
-        if err != self.driver.CUresult.CUDA_SUCCESS:
-            _check((err,), f"launching {self.kernel.name!r}")
+        stream = self.driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        _check(self.driver.cuLaunchKernel(self.fn, *self.grid, *self.block, self.shared, stream,
+                                          ctypes.addressof(self.params), 0), f"launching {self.kernel.name!r}")
 
 
 def argument_order(folder) -> list[str]:

@@ -22,10 +22,7 @@ pytestmark = [pytest.mark.cuda,
 def _mask(spec, density):
     from sparta.templates.cuda_bsr import BsrSpec
     if spec.table == "const":
-        mask = torch.zeros(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
-        for r, c in spec.pattern:
-            mask[r, c] = True
-        return mask
+        return spec.pattern_mask()
     assert isinstance(spec, BsrSpec)
     return torch.rand(spec.row_blocks, spec.k_blocks) < density
 
