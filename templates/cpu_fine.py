@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .epilogue import tir_activation, torch_activation
+from .epilogue import tir_activation, torch_epilogue
 
 PM = 32  # rows per panel: the vector tile
 
@@ -96,12 +96,7 @@ def reference(spec: FineLinearSpec, x: torch.Tensor, weight: torch.Tensor, bias=
     for i, r in enumerate(spec.rows):
         if r:
             w[i, list(r)] = weight[i, list(r)].double()
-    out = x.double() @ w.t()
-    if spec.accumulate:
-        out = out + y.double()
-    if spec.bias:
-        out = out + bias.double()
-    return torch_activation(spec.activation, out.float())
+    return torch_epilogue(spec, x.double() @ w.t(), bias, y)
 
 
 def fine_linear(spec: FineLinearSpec):

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .epilogue import tir_activation, torch_activation
+from .epilogue import tir_activation, torch_epilogue
 
 MT, PANEL = 4, 64          # register-tile rows; rows per parallel task
 
@@ -153,12 +153,7 @@ def reference(spec: BlockLinearSpec, x: torch.Tensor, packed: dict, bias=None, y
     if spec.weight_bits == 8:
         q, s = quantize_rows(x)
         x = q.double() * s.double()[:, None]
-    out = x.double() @ w.t()
-    if spec.accumulate:
-        out = out + y.double()
-    if spec.bias:
-        out = out + bias.double()
-    return torch_activation(spec.activation, out.float())
+    return torch_epilogue(spec, x.double() @ w.t(), bias, y)
 
 
 # ---- the TIR template ---------------------------------------------------------------------------

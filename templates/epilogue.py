@@ -33,3 +33,12 @@ def torch_activation(name: str | None, y: torch.Tensor) -> torch.Tensor:
         return y
     return {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
             "tanh": torch.tanh, "sigmoid": torch.sigmoid}[name](y)
+
+
+def torch_epilogue(spec, out: torch.Tensor, bias=None, y=None) -> torch.Tensor:
+    """The CPU kernels' epilogue on an fp64 product: accumulate into ``y``, add the bias, activate."""
+    if spec.accumulate:
+        out = out + y.double()
+    if spec.bias:
+        out = out + bias.double()
+    return torch_activation(spec.activation, out.float())
