@@ -86,7 +86,6 @@ def main():
         dest = out / name
         shutil.rmtree(dest, ignore_errors=True)
         save_dir(art, dest)
-        (dest / "spec.json").write_text(json.dumps({**asdict(spec), "pattern": list(map(list, spec.pattern))}))
         return name, art, time.perf_counter() - t0
 
     with ThreadPoolExecutor(args.jobs) as pool:

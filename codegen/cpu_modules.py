@@ -9,6 +9,7 @@ the same output (the plan's ``reduction="sum"``). Tensors go to TVM zero-copy (D
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import os
@@ -16,6 +17,7 @@ import sys
 
 import torch
 
+from ..backend.fx import Passthrough
 from ..templates import cpu_fine, cpu_linear
 from ..templates.cpu_linear import quantize_rows
 from ..templates.epilogue import torch_activation
@@ -104,20 +106,42 @@ class SparseLinearCPU(torch.nn.Module):
         out = torch_activation(self.post_activation, out)
         return out.reshape(self.out_shape).to(x.dtype)
 
+    # ---- saved models (sparta.saved): the kernels' libraries travel, TVM loads them ----------
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict]:
+        from ..codegen import cache
+        from ..graph_json import encode
+        subs, tensors, folders = [], {}, {}
+        for i, s in enumerate(self.subs):
+            subs.append({"template": s.template.__name__.rsplit(".", 1)[-1], "spec": encode(dataclasses.asdict(s.spec)),
+                         "info": s.info, "packed": sorted(s.packed)})
+            tensors.update({f"sub{i}_{name}": t for name, t in s.packed.items()})
+            folders[s.info["key"]] = cache.cache_root() / s.info["key"]
+        for name in ("bias", "extra_bias"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name)
+        config = {"op_name": self.op_name, "input_name": self.input_names[0], "n": self.n, "k": self.k,
+                  "n_pad": self.n_pad, "k_pad": self.k_pad, "out_shape": list(self.out_shape),
+                  "fused_activation": self.fused_activation, "post_activation": self.post_activation, "subs": subs}
+        return config, tensors, folders
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict) -> SparseLinearCPU:
+        from ..graph_json import decode
+        from .tvm_env import load_kernel
+        templates = {"cpu_linear": (cpu_linear, cpu_linear.BlockLinearSpec), "cpu_fine": (cpu_fine, cpu_fine.FineLinearSpec)}
+        subs = []
+        for i, sub in enumerate(config["subs"]):
+            template, spec_cls = templates[sub["template"]]
+            spec = spec_cls(**decode(sub["spec"]))
+            fn = load_kernel(folders[sub["info"]["key"]] / "kernel.so", spec.name)
+            subs.append(SubKernel(fn, template, spec, {n: tensors[f"sub{i}_{n}"] for n in sub["packed"]}, sub["info"]))
+        return cls(config["op_name"], config["input_name"], subs, config["n"], config["k"], config["n_pad"],
+                   config["k_pad"], tuple(config["out_shape"]), tensors.get("bias"), config["fused_activation"],
+                   config["post_activation"], tensors.get("extra_bias"))
+
     def extra_repr(self) -> str:
         parts = ", ".join(f"{s.info['template']}[{s.info.get('blocks', '')}]" for s in self.subs)
         return f"{self.op_name}: {self.k}->{self.n}, subs=({parts}), act={self.fused_activation or self.post_activation}"
-
-
-class Passthrough(torch.nn.Module):
-    """Stands in for an activation already fused into the producing kernel."""
-
-    def __init__(self, input_name: str):
-        super().__init__()
-        self.input_names = [input_name]
-
-    def forward(self, x):
-        return x
 
 
 def block_rows(grid: torch.Tensor) -> tuple[tuple[int, ...], ...]:

@@ -9,6 +9,7 @@ without TVM.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -55,6 +56,7 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     if path is not None:
         launch = json.loads(path.read_text())
         if _cubins_intact(path.parent, launch):
+            _write_spec(path.parent, spec)
             return CudaArtifact(path.parent, launch, True, time.perf_counter() - t0)
         cache.invalidate(key)
     mod = template(spec)
@@ -71,9 +73,16 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
             _nvcc(folder / "kernel.cu", cubin, arch)
             launch["cubins"][arch] = {"file": cubin.name, "sha256": cache.file_digest(cubin)}
         launch_path.write_text(json.dumps(launch, indent=1))
+        _write_spec(folder, spec)
 
     path = cache.store(key, "launch.json", write, {"name": spec.name, "kind": "cuda"})
     return CudaArtifact(path.parent, json.loads(path.read_text()), False, time.perf_counter() - t0)
+
+
+def _write_spec(folder: Path, spec) -> None:
+    """``spec.json``: the spec the kernel was built from, for the TVM-free runtime."""
+    if dataclasses.is_dataclass(spec) and not (folder / "spec.json").is_file():
+        (folder / "spec.json").write_text(json.dumps(dataclasses.asdict(spec)))
 
 
 def _cubins_intact(folder: Path, launch: dict) -> bool:

@@ -14,39 +14,16 @@ import dataclasses
 
 import torch
 
+from ..backend.fx import Passthrough
 from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
+from ..runtime.bsr_linear import SparseLinearCUDA
 from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, block_mask_of, bsr_linear
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
 
 FUSED = {"relu": "relu"}                                                      # the kernel's gelu is the tanh form
-
-
-class SparseLinearCUDA(torch.nn.Module):
-    """Runs one op's ``bsr_linear`` kernel (built for ``spec``) on CUDA fp16 inputs."""
-
-    def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, weight: torch.Tensor,
-                 block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple):
-        super().__init__()
-        self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], folder, spec
-        self.register_buffer("weight", weight.half())
-        self.register_buffer("block_mask", block_mask)
-        self.register_buffer("bias", bias.half() if bias is not None else torch.zeros(spec.n, dtype=torch.float16))
-        self.out_shape = tuple(out_shape)
-        self._op = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..runtime.bsr_linear import BsrLinearOp
-        from ..runtime.cuda import CudaRuntimeError
-        if not x.is_cuda:
-            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
-                                   "(compiled.to('cuda'))")
-        if self._op is None:
-            self._op = BsrLinearOp(self.folder, self.spec, self.weight, self.block_mask, self.bias)
-        y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
-        return y.reshape(self.out_shape).to(x.dtype)
 
 
 def specialize_cuda(graph: Graph, plan: Plan):
@@ -64,7 +41,6 @@ def specialize_cuda(graph: Graph, plan: Plan):
         module, row, fused = built
         replacements[op.name] = module
         if fused is not None:
-            from .cpu_modules import Passthrough
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report.append(row)
     return replacements, report
@@ -96,7 +72,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     art = build_cuda(bsr_linear, spec)
     mask = block_mask_of(weight, side, side)
     out_shape = graph.tensor(op.outputs[0]).shape
-    module = SparseLinearCUDA(op.name, x_name, str(art.path), spec, weight, mask, bias, out_shape)
+    module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape)
+    module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
     row = {"op": op.name, "template": "bsr_linear", "blocks": f"{int(mask.sum())}x{side}x{side}", "bits": "W16A16",
            "dismantle": "tile (table argument)", "build_s": round(art.build_s, 3), "cached": art.cached,
            "code_bytes": sum((art.path / c["file"]).stat().st_size for c in art.launch["cubins"].values()),

@@ -10,10 +10,11 @@ from .errors import (CaptureError, CodegenError, GraphError, PlanError, Propagat
                      TeSAError)
 from .frontend import capture, from_onnx, from_torch, to_onnx
 from .graph import Graph, Op, Value
+from .saved import SavedModelError, load
 from .tesa import TeSA
 
 __version__ = "0.1.0"
 
 __all__ = ["TeSA", "Graph", "Op", "Value", "capture", "from_torch", "from_onnx", "to_onnx", "compile",
-           "attach_tesa", "CompiledModel", "SpartaError", "TeSAError", "CaptureError", "GraphError",
+           "load", "SavedModelError", "attach_tesa", "CompiledModel", "SpartaError", "TeSAError", "CaptureError", "GraphError",
            "PlanError", "PropagationError", "CodegenError", "VerificationError"]

@@ -145,6 +145,18 @@ def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tup
     return wp, table.to(w.device)
 
 
+def unpack_weight(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: the dense ``(N, K)`` fp16 weight, zero where no block is kept."""
+    head = table[: 3 * spec.row_blocks].reshape(-1, 3).tolist()
+    kidx = table[3 * spec.row_blocks:].tolist()
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=torch.float16, device=wp.device)
+    for row, first, count in head:
+        for j in range(first, first + count):
+            kb = kidx[j]
+            pad[row * spec.bn:(row + 1) * spec.bn, kb * spec.bk:(kb + 1) * spec.bk] = wp[j]
+    return pad[: spec.n, : spec.k].contiguous()
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None, bias: torch.Tensor | None,
               act: str, bn: int, bk: int) -> torch.Tensor:
     """What the kernel computes, in fp32 from the fp16 operands, rounded to fp16 at the end."""

@@ -36,6 +36,24 @@ def _fx_name(name: str) -> str:
     return out if not out[:1].isdigit() else "_" + out
 
 
+class Passthrough(torch.nn.Module):
+    """Stands in for an activation already fused into the producing kernel."""
+
+    def __init__(self, input_name: str):
+        super().__init__()
+        self.input_names = [input_name]
+
+    def forward(self, x):
+        return x
+
+    def saved_state(self):
+        return {"input_name": self.input_names[0]}, {}, {}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict, folders: dict) -> Passthrough:
+        return cls(config["input_name"])
+
+
 def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = None,
                     replacements: Mapping[str, torch.nn.Module] | None = None) -> fx.GraphModule:
     """Build a GraphModule computing ``graph.outputs`` (a flat tuple) from ``graph.inputs``.
@@ -95,4 +113,4 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
     return gm
 
 
-__all__ = ["to_graph_module", "TensorRef"]
+__all__ = ["to_graph_module", "Passthrough", "TensorRef"]

@@ -1,20 +1,26 @@
 """A block-sparse linear layer running sparta's CUDA ``bsr_linear`` kernel (no TVM needed).
 
 ``BsrLinearOp(folder, spec, weight, block_mask, bias)`` packs the kept blocks once
-(``sparta.templates.cuda_bsr.pack_weight``) and then ``op(x)`` computes
-``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream.
+(``sparta.templates.cuda_bsr.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
+then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream.
+:class:`SparseLinearCUDA` is the graph module ``compile(target="cuda")`` puts in place of
+a sparse linear; it holds the packed weights and saves/loads without TVM.
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
-from ..templates.cuda_bsr import BsrSpec, block_mask_of, pack_weight
+from ..templates.cuda_bsr import BsrSpec, block_mask_of, pack_weight, unpack_weight
 from .cuda import CudaKernel, CudaRuntimeError
+
+
+def spec_to_json(spec: BsrSpec) -> dict:
+    return {**dataclasses.asdict(spec), "pattern": [list(p) for p in spec.pattern]}
 
 
 def spec_from_json(d: dict) -> BsrSpec:
@@ -42,11 +48,32 @@ class BsrLinearOp:
                 raise CudaRuntimeError(f"{spec.name}: the block mask differs from the pattern baked into the kernel")
         if spec.bias and bias is None:
             raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")
-        dev = weight.device
-        self.wp, self.table = pack_weight(weight.half(), spec, block_mask)
-        self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(spec.n, dtype=torch.float16, device=dev)
+        wp, table = pack_weight(weight.half(), spec, block_mask)
+        self._setup(wp, table, bias)
+
+    @classmethod
+    def packed(cls, folder, spec: BsrSpec, wp: torch.Tensor, table: torch.Tensor,
+               bias: torch.Tensor | None = None) -> BsrLinearOp:
+        """An op from weights already packed by ``pack_weight`` (what a saved model holds)."""
+        op = cls.__new__(cls)
+        op.kernel, op.spec = CudaKernel(folder), spec
+        heads = 3 * spec.row_blocks
+        if wp.dim() != 3 or tuple(wp.shape[1:]) != (spec.bn, spec.bk) or table.dtype != torch.int32 \
+                or table.numel() < heads or table.numel() - heads > wp.shape[0]:
+            raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
+                                   f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.row_blocks} rows")
+        if spec.bias and bias is None:
+            raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")
+        op._setup(wp, table, bias)
+        return op
+
+    def _setup(self, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None) -> None:
+        dev = wp.device
+        self.wp, self.table = wp.half().contiguous(), table.to(dev).contiguous()
+        self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
         self._prepared = None
-        self.density = float(block_mask.float().mean()) if block_mask.numel() else 0.0
+        nnz = self.table.numel() - 3 * self.spec.row_blocks
+        self.density = nnz / max(self.spec.row_blocks * self.spec.k_blocks, 1)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
@@ -61,4 +88,71 @@ class BsrLinearOp:
         return y
 
 
-__all__ = ["BsrLinearOp", "load_spec", "spec_from_json"]
+class SparseLinearCUDA(torch.nn.Module):
+    """One graph op run by its ``bsr_linear`` kernel: packed fp16 blocks, table and bias as buffers.
+
+    Called with the op's input (any float dtype, on a GPU); returns the op's output in the
+    input's dtype. ``folder`` is the kernel's artifact folder (cubins + launch.json).
+    """
+
+    def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
+                 table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple):
+        super().__init__()
+        self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
+        self.register_buffer("wp", wp.half())
+        self.register_buffer("table", table.to(torch.int32))
+        self.register_buffer("bias", bias.half() if bias is not None else torch.zeros(spec.n, dtype=torch.float16))
+        self.out_shape = tuple(out_shape)
+        self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
+        self._op = None
+
+    @classmethod
+    def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
+                    block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple) -> SparseLinearCUDA:
+        wp, table = pack_weight(weight.half(), spec, block_mask)
+        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
+                                   "(compiled.to('cuda'))")
+        if self._op is None or self._op.wp.data_ptr() != self.wp.data_ptr():
+            if not self.wp.is_cuda:
+                raise CudaRuntimeError(f"op {self.op_name!r}: its weights are on the CPU; call compiled.to('cuda')")
+            self._op = BsrLinearOp.packed(self.folder, self.spec, self.wp, self.table,
+                                          self.bias if self.spec.bias else None)
+        y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
+        return y.reshape(self.out_shape).to(x.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero), on the CPU."""
+        return unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
+
+    def graph_weight(self) -> torch.Tensor:
+        """:meth:`dense_weight` in the graph weight's layout (``(K, N)`` for addmm/mm/matmul)."""
+        w = self.dense_weight()
+        return w.t().contiguous() if self.weight_transposed else w
+
+    # ---- saved models (sparta.saved) ------------------------------------------------
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
+        folder = Path(self.folder)
+        config = {"op_name": self.op_name, "x_name": self.input_names[0], "out_shape": list(self.out_shape),
+                  "spec": spec_to_json(self.spec), "kernel": folder.name, "weight_name": self.weight_name,
+                  "weight_transposed": self.weight_transposed}
+        return config, {"wp": self.wp, "table": self.table, "bias": self.bias}, {folder.name: folder}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> SparseLinearCUDA:
+        spec = spec_from_json(config["spec"])
+        if (folders[config["kernel"]] / "spec.json").is_file() and load_spec(folders[config["kernel"]]) != spec:
+            raise CudaRuntimeError(f"op {config['op_name']!r}: its kernel folder was built for a different spec")
+        module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
+                     tensors["table"], tensors["bias"], tuple(config["out_shape"]))
+        module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
+        return module
+
+    def extra_repr(self) -> str:
+        return f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, act={self.spec.act}"
+
+
+__all__ = ["BsrLinearOp", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]

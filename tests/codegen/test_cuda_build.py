@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
-from sparta.templates.cuda_bsr import BsrSpec, block_mask_of, bsr_linear, build_table, pack_weight, reference
+from sparta.templates.cuda_bsr import (BsrSpec, block_mask_of, bsr_linear, build_table, pack_weight, reference,
+                                       unpack_weight)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -66,6 +67,16 @@ def test_table_orders_rows_by_work_and_packs_kept_blocks():
     wp, tab = pack_weight(w, spec, mask)
     assert wp.shape == (6, 16, 16) and torch.equal(tab, table)
     assert torch.equal(wp[3], w[48:64, 16:32].half())
+
+
+@pytest.mark.parametrize("shape,density", [((70, 45), 0.4), ((64, 48), 0.0), ((64, 48), 1.0)])
+def test_unpack_inverts_pack_on_odd_shapes(shape, density):
+    spec = BsrSpec(16, shape[0], -(-shape[1] // 8) * 8, bn=16, bk=16, tm=64, warps_m=4)
+    w = torch.randn(spec.n, spec.k)
+    mask = torch.rand(spec.row_blocks, spec.k_blocks) < density
+    wp, tab = pack_weight(w, spec, mask)
+    keep = mask.repeat_interleave(16, 0).repeat_interleave(16, 1)[: spec.n, : spec.k]
+    assert torch.equal(unpack_weight(wp, tab, spec), (w * keep).half())
 
 
 def test_block_mask_and_reference_agree_with_dense_math():
