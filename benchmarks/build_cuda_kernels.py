@@ -69,6 +69,20 @@ def kernels() -> dict[str, BsrSpec]:
     return {name: BsrSpec(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
 
+def saved_models(out: Path) -> None:
+    """Small models compiled for CUDA and saved, for ``tests/runtime/test_saved_cuda.py``: an fp32
+    MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear, ReLU fused."""
+    import sparta
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
+                                torch.nn.GELU()).eval()
+    masks = {"0.weight": bench_mask(64, 32, 0.15, "saved-mlp-0").repeat_interleave(32, 0).repeat_interleave(32, 1),
+             "2.weight": bench_mask(16, 32, 0.1, "saved-mlp-2").repeat_interleave(64, 0).repeat_interleave(64, 1)}
+    compiled = sparta.compile(model, masks, (torch.randn(3, 333, 1024),), target="cuda")
+    print(compiled.kernel_report())
+    compiled.save(out / "saved_mlp")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
@@ -88,6 +102,8 @@ def main():
         save_dir(art, dest)
         return name, art, time.perf_counter() - t0
 
+    if not args.only:
+        saved_models(out)
     with ThreadPoolExecutor(args.jobs) as pool:
         for name, art, dt in pool.map(one, todo.items()):
             print(f"{name}: grid {art.launch['grid']} block {art.launch['block']} smem {art.launch['shared_bytes']} "

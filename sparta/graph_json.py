@@ -9,6 +9,9 @@ non-finite floats. Weight data goes in the tensor dict (``safetensors`` in a sav
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
 import math
 import operator
 import warnings
@@ -21,6 +24,7 @@ from .graph import Graph, Op, TensorRef, Value, bind_call
 from .tesa import TeSA
 
 FORMAT = 1
+MODEL_PACKAGES = ("transformers", "diffusers", "timm")    # whose output classes a load may import
 OP_NAMESPACES = ("aten", "prims")
 PY_TARGETS = {f"operator.{f.__name__}": f for f in (operator.getitem, operator.add, operator.sub, operator.mul,
                                                       operator.truediv, operator.floordiv, operator.neg)}
@@ -114,6 +118,39 @@ def dtype_of(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def load_treespec(text: str):
+    """A pytree spec from ``treespec_dumps`` text. Output classes of known model libraries
+    (``MODEL_PACKAGES``) are imported so their pytree registration exists; any other
+    unregistered node whose context is a key list comes back as a plain dict."""
+    try:
+        return pytree.treespec_loads(text)
+    except NotImplementedError:
+        pass
+    protocol, schema = json.loads(text)
+
+    def fix(node):
+        kind = node.get("type")
+        if kind and not kind.startswith(("builtins.", "collections.", "torch.")):
+            module = kind.rsplit(".", 1)[0]
+            if module.split(".")[0] in MODEL_PACKAGES and importlib.util.find_spec(module.split(".")[0]):
+                importlib.import_module(module)
+            elif isinstance(json.loads(node["context"] or "null"), list):
+                node = {**node, "type": "builtins.dict"}
+        return {**node, "children_spec": [fix(c) for c in node.get("children_spec", [])]}
+
+    try:
+        return pytree.treespec_loads(json.dumps([protocol, fix(schema)]))
+    except NotImplementedError:
+        return pytree.treespec_loads(json.dumps([protocol, _as_dicts(schema)]))
+
+
+def _as_dicts(node):
+    kind = node.get("type")
+    if kind and not kind.startswith(("builtins.", "collections.", "torch.")):
+        node = {**node, "type": "builtins.dict"}
+    return {**node, "children_spec": [_as_dicts(c) for c in node.get("children_spec", [])]}
+
+
 def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str, torch.Tensor]]:
     """``(json, tensors)``: the graph's structure and TeSAs as JSON, weight data keyed ``prefix + name``."""
     tensors, values = {}, []
@@ -164,7 +201,7 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
         g.meta["input_ranges"] = {k: tuple(v) for k, v in meta["input_ranges"].items()}
         for key in ("in_spec", "out_spec"):
             if key in meta:
-                g.meta[key] = pytree.treespec_loads(meta[key])
+                g.meta[key] = load_treespec(meta[key])
         if "propagation" in meta:
             from .passes.propagate import PropagationReport
             g.meta["propagation"] = PropagationReport.from_json(meta["propagation"])

@@ -173,3 +173,11 @@ def test_cuda_weights_only_kernels_read_are_restored_from_the_packed_blocks(tmp_
     restored = loaded.graph.tensor("0.weight").data
     assert restored.dtype == torch.float32
     torch.testing.assert_close(restored, (model[0].weight * mask).half().float(), rtol=0, atol=0)
+
+
+def test_output_classes_of_unknown_packages_come_back_as_dicts():
+    from sparta.graph_json import load_treespec
+    spec = torch.utils._pytree.tree_structure({"last_hidden_state": 0, "pooler_output": 1})
+    text = torch.utils._pytree.treespec_dumps(spec).replace("builtins.dict", "nosuch.module.Output")
+    back = load_treespec(text)
+    assert torch.utils._pytree.tree_unflatten([1, 2], back) == {"last_hidden_state": 1, "pooler_output": 2}

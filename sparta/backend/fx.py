@@ -36,6 +36,11 @@ def _fx_name(name: str) -> str:
     return out if not out[:1].isdigit() else "_" + out
 
 
+# A view traced on one device can meet other strides on another (SDPA's output layout differs
+# between CPU and GPU backends): reshape is a view where strides allow and a copy where not.
+RELAXED = {torch.ops.aten.view.default: torch.ops.aten.reshape.default}
+
+
 class Passthrough(torch.nn.Module):
     """Stands in for an activation already fused into the producing kernel."""
 
@@ -87,6 +92,25 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
                 raise KeyError(f"tensor {name!r} is used before it is computed")
         return env[name]
 
+    probe = []
+
+    def device_node():
+        """A node reading the module's current device: constants created with ``device=cpu`` at
+        capture time follow the module to the GPU (``.to('cuda')``)."""
+        if not probe:
+            root.register_buffer("_sparta_device", torch.empty(0), persistent=False)
+            probe.append(fg.call_function(getattr, (fg.get_attr("_sparta_device"), "device")))
+        return probe[0]
+
+    def follow_device(value):
+        if isinstance(value, torch.device) and value.type == "cpu":
+            return device_node()
+        if isinstance(value, (list, tuple)):
+            return type(value)(follow_device(v) for v in value)
+        if isinstance(value, dict):
+            return {k: follow_device(v) for k, v in value.items()}
+        return value
+
     for op in graph.ops():
         if op.name in replacements:
             mod_name = "kernel_" + _fx_name(op.name)
@@ -97,9 +121,10 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
             multi = len(op.outputs) > 1
         else:
             refs = {t: lookup(t) for t in op.inputs}
-            args = substitute(op.args, refs)
-            kwargs = substitute(op.kwargs, refs)
-            result = fg.create_node("call_function", op.target, tuple(args), kwargs, name=_fx_name(op.name))
+            args = follow_device(substitute(op.args, refs))
+            kwargs = follow_device(substitute(op.kwargs, refs))
+            target = RELAXED.get(op.target, op.target)
+            result = fg.create_node("call_function", target, tuple(args), kwargs, name=_fx_name(op.name))
             multi = op.multi_output
         if multi:
             for i, t in enumerate(op.outputs):
@@ -109,6 +134,8 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
             env[op.outputs[0]] = result
     fg.output(tuple(lookup(t) for t in graph.outputs))
     gm = fx.GraphModule(root, fg, class_name=_fx_name(graph.name) + "Sparta")
+    if probe:  # GraphModule copies get_attr targets as persistent buffers: keep it out of state_dict
+        gm.register_buffer("_sparta_device", torch.empty(0), persistent=False)
     gm.graph.lint()
     return gm
 

@@ -22,3 +22,15 @@ def test_graph_module_state_dict_matches_model_and_replacements_plug_in():
     assert not torch.equal(gm2(x)[0], model(x))
     w = {"fc3.weight": torch.zeros(10, 48)}
     assert torch.equal(to_graph_module(graph, w)(x)[0], model.fc3.bias.detach().expand(3, 10))
+
+
+def test_tensors_created_on_the_capture_device_follow_the_module():
+    class AddPositions(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[-1], dtype=x.dtype)
+
+    gm = to_graph_module(sparta.capture(AddPositions(), (torch.randn(2, 5),)))
+    assert "_sparta_device" not in gm.state_dict()
+    torch.testing.assert_close(gm(x := torch.randn(2, 5))[0], x + torch.arange(5.0))
+    out = gm.to("meta")(torch.randn(2, 5, device="meta"))[0]
+    assert out.device.type == "meta"

@@ -1,0 +1,61 @@
+"""A model compiled for CUDA and saved where TVM is (``benchmarks/build_cuda_kernels.py``), loaded and run on a GPU.
+
+The GPU machine has no TVM: this is the path a user's saved model takes.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+SAVED = ROOT / "saved_mlp"
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(not (SAVED / "sparta.json").is_file(), reason=f"no saved model in {SAVED}")]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    import sparta
+    return sparta.load(SAVED).to("cuda")
+
+
+def test_loads_without_tvm_and_verifies(loaded):
+    kinds = sorted(type(m).__name__ for m in loaded.module_replacements().values())
+    assert kinds.count("SparseLinearCUDA") == 2, kinds
+    if importlib.util.find_spec("tvm") is None:
+        import sys
+        assert not any(k.startswith("tvm") for k in sys.modules)
+    worst = loaded.verify(trials=3)
+    assert max(worst.values()) < 1e-2
+
+
+def test_matches_a_torch_model_with_the_masked_weights(loaded):
+    g = loaded.graph
+    w0, w2 = g.tensor("0.weight").data.cuda(), g.tensor("2.weight").data.cuda()
+    b0, b2 = g.tensor("0.bias").data.cuda(), g.tensor("2.bias").data.cuda()
+    x = torch.randn(3, 333, 1024, device="cuda")
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w0, b0)), w2, b2))
+    out = loaded(x)
+    assert out.dtype == torch.float32 and out.shape == (3, 333, 1024)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_runs_inside_a_cuda_graph(loaded):
+    x = torch.randn(3, 333, 1024, device="cuda")
+    eager = loaded(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        loaded(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = loaded(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, loaded(x), rtol=0, atol=0)
+    assert not torch.equal(out, eager)
