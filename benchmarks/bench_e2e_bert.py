@@ -51,14 +51,16 @@ def breakdown(peers: dict, reps: int = 3) -> dict:
             for _ in range(reps):
                 fn(0)
             torch.cuda.synchronize()
-        kinds = {}
+        kinds, top = {}, []
         for ev in prof.key_averages():
             if ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
+            top.append((ev.device_time_total / reps, ev.count // reps, ev.key[:90]))
             low = ev.key.lower()
             kind = next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
             kinds[kind] = kinds.get(kind, 0.0) + ev.device_time_total / reps
         out[name] = {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
+        out[name]["top"] = [[round(us, 1), n, key] for us, n, key in sorted(top, reverse=True)[:12]]
     return out
 
 
@@ -87,6 +89,13 @@ def main():
     outputs = {name: {"max_abs_diff": float((a.float() - b.float()).abs().max()), "ref_max_abs": float(b.float().abs().max()),
                       "ref_finite": bool(torch.isfinite(b).all()), "mean_abs_diff": float((a.float() - b.float()).abs().mean())}
                for name, a, b in zip(model.graph.outputs, got, ref)}
+    # the comparison is live: flipping one kernel's packed weights must change the output
+    probe = next(m for m in model.module_replacements().values() if hasattr(m, "wp"))
+    with torch.no_grad():
+        probe.wp.neg_()
+        flipped = model.module(*inputs)
+        probe.wp.neg_()
+    sensitivity = max(float((a.float() - b.float()).abs().max()) for a, b in zip(flipped, ref))
     results = {}
     with torch.no_grad():
         for name, fn in peers.items():
@@ -96,7 +105,8 @@ def main():
         r["speedup_vs_dense_eager"] = results["dense_torch"]["eager_us"] / r["eager_us"]
     kernels = [k for k in model.kernels if k["template"] != "torch"]
     payload = {"path": args.path, "tvm_importable": tvm_present, "load_s": load_s, "verify_s": verify_s,
-               "verify_worst_rel_err": worst, "outputs_vs_dense": outputs, "gpu_time_by_kind_us": breakdown(peers), "inputs": [list(x.shape) for x in inputs],
+               "verify_worst_rel_err": worst, "outputs_vs_dense": outputs,
+               "diff_with_one_kernel_negated": sensitivity, "gpu_time_by_kind_us": breakdown(peers), "inputs": [list(x.shape) for x in inputs],
                "sparta_kernels": len(kernels), "torch_fallbacks": len(model.kernels) - len(kernels),
                "blocks": sorted({k["blocks"].split("x", 1)[1] for k in kernels}), "results": results}
     out = save(args.name, payload)
@@ -106,7 +116,11 @@ def main():
         print(f"{name:>14}: kernel {r['kernel_us'] / 1e3:8.2f} ms ({r['speedup_vs_dense_kernel']:.2f}x dense)  "
               f"eager {r['eager_us'] / 1e3:8.2f} ms ({r['speedup_vs_dense_eager']:.2f}x)")
     for name, kinds in payload["gpu_time_by_kind_us"].items():
+        top = kinds.pop("top")
         print(f"{name:>14} GPU time by kind (us): {kinds}")
+        for row in top:
+            print(f"{'':>16}{row[0]:8.1f} us  x{row[1]:<4} {row[2]}")
+    print(f"one kernel's weights negated: output moves by {sensitivity:.3g} (the comparison is live)")
     print(f"outputs vs dense: {outputs}")
     print(f"wrote {out}")
 

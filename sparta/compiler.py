@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import SpartaError, TeSAError
+from .passes.simplify import simplify
 from .graph import Graph
 from .sampling import random_inputs
 from .tesa import TeSA
@@ -71,6 +72,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     graph = capture(model, example_inputs, example_kwargs)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
+    graph = simplify(graph)
     graph, plan = _propagate_and_plan(graph, target, propagate, timings)
     if dismantle is not None:
         for op_plan in list(plan.ops.values()):

@@ -112,6 +112,8 @@ def _build(ep, name: str) -> Graph:
             if n.target is operator.getitem and isinstance(names.get(n.args[0].name), list):
                 names[n.name] = names[n.args[0].name][n.args[1]]
                 continue
+            if n.target in TRACE_CHECKS and not n.users:   # export's own shape/dtype checks: nothing to run
+                continue
             _add_call(g, n, names, nodes)
         elif n.op == "output":
             outs = []
@@ -137,6 +139,11 @@ def _build(ep, name: str) -> Graph:
             v.kind = "output"
     g.validate()
     return g
+
+
+TRACE_CHECKS = tuple(getattr(torch.ops.aten, name).default for name in ("_assert_tensor_metadata", "_assert_async",
+                                                                      "sym_constrain_range_for_size")
+                     if hasattr(torch.ops.aten, name))
 
 
 def _add_call(g: Graph, n, names, nodes):
