@@ -49,6 +49,7 @@ def kernels() -> dict[str, BsrSpec]:
     specs = {
         # correctness: odd M, partial last block row (N) and block column (K), every epilogue
         "t_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu"),
+        "t_gelu_erf": BsrSpec(130, 64, 96, bn=32, bk=32, tm=64, warps_m=2, stages=2, act="gelu_erf"),
         "t_ragged_relu": BsrSpec(130, 100, 40, bn=32, bk=32, tm=64, warps_m=2, stages=2, act="relu"),
         "t_const_nobias": BsrSpec(192, 128, 256, bn=32, bk=32, tm=64, warps_m=2, stages=3, bias=False,
                                   table="const", pattern=_pattern(bench_mask(4, 8, 0.4, "t_const"))),

@@ -23,7 +23,7 @@ from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, block_mask_of, bsr_linear
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
 
-FUSED = {"relu": "relu"}                                                      # the kernel's gelu is the tanh form
+FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # only exact GELU reaches here (_fusable_activation)
 
 
 def specialize_cuda(graph: Graph, plan: Plan):

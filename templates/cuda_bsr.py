@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-ACTIVATIONS = ("none", "relu", "gelu")
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
 # measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
 TUNED_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
                64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
@@ -171,6 +171,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None,
         y = torch.relu(y)
     elif act == "gelu":
         y = torch.nn.functional.gelu(y, approximate="tanh")
+    elif act == "gelu_erf":
+        y = torch.nn.functional.gelu(y)
     return y.half()
 
 
@@ -226,6 +228,8 @@ def bsr_linear(spec: BsrSpec):
         elif act == "gelu":
             v = T.float32(0.5) * v * (T.float32(1) + T.tanh(T.float32(0.7978845608028654) *
                                                             (v + T.float32(0.044715) * v * v * v)))
+        elif act == "gelu_erf":
+            v = T.float32(0.5) * v * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
         return T.Cast("float16", v)
 
     @T.macro

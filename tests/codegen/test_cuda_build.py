@@ -38,6 +38,17 @@ def test_bsr_template_builds_cubins_for_every_arch(tmp_path, monkeypatch):
 
 
 @needs_nvcc
+def test_exact_gelu_epilogue_uses_erf(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    art = build_cuda(bsr_linear, BsrSpec(130, 64, 96, bn=32, bk=32, tm=64, warps_m=2, stages=2, act="gelu_erf",
+                                         name="probe_erf"))
+    assert "erff(" in (art.path / "kernel.cu").read_text()
+    x, w = torch.randn(3, 16).half(), torch.randn(8, 16).half()
+    torch.testing.assert_close(reference(x, w, None, None, "gelu_erf", 16, 16).float(),
+                               torch.nn.functional.gelu(x.float() @ w.float().t()), rtol=2e-3, atol=2e-3)
+
+
+@needs_nvcc
 def test_constant_table_is_baked_and_unused_arguments_vanish(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     pattern = ((0, 1), (1, 0), (1, 3), (3, 2))

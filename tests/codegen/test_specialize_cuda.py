@@ -48,3 +48,13 @@ def test_ops_the_template_cannot_take_stay_torch_ops(tmp_path, monkeypatch):
     out = compiled(x := torch.randn(16, 256, 1020))
     torch.testing.assert_close(out, torch.nn.functional.linear(x, model[0].weight * mask, model[0].bias),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_exact_gelu_after_a_sparse_linear_is_fused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    model, mask = _mlp_and_mask(2)
+    model = torch.nn.Sequential(model[0], torch.nn.GELU())
+    compiled = sparta.compile(model, {"0.weight": mask}, (torch.randn(4096, 1024),), target="cuda")
+    row = next(k for k in compiled.kernels if k["template"] == "bsr_linear")
+    assert "gelu_erf" in json.loads((Path(row["artifact"]) / "launch.json").read_text())["name"]
+    assert type(compiled.module_replacements()["gelu"]).__name__ == "Passthrough"
