@@ -158,6 +158,27 @@ def read_manifest(path) -> dict:
     return manifest
 
 
+def _load_modules(root: Path, manifest: dict, tensors: dict) -> dict:
+    replacements = {}
+    for op_name, entry in manifest["modules"].items():
+        cls = _module_class(entry["type"])
+        prefix = f"module/{op_name}/"
+        mtensors = {k: tensors[prefix + k] for k in entry["tensors"]}
+        if any(not str(key).isalnum() for key in entry["kernels"]):
+            raise SavedModelError(f"saved model {root}: kernel folder names must be plain keys")
+        folders = {key: root / "kernels" / key for key in entry["kernels"]}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            module = cls.from_saved(entry["config"], mtensors, folders)
+        if "weight_name" in entry:
+            module.weight_name = entry["weight_name"]
+            module.reference_weight = tensors[prefix + "reference_weight"]
+        if "restores" in entry:
+            tensors["graph/" + entry["restores"]] = module.graph_weight()
+        replacements[op_name] = module
+    return replacements
+
+
 def load(path):
     """Load a model written by ``compiled.save(path)``; CUDA models need no TVM."""
     from safetensors.torch import load_file
@@ -170,21 +191,10 @@ def load(path):
     manifest = read_manifest(root)
     # own, aligned copies: safetensors' mmapped tensors are only 8-byte aligned (TVM's kernels assume 64)
     tensors = {k: v.clone() for k, v in load_file(str(root / TENSORS)).items()}
-    replacements = {}
-    for op_name, entry in manifest["modules"].items():
-        cls = _module_class(entry["type"])
-        prefix = f"module/{op_name}/"
-        mtensors = {k: tensors[prefix + k] for k in entry["tensors"]}
-        folders = {key: root / "kernels" / key for key in entry["kernels"]}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            module = cls.from_saved(entry["config"], mtensors, folders)
-        if "weight_name" in entry:
-            module.weight_name = entry["weight_name"]
-            module.reference_weight = tensors[prefix + "reference_weight"]
-        if "restores" in entry:
-            tensors["graph/" + entry["restores"]] = module.graph_weight()
-        replacements[op_name] = module
+    try:
+        replacements = _load_modules(root, manifest, tensors)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SavedModelError(f"saved model {root}: malformed kernel module entry ({type(exc).__name__}: {exc})") from exc
     graph = graph_from_json(manifest["graph"], tensors)
     for v in graph.tensors("weight"):                 # restored weights come back in the kernel's fp16
         if v.data is not None and v.data.dtype != v.dtype:

@@ -80,6 +80,19 @@ def test_missing_and_foreign_manifests(compiled_mlp, tmp_path):
         sparta.load(path)
 
 
+def test_malformed_module_entries_are_refused(compiled_mlp, tmp_path):
+    path = Path(compiled_mlp.save(tmp_path / "m"))
+    manifest = json.loads((path / "sparta.json").read_text())
+    entry = manifest["modules"]["linear"]
+    for broken, match in ((dict(entry, tensors=["nope"]), "malformed kernel module"),
+                          (dict(entry, kernels=["../../elsewhere"]), "plain keys"),
+                          (dict(entry, type="pickle"), "does not know")):
+        manifest["modules"]["linear"] = broken
+        (path / "sparta.json").write_text(json.dumps(manifest))
+        with pytest.raises(SavedModelError, match=match):
+            sparta.load(path)
+
+
 def test_op_targets_come_from_an_allowlist(compiled_mlp, tmp_path):
     path = Path(compiled_mlp.save(tmp_path / "m"))
     manifest = json.loads((path / "sparta.json").read_text())
