@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..graph import Graph, Op, TensorRef, bind_call
 
@@ -63,13 +64,7 @@ def drop_trivial_masks(graph: Graph) -> Graph:
 
 def _rebuild(graph: Graph, rewrites: dict[str, str]) -> Graph:
     def drop(template, mask):
-        if isinstance(template, TensorRef):
-            return None if template.name == mask else template
-        if isinstance(template, (list, tuple)):
-            return type(template)(drop(t, mask) for t in template)
-        if isinstance(template, dict):
-            return {k: drop(v, mask) for k, v in template.items()}
-        return template
+        return pytree.tree_map_only(TensorRef, lambda r: None if r.name == mask else r, template)
 
     ops = []
     for op in graph.ops():

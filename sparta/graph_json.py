@@ -130,7 +130,7 @@ def load_treespec(text: str):
 
     def fix(node):
         kind = node.get("type")
-        if kind and not kind.startswith(("builtins.", "collections.", "torch.")):
+        if _foreign(kind):
             module = kind.rsplit(".", 1)[0]
             if module.split(".")[0] in MODEL_PACKAGES and importlib.util.find_spec(module.split(".")[0]):
                 importlib.import_module(module)
@@ -144,9 +144,13 @@ def load_treespec(text: str):
         return pytree.treespec_loads(json.dumps([protocol, _as_dicts(schema)]))
 
 
+def _foreign(kind) -> bool:
+    """A pytree node type from outside Python's and torch's own containers."""
+    return bool(kind) and not kind.startswith(("builtins.", "collections.", "torch."))
+
+
 def _as_dicts(node):
-    kind = node.get("type")
-    if kind and not kind.startswith(("builtins.", "collections.", "torch.")):
+    if _foreign(node.get("type")):
         node = {**node, "type": "builtins.dict"}
     return {**node, "children_spec": [_as_dicts(c) for c in node.get("children_spec", [])]}
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
@@ -57,11 +58,6 @@ def _module_class(name: str):
         return getattr(importlib.import_module(mod_name), cls_name)
     except ImportError as exc:
         raise SavedModelError(f"kernel modules of type {name!r} need {exc.name!r}, which is not installed") from exc
-
-
-def _sha256(path: Path) -> str:
-    from .codegen.cache import file_digest
-    return file_digest(path)
 
 
 def save(compiled, path) -> Path:
@@ -97,7 +93,7 @@ def save(compiled, path) -> Path:
                 _copy_kernel(Path(folder), tmp / "kernels" / key)
             modules[op_name] = entry
         save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(tmp / TENSORS))
-        files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         kernels = [{k: v for k, v in row.items() if k != "artifact"} for row in compiled.kernels]
         manifest = {"format": FORMAT, "version": VERSION, "sparta": __version__, "torch": torch.__version__,
                     "target": compiled.target, "graph": graph_json,
@@ -151,7 +147,7 @@ def read_manifest(path) -> dict:
             raise SavedModelError(f"saved model lists a file outside its folder: {rel!r}")
         if not file.is_file():
             raise SavedModelError(f"saved model {root} is missing {rel}")
-        if _sha256(file) != digest:
+        if file_digest(file) != digest:
             raise SavedModelError(f"saved model {root}: {rel} was altered (SHA-256 mismatch)")
     if TENSORS not in manifest.get("files", {}):
         raise SavedModelError(f"saved model {root} lists no {TENSORS}")

@@ -135,16 +135,22 @@ def test_models_without_kernels_round_trip(make, tmp_path):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_cuda_model_saves_and_loads_without_tvm(tmp_path, monkeypatch):
-    """A model compiled for CUDA here (no GPU) saves; a fresh process that cannot import TVM loads it."""
+@pytest.fixture(scope="module")
+def cuda_mlp(tmp_path_factory):
+    """(model, fc1 mask, compiled): an MLP whose first linear is 90% block-sparse, compiled for CUDA here."""
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
-    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
-    compiled = sparta.compile(model, {"0.weight": _block_mask((2048, 1024), 32, 0.1, 3)},
-                              (torch.randn(4096, 1024),), target="cuda")
-    path = compiled.save(tmp_path / "cuda_model")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARTA_CACHE", str(tmp_path_factory.mktemp("cuda_cache")))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
+        mask = _block_mask((2048, 1024), 32, 0.1, 3)
+        return model, mask, sparta.compile(model, {"0.weight": mask}, (torch.randn(4096, 1024),), target="cuda")
+
+
+def test_cuda_model_saves_and_loads_without_tvm(cuda_mlp, tmp_path):
+    """A model compiled for CUDA here (no GPU) saves; a fresh process that cannot import TVM loads it."""
+    path = cuda_mlp[2].save(tmp_path / "cuda_model")
     cubins = sorted(p.name for p in Path(path).rglob("*.cubin"))
     assert cubins == ["kernel.sm_80.cubin", "kernel.sm_90.cubin"]
     code = f"""
@@ -169,14 +175,8 @@ assert not any(k.startswith("tvm") for k in sys.modules)
     assert "refused:" in out.stdout and "compiled for CUDA" in out.stdout
 
 
-def test_cuda_weights_only_kernels_read_are_restored_from_the_packed_blocks(tmp_path, monkeypatch):
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc")
-    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
-    mask = _block_mask((2048, 1024), 32, 0.1, 4)
-    compiled = sparta.compile(model, {"0.weight": mask}, (torch.randn(4096, 1024),), target="cuda")
+def test_cuda_weights_only_kernels_read_are_restored_from_the_packed_blocks(cuda_mlp, tmp_path):
+    model, mask, compiled = cuda_mlp
     path = Path(compiled.save(tmp_path / "m"))
     from safetensors import safe_open
     with safe_open(str(path / "tensors.safetensors"), "pt") as f:

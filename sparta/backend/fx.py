@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from ..graph import Graph, TensorRef, substitute
 
@@ -103,13 +104,7 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
         return probe[0]
 
     def follow_device(value):
-        if isinstance(value, torch.device) and value.type == "cpu":
-            return device_node()
-        if isinstance(value, (list, tuple)):
-            return type(value)(follow_device(v) for v in value)
-        if isinstance(value, dict):
-            return {k: follow_device(v) for k, v in value.items()}
-        return value
+        return pytree.tree_map_only(torch.device, lambda d: device_node() if d.type == "cpu" else d, value)
 
     for op in graph.ops():
         if op.name in replacements:

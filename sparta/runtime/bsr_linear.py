@@ -46,8 +46,6 @@ class BsrLinearOp:
         if spec.table == "const":
             if not torch.equal(spec.pattern_mask(), block_mask):
                 raise CudaRuntimeError(f"{spec.name}: the block mask differs from the pattern baked into the kernel")
-        if spec.bias and bias is None:
-            raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")
         wp, table = pack_weight(weight.half(), spec, block_mask)
         self._setup(wp, table, bias)
 
@@ -62,12 +60,12 @@ class BsrLinearOp:
                 or table.numel() < heads or table.numel() - heads > wp.shape[0]:
             raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
                                    f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.row_blocks} rows")
-        if spec.bias and bias is None:
-            raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")
         op._setup(wp, table, bias)
         return op
 
     def _setup(self, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if self.spec.bias and bias is None:
+            raise CudaRuntimeError(f"{self.spec.name}: the kernel adds a bias; pass one")
         dev = wp.device
         self.wp, self.table = wp.half().contiguous(), table.to(dev).contiguous()
         self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
