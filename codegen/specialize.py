@@ -102,11 +102,13 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
                 grid = torch.nn.functional.pad(grid, (0, k_pad // block[1] - grid.shape[1],
                                                       0, n_pad // block[0] - grid.shape[0]))
                 mode = op_plan.dismantle
+            scale, zero, group = _fitted_scales(graph, op, sub.weight_bits, (n_pad, k_pad), block[1])
             spec = cpu_linear.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
-                                              dismantle=mode, **common)
+                                              dismantle=mode, scale_group=group, **common)
             if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape
                 spec = dataclasses.replace(spec, name=spec.generic_name())
-            template, packed, blocks = cpu_linear, cpu_linear.pack(spec, w), f"{spec.n_blocks}x{block[0]}x{block[1]}"
+            template, blocks = cpu_linear, f"{spec.n_blocks}x{block[0]}x{block[1]}"
+            packed = cpu_linear.pack(spec, w, scale, zero)
             fn_template = cpu_linear.block_linear
         built = build_cpu(fn_template, spec)
         info = {"op": op.name, "template": sub.template, "blocks": blocks, "bits": f"W{sub.weight_bits}A{sub.act_bits}",
@@ -124,6 +126,25 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
             module.post_activation = nxt.op
             fused = nxt
     return module, rows, fused
+
+
+def _fitted_scales(graph: Graph, op: Op, bits: int, padded: tuple[int, int], block_width: int):
+    """Element-wise scale and zero point calibration fitted for the op's weight at ``bits``, padded
+    to the kernel's shape, and the kernel's scale group (None, None, 0 when nothing was fitted)."""
+    params = graph.meta.get("quant_params", {}).get(gemm_view(graph, op)[1], {}).get(bits)
+    if params is None or bits not in (8, 4):
+        return None, None, 0
+    k = gemm_view(graph, op)[5]
+
+    def pad(t):  # padded columns repeat the last one (per-channel scales stay per channel); rows get ones
+        if t is None:
+            return None
+        t = torch.cat([t, t[:, -1:].expand(-1, padded[1] - k)], 1)
+        return torch.cat([t, torch.ones(padded[0] - t.shape[0], padded[1])], 0)
+
+    scale, zero = params.expand(k)
+    group = math.gcd(params.group, block_width) if params.group < k else block_width
+    return pad(scale), pad(zero), (0 if group == block_width else group)
 
 
 def _effective_weight(graph: Graph, op: Op, subs: list[SubKernel], n: int, k: int) -> torch.Tensor | None:

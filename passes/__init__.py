@@ -1,9 +1,12 @@
 """Graph passes: TeSA propagation (rules, scrambling, fixed point) and plan transformation."""
 
 from .propagate import PropagationReport, propagate
+from .quant import QuantConfig, QuantReport, calibrate
 from .rules import RULES, get_rule, rule, unregister
 from .scramble import scramble
 from .simplify import simplify
 from .transform import Plan, load_profile, transform
 
-__all__ = ["transform", "Plan", "load_profile", "propagate", "PropagationReport", "rule", "get_rule", "unregister", "RULES", "scramble", "simplify"]
+quantize = calibrate  # the paper's quantization rule, by calibration
+
+__all__ = ["transform", "quantize", "calibrate", "QuantConfig", "QuantReport", "Plan", "load_profile", "propagate", "PropagationReport", "rule", "get_rule", "unregister", "RULES", "scramble", "simplify"]

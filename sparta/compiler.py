@@ -58,6 +58,10 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     ``initial_tesa`` maps parameter/tensor names to :class:`TeSA` (or bool masks).
     ``dismantle`` ("full", "tile", "none") overrides the plan's per-op dismantle level,
     which by default follows the target's measured profile.
+    ``calibration`` (batches of example inputs) with ``quant_tolerance`` (the relative output MSE
+    one op may add; or a ``sparta.passes.QuantConfig``, or a dict of its options) lowers each
+    weight's bits as far as calibration allows (``sparta.passes.calibrate``); the chosen bits
+    select the int8/int4 kernels. The report is ``compiled.quantization``.
     """
     from .frontend import capture
 
@@ -65,15 +69,14 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
     if dismantle not in (None, "full", "tile", "none"):
         raise SpartaError(f"dismantle must be 'full', 'tile', 'none' or None, got {dismantle!r}")
-    if calibration is not None or quant_tolerance is not None:
-        raise SpartaError("quantization calibration is not available yet (calibration/quant_tolerance)")
+    quantize = _quantizer(calibration, quant_tolerance, target)
     timings = {}
     t0 = time.perf_counter()
     graph = capture(model, example_inputs, example_kwargs)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
     graph = simplify(graph)
-    graph, plan = _propagate_and_plan(graph, target, propagate, timings)
+    graph, plan = _propagate_and_plan(graph, target, propagate, timings, quantize)
     if dismantle is not None:
         for op_plan in list(plan.ops.values()):
             if op_plan.kind == "sparse":
@@ -96,14 +99,43 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     return compiled
 
 
-def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dict):
-    """Propagation then transformation, or both read back from the pipeline cache."""
+def _quantizer(calibration, quant_tolerance, target: str):
+    """The calibration pass ``compile`` runs between propagation and transformation (or None)."""
+    if calibration is None and quant_tolerance is None:
+        return None
+    if calibration is None or quant_tolerance is None:
+        raise SpartaError("quantization needs both calibration (batches of inputs) and quant_tolerance")
+    from .passes.quant import QuantConfig, calibrate
+    if isinstance(quant_tolerance, Mapping):
+        config = QuantConfig(**quant_tolerance)
+    elif isinstance(quant_tolerance, QuantConfig):
+        config = quant_tolerance
+    else:
+        config = QuantConfig(quant_tolerance)
+    return lambda graph: calibrate(graph, calibration, config, target=target)
+
+
+def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dict, quantize=None):
+    """Propagation, calibration (when asked) and transformation; without calibration both
+    passes are read back from the pipeline cache when nothing they read changed."""
     from . import pipeline_cache
     from .passes import propagate as run_propagation
     from .passes import transform
     from .passes.propagate import PropagationReport
     from .passes.transform import Plan
 
+    if quantize is not None:
+        if propagate:
+            t0 = time.perf_counter()
+            graph = run_propagation(graph)
+            timings["propagate"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        quantize(graph)
+        timings["calibrate"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan = transform(graph, target)
+        timings["transform"] = time.perf_counter() - t0
+        return graph, plan
     t0 = time.perf_counter()
     key = pipeline_cache.pipeline_key(graph, target, {"propagate": propagate})
     hit = pipeline_cache.load(key)
@@ -148,23 +180,11 @@ class CompiledModel(torch.nn.Module):
             m.weight_name: m.reference_weight for m in replacements.values()
             if getattr(m, "reference_weight", None) is not None}}
         self._quantized = any(k.get("bits", "W32A32") != "W32A32" for k in self.kernels)
+        self.quantization = graph.meta.get("quantization")   # the calibration report, if one ran
         self._reference = None
 
     def forward(self, *args, **kwargs):
-        leaves, _ = pytree.tree_flatten((args, kwargs))
-        spec = self.graph.meta.get("input_leaves")
-        if spec is not None and len(leaves) == len(spec):
-            flat = [x for x, name in zip(leaves, spec) if name is not None]
-        else:
-            flat = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if len(flat) != len(self.graph.inputs):
-            raise SpartaError(f"the compiled model takes {len(self.graph.inputs)} tensor inputs "
-                              f"({', '.join(self.graph.inputs)}), got {len(flat)}")
-        for x, name in zip(flat, self.graph.inputs):
-            v = self.graph.tensor(name)
-            if tuple(x.shape) != v.shape:
-                raise SpartaError(f"input {name!r}: shape {tuple(x.shape)} differs from the compiled {v.shape} "
-                                  "(sparta specialises to the example shapes; recompile for new shapes)")
+        flat = self.graph.flat_inputs(args, kwargs)
         outs = self.module(*flat)
         out_spec = self.graph.meta.get("out_spec")
         return pytree.tree_unflatten(list(outs), out_spec) if out_spec is not None else outs

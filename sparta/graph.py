@@ -236,6 +236,27 @@ class Graph:
     def weights(self) -> dict[str, torch.Tensor]:
         return {v.name: v.data for v in self.tensors("weight") if v.data is not None}
 
+    def flat_inputs(self, args=(), kwargs=None) -> list[torch.Tensor]:
+        """The graph's input tensors from a call's ``(args, kwargs)``, checked against the captured shapes."""
+        from torch.utils import _pytree as pytree
+
+        from .errors import SpartaError
+        leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        spec = self.meta.get("input_leaves")
+        if spec is not None and len(leaves) == len(spec):
+            flat = [x for x, name in zip(leaves, spec) if name is not None]
+        else:
+            flat = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if len(flat) != len(self.inputs):
+            raise SpartaError(f"the model takes {len(self.inputs)} tensor inputs ({', '.join(self.inputs)}), "
+                              f"got {len(flat)}")
+        for x, name in zip(flat, self.inputs):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != self.tensor(name).shape:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise SpartaError(f"input {name!r}: shape {got} differs from the compiled {self.tensor(name).shape} "
+                                  "(sparta specialises to the example shapes; recompile for new shapes)")
+        return flat
+
     # ---- TeSAs ---------------------------------------------------------------------------
     def tesa(self, name: str) -> TeSA:
         """The TeSA of a tensor, by tensor name or parameter (``state_dict``) name."""

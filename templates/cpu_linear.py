@@ -16,8 +16,9 @@ How the kept blocks are found is the dismantle level (``spec.dismantle``):
   but a row's blocks are looped over a compile-time column list, bounding code size.
 
 Weight precisions: 32 (fp32), 8 (int8 × int8 activations, int32 accumulation, per-row
-activation scale × per-channel weight scale), 4 (int4 weights, zero point 8, one fp32
-scale per block row, dequantised to fp32 in the loop).
+activation scale × per-channel weight scale), 4 (int4 codes ``u`` dequantised to fp32 in the
+loop as ``u · S + O``: one scale and offset per block row and ``scale_group`` columns, which
+holds symmetric (``O = -8 S``) and asymmetric (``O = -zero · S``) quantisation).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class BlockLinearSpec:
     accumulate: bool = False
     dismantle: str = "full"
     name: str = "block_linear"
+    scale_group: int = 0                    # int4: columns per scale inside a block (0: the block width)
 
     def __post_init__(self):
         bh, bw = self.block
@@ -52,8 +54,14 @@ class BlockLinearSpec:
                              f"and rows must list {self.n // bh} block rows")
         if self.weight_bits not in (32, 8, 4) or (self.weight_bits == 4 and bh % 2):
             raise ValueError(f"spec {self.name}: unsupported weight bits {self.weight_bits} for block {self.block}")
+        if self.weight_bits == 4 and bw % self.group_columns:
+            raise ValueError(f"spec {self.name}: scale_group {self.scale_group} must divide the block width {bw}")
         if self.dismantle not in ("none", "full", "tile"):
             raise ValueError(f"spec {self.name}: unknown dismantle level {self.dismantle!r}")
+
+    @property
+    def group_columns(self) -> int:
+        return self.scale_group or self.block[1]
 
     @property
     def n_blocks(self) -> int:
@@ -79,7 +87,8 @@ class BlockLinearSpec:
         """A name for the shared generic kernel of this shape."""
         bh, bw = self.block
         tail = "".join(["_b" if self.bias else "", f"_{self.activation}" if self.activation else "",
-                        "_acc" if self.accumulate else ""])
+                        "_acc" if self.accumulate else "",
+                        f"_g{self.scale_group}" if self.weight_bits == 4 and self.scale_group else ""])
         return f"bsr_m{self.m}_n{self.n}_k{self.k}_{bh}x{bw}_w{self.weight_bits}{tail}"
 
 
@@ -92,26 +101,54 @@ def vector_width(bh: int) -> int:
 
 # ---- packing and the torch reference -----------------------------------------------------------
 
-def pack(spec: BlockLinearSpec, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Kernel arguments holding only the kept blocks of ``weight`` (N, K) (plus scales/indices)."""
+def pack(spec: BlockLinearSpec, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         zero: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Kernel arguments holding only the kept blocks of ``weight`` (N, K) (plus scales/indices).
+
+    Quantised widths take fitted element-wise ``scale`` (and, for asymmetric int4, ``zero``: the
+    integer code of 0) of shape (N, K), constant over each kernel scale group; without them the
+    scales come from each group's absolute maximum (symmetric).
+    """
     bh, bw = spec.block
     w = weight.detach().to(torch.float32).reshape(spec.n // bh, bh, spec.k // bw, bw)
-    blocks = [w[i, :, j, :].t() for i, row in enumerate(spec.rows) for j in row]       # (bw, bh) k-major
-    wp = torch.stack(blocks) if blocks else torch.zeros(1, bw, bh)
+    coords = [(i, j) for i, row in enumerate(spec.rows) for j in row]
+
+    def blocks_of(t):                                   # (nb, bw, bh) k-major
+        t = t.reshape(spec.n // bh, bh, spec.k // bw, bw)
+        return torch.stack([t[i, :, j, :].t() for i, j in coords]) if coords else torch.zeros(1, bw, bh)
+
+    wp = blocks_of(w)
     out = {}
     if spec.weight_bits == 32:
         out["W"] = wp.contiguous()
     elif spec.weight_bits == 8:
-        scale = weight.detach().to(torch.float32).abs().amax(1).clamp_min(1e-12) / 127.0      # per channel
-        rows = torch.cat([torch.arange(i * bh, (i + 1) * bh) for i, row in enumerate(spec.rows) for _ in row]) \
-            if blocks else torch.zeros(bh, dtype=torch.long)
-        out["W"] = torch.round(wp / scale[rows].reshape(-1, 1, bh)).clamp(-127, 127).to(torch.int8).contiguous()
-        out["WS"] = scale.contiguous()
+        if zero is not None:
+            raise ValueError(f"spec {spec.name}: int8 weights are symmetric (the int8 dot product has no zero point)")
+        if scale is None:
+            ch = weight.detach().to(torch.float32).abs().amax(1).clamp_min(1e-12) / 127.0      # per channel
+        else:
+            ch = scale[:, 0].to(torch.float32)
+            if not torch.equal(scale, ch[:, None].expand_as(scale)):
+                raise ValueError(f"spec {spec.name}: int8 weight scales must be per channel")
+        rows = torch.cat([torch.arange(i * bh, (i + 1) * bh) for i, _ in coords]) if coords \
+            else torch.zeros(bh, dtype=torch.long)
+        out["W"] = torch.round(wp / ch[rows].reshape(-1, 1, bh)).clamp(-127, 127).to(torch.int8).contiguous()
+        out["WS"] = ch.contiguous()
     else:
-        scale = wp.abs().amax(1).clamp_min(1e-12) / 7.0                                    # (nb, bh)
-        q = (torch.round(wp / scale[:, None, :]).clamp(-8, 7) + 8).to(torch.uint8)          # 0..15
+        gc = spec.group_columns
+        g = bw // gc
+        if scale is None:
+            s = wp.reshape(-1, g, gc, bh).abs().amax(2).clamp_min(1e-12) / 7.0                 # (nb, G, bh)
+            z = torch.full_like(s, 8.0)
+        else:
+            s = blocks_of(scale.to(torch.float32))[:, ::gc, :].contiguous()
+            z = torch.full_like(s, 8.0) if zero is None else blocks_of(zero.to(torch.float32))[:, ::gc, :]
+        step = s.repeat_interleave(gc, dim=1)
+        lo = 1 if zero is None else 0                   # symmetric codes are -7..7 (u = q + 8)
+        q = (torch.round(wp / step) + z.repeat_interleave(gc, dim=1)).clamp(lo, 15).to(torch.uint8)
         out["W"] = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).contiguous()
-        out["S"] = scale.contiguous()
+        out["S"] = s.contiguous()
+        out["O"] = (-z * s).contiguous()
     if spec.dismantle != "full":
         out["C"] = torch.tensor([j for row in spec.rows for j in row] or [0], dtype=torch.int32)
     if spec.dismantle == "none":
@@ -130,8 +167,9 @@ def dequantized_weight(spec: BlockLinearSpec, packed: dict[str, torch.Tensor]) -
         wp = packed["W"].to(torch.float32) * packed["WS"][rows].reshape(-1, 1, bh)
     else:
         b = packed["W"]
-        q = torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], bw, bh).to(torch.float32) - 8
-        wp = q * packed["S"][:, None, :]
+        u = torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], bw, bh).to(torch.float32)
+        gc = spec.group_columns
+        wp = u * packed["S"].repeat_interleave(gc, dim=1) + packed["O"].repeat_interleave(gc, dim=1)
     w = torch.zeros(spec.n // bh, bh, spec.k // bw, bw)
     p = 0
     for i, row in enumerate(spec.rows):
@@ -178,7 +216,9 @@ def block_linear(spec: BlockLinearSpec):
             XS = T.arg("XS", T.buffer((spec.m,), "float32")) if int8 else None
             if spec.weight_bits == 4:
                 W = T.arg("W", T.buffer((nb, bw, bh // 2), "uint8"))
-                S = T.arg("S", T.buffer((nb, bh), "float32"))
+                groups = bw // spec.group_columns
+                S = T.arg("S", T.buffer((nb, groups, bh), "float32"))
+                O = T.arg("O", T.buffer((nb, groups, bh), "float32"))
             else:
                 W = T.arg("W", T.buffer((nb, bw, bh), "int8" if int8 else "float32"))
             WS = T.arg("WS", T.buffer((spec.n,), "float32")) if int8 else None
@@ -191,7 +231,8 @@ def block_linear(spec: BlockLinearSpec):
                 if spec.weight_bits == 4:
                     byte = W[p, kk, r // 2]
                     nib = tirx.bitwise_and(tirx.shift_right(byte, (r % 2 * 4).astype("uint8")), tirx.const(15, "uint8"))
-                    return (nib.astype("float32") - tirx.const(8.0, "float32")) * S[p, r]
+                    gi = kk // spec.group_columns if spec.group_columns < bw else 0
+                    return nib.astype("float32") * S[p, gi, r] + O[p, gi, r]
                 return W[p, kk, r].astype("int32") if int8 else W[p, kk, r]
 
             packed_x = {}  # inside a panel: the panel's X columns copied into a dense workspace
@@ -318,7 +359,7 @@ def row_groups(spec: BlockLinearSpec) -> list[list[int]]:
 
 def argument_names(spec: BlockLinearSpec) -> list[str]:
     names = ["X"] + (["XS"] if spec.weight_bits == 8 else []) + ["W"]
-    names += ["S"] if spec.weight_bits == 4 else []
+    names += ["S", "O"] if spec.weight_bits == 4 else []
     names += ["WS"] if spec.weight_bits == 8 else []
     names += ["C"] if spec.dismantle != "full" else []
     names += ["P"] if spec.dismantle == "none" else []

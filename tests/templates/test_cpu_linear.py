@@ -63,6 +63,44 @@ def test_block_linear_matches_reference(m, n, k, block, density, bits, mode, act
         assert err <= w.abs().max() / (127 if bits == 8 else 7)
 
 
+@pytest.mark.parametrize("symmetric, group, scale_group, mode", [(False, 16, 16, "full"), (True, 8, 8, "tile"),
+                                                                 (False, 64, 0, "none")])
+def test_int4_takes_fitted_scales_and_zero_points(symmetric, group, scale_group, mode):
+    """Scales fitted by calibration (per group, asymmetric) are what the kernel applies, exactly."""
+    from sparta.passes.quant import weight_params
+    g = torch.Generator().manual_seed(group)
+    m, n, k, block = 11, 64, 64, (32, 32)
+    keep = torch.rand(n // 32, k // 32, generator=g) < 0.7
+    keep[0, 0] = True
+    spec = BlockLinearSpec(m, n, k, block, rows_of(keep), 4, bias=True, dismantle=mode, scale_group=scale_group,
+                           name=f"fit4_{int(symmetric)}_{group}_{mode}")
+    mask = keep.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    w = torch.randn(n, k, generator=g) * mask + 0.3 * mask                  # skewed: asymmetric pays off
+    params = weight_params(w, 4, symmetric=symmetric, group=group, clip=torch.rand(n, generator=g) * 0.3 + 0.7)
+    scale, zero = params.expand(k)
+    kern = build_cpu(block_linear, spec)
+    packed = pack(spec, w, scale, zero)
+    assert torch.allclose(dequantized_weight(spec, packed), params.dequantize(w) * mask, atol=1e-6)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    out = torch.full((m, n), float("nan"))
+    kern.fn(*[dict(packed, X=x, B=b, Y=out)[a] for a in argument_names(spec)])
+    torch.testing.assert_close(out, reference(spec, x, packed, b), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_takes_fitted_per_channel_scales_and_refuses_others():
+    from sparta.passes.quant import weight_params
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(32, 64, generator=g)
+    spec = BlockLinearSpec(4, 32, 64, (32, 32), ((0, 1),), 8, name="fit8")
+    params = weight_params(w, 8, clip=0.8)
+    packed = pack(spec, w, *params.expand(64))
+    assert torch.allclose(dequantized_weight(spec, packed), params.dequantize(w), atol=1e-6)
+    with pytest.raises(ValueError, match="per channel"):
+        pack(spec, w, *weight_params(w, 8, group=32).expand(64))
+    with pytest.raises(ValueError, match="symmetric"):
+        pack(spec, w, *weight_params(w, 8, symmetric=False).expand(64))
+
+
 def test_accumulate_adds_into_output():
     g = torch.Generator().manual_seed(3)
     keep = torch.rand(2, 3, generator=g) < 0.5

@@ -1,0 +1,493 @@
+"""Quantization by calibration: the fewest bits each weight (and, optionally, each GEMM input)
+can keep while the op's output survives.
+
+The graph is run on the calibration batches twice in lock step, op by op in topological order:
+the full-precision path (the targets) and the quantized path (every decision so far applied).
+An op's calibration inputs are the quantized path's values, computed once from the nearest
+cached activations; nothing re-runs the whole model per op. For each weight, the next lower
+width the target runs is tried: its scales are fitted (clip-ratio search) to minimise the op's
+output error against the full-precision output, and the width is kept if the relative output
+MSE it *adds* stays within ``tolerance``. Activations (``activations=True``) are tried in a
+second walk the same way, jointly for every GEMM reading the tensor, at the kernel the lower
+activation width selects (e.g. W8A8). With ``model_tolerance`` (or a ``metric``) the final
+model outputs are checked and the costliest decisions are undone until they pass.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ...errors import SpartaError
+from ...graph import Graph, Op
+from ...tesa import TeSA, bits_of_dtype
+from .walk import LockstepWalk, relative_mse
+from .scheme import FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows, fit_weight
+
+CONV_OPS = ("conv1d", "conv2d", "conv3d")
+
+
+class QuantizationError(SpartaError):
+    """Bad calibration input or configuration."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How calibration searches. ``tolerance``: relative output MSE (‖Δy‖²/‖y‖²) one op may add.
+
+    4-bit (and narrower) weights use ``granularity`` (``"group"`` of ``group_size`` columns,
+    ``"channel"`` or ``"tensor"``) and ``symmetric``; 8-bit weights are symmetric per channel
+    (per tensor if asked), the scheme of the int8 tensor-core and CPU kernels.
+    """
+
+    tolerance: float
+    model_tolerance: float | None = None
+    metric: Callable | None = None        # metric(reference_outputs, quantized_outputs) -> float
+    widths: tuple[int, ...] | None = None  # weight widths to try; default: what the target runs
+    activations: bool = False
+    symmetric: bool = True
+    granularity: str = "group"
+    group_size: int = 128
+    progress: bool = True
+
+    def __post_init__(self):
+        if not (isinstance(self.tolerance, (int, float)) and self.tolerance >= 0 and math.isfinite(self.tolerance)):
+            raise QuantizationError(f"quant_tolerance must be a finite number >= 0, got {self.tolerance!r}")
+        if self.model_tolerance is not None and not self.model_tolerance >= 0:
+            raise QuantizationError(f"model_tolerance must be >= 0, got {self.model_tolerance!r}")
+        if self.granularity not in GRANULARITIES:
+            raise QuantizationError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.group_size < 1 or self.group_size & (self.group_size - 1):
+            raise QuantizationError(f"group_size must be a power of two, got {self.group_size}")
+
+    def scheme(self, bits: int) -> dict:
+        if bits >= 8:
+            return {"symmetric": True, "granularity": "tensor" if self.granularity == "tensor" else "channel"}
+        return {"symmetric": self.symmetric, "granularity": self.granularity, "group": self.group_size}
+
+
+@dataclass
+class Decision:
+    """One tensor whose bits calibration lowered (or tried to)."""
+
+    tensor: str
+    kind: str                          # "weight" | "activation"
+    ops: list[str]
+    bits_before: int
+    bits: int                          # the TeSA width chosen (information kept)
+    error: float = 0.0                 # relative output MSE added at ``bits`` (worst op)
+    trials: dict[int, float] = field(default_factory=dict)   # width -> added relative MSE
+    reverted: bool = False
+
+
+@dataclass
+class QuantReport:
+    decisions: list[Decision]
+    model_error: float                 # relative MSE of the outputs (or the metric) after calibration
+    tolerance: float
+    model_tolerance: float | None
+    seconds: float
+
+    def lowered(self) -> list[Decision]:
+        return [d for d in self.decisions if d.bits < d.bits_before]
+
+    def table(self) -> str:
+        """Markdown: every tensor tried, its bits before → after and the error added."""
+        rows = ["| tensor | kind | ops | bits | added rel. MSE | tried (bits: added rel. MSE) |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for d in self.decisions:
+            tried = ", ".join(f"{b}: {e:.2e}" for b, e in sorted(d.trials.items(), reverse=True))
+            bits = f"{d.bits_before} → {d.bits}" + (" (undone)" if d.reverted else "")
+            rows.append(f"| {d.tensor} | {d.kind} | {', '.join(d.ops)} | {bits} | {d.error:.2e} | {tried} |")
+        return "\n".join(rows)
+
+    def plot(self, path) -> str:
+        """Bits chosen (bars) and the error each tensor adds (points, log scale) per layer, as a PNG."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise SpartaError("QuantReport.plot needs matplotlib: pip install matplotlib") from e
+        ds = self.decisions
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(ds)), 4.0))
+        xs = range(len(ds))
+        ax.bar(xs, [d.bits for d in ds], color=["tab:blue" if d.kind == "weight" else "tab:orange" for d in ds])
+        ax.set_ylabel("bits (blue: weight, orange: activation)")
+        ax.set_xticks(list(xs), [d.tensor for d in ds], rotation=90, fontsize=6)
+        ax2 = ax.twinx()
+        ax2.semilogy(list(xs), [max(d.error, 1e-12) for d in ds], "k.", label="added rel. MSE")
+        ax2.axhline(max(self.tolerance, 1e-12), color="r", lw=0.8, ls="--", label="tolerance")
+        ax2.set_ylabel("added relative output MSE")
+        ax2.legend(loc="upper right", fontsize=7)
+        ax.set_title(f"calibrated bits; model relative MSE {self.model_error:.2e}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return str(path)
+
+    def to_json(self) -> dict:
+        return {"model_error": self.model_error, "tolerance": self.tolerance, "model_tolerance": self.model_tolerance,
+                "seconds": self.seconds, "decisions": [vars(d) | {"trials": {str(b): e for b, e in d.trials.items()}}
+                                                       for d in self.decisions]}
+
+
+# ---- which ops have a weight calibration can lower ------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightSite:
+    op: str
+    x: str                 # the activation input
+    weight: str
+    layout: str            # "nk" (linear, conv: channels first) or "kn" (mm/addmm/matmul: (K, N))
+    gemm: bool             # output channel is the last dim and the op is x2d @ Wᵀ (+ bias)
+
+    def to_nk(self, w: torch.Tensor) -> torch.Tensor:
+        return w.t() if self.layout == "kn" else w.reshape(w.shape[0], -1)
+
+    def from_nk(self, w_nk: torch.Tensor, shape) -> torch.Tensor:
+        return w_nk.t() if self.layout == "kn" else w_nk.reshape(shape)
+
+
+def weight_sites(graph: Graph) -> dict[str, WeightSite]:
+    """Ops with a floating-point weight whose output channels each read one weight row, by op name."""
+    from ..transform.transform_op import gemm_view
+
+    def float_weight(name):
+        v = graph.tensor(name) if name else None
+        return v is not None and v.kind == "weight" and v.data is not None and v.data.dtype.is_floating_point
+
+    sites = {}
+    for op in graph.ops():
+        if op.op in CONV_OPS and float_weight(op.input_of("weight")) and op.input_of("input"):
+            sites[op.name] = WeightSite(op.name, op.input_of("input"), op.input_of("weight"), "nk", False)
+        elif op.op in ("linear", "addmm", "mm", "matmul"):
+            view = gemm_view(graph, op)
+            if view is not None and float_weight(view[1]):
+                sites[op.name] = WeightSite(op.name, view[0], view[1], "nk" if op.op == "linear" else "kn", True)
+    return sites
+
+
+def parse_batches(graph: Graph, calibration) -> list[list[torch.Tensor]]:
+    """The calibration batches as flat input lists: each batch a tensor, a tuple of positional
+    inputs or a dict of keyword inputs (a callable returning such an iterable also works)."""
+    if callable(calibration):
+        calibration = calibration()
+    if isinstance(calibration, (torch.Tensor, dict)):
+        raise QuantizationError("calibration must be an iterable of batches (e.g. a list of input tuples), "
+                                f"not a single {type(calibration).__name__}")
+    try:
+        items = list(calibration)
+    except TypeError:
+        raise QuantizationError(f"calibration must be an iterable of batches, got {type(calibration).__name__}") \
+            from None
+    if not items:
+        raise QuantizationError("calibration holds no batches")
+    out = []
+    for i, b in enumerate(items):
+        args, kwargs = ((), b) if isinstance(b, dict) else ((b,) if isinstance(b, torch.Tensor) else tuple(b), {})
+        try:
+            out.append(graph.flat_inputs(args, kwargs))
+        except SpartaError as e:
+            raise QuantizationError(f"calibration batch {i}: {e}") from None
+    return out
+
+
+# ---- the search ------------------------------------------------------------------------------------
+
+class _Calibration:
+    def __init__(self, graph: Graph, batches, config: QuantConfig, profile, weights):
+        self.g, self.cfg, self.profile = graph, config, profile
+        self.batches = [[t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in b] for b in batches]
+        self.weights = {v.name: weights.get(v.name, v.data) for v in graph.tensors("weight") if v.data is not None}
+        sites = weight_sites(graph)
+        count = {}
+        for s in sites.values():
+            count[s.weight] = count.get(s.weight, 0) + 1
+        self.sites = {k: s for k, s in sites.items() if count[s.weight] == 1}    # tied weights stay as they are
+        self.model_bits = {s.weight: bits_of_dtype(graph.tensor(s.weight).dtype) for s in self.sites.values()}
+        self.wbits = {w: self._kept_bits(w) for w in self.model_bits}
+        self.fixed = {w for w, b in self.wbits.items() if b < self.model_bits[w]}   # the user chose these bits
+        self.abits: dict[str, int] = {}
+        self.params: dict[str, dict[int, QuantParams | None]] = {w: {} for w in self.model_bits}
+        self.decisions: list[Decision] = []
+        self._undo: dict[int, Callable] = {}
+        self._dequantized: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _kept_bits(self, name: str) -> int:
+        return self.g.tesa(name).max_bits() or bits_of_dtype(self.g.tensor(name).dtype)
+
+    # ---- what runs ------------------------------------------------------------------------------------
+    def act_bits(self, x: str) -> int:
+        return self.abits.get(x, bits_of_dtype(self.g.tensor(x).dtype))
+
+    def run_act_bits(self, x: str) -> int:
+        bits = self.act_bits(x)
+        return self.profile.round_up(bits, self.profile.act_widths()) if self.profile else bits
+
+    def run_weight_bits(self, site: WeightSite, act_bits: int | None = None) -> int | None:
+        bits = self.wbits[site.weight]
+        if self.profile is None:
+            return bits
+        widths = self.profile.weight_widths(self.run_act_bits(site.x) if act_bits is None else act_bits)
+        return self.profile.round_up(bits, widths) if widths else None
+
+    def fit(self, site: WeightSite, bits: int, objective=None) -> tuple[QuantParams | None, torch.Tensor]:
+        w = site.to_nk(self.weights[site.weight]).float()
+        if bits in FLOAT_WIDTHS:
+            q = fake_quant_float(w, bits)
+            return None, objective(q) if objective else None
+        scheme = self.cfg.scheme(bits)
+        if objective is None:   # weights whose bits the user fixed: plain range, no search
+            return fit_weight(w, bits, lambda q: torch.zeros(w.shape[0]), clips=(1.0,), **scheme)[0], None
+        return fit_weight(w, bits, objective, **scheme)
+
+    def dequantized(self, site: WeightSite, bits: int) -> torch.Tensor:
+        """The weight as the kernel at ``bits`` applies it, in the graph's layout (cached)."""
+        key = (site.weight, bits)
+        if key not in self._dequantized:
+            w = self.weights[site.weight]
+            if bits >= self.model_bits[site.weight]:
+                return w
+            if bits not in FLOAT_WIDTHS and bits not in self.params[site.weight]:
+                self.params[site.weight][bits] = self.fit(site, bits)[0]
+            p = self.params[site.weight].get(bits)
+            nk = site.to_nk(w).float()
+            q = fake_quant_float(nk, bits) if p is None else p.dequantize(nk)
+            mask = site.to_nk(self.g.tesa(site.weight).mask)
+            self._dequantized[key] = site.from_nk(q * mask, w.shape).to(w.dtype)
+        return self._dequantized[key]
+
+    def quantize_op(self, op: Op):
+        site = self.sites.get(op.name)
+        if site is None:
+            return None, None
+        rb = self.run_weight_bits(site)
+        override = None
+        if rb is not None and rb < self.model_bits[site.weight]:
+            override = {site.weight: self.dequantized(site, rb)}
+        ab = self.run_act_bits(site.x)
+        act = (site.x, lambda v, b=ab: fake_quant_rows(v, b)) if ab < bits_of_dtype(self.g.tensor(site.x).dtype) \
+            else None
+        return override, act
+
+    # ---- the op's output error as a function of its weight ---------------------------------------------
+    def objective(self, site: WeightSite, walk, xs, ys, act_fn=None):
+        """``channel_sse(dequantised (N, K) weight)`` of ``site``'s op on inputs ``xs`` against ``ys``."""
+        op = self.g.op(site.op)
+        w = self.weights[site.weight]
+        if act_fn is not None:
+            xs = [act_fn(x) for x in xs]
+        values = {site.x: xs}
+        if site.gemm:
+            w_nk = site.to_nk(w).float()
+            n, k = w_nk.shape
+            x2d = torch.cat([x.reshape(-1, k).float() for x in xs])
+            res = torch.cat([(f - y).reshape(-1, n).float() for f, y in zip(walk.run_op(op, values)[0], ys)])
+            return lambda q: torch.addmm(res, x2d, (q - w_nk).t()).pow(2).sum(0)
+
+        def channel_sse(q):
+            override = {site.weight: site.from_nk(q, w.shape).to(w.dtype)}
+            total = 0
+            for f, y in zip(walk.run_op(op, values, override)[0], ys):
+                d = (f.float() - y.float()).pow(2)
+                total = total + d.transpose(0, 1).reshape(d.shape[1], -1).sum(1)
+            return total
+        return channel_sse
+
+    def current_nk(self, site: WeightSite) -> torch.Tensor:
+        rb = self.run_weight_bits(site)
+        return site.to_nk(self.dequantized(site, rb) if rb is not None else self.weights[site.weight]).float()
+
+    # ---- phase A: weights -------------------------------------------------------------------------------
+    def weight_candidates(self, site: WeightSite) -> list[int]:
+        if self.cfg.widths is not None:
+            widths = self.cfg.widths
+        elif self.profile is not None:
+            widths = self.profile.weight_widths(self.run_act_bits(site.x))
+        else:
+            widths = (16, 8, 4)
+        return sorted((b for b in set(widths) if 0 < b < self.wbits[site.weight]), reverse=True)
+
+    def on_op(self, op: Op, walk, outs_fp):
+        site = self.sites.get(op.name)
+        if site is None or site.weight in self.fixed:
+            return
+        cands = self.weight_candidates(site)
+        if not cands:
+            return
+        ys = outs_fp[0]
+        ref = sum(float(y.double().pow(2).sum()) for y in ys) or 1.0
+        objective = self.objective(site, walk, walk.q[site.x], ys)
+        base = float(objective(self.current_nk(site)).sum())
+        before = self.wbits[site.weight]
+        d = Decision(site.weight, "weight", [op.name], before, before)
+        for bits in cands:
+            params, sse = self.fit(site, bits, objective)
+            added = (float(sse.sum()) - base) / ref
+            d.trials[bits] = added
+            if added > self.cfg.tolerance:
+                break
+            d.bits, d.error = bits, added
+            self.params[site.weight][bits] = params
+        self.decisions.append(d)
+        if d.bits < before:
+            self.wbits[site.weight] = d.bits
+            self._undo[id(d)] = lambda w=site.weight, b=before: self.wbits.__setitem__(w, b)
+
+    # ---- phase B: activations -----------------------------------------------------------------------------
+    def on_value(self, name: str, walk):
+        value = self.g.tensor(name)
+        if not value.dtype.is_floating_point:
+            return
+        readers = [self.sites[c] for c in self.g.consumers(name) if c in self.sites]
+        if not readers or any(s.x != name or any(t != name and t not in walk.weights
+                                                  for t in self.g.op(s.op).inputs) for s in readers):
+            return
+        widths = self.profile.act_widths() if self.profile else (16, 8)
+        before = self.act_bits(name)
+        cands = sorted((a for a in widths if a < before), reverse=True)
+        if not cands:
+            return
+        d = Decision(name, "activation", [s.op for s in readers], before, before)
+        targets = {}
+        old = (self.abits.get(name), {s.weight: self.wbits[s.weight] for s in readers})
+        for s in readers:
+            ys = walk.run_op(self.g.op(s.op), walk.fp)[0]
+            ref = sum(float(y.double().pow(2).sum()) for y in ys) or 1.0
+            base = float(self.objective(s, walk, walk.q[name], ys)(self.current_nk(s)).sum())
+            targets[s.op] = (ys, ref, base)
+        for a in cands:
+            act_fn = (lambda v, b=a: fake_quant_rows(v, b))
+            worst, chosen = -math.inf, {}
+            for s in readers:
+                rb = self.run_weight_bits(s, act_bits=a)
+                if rb is None or (s.weight in self.fixed and rb < self.wbits[s.weight]):
+                    worst = math.inf
+                    break
+                ys, ref, base = targets[s.op]
+                objective = self.objective(s, walk, walk.q[name], ys, act_fn)
+                if rb >= self.model_bits[s.weight]:
+                    params, sse = None, objective(s.to_nk(self.weights[s.weight]).float())
+                elif rb in self.params[s.weight] or s.weight in self.fixed:
+                    params, sse = self.params[s.weight].get(rb), objective(self.dequantized_nk(s, rb))
+                else:
+                    params, sse = self.fit(s, rb, objective)
+                chosen[s.weight] = (rb, params)
+                worst = max(worst, (float(sse.sum()) - base) / ref)
+            d.trials[a] = worst
+            if worst > self.cfg.tolerance:
+                break
+            d.bits, d.error = a, worst
+            self.abits[name] = a
+            for w, (rb, params) in chosen.items():
+                if params is not None:
+                    self.params[w][rb] = params
+                    self._dequantized.pop((w, rb), None)
+                self.wbits[w] = min(self.wbits[w], rb)
+            self._undo[id(d)] = lambda n=name, o=old: self._restore_act(n, *o)
+        self.decisions.append(d)
+
+    def dequantized_nk(self, site: WeightSite, bits: int) -> torch.Tensor:
+        return site.to_nk(self.dequantized(site, bits)).float()
+
+    def _restore_act(self, name: str, act_bits: int | None, wbits: dict[str, int]):
+        if act_bits is None:
+            self.abits.pop(name, None)
+        else:
+            self.abits[name] = act_bits
+        self.wbits.update(wbits)
+
+    # ---- the whole pass ---------------------------------------------------------------------------------
+    def model_error(self, ref_outs, q_outs) -> float:
+        if self.cfg.metric is None:
+            return relative_mse(ref_outs, q_outs)
+        spec = self.g.meta.get("out_spec")
+
+        def per_batch(outs):
+            batches = [list(t) for t in zip(*outs)]
+            return [pytree.tree_unflatten(b, spec) if spec is not None else tuple(b) for b in batches]
+        return float(self.cfg.metric(per_batch(ref_outs), per_batch(q_outs)))
+
+    def run(self) -> QuantReport:
+        t0 = time.perf_counter()
+        walk = LockstepWalk(self.g, self.batches, self.weights)
+        progress = self.cfg.progress
+        ref, q = walk.run(self.quantize_op, on_op=self.on_op, desc="calibrate weights", progress=progress)
+        if self.cfg.activations:
+            ref, q = walk.run(self.quantize_op, on_value=self.on_value, desc="calibrate activations",
+                              progress=progress)
+        err = self.model_error(ref, q)
+        limit = self.cfg.model_tolerance
+        while limit is not None and err > limit:
+            live = [d for d in self.decisions if d.bits < d.bits_before and not d.reverted]
+            if not live:
+                break
+            worst = max(live, key=lambda d: d.error)
+            self._undo[id(worst)]()
+            worst.reverted = True
+            _, q = walk.run(self.quantize_op, desc="check model", progress=progress)
+            err = self.model_error(ref, q)
+        return QuantReport(self.decisions, err, self.cfg.tolerance, limit, time.perf_counter() - t0)
+
+    def commit(self, report: QuantReport) -> None:
+        """Lower the graph's TeSAs (lattice meet) and store the fitted parameters for codegen."""
+        for w, bits in self.wbits.items():
+            if bits < self.model_bits[w] and w not in self.fixed:
+                v = self.g.tensor(w)
+                self.g.set_tesa(w, v.tesa.meet(TeSA.dense(v.shape, bits)))
+        for x, bits in self.abits.items():
+            v = self.g.tensor(x)
+            self.g.set_tesa(x, v.tesa.meet(TeSA.dense(v.shape, bits)))
+        stored = self.g.meta.setdefault("quant_params", {})
+        for site in self.sites.values():
+            rb = self.run_weight_bits(site)
+            if rb is not None and rb < self.model_bits[site.weight] and site.weight not in self.fixed:
+                self.dequantized(site, rb)          # fits the width if only rounding reached it
+                p = self.params[site.weight].get(rb)
+                if p is not None:
+                    stored[site.weight] = {rb: p}
+        self.g.meta["quantization"] = report
+
+
+def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, target: str | None = "cpu",
+              weights: dict[str, torch.Tensor] | None = None, **options) -> QuantReport:
+    """Find the fewest bits each weight (and GEMM input, with ``activations=True``) can keep.
+
+    ``calibration``: batches of example inputs (see :func:`parse_batches`); ``tolerance``: the
+    relative output MSE one op may add (or a full :class:`QuantConfig`; ``options`` fill one).
+    ``target`` picks the widths tried from its hardware profile (None: 16, 8, 4).
+    ``weights`` overrides weight values (default: the graph's, with pruned elements zeroed).
+    Lowers the graph's TeSAs in place, stores fitted scales in ``graph.meta["quant_params"]``
+    and returns the report (also in ``graph.meta["quantization"]``).
+    """
+    from ..transform import load_profile
+
+    config = tolerance if isinstance(tolerance, QuantConfig) else QuantConfig(tolerance, **options)
+    batches = parse_batches(graph, calibration)
+    profile = load_profile(target) if target is not None else None
+    if weights is None:
+        weights = {v.name: v.data * v.tesa.mask.to(v.data.dtype) for v in graph.tensors("weight")
+                   if v.data is not None and v.data.dtype.is_floating_point and not v.tesa.is_dense}
+    with torch.no_grad():
+        cal = _Calibration(graph, batches, config, profile, weights)
+        report = cal.run()
+        cal.commit(report)
+    return report
+
+
+def fake_quantized_weights(graph: Graph) -> dict[str, torch.Tensor]:
+    """The calibrated weights as the kernels apply them (dequantised), by parameter name."""
+    out = {}
+    for site in weight_sites(graph).values():
+        for bits, params in graph.meta.get("quant_params", {}).get(site.weight, {}).items():
+            v = graph.tensor(site.weight)
+            w = v.data * v.tesa.mask.to(v.data.dtype)
+            q = fake_quant_float(site.to_nk(w).float(), bits) if params is None else params.dequantize(site.to_nk(w))
+            out[site.weight] = site.from_nk(q, w.shape).to(w.dtype)
+    return out

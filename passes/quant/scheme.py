@@ -1,0 +1,134 @@
+"""Quantisers: integer weights (symmetric or asymmetric, per tensor / channel / group), fp16/bf16,
+dynamic per-row activations, and the clip-ratio search that fits a weight's scales to an op's
+output error.
+
+Weights are handled as an ``(N, K)`` matrix: ``N`` output channels (a linear's rows, a conv's
+``out_channels``), ``K`` the values each channel reads. A scale (and zero point) covers
+``group`` consecutive columns of one channel; ``group == K`` is per channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+CLIPS = tuple(1.0 - 0.025 * i for i in range(17))    # clip ratios searched: 1.0 down to 0.6
+GRANULARITIES = ("tensor", "channel", "group")
+FLOAT_WIDTHS = {16: torch.float16}
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """Integer quantisation of an (N, K) weight: ``w ≈ (q - zero) · scale`` per group of columns.
+
+    Symmetric (``zero is None``): ``q ∈ [-(2^(b-1)-1), 2^(b-1)-1]``. Asymmetric: ``q ∈ [0, 2^b - 1]``
+    and ``zero`` holds the integer code of 0 (so pruned zeros stay exactly zero).
+    """
+
+    bits: int
+    scale: torch.Tensor                 # (N, G) fp32, G = ceil(K / group)
+    zero: torch.Tensor | None           # (N, G) fp32 integer-valued, or None (symmetric)
+    group: int
+    clip: torch.Tensor | None = None    # (N,) the fitted clip ratio of each channel
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+    def code_range(self) -> tuple[int, int]:
+        if self.symmetric:
+            top = 2 ** (self.bits - 1) - 1
+            return -top, top
+        return 0, 2 ** self.bits - 1
+
+    def expand(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Element-wise (N, k) scale and zero point."""
+        scale = self.scale.repeat_interleave(self.group, dim=1)[:, :k]
+        zero = None if self.zero is None else self.zero.repeat_interleave(self.group, dim=1)[:, :k]
+        return scale, zero
+
+    def codes(self, w: torch.Tensor) -> torch.Tensor:
+        """Integer codes (as fp32) of the (N, K) weight ``w``."""
+        scale, zero = self.expand(w.shape[1])
+        lo, hi = self.code_range()
+        q = torch.round(w.float() / scale)
+        return (q if zero is None else q + zero).clamp(lo, hi)
+
+    def dequantize(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` quantised and dequantised (fp32, same shape)."""
+        scale, zero = self.expand(w.shape[1])
+        q = self.codes(w)
+        return (q if zero is None else q - zero) * scale
+
+
+def weight_params(w: torch.Tensor, bits: int, *, symmetric: bool = True, group: int | None = None,
+                  clip: torch.Tensor | float = 1.0) -> QuantParams:
+    """Scales (and zero points) of ``w`` (N, K) from its clipped range: ``group`` columns per scale
+    (None: per channel), ``clip`` a ratio per channel (or one) applied to the range."""
+    n, k = w.shape
+    group = k if group is None else min(int(group), k)
+    g = -(-k // group)
+    wf = torch.nn.functional.pad(w.detach().float(), (0, g * group - k)).reshape(n, g, group)
+    clip = torch.as_tensor(clip, dtype=torch.float32).reshape(-1, 1).expand(n, 1)
+    if symmetric:
+        scale = (wf.abs().amax(2) * clip).clamp_min(1e-12) / (2 ** (bits - 1) - 1)
+        return QuantParams(bits, scale, None, group, clip[:, 0].clone())
+    lo = wf.amin(2).clamp(max=0) * clip
+    hi = wf.amax(2).clamp(min=0) * clip
+    scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-12)
+    zero = torch.round(-lo / scale).clamp(0, 2 ** bits - 1)
+    return QuantParams(bits, scale, zero, group, clip[:, 0].clone())
+
+
+def per_tensor(w: torch.Tensor, bits: int, *, symmetric: bool = True, clip: float = 1.0) -> QuantParams:
+    """One scale for the whole tensor (stored per channel, all equal)."""
+    flat = weight_params(w.reshape(1, -1), bits, symmetric=symmetric, clip=clip)
+    n, k = w.shape
+    expand = (lambda t: None if t is None else t.expand(n, 1).clone())
+    return QuantParams(bits, expand(flat.scale), expand(flat.zero), k, torch.full((n,), float(clip)))
+
+
+def fit_weight(w: torch.Tensor, bits: int, channel_sse: Callable[[torch.Tensor], torch.Tensor], *,
+               symmetric: bool = True, granularity: str = "channel", group: int = 128,
+               clips=CLIPS) -> tuple[QuantParams, torch.Tensor]:
+    """The clip ratio (per channel, or one for ``granularity="tensor"``) minimising the op's output
+    error, by search over ``clips``. ``channel_sse(dequantised (N, K) weight)`` returns the op's
+    summed squared output error of each output channel. Returns (params, per-channel error)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    w = w.detach().float()
+    tried = []
+    for c in clips:
+        if granularity == "tensor":
+            p = per_tensor(w, bits, symmetric=symmetric, clip=c)
+        else:
+            p = weight_params(w, bits, symmetric=symmetric, group=group if granularity == "group" else None, clip=c)
+        tried.append((p, channel_sse(p.dequantize(w)).double()))
+    errs = torch.stack([e for _, e in tried])                             # (clips, N)
+    if granularity == "tensor":
+        best = int(errs.sum(1).argmin())
+        return tried[best][0], errs[best]
+    pick = errs.argmin(0)                                                  # per channel
+    rows = torch.arange(w.shape[0])
+    scale = torch.stack([p.scale for p, _ in tried])[pick, rows]
+    zero = None if symmetric else torch.stack([p.zero for p, _ in tried])[pick, rows]
+    clip = torch.tensor([clips[i] for i in pick.tolist()], dtype=torch.float32)
+    return QuantParams(bits, scale, zero, tried[0][0].group, clip), errs[pick, rows]
+
+
+def fake_quant_float(t: torch.Tensor, bits: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Round ``t`` through a 16-bit float format (fp16 unless ``dtype`` says bf16)."""
+    return t.to(dtype or FLOAT_WIDTHS[bits]).to(t.dtype)
+
+
+def fake_quant_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Dynamic symmetric per-row (per-token) quantisation over the last dimension, as the W8A8
+    kernels apply it to their activations at run time."""
+    if bits in FLOAT_WIDTHS:
+        return fake_quant_float(x, bits)
+    top = 2 ** (bits - 1) - 1
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / top
+    return (torch.round(xf / scale).clamp(-top, top) * scale).to(x.dtype)
