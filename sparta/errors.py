@@ -30,3 +30,7 @@ class PlanError(SpartaError):
 
 class CodegenError(SpartaError):
     """A kernel could not be generated, built or loaded."""
+
+
+class QuantizationError(SpartaError):
+    """Bad calibration input or quantization configuration."""

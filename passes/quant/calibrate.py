@@ -18,22 +18,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ...errors import SpartaError
+from ...errors import QuantizationError
 from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
-from .walk import LockstepWalk, relative_mse
+from .report import Decision, QuantReport
 from .scheme import FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows, fit_weight
-
-CONV_OPS = ("conv1d", "conv2d", "conv3d")
-
-
-class QuantizationError(SpartaError):
-    """Bad calibration input or configuration."""
+from .sites import WeightSite, parse_batches, weight_sites
+from .walk import LockstepWalk, relative_mse
 
 
 @dataclass(frozen=True)
@@ -71,133 +67,6 @@ class QuantConfig:
         return {"symmetric": self.symmetric, "granularity": self.granularity, "group": self.group_size}
 
 
-@dataclass
-class Decision:
-    """One tensor whose bits calibration lowered (or tried to)."""
-
-    tensor: str
-    kind: str                          # "weight" | "activation"
-    ops: list[str]
-    bits_before: int
-    bits: int                          # the TeSA width chosen (information kept)
-    error: float = 0.0                 # relative output MSE added at ``bits`` (worst op)
-    trials: dict[int, float] = field(default_factory=dict)   # width -> added relative MSE
-    reverted: bool = False
-
-
-@dataclass
-class QuantReport:
-    decisions: list[Decision]
-    model_error: float                 # relative MSE of the outputs (or the metric) after calibration
-    tolerance: float
-    model_tolerance: float | None
-    seconds: float
-
-    def lowered(self) -> list[Decision]:
-        return [d for d in self.decisions if d.bits < d.bits_before]
-
-    def table(self) -> str:
-        """Markdown: every tensor tried, its bits before → after and the error added."""
-        rows = ["| tensor | kind | ops | bits | added rel. MSE | tried (bits: added rel. MSE) |",
-                "| --- | --- | --- | --- | --- | --- |"]
-        for d in self.decisions:
-            tried = ", ".join(f"{b}: {e:.2e}" for b, e in sorted(d.trials.items(), reverse=True))
-            bits = f"{d.bits_before} → {d.bits}" + (" (undone)" if d.reverted else "")
-            rows.append(f"| {d.tensor} | {d.kind} | {', '.join(d.ops)} | {bits} | {d.error:.2e} | {tried} |")
-        return "\n".join(rows)
-
-    def plot(self, path) -> str:
-        """Bits chosen (bars) and the error each tensor adds (points, log scale) per layer, as a PNG."""
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as e:
-            raise SpartaError("QuantReport.plot needs matplotlib: pip install matplotlib") from e
-        ds = self.decisions
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(ds)), 4.0))
-        xs = range(len(ds))
-        ax.bar(xs, [d.bits for d in ds], color=["tab:blue" if d.kind == "weight" else "tab:orange" for d in ds])
-        ax.set_ylabel("bits (blue: weight, orange: activation)")
-        ax.set_xticks(list(xs), [d.tensor for d in ds], rotation=90, fontsize=6)
-        ax2 = ax.twinx()
-        ax2.semilogy(list(xs), [max(d.error, 1e-12) for d in ds], "k.", label="added rel. MSE")
-        ax2.axhline(max(self.tolerance, 1e-12), color="r", lw=0.8, ls="--", label="tolerance")
-        ax2.set_ylabel("added relative output MSE")
-        ax2.legend(loc="upper right", fontsize=7)
-        ax.set_title(f"calibrated bits; model relative MSE {self.model_error:.2e}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return str(path)
-
-    def to_json(self) -> dict:
-        return {"model_error": self.model_error, "tolerance": self.tolerance, "model_tolerance": self.model_tolerance,
-                "seconds": self.seconds, "decisions": [vars(d) | {"trials": {str(b): e for b, e in d.trials.items()}}
-                                                       for d in self.decisions]}
-
-
-# ---- which ops have a weight calibration can lower ------------------------------------------------
-
-@dataclass(frozen=True)
-class WeightSite:
-    op: str
-    x: str                 # the activation input
-    weight: str
-    layout: str            # "nk" (linear, conv: channels first) or "kn" (mm/addmm/matmul: (K, N))
-    gemm: bool             # output channel is the last dim and the op is x2d @ Wᵀ (+ bias)
-
-    def to_nk(self, w: torch.Tensor) -> torch.Tensor:
-        return w.t() if self.layout == "kn" else w.reshape(w.shape[0], -1)
-
-    def from_nk(self, w_nk: torch.Tensor, shape) -> torch.Tensor:
-        return w_nk.t() if self.layout == "kn" else w_nk.reshape(shape)
-
-
-def weight_sites(graph: Graph) -> dict[str, WeightSite]:
-    """Ops with a floating-point weight whose output channels each read one weight row, by op name."""
-    from ..transform.transform_op import gemm_view
-
-    def float_weight(name):
-        v = graph.tensor(name) if name else None
-        return v is not None and v.kind == "weight" and v.data is not None and v.data.dtype.is_floating_point
-
-    sites = {}
-    for op in graph.ops():
-        if op.op in CONV_OPS and float_weight(op.input_of("weight")) and op.input_of("input"):
-            sites[op.name] = WeightSite(op.name, op.input_of("input"), op.input_of("weight"), "nk", False)
-        elif op.op in ("linear", "addmm", "mm", "matmul"):
-            view = gemm_view(graph, op)
-            if view is not None and float_weight(view[1]):
-                sites[op.name] = WeightSite(op.name, view[0], view[1], "nk" if op.op == "linear" else "kn", True)
-    return sites
-
-
-def parse_batches(graph: Graph, calibration) -> list[list[torch.Tensor]]:
-    """The calibration batches as flat input lists: each batch a tensor, a tuple of positional
-    inputs or a dict of keyword inputs (a callable returning such an iterable also works)."""
-    if callable(calibration):
-        calibration = calibration()
-    if isinstance(calibration, (torch.Tensor, dict)):
-        raise QuantizationError("calibration must be an iterable of batches (e.g. a list of input tuples), "
-                                f"not a single {type(calibration).__name__}")
-    try:
-        items = list(calibration)
-    except TypeError:
-        raise QuantizationError(f"calibration must be an iterable of batches, got {type(calibration).__name__}") \
-            from None
-    if not items:
-        raise QuantizationError("calibration holds no batches")
-    out = []
-    for i, b in enumerate(items):
-        args, kwargs = ((), b) if isinstance(b, dict) else ((b,) if isinstance(b, torch.Tensor) else tuple(b), {})
-        try:
-            out.append(graph.flat_inputs(args, kwargs))
-        except SpartaError as e:
-            raise QuantizationError(f"calibration batch {i}: {e}") from None
-    return out
-
-
 # ---- the search ------------------------------------------------------------------------------------
 
 class _Calibration:
@@ -218,6 +87,7 @@ class _Calibration:
         self.decisions: list[Decision] = []
         self._undo: dict[int, Callable] = {}
         self._dequantized: dict[tuple[str, int], torch.Tensor] = {}
+        self.lowered_by: dict[str, str] = {}     # weight -> the activation whose decision lowered it
 
     def _kept_bits(self, name: str) -> int:
         return self.g.tesa(name).max_bits() or bits_of_dtype(self.g.tensor(name).dtype)
@@ -234,7 +104,10 @@ class _Calibration:
         bits = self.wbits[site.weight]
         if self.profile is None:
             return bits
-        widths = self.profile.weight_widths(self.run_act_bits(site.x) if act_bits is None else act_bits)
+        if act_bits is None:   # activations are lowered only for GEMMs (see on_value)
+            act_bits = self.run_act_bits(site.x) if site.gemm else \
+                self.profile.round_up(bits_of_dtype(self.g.tensor(site.x).dtype), self.profile.act_widths())
+        widths = self.profile.weight_widths(act_bits)
         return self.profile.round_up(bits, widths) if widths else None
 
     def fit(self, site: WeightSite, bits: int, objective=None) -> tuple[QuantParams | None, torch.Tensor]:
@@ -272,8 +145,8 @@ class _Calibration:
         if rb is not None and rb < self.model_bits[site.weight]:
             override = {site.weight: self.dequantized(site, rb)}
         ab = self.run_act_bits(site.x)
-        act = (site.x, lambda v, b=ab: fake_quant_rows(v, b)) if ab < bits_of_dtype(self.g.tensor(site.x).dtype) \
-            else None
+        lowered = site.gemm and ab < bits_of_dtype(self.g.tensor(site.x).dtype)
+        act = (site.x, lambda v, b=ab: fake_quant_rows(v, b)) if lowered else None
         return override, act
 
     # ---- the op's output error as a function of its weight ---------------------------------------------
@@ -345,7 +218,7 @@ class _Calibration:
         value = self.g.tensor(name)
         if not value.dtype.is_floating_point:
             return
-        readers = [self.sites[c] for c in self.g.consumers(name) if c in self.sites]
+        readers = [self.sites[c] for c in self.g.consumers(name) if c in self.sites and self.sites[c].gemm]
         if not readers or any(s.x != name or any(t != name and t not in walk.weights
                                                   for t in self.g.op(s.op).inputs) for s in readers):
             return
@@ -389,7 +262,9 @@ class _Calibration:
                 if params is not None:
                     self.params[w][rb] = params
                     self._dequantized.pop((w, rb), None)
-                self.wbits[w] = min(self.wbits[w], rb)
+                if rb < self.wbits[w]:
+                    self.wbits[w] = rb
+                    self.lowered_by[w] = name
             self._undo[id(d)] = lambda n=name, o=old: self._restore_act(n, *o)
         self.decisions.append(d)
 
@@ -402,6 +277,7 @@ class _Calibration:
         else:
             self.abits[name] = act_bits
         self.wbits.update(wbits)
+        self.lowered_by = {w: a for w, a in self.lowered_by.items() if a != name}
 
     # ---- the whole pass ---------------------------------------------------------------------------------
     def model_error(self, ref_outs, q_outs) -> float:
@@ -452,6 +328,15 @@ class _Calibration:
                 p = self.params[site.weight].get(rb)
                 if p is not None:
                     stored[site.weight] = {rb: p}
+        runs = {}
+        for site in self.sites.values():
+            rb = self.run_weight_bits(site)
+            act = self.run_act_bits(site.x) if site.gemm else bits_of_dtype(self.g.tensor(site.x).dtype)
+            runs[site.op] = f"W{rb if rb is not None else self.wbits[site.weight]}A{act}"
+        for d in report.decisions:
+            d.runs = ", ".join(dict.fromkeys(runs[o] for o in d.ops))
+            if d.kind == "weight" and not d.reverted and self.wbits[d.tensor] < d.bits:
+                d.bits, d.by = self.wbits[d.tensor], self.lowered_by.get(d.tensor, "")
         self.g.meta["quantization"] = report
 
 
@@ -479,15 +364,3 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
         report = cal.run()
         cal.commit(report)
     return report
-
-
-def fake_quantized_weights(graph: Graph) -> dict[str, torch.Tensor]:
-    """The calibrated weights as the kernels apply them (dequantised), by parameter name."""
-    out = {}
-    for site in weight_sites(graph).values():
-        for bits, params in graph.meta.get("quant_params", {}).get(site.weight, {}).items():
-            v = graph.tensor(site.weight)
-            w = v.data * v.tesa.mask.to(v.data.dtype)
-            q = fake_quant_float(site.to_nk(w).float(), bits) if params is None else params.dequantize(site.to_nk(w))
-            out[site.weight] = site.from_nk(q, w.shape).to(w.dtype)
-    return out

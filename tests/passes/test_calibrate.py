@@ -88,7 +88,7 @@ def test_model_error_stays_within_the_model_tolerance_and_is_what_the_weights_gi
     batches = batches_of((32, 64))
     loose = sparta.capture(model, batches[0])
     free = calibrate(loose, batches, 1e-2, progress=False)
-    limit = free.model_error / 3
+    limit = free.model_error * 0.8
     graph = sparta.capture(model, batches[0])
     report = calibrate(graph, batches, 1e-2, model_tolerance=limit, progress=False)
     assert free.model_error > limit >= report.model_error
@@ -225,7 +225,7 @@ def test_compile_with_calibration_runs_int8_and_int4_kernels():
     assert rel_mse(model, w8, batches) <= 2 * w8.quantization.model_error + 1e-6
 
 
-def test_int4_kernels_apply_the_fitted_scales():
+def test_int4_kernels_apply_the_fitted_scales(tmp_path):
     """On this CPU the measured int4 kernel is slower than fp32, so the cost model keeps fp32 for
     weight-only 4 bits; pinned to the W4A32 sub-op (the plan is a plain dataclass), the kernel
     applies exactly the calibrated (asymmetric, grouped) weights."""
@@ -255,3 +255,6 @@ def test_int4_kernels_apply_the_fitted_scales():
     with torch.no_grad():
         torch.testing.assert_close(compiled(*batches[1]), expected(*batches[1]), rtol=1e-4, atol=1e-4)
     assert rel_mse(model, compiled, batches) == pytest.approx(report.model_error, rel=1e-3)
+    loaded = sparta.load(compiled.save(tmp_path / "w4"))           # scales, offsets, scale groups survive
+    with torch.no_grad():
+        assert torch.equal(loaded(*batches[1]), compiled(*batches[1]))
