@@ -131,10 +131,10 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
 def _fitted_scales(graph: Graph, op: Op, bits: int, padded: tuple[int, int], block_width: int):
     """Element-wise scale and zero point calibration fitted for the op's weight at ``bits``, padded
     to the kernel's shape, and the kernel's scale group (None, None, 0 when nothing was fitted)."""
-    params = graph.meta.get("quant_params", {}).get(gemm_view(graph, op)[1], {}).get(bits)
+    _, weight, _, _, _, k = gemm_view(graph, op)
+    params = graph.meta.get("quant_params", {}).get(weight, {}).get(bits)
     if params is None or bits not in (8, 4):
         return None, None, 0
-    k = gemm_view(graph, op)[5]
 
     def pad(t):  # padded columns repeat the last one (per-channel scales stay per channel); rows get ones
         if t is None:
