@@ -10,7 +10,6 @@ on the GPU machine through ``sparta.runtime.cuda`` (cuda-bindings).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +37,16 @@ SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, sta
                 "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3)}
 
 
+# W8A8 (dtype="int8"): bk counts int8 elements, so bk=64 moves the bytes of the fp16 bk=32 tiles
+INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2, stages=4),
+              "i8_t128x128k128": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=2, stages=3),
+              "i8_t128x256k64": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=4, stages=4),
+              "i8_t256x128k64": dict(bn=128, bk=64, tm=256, warps_m=4, warps_n=2, stages=3),
+              "i8_b32_t128": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
+              "i8_b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
+              "i8_b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
+              "i8_b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=2, stages=3)}
+
 CONST_TILES, CONST_SPARSITIES, CONST_SETS = ("b32_t128w2", "b64_t128"), (90, 95), 4
 
 
@@ -55,10 +64,17 @@ def kernels() -> dict[str, BsrSpec]:
                                   table="const", pattern=_pattern(bench_mask(4, 8, 0.4, "t_const"))),
         "t_b64": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
         "t_dense_tile": BsrSpec(256, 256, 128, **DENSE_TILES["t128x128k32"]),
+        # W8A8: odd M, ragged N, a half-filled last K block; 64-blocks with the exact GELU; no bias
+        "t_i8_odd_relu": BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu", dtype="int8"),
+        "t_i8_b64_gelu": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
+                                 act="gelu_erf", dtype="int8"),
+        "t_i8_dense_nobias": BsrSpec(256, 256, 256, bias=False, dtype="int8", **INT8_TILES["i8_t128x128k64"]),
     }
     for shape_name, (m, n, k) in (("ffn1", FFN1), ("ffn2", FFN2)):
         for tile, kw in {**DENSE_TILES, **SPARSE_TILES}.items():
             specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, **kw)
+        for tile, kw in INT8_TILES.items():
+            specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, dtype="int8", **kw)
         for tile in CONST_TILES:                 # dismantled: the benchmark's block patterns baked in
             kw = SPARSE_TILES[tile]
             for sp in CONST_SPARSITIES:

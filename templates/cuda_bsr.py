@@ -17,6 +17,12 @@ conflicts for ``ldmatrix``), ``ldmatrix.x4`` fragments, ``mma.sync.m16n8k16`` fp
 accumulation, fused bias + activation, the fp16 tile staged through shared memory and
 written in coalesced 16-byte rows. Rows past ``M`` and K past ``K``
 are zero-filled by the copy; columns past ``N`` are not stored.
+
+``dtype="int8"`` is the W8A8 kernel: ``X`` int8 (per-row scales ``XS``), ``W`` int8 (per-channel
+scales ``WS``), ``mma.sync.m16n8k32`` with int32 accumulation and ``y = acc · XS[m] · WS[n]``
+(+ bias, activation) in the epilogue. Its data movement is the fp16 kernel's, byte for byte:
+the int8 operands are handed over as fp16 views of half the width (``x.view(torch.float16)``),
+and the m16n8k32 s8 fragments hold the same bytes per thread as the m16n8k16 f16 ones.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class BsrSpec:
     bias: bool = True
     act: str = "none"
     table: str = "arg"
+    dtype: str = "float16"                            # operands: "float16", or "int8" (W8A8)
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -69,6 +76,10 @@ class BsrSpec:
             bad.append("too many blocks for a constant table (64 KiB); use table='arg'")
         if self.stages < 2:
             bad.append("stages must be >= 2")
+        if self.dtype not in ("float16", "int8"):
+            bad.append(f"dtype {self.dtype!r} must be 'float16' or 'int8'")
+        elif self.dtype == "int8" and (self.k % 16 or self.bk % 32):
+            bad.append(f"int8: K={self.k} must be a multiple of 16 and bk={self.bk} of 32")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -85,8 +96,13 @@ class BsrSpec:
         return 32 * self.warps_m * self.warps_n
 
     @property
+    def elems_per_half(self) -> int:
+        """Operand elements per 16-bit lane of the data movement (2 for int8)."""
+        return 2 if self.dtype == "int8" else 1
+
+    @property
     def shared_bytes(self) -> int:
-        return max(self.stages * (self.tm + self.bn) * self.bk, self.tm * (self.bn + 8)) * 2
+        return max(self.stages * (self.tm + self.bn) * self.bk // self.elems_per_half, self.tm * (self.bn + 8)) * 2
 
     def pattern_nnz(self) -> int:
         return len(self.pattern)
@@ -129,11 +145,13 @@ def build_table(block_mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int,
 
 
 def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Wp, table)``: the kept ``bn × bk`` blocks of ``w`` (zero-padded at the edges), fp16,
-    contiguous in table order, and the int32 table. ``Wp`` has at least one block."""
+    """``(Wp, table)``: the kept ``bn × bk`` blocks of ``w`` (zero-padded at the edges), fp16
+    (int8 codes for ``dtype="int8"``), contiguous in table order, and the int32 table. ``Wp`` has
+    at least one block."""
     table, packed = build_table(block_mask)
     n, k = w.shape
-    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=torch.float16, device=w.device)
+    dtype = torch.int8 if spec.dtype == "int8" else torch.float16
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=dtype, device=w.device)
     pad[:n, :k] = w
     blocks = pad.reshape(spec.row_blocks, spec.bn, spec.k_blocks, spec.bk).permute(0, 2, 1, 3)
     if packed:
@@ -141,7 +159,7 @@ def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tup
         cols = torch.tensor([c for _, c in packed], device=w.device)
         wp = blocks[rows, cols].contiguous()
     else:
-        wp = torch.zeros(1, spec.bn, spec.bk, dtype=torch.float16, device=w.device)
+        wp = torch.zeros(1, spec.bn, spec.bk, dtype=dtype, device=w.device)
     return wp, table.to(w.device)
 
 
@@ -149,7 +167,7 @@ def unpack_weight(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch
     """Inverse of :func:`pack_weight`: the dense ``(N, K)`` fp16 weight, zero where no block is kept."""
     head = table[: 3 * spec.row_blocks].reshape(-1, 3).tolist()
     kidx = table[3 * spec.row_blocks:].tolist()
-    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=torch.float16, device=wp.device)
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=wp.dtype, device=wp.device)
     for row, first, count in head:
         for j in range(first, first + count):
             kb = kidx[j]
@@ -167,17 +185,40 @@ def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None,
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
+    return _activate(y, act).half()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 codes and fp32 scales (activations per token; weights per channel)."""
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) / 127.0
+    return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int) -> torch.Tensor:
+    """What the W8A8 kernel computes: exact int32 dot products, scaled in fp32, fp16 out."""
+    w = wq.double()
+    if block_mask is not None:
+        keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
+        w = w * keep.to(w.device)
+    y = (xq.double() @ w.t()).float() * xs.float()[:, None] * ws.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return _activate(y, act).half()
+
+
+def _activate(y: torch.Tensor, act: str) -> torch.Tensor:
     if act == "relu":
-        y = torch.relu(y)
-    elif act == "gelu":
-        y = torch.nn.functional.gelu(y, approximate="tanh")
-    elif act == "gelu_erf":
-        y = torch.nn.functional.gelu(y)
-    return y.half()
+        return torch.relu(y)
+    if act == "gelu":
+        return torch.nn.functional.gelu(y, approximate="tanh")
+    if act == "gelu_erf":
+        return torch.nn.functional.gelu(y)
+    return y
 
 
 def argument_names(spec: BsrSpec) -> list[str]:
-    return ["X", "Wp", *(["B"] if spec.bias else []), *(["Tab"] if spec.table == "arg" else []), "Y"]
+    scales = ["XS", "WS"] if spec.dtype == "int8" else []
+    return ["X", "Wp", *scales, *(["B"] if spec.bias else []), *(["Tab"] if spec.table == "arg" else []), "Y"]
 
 
 def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
@@ -194,7 +235,9 @@ def bsr_linear(spec: BsrSpec):
     import tvm
     from tvm.script import tirx as T
 
-    M, N, K, BN, BK, TM, S = spec.m, spec.n, spec.k, spec.bn, spec.bk, spec.tm, spec.stages
+    int8 = spec.dtype == "int8"
+    EL = spec.elems_per_half                 # the data movement counts 16-bit lanes: K and BK in lanes
+    M, N, K, BN, BK, TM, S = spec.m, spec.n, spec.k // EL, spec.bn, spec.bk // EL, spec.tm, spec.stages
     NT, WM, WN = spec.threads, spec.warps_m, spec.warps_n
     WTM, WTN = TM // WM, BN // WN            # warp tile
     MI, NI = WTM // 16, WTN // 8             # mma tiles per warp: 16 rows x 8 cols each
@@ -209,6 +252,9 @@ def bsr_linear(spec: BsrSpec):
     OUT_CHUNKS = TM * (BN // 8)
     OUT_ITERS = -(-OUT_CHUNKS // NT)
     use_bias, act, const_tab = spec.bias, spec.act, spec.table == "const"
+    MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" if int8 else \
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    ACC = "uint32" if int8 else "float32"          # PTX's int mma takes .u32 registers (int32 bits)
     if const_tab:
         tab_fn, tab_src = _const_table_source(spec)
 
@@ -220,7 +266,9 @@ def bsr_linear(spec: BsrSpec):
             return T.cuda.func_call(tab_fn, i, source_code=tab_src, return_type="int32")
         return tab_buf[i]
 
-    def epilogue(v, b):
+    def epilogue(v, b, xs, ws):
+        if int8:
+            v = T.Cast("float32", T.reinterpret("int32", v)) * xs * ws
         if use_bias:
             v = v + T.Cast("float32", b)
         if act == "relu":
@@ -265,7 +313,7 @@ def bsr_linear(spec: BsrSpec):
                                                       kk * 2 + (lane // 8) % 2)])))
             for mi in T.unroll(MI):
                 for ni in T.unroll(NI):
-                    T.evaluate(T.ptx["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"](
+                    T.evaluate(T.ptx[MMA](
                         acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
                         acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
                         af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
@@ -274,12 +322,15 @@ def bsr_linear(spec: BsrSpec):
                         acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
 
     @T.prim_func
-    def kernel(x_h: T.handle, wp_h: T.handle, b_h: T.handle, tab_h: T.handle, y_h: T.handle):
+    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
+               y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         wlen = T.int32()
         ntab = T.int32()
         X = T.match_buffer(x_h, (M, K), "float16")
         Wp = T.match_buffer(wp_h, (wlen,), "float16")
+        XS = T.match_buffer(xs_h, (M,), "float32")      # int8 only: per-row and per-channel scales
+        WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
         Y = T.match_buffer(y_h, (M, N), "float16")
@@ -287,7 +338,7 @@ def bsr_linear(spec: BsrSpec):
         by = T.launch_thread("blockIdx.y", R)
         tx = T.launch_thread("threadIdx.x", NT)
         smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
-        acc = T.alloc_buffer((MI * NI * 4,), "float32", scope="local")
+        acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NI * 2,), "uint32", scope="local")
         kn = T.alloc_buffer((1,), "int32", scope="local")
@@ -299,7 +350,7 @@ def bsr_linear(spec: BsrSpec):
         first = tab(Tab, by * 3 + 1)
         count = tab(Tab, by * 3 + 2)
         for i in T.unroll(MI * NI * 4):
-            acc[i] = T.float32(0)
+            acc[i] = T.Cast(ACC, 0)
         for s in T.unroll(S - 1):                      # prologue: stages 0 .. S-2 in flight
             if s < count:
                 load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + first + s), first + s)
@@ -324,7 +375,8 @@ def bsr_linear(spec: BsrSpec):
                         lr = T.meta_var(wr * WTM + mi * 16 + lane // 4 + h * 8)
                         lc = T.meta_var(wc * WTN + ni * 8 + (lane % 4) * 2 + e)
                         smem[lr * OUT_LD + lc] = epilogue(acc[(mi * NI + ni) * 4 + h * 2 + e],
-                                                          B[T.min(row * BN + lc, N - 1)])
+                                                          B[T.min(row * BN + lc, N - 1)],
+                                                          XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)])
         T.tvm_storage_sync("shared")
         for it in T.unroll(OUT_ITERS):                 # coalesced 16-byte rows out
             c = T.meta_var(tx + it * NT)

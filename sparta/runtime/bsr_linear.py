@@ -2,7 +2,9 @@
 
 ``BsrLinearOp(folder, spec, weight, block_mask, bias)`` packs the kept blocks once
 (``sparta.templates.cuda_bsr.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
-then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream.
+then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream. For an
+int8 (W8A8) kernel the weight is quantised per channel at construction and ``op(x)``
+quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised.
 :class:`SparseLinearCUDA` is the graph module ``compile(target="cuda")`` puts in place of
 a sparse linear; it holds the packed weights and saves/loads without TVM.
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_bsr import BsrSpec, block_mask_of, pack_weight, unpack_weight
+from ..templates.cuda_bsr import BsrSpec, block_mask_of, pack_weight, quantize_rows, unpack_weight
 from .cuda import CudaKernel, CudaRuntimeError
 
 
@@ -46,12 +48,15 @@ class BsrLinearOp:
         if spec.table == "const":
             if not torch.equal(spec.pattern_mask(), block_mask):
                 raise CudaRuntimeError(f"{spec.name}: the block mask differs from the pattern baked into the kernel")
-        wp, table = pack_weight(weight.half(), spec, block_mask)
-        self._setup(wp, table, bias)
+        scale = None
+        if spec.dtype == "int8":
+            weight, scale = quantize_rows(weight)
+        wp, table = pack_weight(weight if scale is not None else weight.half(), spec, block_mask)
+        self._setup(wp, table, bias, scale)
 
     @classmethod
     def packed(cls, folder, spec: BsrSpec, wp: torch.Tensor, table: torch.Tensor,
-               bias: torch.Tensor | None = None) -> BsrLinearOp:
+               bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> BsrLinearOp:
         """An op from weights already packed by ``pack_weight`` (what a saved model holds)."""
         op = cls.__new__(cls)
         op.kernel, op.spec = CudaKernel(folder), spec
@@ -60,14 +65,20 @@ class BsrLinearOp:
                 or table.numel() < heads or table.numel() - heads > wp.shape[0]:
             raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
                                    f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.row_blocks} rows")
-        op._setup(wp, table, bias)
+        op._setup(wp, table, bias, weight_scale)
         return op
 
-    def _setup(self, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _setup(self, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None,
+               weight_scale: torch.Tensor | None = None) -> None:
         if self.spec.bias and bias is None:
             raise CudaRuntimeError(f"{self.spec.name}: the kernel adds a bias; pass one")
+        int8 = self.spec.dtype == "int8"
+        if int8 and (wp.dtype != torch.int8 or weight_scale is None or weight_scale.numel() != self.spec.n):
+            raise CudaRuntimeError(f"{self.spec.name}: the W8A8 kernel takes int8 blocks and {self.spec.n} "
+                                   "per-channel weight scales")
         dev = wp.device
-        self.wp, self.table = wp.half().contiguous(), table.to(dev).contiguous()
+        self.wp, self.table = (wp if int8 else wp.half()).contiguous(), table.to(dev).contiguous()
+        self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
         self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
         self._prepared = None
         nnz = self.table.numel() - 3 * self.spec.row_blocks
@@ -78,11 +89,27 @@ class BsrLinearOp:
         if x.shape != (s.m, s.k) or x.dtype != torch.float16 or not x.is_contiguous():
             raise CudaRuntimeError(f"{s.name}: input must be a contiguous fp16 ({s.m}, {s.k}) tensor, "
                                    f"got {x.dtype} {tuple(x.shape)}")
+        if s.dtype == "int8":
+            return self.int8(*quantize_rows(x), out=out)
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out
         if self._prepared is None:
             self._prepared = self.kernel.prepare(X=x, Wp=self.wp.view(-1), B=self.bias, Tab=self.table, Y=y)
         else:
             self._prepared.launch(X=x, Y=y)
+        return y
+
+    def int8(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The W8A8 kernel on activations already quantised per row: int8 ``(M, K)`` codes and fp32 scales."""
+        s = self.spec
+        if s.dtype != "int8" or xq.shape != (s.m, s.k) or xq.dtype != torch.int8 or not xq.is_contiguous():
+            raise CudaRuntimeError(f"{s.name}: int8() takes contiguous int8 ({s.m}, {s.k}) codes for a W8A8 kernel")
+        y = torch.empty(s.m, s.n, dtype=torch.float16, device=xq.device) if out is None else out
+        x16, xs = xq.view(torch.float16), xs.float().contiguous()
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(X=x16, XS=xs, Wp=self.wp.view(-1).view(torch.float16),
+                                                 WS=self.weight_scale, B=self.bias, Tab=self.table, Y=y)
+        else:
+            self._prepared.launch(X=x16, XS=xs, Y=y)
         return y
 
 

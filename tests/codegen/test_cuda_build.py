@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
-from sparta.templates.cuda_bsr import (BsrSpec, block_mask_of, bsr_linear, build_table, pack_weight, reference,
-                                       unpack_weight)
+from sparta.templates.cuda_bsr import (BsrSpec, argument_names, block_mask_of, bsr_linear, build_table, pack_weight,
+                                       quantize_rows, reference, reference_int8, unpack_weight)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -110,3 +110,37 @@ def test_bad_specs_are_refused():
         BsrSpec(64, 64, 64, act="swish")
     with pytest.raises(ValueError, match="table"):
         BsrSpec(64, 64, 64, table="rom")
+
+
+@needs_nvcc
+def test_w8a8_kernel_builds_with_int_mma_and_scale_arguments(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu", dtype="int8", name="probe_i8")
+    art = build_cuda(bsr_linear, spec)
+    src = (art.path / "kernel.cu").read_text()
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in src and "m16n8k16" not in src
+    args = {a["name"]: a for a in art.launch["args"]}
+    assert set(args) == set(argument_names(spec)) == {"X", "XS", "Wp", "WS", "B", "Tab", "Y"}
+    assert args["X"]["shape"] == [200, 40] and args["X"]["dtype"] == "float16"    # int8 pairs as 16-bit lanes
+    assert all((art.path / c["file"]).stat().st_size > 0 for c in art.launch["cubins"].values())
+    fp16 = build_cuda(bsr_linear, BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu",
+                                          name="probe_f16"))
+    assert "XS" not in {a["name"] for a in fp16.launch["args"]}
+
+
+def test_w8a8_pack_and_reference():
+    g = torch.Generator().manual_seed(0)
+    spec = BsrSpec(33, 70, 96, bn=32, bk=32, tm=64, warps_m=2, dtype="int8")
+    w, x = torch.randn(70, 96, generator=g), torch.randn(33, 96, generator=g)
+    mask = torch.rand(spec.row_blocks, spec.k_blocks, generator=g) < 0.5
+    wq, ws = quantize_rows(w)
+    wp, tab = pack_weight(wq, spec, mask)
+    keep = mask.repeat_interleave(32, 0).repeat_interleave(32, 1)[:70, :96]
+    assert wp.dtype == torch.int8 and torch.equal(unpack_weight(wp, tab, spec), wq * keep)
+    xq, xs = quantize_rows(x)
+    y = reference_int8(xq, xs, wq, ws, mask, None, "none", 32, 32).float()
+    exact = x @ (w * keep).t()
+    sqnr = 10 * torch.log10(exact.pow(2).mean() / (y - exact).pow(2).mean())
+    assert sqnr > 30
+    with pytest.raises(ValueError, match="int8"):
+        BsrSpec(64, 64, 72, dtype="int8")

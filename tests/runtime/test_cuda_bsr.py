@@ -31,6 +31,8 @@ def _check(name, density):
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
     from sparta.templates.cuda_bsr import reference
     spec = load_spec(ROOT / name)
+    if spec.dtype == "int8":
+        return _check_int8(name, spec, density)
     mask = _mask(spec, density)
     x = torch.randn(spec.m, spec.k, device="cuda").half()
     w = torch.randn(spec.n, spec.k, device="cuda").half()
@@ -45,6 +47,50 @@ def _check(name, density):
     err = ((y.float() - ref.float()).abs().max() / scale).item()
     assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |ref|"
     return err
+
+
+def _check_int8(name, spec, density):
+    """W8A8: int32 dot products are exact, so the kernel matches the int8 reference to fp32
+    rounding; against the fp16 product the per-token × per-channel int8 error is bounded by SQNR."""
+    from sparta.runtime.bsr_linear import BsrLinearOp
+    from sparta.templates.cuda_bsr import quantize_rows, reference, reference_int8
+    mask = _mask(spec, density)
+    x = torch.randn(spec.m, spec.k, device="cuda").half()
+    w = torch.randn(spec.n, spec.k, device="cuda").half()
+    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
+    op = BsrLinearOp(ROOT / name, spec, w, mask, bias)
+    y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
+    op(x, out=y)
+    torch.cuda.synchronize()
+    assert not y.isnan().any(), "some outputs were not written"
+    ref = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk)
+    scale = ref.float().abs().max().clamp_min(1.0)
+    err = ((y.float() - ref.float()).abs().max() / scale).item()
+    assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |int8 ref|"
+    if density > 0:
+        exact = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk).float()
+        sqnr = 10 * torch.log10(exact.pow(2).mean() / (y.float() - exact).pow(2).mean()).item()
+        assert sqnr > 30, f"{name}: SQNR {sqnr:.1f} dB against the fp16 product"
+    return err
+
+
+def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
+    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.runtime.cuda import CudaRuntimeError
+    from sparta.templates.cuda_bsr import pack_weight, quantize_rows
+    names = [n for n in SMALL if load_spec(ROOT / n).dtype == "int8"]
+    if not names:
+        pytest.skip("no int8 kernels built")
+    spec = load_spec(ROOT / names[0])
+    mask = torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
+    w = torch.randn(spec.n, spec.k, device="cuda")
+    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
+    wp16, table = pack_weight(w.half(), spec.__class__(**{**spec.__dict__, "dtype": "float16"}), mask)
+    with pytest.raises(CudaRuntimeError, match="int8 blocks"):
+        BsrLinearOp.packed(ROOT / names[0], spec, wp16, table, bias)
+    op = BsrLinearOp(ROOT / names[0], spec, w, mask, bias)
+    x = torch.randn(spec.m, spec.k, device="cuda").half()
+    torch.testing.assert_close(op.int8(*quantize_rows(x)), op(x))
 
 
 @pytest.mark.parametrize("density", [0.0, 0.35, 1.0])

@@ -1,0 +1,95 @@
+"""W8A8 on BERT-base FFN shapes (4096 tokens): sparta's int8 tensor-core kernel, dense and block-sparse,
+against fp16 cuBLAS (``F.linear``) and ``torch._int_mm`` (cuBLASLt int8 → int32), in one process.
+
+    python benchmarks/build_cuda_kernels.py          # here (TVM + nvcc): artifacts/cuda/*_i8_*
+    python benchmarks/bench_cuda_w8a8.py             # on the GPU machine
+
+Kernel-only times replay CUDA graphs over 4 input/weight sets (defeats L2); "eager" is host wall
+time per call. sparta's rows time the GEMM on activations already quantised per token (the
+epilogue applies both scales, bias and writes fp16); ``quant_us`` is the standalone per-token
+quantisation (torch ops) a model without a fused producer pays on top. ``_int_mm`` returns raw
+int32 (no scales, no bias): it is the peer the issue names, and a lower bound on a cuBLAS W8A8.
+Floors: bytes moved (int8 X and kept W, fp16 Y) at the measured copy bandwidth, and the int8
+dense tensor-core rate taken as twice the measured fp16 cuBLAS peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_cuda_bsr import SETS, ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
+from common import bench_mask, save  # noqa: E402
+from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+from sparta.templates.cuda_bsr import quantize_rows, reference_int8
+
+ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
+SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}
+
+
+def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: float, peak: float) -> dict:
+    xs = [torch.randn(m, k, device="cuda").half() for _ in range(SETS)]
+    xq = [quantize_rows(x) for x in xs]
+    ws = [torch.randn(n, k, device="cuda").half() for _ in range(SETS)]
+    b = torch.randn(n, device="cuda").half()
+    ys = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(SETS)]
+    if blk is None:
+        folders, masks = sorted(f for f in ROOT.glob(f"{shape}_i8_t*")), None
+    else:
+        folders = sorted(ROOT.glob(f"{shape}_i8_b{blk}_t*"))
+        masks = [bench_mask(-(-n // blk), -(-k // blk), 1 - sparsity / 100, f"{shape}-{blk}-{sparsity}-{i}")
+                 for i in range(SETS)]
+    fns = {"cublas_fp16": lambda i: F.linear(xs[i], ws[i], b)}
+    wq8 = [quantize_rows(w)[0] for w in ws]
+    fns["torch_int_mm"] = lambda i: torch._int_mm(xq[i][0], wq8[i].t())
+    fns["quant_us"] = lambda i: quantize_rows(xs[i])
+    errs = {}
+    for f in folders:
+        spec = load_spec(f)
+        full = torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
+        ops = [BsrLinearOp(f, spec, ws[i], full if masks is None else masks[i], b) for i in range(SETS)]
+        ops[0].int8(*xq[0], out=ys[0])
+        ref = reference_int8(*xq[0], *quantize_rows(ws[0]), None if masks is None else masks[0], b, "none",
+                             spec.bn, spec.bk).float()
+        key = "sparta_" + f.name.split("_i8_", 1)[1]
+        errs[key] = ((ys[0].float() - ref).abs().max() / ref.abs().max()).item()
+        fns[key] = (lambda ops: lambda i: ops[i].int8(*xq[i], out=ys[i]))(ops)
+    res = measure(fns, SETS)
+    kept = k * n if masks is None else sum(int(mk.sum()) for mk in masks) / SETS * blk * blk
+    floor = max((m * k + kept + 2 * m * n) / bw / 1e3, 2 * m * kept / (2 * peak) / 1e6)
+    base = res["cublas_fp16"]["kernel_us"]
+    for name, r in res.items():
+        if "kernel_us" in r:
+            r["vs_cublas_fp16"] = base / r["kernel_us"]
+            r["tops"] = 2 * m * n * k / r["kernel_us"] / 1e6 if name != "quant_us" else None
+        r["max_rel_err"] = errs.get(name)
+    best = min((v["kernel_us"], k_) for k_, v in res.items() if k_.startswith("sparta") and "kernel_us" in v)
+    label = "dense" if blk is None else f"{blk}x{blk} {sparsity}%"
+    print(f"{shape} W8A8 {label}: fp16 cuBLAS {base:.1f} us | _int_mm x{res['torch_int_mm']['vs_cublas_fp16']:.2f} | "
+          f"{best[1]} {best[0]:.1f} us x{base / best[0]:.2f} (with quant x{base / (best[0] + res['quant_us']['kernel_us']):.2f})"
+          f" | floor x{base / floor:.2f}", flush=True)
+    return {"shape": shape, "m": m, "n": n, "k": k, "block": blk, "sparsity": sparsity if blk else 0,
+            "floor_us": floor, "floor_speedup": base / floor, "results": res}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sparsities", type=int, nargs="*", default=[90])
+    args = ap.parse_args()
+    bw, peak = ceilings()
+    print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s, cuBLAS fp16 8192^3 {peak:.0f} TFLOP/s", flush=True)
+    rows = []
+    for shape, (m, n, k) in SHAPES.items():
+        rows.append(run(shape, m, n, k, 0, None, bw, peak))
+        for blk in (32, 64):
+            for sp in args.sparsities:
+                rows.append(run(shape, m, n, k, sp, blk, bw, peak))
+    print(f"wrote {save('cuda_w8a8', {'copy_GBps': bw, 'cublas_peak_tflops': peak, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
