@@ -6,8 +6,9 @@ against fp16 cuBLAS (``F.linear``) and ``torch._int_mm`` (cuBLASLt int8 → int3
 
 Kernel-only times replay CUDA graphs over 4 input/weight sets (defeats L2); "eager" is host wall
 time per call. sparta's rows time the GEMM on activations already quantised per token (the
-epilogue applies both scales, bias and writes fp16); ``quant_us`` is the standalone per-token
-quantisation (torch ops) a model without a fused producer pays on top. ``_int_mm`` returns raw
+epilogue applies both scales, bias and writes fp16); ``quant_sparta`` (sparta's one-pass kernel,
+``templates/cuda_quant.py``) and ``quant_torch`` time the standalone per-token quantisation a
+model without a fused producer pays on top ("with quant" adds the faster one). ``_int_mm`` returns raw
 int32 (no scales, no bias): it is the peer the issue names, and a lower bound on a cuBLAS W8A8.
 Floors: bytes moved (int8 X and kept W, fp16 Y) at the measured copy bandwidth, and the int8
 dense tensor-core rate taken as twice the measured fp16 cuBLAS peak.
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from bench_cuda_bsr import SETS, ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
 from common import bench_mask, save  # noqa: E402
-from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+from sparta.runtime.bsr_linear import BsrLinearOp, RowQuantizer, load_spec
 from sparta.templates.cuda_bsr import quantize_rows, reference_int8
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
@@ -46,7 +47,10 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
     fns = {"cublas_fp16": lambda i: F.linear(xs[i], ws[i], b)}
     wq8 = [quantize_rows(w)[0] for w in ws]
     fns["torch_int_mm"] = lambda i: torch._int_mm(xq[i][0], wq8[i].t())
-    fns["quant_us"] = lambda i: quantize_rows(xs[i])
+    fns["quant_torch"] = lambda i: quantize_rows(xs[i])
+    if (ROOT / f"q_{shape}").is_dir():
+        quantizer = RowQuantizer(ROOT / f"q_{shape}")
+        fns["quant_sparta"] = lambda i: quantizer(xs[i])
     errs = {}
     for f in folders:
         spec = load_spec(f)
@@ -65,12 +69,13 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
     for name, r in res.items():
         if "kernel_us" in r:
             r["vs_cublas_fp16"] = base / r["kernel_us"]
-            r["tops"] = 2 * m * n * k / r["kernel_us"] / 1e6 if name != "quant_us" else None
+            r["tops"] = None if name.startswith("quant") else 2 * m * n * k / r["kernel_us"] / 1e6
         r["max_rel_err"] = errs.get(name)
     best = min((v["kernel_us"], k_) for k_, v in res.items() if k_.startswith("sparta") and "kernel_us" in v)
     label = "dense" if blk is None else f"{blk}x{blk} {sparsity}%"
+    quant = min(v["kernel_us"] for k_, v in res.items() if k_.startswith("quant") and "kernel_us" in v)
     print(f"{shape} W8A8 {label}: fp16 cuBLAS {base:.1f} us | _int_mm x{res['torch_int_mm']['vs_cublas_fp16']:.2f} | "
-          f"{best[1]} {best[0]:.1f} us x{base / best[0]:.2f} (with quant x{base / (best[0] + res['quant_us']['kernel_us']):.2f})"
+          f"{best[1]} {best[0]:.1f} us x{base / best[0]:.2f} (with quant x{base / (best[0] + quant):.2f})"
           f" | floor x{base / floor:.2f}", flush=True)
     return {"shape": shape, "m": m, "n": n, "k": k, "block": blk, "sparsity": sparsity if blk else 0,
             "floor_us": floor, "floor_speedup": base / floor, "results": res}

@@ -21,6 +21,7 @@ import torch
 from common import bench_mask  # noqa: E402  (benchmarks/ is the script's folder)
 from sparta.codegen.cuda_build import build_cuda, save_dir
 from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
+from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 
 FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 tokens: (M, N, K)
 DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, stages=4),
@@ -42,6 +43,8 @@ INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2
               "i8_t128x128k128": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=2, stages=3),
               "i8_t128x256k64": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=4, stages=4),
               "i8_t256x128k64": dict(bn=128, bk=64, tm=256, warps_m=4, warps_n=2, stages=3),
+              "i8_t128x64k128": dict(bn=64, bk=128, tm=128, warps_m=2, warps_n=2, stages=3),
+              "i8_t64x128k128": dict(bn=128, bk=128, tm=64, warps_m=2, warps_n=2, stages=4),
               "i8_b32_t128": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
               "i8_b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
               "i8_b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
@@ -54,7 +57,7 @@ def _pattern(mask: torch.Tensor) -> tuple:
     return tuple(map(tuple, torch.nonzero(mask).tolist()))
 
 
-def kernels() -> dict[str, BsrSpec]:
+def kernels() -> dict[str, BsrSpec | QuantRowsSpec]:
     specs = {
         # correctness: odd M, partial last block row (N) and block column (K), every epilogue
         "t_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu"),
@@ -83,7 +86,10 @@ def kernels() -> dict[str, BsrSpec]:
                                       f"{shape_name}-{kw['bn']}-{sp}-{i}")
                     specs[f"{shape_name}_{tile}c_sp{sp}_s{i}"] = BsrSpec(m, n, k, bias=True, table="const",
                                                                         pattern=_pattern(mask), **kw)
-    return {name: BsrSpec(**{**asdict(s), "name": name}) for name, s in specs.items()}
+    specs["t_q_odd"] = QuantRowsSpec(37, 200, threads=32)              # W8A8 activation quantiser
+    specs["q_ffn1"] = QuantRowsSpec(*FFN1[::2])
+    specs["q_ffn2"] = QuantRowsSpec(*FFN2[::2])
+    return {name: type(s)(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
 
 def saved_models(out: Path) -> None:
@@ -113,7 +119,7 @@ def main():
     def one(item):
         name, spec = item
         t0 = time.perf_counter()
-        art = build_cuda(bsr_linear, spec)
+        art = build_cuda(quantize_rows_kernel if isinstance(spec, QuantRowsSpec) else bsr_linear, spec)
         dest = out / name
         shutil.rmtree(dest, ignore_errors=True)
         save_dir(art, dest)

@@ -190,7 +190,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None,
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 codes and fp32 scales (activations per token; weights per channel)."""
-    scale = x.float().abs().amax(-1).clamp_min(1e-12) / 127.0
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) * (1.0 / 127.0)   # the reciprocal, as the kernel does
     return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
 
 

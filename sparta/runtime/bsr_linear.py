@@ -34,12 +34,34 @@ def load_spec(folder) -> BsrSpec:
     return spec_from_json(json.loads((Path(folder) / "spec.json").read_text()))
 
 
+class RowQuantizer:
+    """sparta's per-row int8 quantisation kernel (``templates/cuda_quant.py``): ``q(x) -> (xq, xs)``,
+    bit for bit ``cuda_bsr.quantize_rows``, one pass over ``x``."""
+
+    def __init__(self, folder):
+        self.kernel = CudaKernel(folder)
+        self.m, self.k = next(a["shape"] for a in self.kernel.launch["args"] if a["name"] == "X")
+        self._prepared = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape != (self.m, self.k) or x.dtype != torch.float16 or not x.is_contiguous():
+            raise CudaRuntimeError(f"{self.kernel.name}: input must be a contiguous fp16 ({self.m}, {self.k}) tensor")
+        xq = torch.empty(self.m, self.k, dtype=torch.int8, device=x.device)
+        xs = torch.empty(self.m, dtype=torch.float32, device=x.device)
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(X=x, XQ=xq, XS=xs)
+        else:
+            self._prepared.launch(X=x, XQ=xq, XS=xs)
+        return xq, xs
+
+
 class BsrLinearOp:
     """One sparse linear: packed weights + table on the GPU, the kernel loaded from ``folder``."""
 
     def __init__(self, folder, spec: BsrSpec, weight: torch.Tensor, block_mask: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, quantizer=None):
         self.kernel, self.spec = CudaKernel(folder), spec
+        self.quantizer = quantizer          # int8: x -> (codes, scales); default: torch ops
         if tuple(weight.shape) != (spec.n, spec.k):
             raise CudaRuntimeError(f"{spec.name}: weight is {tuple(weight.shape)}, the kernel wants {(spec.n, spec.k)}")
         if block_mask is None:
@@ -59,7 +81,7 @@ class BsrLinearOp:
                bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> BsrLinearOp:
         """An op from weights already packed by ``pack_weight`` (what a saved model holds)."""
         op = cls.__new__(cls)
-        op.kernel, op.spec = CudaKernel(folder), spec
+        op.kernel, op.spec, op.quantizer = CudaKernel(folder), spec, None
         heads = 3 * spec.row_blocks
         if wp.dim() != 3 or tuple(wp.shape[1:]) != (spec.bn, spec.bk) or table.dtype != torch.int32 \
                 or table.numel() < heads or table.numel() - heads > wp.shape[0]:
@@ -90,7 +112,7 @@ class BsrLinearOp:
             raise CudaRuntimeError(f"{s.name}: input must be a contiguous fp16 ({s.m}, {s.k}) tensor, "
                                    f"got {x.dtype} {tuple(x.shape)}")
         if s.dtype == "int8":
-            return self.int8(*quantize_rows(x), out=out)
+            return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out
         if self._prepared is None:
             self._prepared = self.kernel.prepare(X=x, Wp=self.wp.view(-1), B=self.bias, Tab=self.table, Y=y)

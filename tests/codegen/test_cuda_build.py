@@ -144,3 +144,15 @@ def test_w8a8_pack_and_reference():
     assert sqnr > 30
     with pytest.raises(ValueError, match="int8"):
         BsrSpec(64, 64, 72, dtype="int8")
+
+
+@needs_nvcc
+def test_row_quantizer_builds_with_vector_loads_and_half_even_rounding(tmp_path, monkeypatch):
+    from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    art = build_cuda(quantize_rows_kernel, QuantRowsSpec(37, 200, threads=32, name="probe_q"))
+    src = (art.path / "kernel.cu").read_text()
+    assert "*(uint4*)" in src and "nearbyintf" in src          # 16-byte loads; round half to even like torch
+    assert art.launch["grid"][0] == 37 and {a["name"] for a in art.launch["args"]} == {"X", "XQ", "XS"}
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QuantRowsSpec(4, 12)
