@@ -94,7 +94,8 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec]:
 
 def saved_models(out: Path) -> None:
     """Small models compiled for CUDA and saved, for ``tests/runtime/test_saved_cuda.py``: an fp32
-    MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear, ReLU fused."""
+    MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear, ReLU fused; and the same
+    MLP calibrated to W8A8."""
     import sparta
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
@@ -104,6 +105,13 @@ def saved_models(out: Path) -> None:
     compiled = sparta.compile(model, masks, (torch.randn(3, 333, 1024),), target="cuda")
     print(compiled.kernel_report())
     compiled.save(out / "saved_mlp")
+    # the same model calibrated to W8A8 (int8 kernels + the per-token quantiser), first linear 85% sparse
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(3, 333, 1024, generator=g),) for _ in range(2)]
+    w8 = sparta.compile(model, {"0.weight": masks["0.weight"]}, batches[0], target="cuda", calibration=batches,
+                        quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    print(w8.kernel_report())
+    w8.save(out / "saved_mlp_w8a8")
 
 
 def main():

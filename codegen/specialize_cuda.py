@@ -1,4 +1,5 @@
-"""Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel.
+"""Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel
+(fp16, or W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs).
 
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
@@ -20,10 +21,15 @@ from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
 from ..runtime.bsr_linear import SparseLinearCUDA
 from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, block_mask_of, bsr_linear
+from ..templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
 
 FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # only exact GELU reaches here (_fusable_activation)
+# W8A8 tiles measured best on the H100 (benchmarks/RESULTS.md, bench_cuda_w8a8): per block side, and dense
+INT8_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
+              64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
+              "dense": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=2, stages=3)}
 
 
 def specialize_cuda(graph: Graph, plan: Plan):
@@ -67,18 +73,36 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     fused = _fusable_activation(graph, op, op_plan, single=True)
     act = FUSED.get(fused.op) if fused is not None else None
     fused = fused if act else None
-    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", **TUNED_TILES[side])
-    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_b{side}_{act or 'none'}{'_bias' if spec.bias else ''}")
-    art = build_cuda(bsr_linear, spec)
+    int8 = all(s.weight_bits == 8 and s.act_bits == 8 for s in op_plan.subops) and k % 16 == 0
     mask = block_mask_of(weight, side, side)
+    tiles = TUNED_TILES[side]
+    if int8:
+        dense = bool(keep.all())
+        tiles = INT8_TILES["dense" if dense else side]
+        mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
+        if dense:   # every block computed, zeros included (a dense tile does not skip empty blocks)
+            mask = torch.ones_like(mask)
+    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", dtype="int8" if int8 else "float16", **tiles)
+    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{'i8_' if int8 else ''}b{spec.bn}x{spec.bk}_"
+                                          f"{act or 'none'}{'_bias' if spec.bias else ''}")
+    art = build_cuda(bsr_linear, spec)
     out_shape = graph.tensor(op.outputs[0]).shape
-    module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape)
+    scale, quant = None, None
+    if int8:
+        params = graph.meta.get("quant_params", {}).get(view[1], {}).get(8)
+        scale = params.scale[:, 0] if params is not None and params.group >= k else None   # calibrated, per channel
+        quant = build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, name=f"quantize_rows_{m}x{k}")).path
+    module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
+                                          weight_scale=scale, quant_folder=quant)
     module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
-    row = {"op": op.name, "template": "bsr_linear", "blocks": f"{int(mask.sum())}x{side}x{side}", "bits": "W16A16",
+    if int8:   # the reference applies the weights the kernel applies (activations: per-token int8 at run time)
+        module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
+    row = {"op": op.name, "template": "bsr_linear", "blocks": f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
+           "bits": "W8A8" if int8 else "W16A16",
            "dismantle": "tile (table argument)", "build_s": round(art.build_s, 3), "cached": art.cached,
            "code_bytes": sum((art.path / c["file"]).stat().st_size for c in art.launch["cubins"].values()),
            "key": art.path.name, "artifact": str(art.path)}
-    planned = sorted({f"W{s.weight_bits}A{s.act_bits}" for s in op_plan.subops} - {"W16A16", "W32A32"})
+    planned = sorted({f"W{s.weight_bits}A{s.act_bits}" for s in op_plan.subops} - {row["bits"], "W16A16", "W32A32"})
     if planned:  # the low-bit CUDA kernels are not wired into compile yet: say so rather than hide it
         row["note"] = f"plan asked for {', '.join(planned)}; runs the fp16 kernel"
     return module, row, fused

@@ -136,17 +136,25 @@ class BsrLinearOp:
 
 
 class SparseLinearCUDA(torch.nn.Module):
-    """One graph op run by its ``bsr_linear`` kernel: packed fp16 blocks, table and bias as buffers.
+    """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
-    input's dtype. ``folder`` is the kernel's artifact folder (cubins + launch.json).
+    input's dtype. ``folder`` is the kernel's artifact folder (cubins + launch.json). A W8A8
+    kernel (``spec.dtype == "int8"``) holds int8 blocks and per-channel ``weight_scale``; its
+    input is quantised per token by the kernel in ``quant_folder`` (torch ops without one).
     """
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
-                 table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple):
+                 table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
+                 weight_scale: torch.Tensor | None = None, quant_folder: str | None = None):
         super().__init__()
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
-        self.register_buffer("wp", wp.half())
+        int8 = spec.dtype == "int8"
+        if int8 and (wp.dtype != torch.int8 or weight_scale is None):
+            raise CudaRuntimeError(f"op {op_name!r}: a W8A8 kernel needs int8 blocks and per-channel weight scales")
+        self.register_buffer("wp", wp if int8 else wp.half())
+        self.register_buffer("weight_scale", weight_scale.float() if int8 else None)
+        self.quant_folder = str(quant_folder) if quant_folder else None
         self.register_buffer("table", table.to(torch.int32))
         self.register_buffer("bias", bias.half() if bias is not None else torch.zeros(spec.n, dtype=torch.float16))
         self.out_shape = tuple(out_shape)
@@ -155,9 +163,19 @@ class SparseLinearCUDA(torch.nn.Module):
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
-                    block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple) -> SparseLinearCUDA:
-        wp, table = pack_weight(weight.half(), spec, block_mask)
-        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape)
+                    block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
+                    weight_scale: torch.Tensor | None = None, quant_folder=None) -> SparseLinearCUDA:
+        """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
+        scales, e.g. by calibration; default: each channel's absolute maximum / 127)."""
+        if spec.dtype == "int8":
+            if weight_scale is None:
+                codes, weight_scale = quantize_rows(weight)
+            else:
+                codes = torch.round(weight.float() / weight_scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+            wp, table = pack_weight(codes, spec, block_mask)
+        else:
+            wp, table = pack_weight(weight.half(), spec, block_mask)
+        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
@@ -167,13 +185,18 @@ class SparseLinearCUDA(torch.nn.Module):
             if not self.wp.is_cuda:
                 raise CudaRuntimeError(f"op {self.op_name!r}: its weights are on the CPU; call compiled.to('cuda')")
             self._op = BsrLinearOp.packed(self.folder, self.spec, self.wp, self.table,
-                                          self.bias if self.spec.bias else None)
+                                          self.bias if self.spec.bias else None, self.weight_scale)
+            if self.quant_folder:
+                self._op.quantizer = RowQuantizer(self.quant_folder)
         y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
         return y.reshape(self.out_shape).to(x.dtype)
 
     def dense_weight(self) -> torch.Tensor:
-        """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero), on the CPU."""
-        return unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
+        """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""
+        w = unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
+        if self.spec.dtype == "int8":
+            return (w.float() * self.weight_scale.cpu()[:, None]).half()
+        return w
 
     def graph_weight(self) -> torch.Tensor:
         """:meth:`dense_weight` in the graph weight's layout (``(K, N)`` for addmm/mm/matmul)."""
@@ -186,7 +209,13 @@ class SparseLinearCUDA(torch.nn.Module):
         config = {"op_name": self.op_name, "x_name": self.input_names[0], "out_shape": list(self.out_shape),
                   "spec": spec_to_json(self.spec), "kernel": folder.name, "weight_name": self.weight_name,
                   "weight_transposed": self.weight_transposed}
-        return config, {"wp": self.wp, "table": self.table, "bias": self.bias}, {folder.name: folder}
+        tensors, folders = {"wp": self.wp, "table": self.table, "bias": self.bias}, {folder.name: folder}
+        if self.weight_scale is not None:
+            tensors["weight_scale"] = self.weight_scale
+        if self.quant_folder:
+            config["quantizer"] = Path(self.quant_folder).name
+            folders[config["quantizer"]] = Path(self.quant_folder)
+        return config, tensors, folders
 
     @classmethod
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> SparseLinearCUDA:
@@ -194,12 +223,14 @@ class SparseLinearCUDA(torch.nn.Module):
         if (folders[config["kernel"]] / "spec.json").is_file() and load_spec(folders[config["kernel"]]) != spec:
             raise CudaRuntimeError(f"op {config['op_name']!r}: its kernel folder was built for a different spec")
         module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
-                     tensors["table"], tensors["bias"], tuple(config["out_shape"]))
+                     tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
+                     folders[config["quantizer"]] if config.get("quantizer") else None)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         return module
 
     def extra_repr(self) -> str:
-        return f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, act={self.spec.act}"
+        return (f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, "
+                f"{'W8A8' if self.spec.dtype == 'int8' else 'fp16'}, act={self.spec.act}")
 
 
-__all__ = ["BsrLinearOp", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]
+__all__ = ["BsrLinearOp", "RowQuantizer", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]

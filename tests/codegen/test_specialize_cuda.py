@@ -58,3 +58,28 @@ def test_exact_gelu_after_a_sparse_linear_is_fused(tmp_path, monkeypatch):
     row = next(k for k in compiled.kernels if k["template"] == "bsr_linear")
     assert "gelu_erf" in json.loads((Path(row["artifact"]) / "launch.json").read_text())["name"]
     assert type(compiled.module_replacements()["gelu"]).__name__ == "Passthrough"
+
+
+def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, monkeypatch):
+    """Calibration on the CUDA target lowers weights and inputs to W8A8; compile builds int8 kernels
+    (with the calibrated per-channel scales and a per-token quantiser) and the model saves with them."""
+    from sparta.passes.quant import fake_quantized_weights
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, mask = _mlp_and_mask()
+    x = torch.randn(2, 64, 1024)
+    batches = [(torch.randn(2, 64, 1024),) for _ in range(2)]
+    compiled = sparta.compile(model, {"0.weight": mask}, (x,), target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    rows = {k["op"]: k for k in compiled.kernels}
+    assert {r["bits"] for r in rows.values()} == {"W8A8"}, compiled.kernel_report()
+    src = (Path(rows["linear"]["artifact"]) / "kernel.cu").read_text()
+    assert "m16n8k32.row.col.s32.s8.s8.s32" in src
+    module = compiled.module_replacements()["linear"]
+    fitted = compiled.graph.meta["quant_params"]["0.weight"][8].scale[:, 0]
+    assert torch.equal(module.weight_scale, fitted.float()) and module.quant_folder
+    expected = fake_quantized_weights(compiled.graph)["0.weight"]
+    torch.testing.assert_close(module.reference_weight.float(), expected.half().float(), rtol=0, atol=2e-3)
+    loaded = sparta.load(compiled.save(tmp_path / "w8a8"))
+    again = loaded.module_replacements()["linear"]
+    assert torch.equal(again.wp, module.wp) and torch.equal(again.weight_scale, module.weight_scale)
+    assert again.quant_folder and (Path(again.quant_folder) / "launch.json").is_file()

@@ -59,3 +59,41 @@ def test_runs_inside_a_cuda_graph(loaded):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, loaded(x), rtol=0, atol=0)
     assert not torch.equal(out, eager)
+
+
+W8A8 = ROOT / "saved_mlp_w8a8"
+needs_w8a8 = pytest.mark.skipif(not (W8A8 / "sparta.json").is_file(), reason=f"no saved W8A8 model in {W8A8}")
+
+
+@needs_w8a8
+def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math():
+    import sparta
+    from sparta.templates.cuda_bsr import quantize_rows
+    model = sparta.load(W8A8).to("cuda")
+    mods = {k: m for k, m in model.module_replacements().items() if type(m).__name__ == "SparseLinearCUDA"}
+    assert len(mods) == 2 and all(m.spec.dtype == "int8" and m.quant_folder for m in mods.values())
+    assert max(model.verify(trials=2).values()) < 5e-2
+    g = model.graph
+
+    def fq(t):          # per-token int8, as the quantiser kernel applies it
+        q, s = quantize_rows(t.half())
+        return q.float() * s[..., None]
+    w0, w2 = g.tensor("0.weight").data.cuda().float(), g.tensor("2.weight").data.cuda().float()   # dequantised
+    b0, b2 = g.tensor("0.bias").data.cuda().float(), g.tensor("2.bias").data.cuda().float()
+    x = torch.randn(3, 333, 1024, device="cuda")
+    h = torch.relu(torch.nn.functional.linear(fq(x.reshape(-1, 1024)), w0, b0))
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(fq(h.half().float()), w2, b2)).reshape(3, 333, 1024)
+    out = model(x)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, err
+    stream = torch.cuda.Stream()                 # the quantiser and the int8 kernels capture in a CUDA graph
+    with torch.cuda.stream(stream):
+        model(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = model(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, model(x), rtol=0, atol=0)
