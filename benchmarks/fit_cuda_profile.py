@@ -1,11 +1,14 @@
-"""Fit the CUDA cost profile's fp16 block costs from a ``bench_cuda_bsr.py`` result (sparta's own kernels).
+"""Fit the CUDA cost profile's block costs from sparta's own kernels' benchmark results.
 
-    python benchmarks/fit_cuda_profile.py benchmarks/results/cuda_bsr-h100-2026-11-22.json
+    python benchmarks/fit_cuda_profile.py benchmarks/results/cuda_bsr-h100-2026-11-22.json \
+                                          benchmarks/results/cuda_w8a8-h100-2026-11-22.json
 
 For each block shape, the best sparta time at each sparsity is regressed on the number of
 kept blocks (least squares, both FFN shapes, time normalised per activation row); the slope
 is the marginal cost of a block — what weighted block cover compares — written as ns per
-block per activation row into ``passes/profiles/cuda.json`` (W16A16 entry).
+block per activation row into ``passes/profiles/cuda.json``: ``bench_cuda_bsr.py`` results
+fill the W16A16 entry, ``bench_cuda_w8a8.py`` results the W8A8 entry (its dense rate too:
+sparta's dense int8 tile is what a dense W8A8 sub-operator runs).
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ from pathlib import Path
 PROFILE = Path(__file__).resolve().parents[1] / "passes" / "profiles" / "cuda.json"
 
 
-def fit(result: dict) -> dict[str, float]:
+def _best(row: dict) -> float:
+    return min(v["kernel_us"] for k, v in row["results"].items() if k.startswith("sparta") and "kernel_us" in v)
+
+
+def fit(rows: list[dict]) -> dict[str, float]:
     points: dict[int, list[tuple[float, float]]] = {}
-    for row in result["sparse"]:
-        times = [v["kernel_us"] for k, v in row["results"].items() if k.startswith("sparta") and "kernel_us" in v]
-        n_blocks = {"ffn1": 3072 * 768, "ffn2": 768 * 3072}[row["shape"]] / row["block"] ** 2
-        rows = 4096
-        points.setdefault(row["block"], []).append((row["density"] * n_blocks, min(times) * 1e3 / rows))
+    for row in rows:
+        n_blocks = row["n"] * row["k"] / row["block"] ** 2 if "n" in row else \
+            {"ffn1": 3072 * 768, "ffn2": 768 * 3072}[row["shape"]] / row["block"] ** 2
+        density = row.get("density", 1 - row.get("sparsity", 0) / 100)   # W8A8 rows: the masks' expected density
+        points.setdefault(row["block"], []).append((density * n_blocks, _best(row) * 1e3 / row.get("m", 4096)))
     out = {}
     for blk, pts in points.items():
         mx = sum(x for x, _ in pts) / len(pts)
@@ -34,19 +41,30 @@ def fit(result: dict) -> dict[str, float]:
 
 
 def main():
-    src = Path(sys.argv[1])
-    result = json.loads(src.read_text())
-    costs = fit(result)
     prof = json.loads(PROFILE.read_text())
-    entry = next(k for k in prof["kernels"] if k["weight_bits"] == 16 and k["act_bits"] == 16)
-    entry["blocks"].update(costs)
-    meta = result.get("meta", {})
-    prof["notes"]["W16 blocks"] = (f"32x32 and 64x64 measured on sparta's bsr_linear kernels ({meta.get('device')}, "
-                                   f"{meta.get('date')}, `{meta.get('command')}`, fitted by "
-                                   f"`python benchmarks/fit_cuda_profile.py {src.name}`); other shapes and widths "
-                                   "are still stand-ins")
+    for arg in sys.argv[1:]:
+        src = Path(arg)
+        result = json.loads(src.read_text())
+        meta = result.get("meta", {})
+        where = f"{meta.get('device')}, {meta.get('date')}, fitted by `python benchmarks/fit_cuda_profile.py {src.name}`"
+        if "sparse" in result:                                   # bench_cuda_bsr.py: fp16
+            bits, rows = (16, 16), result["sparse"]
+        else:                                                    # bench_cuda_w8a8.py
+            bits, rows = (8, 8), [r for r in result["rows"] if r["block"] is not None]
+        entry = next(k for k in prof["kernels"] if (k["weight_bits"], k["act_bits"]) == bits)
+        costs = fit(rows)
+        entry["blocks"].update(costs)
+        label = f"W{bits[0]}A{bits[1]}"
+        if bits == (8, 8):
+            dense = [r for r in result["rows"] if r["block"] is None]
+            entry["dense_gflops"] = sum(2 * r["m"] * r["n"] * r["k"] / _best(r) / 1e3 for r in dense) / len(dense)
+            prof["notes"]["W8A8"] = (f"dense rate and 32x32/64x64 block costs measured on sparta's int8 bsr_linear "
+                                     f"kernels ({where}); other block shapes are stand-ins")
+        else:
+            prof["notes"]["W16 blocks"] = (f"32x32 and 64x64 measured on sparta's bsr_linear kernels ({where}); other "
+                                           "shapes and widths are still stand-ins")
+        print(label, {k: round(v, 5) for k, v in costs.items()}, round(entry["dense_gflops"]))
     PROFILE.write_text(json.dumps(prof, indent=1) + "\n")
-    print({k: round(v, 5) for k, v in costs.items()})
 
 
 if __name__ == "__main__":
