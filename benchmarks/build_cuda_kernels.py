@@ -21,6 +21,7 @@ import torch
 from common import bench_mask  # noqa: E402  (benchmarks/ is the script's folder)
 from sparta.codegen.cuda_build import build_cuda, save_dir
 from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
+from sparta.templates.cuda_fine import FineSpec, fine_linear
 from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 
 FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 tokens: (M, N, K)
@@ -57,7 +58,7 @@ def _pattern(mask: torch.Tensor) -> tuple:
     return tuple(map(tuple, torch.nonzero(mask).tolist()))
 
 
-def kernels() -> dict[str, BsrSpec | QuantRowsSpec]:
+def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     specs = {
         # correctness: odd M, partial last block row (N) and block column (K), every epilogue
         "t_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu"),
@@ -87,6 +88,14 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec]:
                     specs[f"{shape_name}_{tile}c_sp{sp}_s{i}"] = BsrSpec(m, n, k, bias=True, table="const",
                                                                         pattern=_pattern(mask), **kw)
     specs["t_q_odd"] = QuantRowsSpec(37, 200, threads=32)              # W8A8 activation quantiser
+    # fine-grained (CSR) sparse: odd shapes, both row tilings; FFN kernels for bench_cuda_fine.py
+    specs["t_fine_odd_relu"] = FineSpec(200, 100, 72, tm=32, npb=64, act="relu")
+    specs["t_fine_k3072_gelu"] = FineSpec(130, 700, 3072, tm=16, npb=128, act="gelu_erf")
+    specs["t_fine_nobias"] = FineSpec(64, 96, 128, tm=32, npb=32, warps=1, bias=False)
+    specs["fine_ffn1"] = FineSpec(*FFN1, tm=32, npb=256)
+    specs["fine_ffn1_n128"] = FineSpec(*FFN1, tm=32, npb=128)
+    specs["fine_ffn2"] = FineSpec(*FFN2, tm=16, npb=128)
+    specs["fine_ffn2_n256"] = FineSpec(*FFN2, tm=16, npb=256)
     specs["q_ffn1"] = QuantRowsSpec(*FFN1[::2])
     specs["q_ffn2"] = QuantRowsSpec(*FFN2[::2])
     return {name: type(s)(**{**asdict(s), "name": name}) for name, s in specs.items()}
@@ -127,7 +136,8 @@ def main():
     def one(item):
         name, spec = item
         t0 = time.perf_counter()
-        art = build_cuda(quantize_rows_kernel if isinstance(spec, QuantRowsSpec) else bsr_linear, spec)
+        template = {QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear}.get(type(spec), bsr_linear)
+        art = build_cuda(template, spec)
         dest = out / name
         shutil.rmtree(dest, ignore_errors=True)
         save_dir(art, dest)
