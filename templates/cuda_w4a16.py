@@ -1,0 +1,306 @@
+"""W4A16 small-batch linear ``Y = X · dequant(W)ᵀ (+ b)`` for CUDA (Hopper), in TVMScript.
+
+``X`` is ``(M, K)`` fp16 with ``M`` = 1..16 (decode / small batch), ``W`` is ``(N, K)`` int4 with one
+fp16 scale per ``group`` (32/64/128) consecutive K of a row, symmetric (zero point 8) or asymmetric
+(a zero point per group). ``Y`` is ``(M, N)`` fp16. Memory-bound: the kernel streams the weights once.
+
+Layout (``pack_weight``): N in tiles of 8 rows, K in chunks of 128. ``Wq[tile, chunk, lane, 4]`` int32:
+lane ``l = 4g + t`` holds row ``8·tile + g``, K ``128·chunk + 32t .. +32`` as four 32-bit words of 8
+nibbles, interleaved (element ``e`` of a word at nibble ``[0, 4, 1, 5, 2, 6, 3, 7][e]``) so one
+``lop3.b32`` ORs two nibbles into the mantissas of fp16 1024 (0x64006400): a half2 ``1024 + q``
+(or ``1024 + 16q`` for the high nibbles). One ``sub.f16x2`` (``fma.rn.f16x2`` with 1/16 for the high
+nibbles) subtracts ``1024 + zero`` exactly and one ``mul.f16x2`` applies the scale. A warp reads
+512 contiguous bytes per tile and chunk (16-byte ``ld.global.nc.L1::no_allocate``). Scales
+``S[tile, group, 8]`` fp16, zero points ``Z[tile, group, 8]`` uint8.
+
+Compute: the dequantised half2 pairs are exactly the B fragments of ``mma.sync.m16n8k16`` (K permuted
+consistently in A and B: lane ``t`` takes K ``32t + 4s .. +4`` of k16-step ``s``), so A (rows of X,
+zero past ``M``) comes from four 16-byte loads per row and chunk, in registers. Accumulation in fp32
+(``acc="float32"``) or fp16 (``acc="float16"``). A CTA owns ``ntile`` 8-row tiles; its ``warps`` split K
+(chunks round-robin) and reduce through shared memory; bias is fused into the fp16 store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+ORDER = (0, 4, 1, 5, 2, 6, 3, 7)   # nibble position of element e of a word (AWQ's interleave)
+KCHUNK = 128                        # K per chunk: 4 lanes x 32 K of one row
+
+
+@dataclass(frozen=True)
+class W4A16Spec:
+    """Shape, quantisation and tiling of one kernel."""
+    m: int
+    n: int
+    k: int
+    group: int = 128
+    sym: bool = True                 # zero point 8; else a uint8 zero point per group
+    bias: bool = False
+    acc: str = "float32"             # mma accumulator: "float32" or "float16"
+    ntile: int = 2                   # 8-row tiles of W per CTA (each warp does all of them)
+    warps: int = 4                   # warps per CTA, splitting K
+    unroll: int = 2                  # K chunks in flight per warp
+    name: str = "w4a16_gemv"
+
+    def __post_init__(self):
+        bad = []
+        if not 1 <= self.m <= 16:
+            bad.append(f"M={self.m} must be 1..16 (small batch)")
+        if self.n <= 0 or self.k <= 0:
+            bad.append("N and K must be positive")
+        if self.group not in (32, 64, 128):
+            bad.append(f"group {self.group} must be 32, 64 or 128")
+        elif self.k % self.group:
+            bad.append(f"K={self.k} must be a multiple of the group {self.group}")
+        if self.acc not in ("float32", "float16"):
+            bad.append(f"acc {self.acc!r} must be 'float32' or 'float16'")
+        if self.ntile < 1 or self.warps not in (1, 2, 4, 8, 16) or self.unroll < 1:
+            bad.append("ntile >= 1, warps in 1..16 (power of two), unroll >= 1")
+        if bad:
+            raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.n // 8)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.k // KCHUNK)
+
+    @property
+    def groups(self) -> int:
+        """Scale groups per row, K padded to whole chunks."""
+        return self.chunks * KCHUNK // self.group
+
+    def key(self) -> dict:
+        return asdict(self)
+
+
+def argument_names(spec: W4A16Spec) -> list[str]:
+    return ["X", "Wq", "S", *([] if spec.sym else ["Z"]), *(["B"] if spec.bias else []), "Y"]
+
+
+def quantize(w: torch.Tensor, group: int, sym: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest per-group scales (fp16, ``(N, K/group)``) and zero points (uint8, or None if sym)."""
+    g = w.float().reshape(w.shape[0], -1, group)
+    if sym:
+        scale = (g.abs().amax(-1) / 7.5).clamp_min(1e-6)          # codes 0..15 around 8
+        return scale.half(), None
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-6).half()
+    zero = torch.round(-lo / scale.float()).clamp(0, 15).to(torch.uint8)
+    return scale, zero
+
+
+def codes_of(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    """int4 codes (uint8 0..15, ``(N, K)``) of ``w`` for the given scales and zero points."""
+    z = 8.0 if zero is None else zero.float().repeat_interleave(group, 1)
+    q = torch.round(w.float() / scale.float().repeat_interleave(group, 1)) + z
+    return q.clamp(0, 15).to(torch.uint8)
+
+
+def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: W4A16Spec):
+    """``(Wq, S, Z)`` in the kernel's layout from codes ``q`` (N, K) uint8; ``Z`` is None if sym."""
+    n, k, g = spec.n, spec.k, spec.group
+    if tuple(q.shape) != (n, k) or tuple(scale.shape) != (n, k // g):
+        raise ValueError(f"codes {tuple(q.shape)} / scales {tuple(scale.shape)} do not match {n}x{k}, group {g}")
+    np_, kp = spec.tiles * 8, spec.chunks * KCHUNK
+    qp = torch.zeros(np_, kp, dtype=torch.int64, device=q.device)
+    qp[:n, :k] = q.to(torch.int64)
+    qp = qp.reshape(spec.tiles, 8, spec.chunks, 4, 4, 8).permute(0, 2, 1, 3, 4, 5)   # tile, chunk, g, t, word, e
+    words = torch.zeros(qp.shape[:-1], dtype=torch.int64, device=q.device)
+    for e, pos in enumerate(ORDER):
+        words |= qp[..., e] << (4 * pos)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    wq = words.reshape(spec.tiles, spec.chunks, 32, 4).contiguous()
+
+    def per_group(t, dtype):
+        out = torch.zeros(np_, spec.groups, dtype=dtype, device=q.device)
+        out[:n, : k // g] = t.to(dtype)
+        return out.reshape(spec.tiles, 8, spec.groups).permute(0, 2, 1).contiguous()
+
+    return wq, per_group(scale, torch.float16), None if zero is None else per_group(zero, torch.uint8)
+
+
+def pack_weight(w_fp: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: W4A16Spec):
+    """Quantise ``w_fp`` (N, K) with ``scale``/``zero`` (None: symmetric) and pack: ``(Wq, S, Z)``."""
+    return pack_codes(codes_of(w_fp, scale, zero, spec.group), scale, zero, spec)
+
+
+def unpack(wq: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, spec: W4A16Spec):
+    """Inverse of :func:`pack_codes`: codes (N, K) uint8, scales (N, K/group) fp16, zeros (uint8 or None)."""
+    words = wq.to(torch.int64) & 0xFFFFFFFF
+    q = torch.stack([(words >> (4 * pos)) & 0xF for pos in ORDER], -1)         # tile, chunk, lane, word, e
+    q = q.reshape(spec.tiles, spec.chunks, 8, 4, 4, 8).permute(0, 2, 1, 3, 4, 5)
+    q = q.reshape(spec.tiles * 8, spec.chunks * KCHUNK)[: spec.n, : spec.k].to(torch.uint8)
+
+    def per_group(t):
+        return t.permute(0, 2, 1).reshape(spec.tiles * 8, spec.groups)[: spec.n, : spec.k // spec.group]
+
+    return q, per_group(s), None if z is None else per_group(z)
+
+
+def dequantize(wq, s, z, spec: W4A16Spec) -> torch.Tensor:
+    """The (N, K) fp32 weight the kernel multiplies by: ``(q - zero) · scale``."""
+    q, scale, zero = unpack(wq, s, z, spec)
+    zf = 8.0 if zero is None else zero.float().repeat_interleave(spec.group, 1)
+    return (q.float() - zf) * scale.float().repeat_interleave(spec.group, 1)
+
+
+def reference(x: torch.Tensor, wq, s, z, bias, spec: W4A16Spec) -> torch.Tensor:
+    """What the kernel computes, dequantised and multiplied in fp32 (fp32 result)."""
+    y = x.float() @ dequantize(wq, s, z, spec).t()
+    return y if bias is None else y + bias.float()
+
+
+def w4a16_gemv(spec: W4A16Spec):
+    """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm.script import tirx as T
+
+    M, N, K, G = spec.m, spec.n, spec.k, spec.group
+    TILES, KC, NG = spec.tiles, spec.chunks, spec.groups
+    NT, W, U = spec.ntile, spec.warps, spec.unroll
+    RH = 1 if M <= 8 else 2                   # row halves of the 16-row A fragment that hold X rows
+    ITERS = -(-KC // (W * U))
+    GRID = -(-TILES // NT)
+    f16acc = spec.acc == "float16"
+    NACC = NT * (2 if f16acc else 4)
+    MMA = ("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16" if f16acc
+           else "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    ACC = "uint32" if f16acc else "float32"
+    OUTS = M * NT * 8
+    OUT_ITERS = -(-OUTS // (W * 32))
+    sym, use_bias = spec.sym, spec.bias
+    MAGIC, LO, HI = T.uint32(0x64006400), T.uint32(0x000F000F), T.uint32(0x00F000F0)
+    SIXTEENTH = T.uint32(0x2C002C00)           # half2(1/16, 1/16)
+
+    def dup(u16):                              # uint32 with the same 16 bits in both halves
+        return u16 | (u16 << T.uint32(16))
+
+    def acc_value(acc, tile, r):               # the fp32 value of C fragment element r (0..3) of a tile
+        if f16acc:
+            bits = T.Cast("uint16", (acc[tile * 2 + r // 2] >> T.Cast("uint32", 16 * (r % 2))) & T.uint32(0xFFFF))
+            return T.Cast("float32", T.reinterpret("float16", bits))
+        return acc[tile * 4 + r]
+
+    def a_high(xa, i):                         # A rows 8..15: X rows only when M > 8
+        return xa[i] if RH == 2 else T.uint32(0)
+
+    def zero_lo(zl, i):                        # half2(1024 + zero)
+        return T.uint32(0x64086408) if sym else zl[i]
+
+    def zero_hi(zh, i):                        # half2(-(64 + zero))
+        return T.uint32(0xD480D480) if sym else zh[i]
+
+    @T.macro
+    def dequant_mma(acc, b, w, s2, zl, zh, xa, xo, tile, j):
+        # word j: 8 nibbles = k 8j..8j+7 of the lane's 32 -> k16 steps 2j (b0, b1) and 2j+1 (b2, b3)
+        T.evaluate(T.ptx["lop3.b32"](b[0], w, LO, MAGIC, 0xEA))
+        T.evaluate(T.ptx["lop3.b32"](b[1], w, HI, MAGIC, 0xEA))
+        T.evaluate(T.ptx["lop3.b32"](b[2], w >> T.uint32(8), LO, MAGIC, 0xEA))
+        T.evaluate(T.ptx["lop3.b32"](b[3], w >> T.uint32(8), HI, MAGIC, 0xEA))
+        for h in T.unroll(2):
+            T.evaluate(T.ptx["sub.f16x2"](b[2 * h], b[2 * h], zl))            # 1024+q - (1024+z)
+            T.evaluate(T.ptx["fma.rn.f16x2"](b[2 * h + 1], b[2 * h + 1], SIXTEENTH, zh))   # (1024+16q)/16 - (64+z)
+            T.evaluate(T.ptx["mul.f16x2"](b[2 * h], b[2 * h], s2))
+            T.evaluate(T.ptx["mul.f16x2"](b[2 * h + 1], b[2 * h + 1], s2))
+        for h in T.unroll(2):
+            s = T.meta_var(2 * j + h)
+            a1 = T.meta_var(a_high(xa, xo + 16 + 2 * s))
+            a3 = T.meta_var(a_high(xa, xo + 16 + 2 * s + 1))
+            if f16acc:
+                T.evaluate(T.ptx[MMA](acc[tile * 2], acc[tile * 2 + 1],
+                                      xa[xo + 2 * s], a1, xa[xo + 2 * s + 1], a3, b[2 * h], b[2 * h + 1],
+                                      acc[tile * 2], acc[tile * 2 + 1]))
+            else:
+                T.evaluate(T.ptx[MMA](acc[tile * 4], acc[tile * 4 + 1], acc[tile * 4 + 2], acc[tile * 4 + 3],
+                                      xa[xo + 2 * s], a1, xa[xo + 2 * s + 1], a3, b[2 * h], b[2 * h + 1],
+                                      acc[tile * 4], acc[tile * 4 + 1], acc[tile * 4 + 2], acc[tile * 4 + 3]))
+
+    @T.prim_func
+    def kernel(x_h: T.handle, wq_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Wq = T.match_buffer(wq_h, (TILES, KC, 32, 4), "int32")
+        S = T.match_buffer(s_h, (TILES, NG, 8), "float16")
+        Z = T.match_buffer(z_h, (TILES, NG, 8), "uint8")
+        B = T.match_buffer(b_h, (N,), "float16")
+        Y = T.match_buffer(y_h, (M, N), "float16")
+        bx = T.launch_thread("blockIdx.x", GRID)
+        tx = T.launch_thread("threadIdx.x", W * 32)
+        red = T.alloc_buffer((W * NT * 4 * 32,), "float32", scope="shared")
+        acc = T.alloc_buffer((NACC,), ACC, scope="local")
+        wq = T.alloc_buffer((U * NT * 4,), "uint32", scope="local")
+        xa = T.alloc_buffer((U * RH * 16,), "uint32", scope="local")
+        xh = T.decl_buffer((U * RH * 32,), "float16", data=xa.data, scope="local")
+        sc = T.alloc_buffer((U * NT,), "uint32", scope="local")
+        zl = T.alloc_buffer((U * NT,), "uint32", scope="local")
+        zh = T.alloc_buffer((U * NT,), "uint32", scope="local")
+        b = T.alloc_buffer((4,), "uint32", scope="local")
+        tot = T.alloc_buffer((1,), "float32", scope="local")
+        warp = T.meta_var(tx // 32)
+        lane = T.meta_var(tx % 32)
+        g = T.meta_var(tx % 32 // 4)
+        t = T.meta_var(tx % 4)
+        for i in T.unroll(NACC):
+            acc[i] = T.Cast(ACC, 0)
+        for it in T.serial(ITERS):
+            for u in T.unroll(U):                      # issue every load of U chunks first
+                c = T.meta_var((it * U + u) * W + warp)
+                kb = T.meta_var(c * 128 + t * 32)
+                if KC % (W * U) == 0 or c < KC:
+                    for tile in T.unroll(NT):
+                        tl = T.meta_var(bx * NT + tile)
+                        if TILES % NT == 0 or tl < TILES:
+                            o = T.meta_var((u * NT + tile) * 4)
+                            T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
+                                wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
+                            sc[u * NT + tile] = dup(T.Cast("uint32", T.reinterpret("uint16", S[tl, kb // G, g])))
+                            if not sym:
+                                zl[u * NT + tile] = dup(T.Cast("uint32", Z[tl, kb // G, g]) | T.uint32(0x6400))
+                                zh[u * NT + tile] = dup((T.Cast("uint32", Z[tl, kb // G, g]) << T.uint32(4))
+                                                        | T.uint32(0xD400))
+                    for rh in T.unroll(RH):
+                        if g + rh * 8 < M and kb < K:
+                            for q in T.unroll(4):
+                                for v in T.vectorized(8):
+                                    xh[(u * RH + rh) * 32 + q * 8 + v] = X[g + rh * 8, kb + q * 8 + v]
+                        else:
+                            for q in T.unroll(4):
+                                for v in T.vectorized(4):
+                                    xa[(u * RH + rh) * 16 + q * 4 + v] = T.uint32(0)
+            for u in T.unroll(U):
+                c = T.meta_var((it * U + u) * W + warp)
+                if KC % (W * U) == 0 or c < KC:
+                    for tile in T.unroll(NT):
+                        if TILES % NT == 0 or bx * NT + tile < TILES:
+                            for j in T.unroll(4):
+                                dequant_mma(acc, b, wq[(u * NT + tile) * 4 + j], sc[u * NT + tile],
+                                            zero_lo(zl, u * NT + tile), zero_hi(zh, u * NT + tile),
+                                            xa, u * RH * 16, tile, j)
+        for tile in T.unroll(NT):                      # split-K partials of every warp into shared memory
+            for r in T.unroll(4):
+                if RH == 2 or r < 2:
+                    red[((warp * NT + tile) * 4 + r) * 32 + lane] = acc_value(acc, tile, r)
+        T.tvm_storage_sync("shared")
+        for it in T.unroll(OUT_ITERS):
+            o = T.meta_var(tx + it * W * 32)
+            if OUTS % (W * 32) == 0 or o < OUTS:
+                m = T.meta_var(o // (NT * 8))
+                nl = T.meta_var(o % (NT * 8))
+                n = T.meta_var(bx * NT * 8 + nl)
+                if N % (NT * 8) == 0 or n < N:
+                    src = T.meta_var(((nl // 8) * 4 + (m // 8) * 2 + nl % 2) * 32 + (m % 8) * 4 + (nl % 8) // 2)
+                    tot[0] = red[src]
+                    for w in T.unroll(1, W):
+                        tot[0] = tot[0] + red[w * NT * 4 * 32 + src]
+                    if use_bias:
+                        Y[m, n] = T.Cast("float16", tot[0] + T.Cast("float32", B[n]))
+                    else:
+                        Y[m, n] = T.Cast("float16", tot[0])
+
+    return tvm.IRModule({spec.name: kernel})

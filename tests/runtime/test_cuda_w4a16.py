@@ -1,0 +1,113 @@
+"""sparta's W4A16 CUDA kernel (``templates/cuda_w4a16.py``) against its torch reference, on a GPU.
+
+Kernels are built beforehand (``python benchmarks/build_w4a16_kernels.py``, TVM + nvcc, no GPU) into
+``$SPARTA_CUDA_ARTIFACTS/w4a16`` (default ``artifacts/cuda/w4a16``); the ``t_*`` ones cover batch 1, 5,
+9, 16, odd N, a partial last K chunk, groups 32/64/128, symmetric and asymmetric, bias, fp32 and fp16
+accumulation and ragged tilings. Fresh random weights and inputs each run; outputs are poisoned
+with NaN first. Tolerances against the fp32 dequantise-then-matmul reference: fp32 accumulation
+SQNR > 55 dB and max error < 2e-3 of max |ref|; fp16 accumulation SQNR > 35 dB, max error < 1e-2.
+With ``$SPARTA_RESULTS`` set, the measured errors are written to ``w4a16_accuracy.json`` there.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+W4 = ROOT / "w4a16"
+SMALL = sorted(p.name for p in W4.glob("t_*") if (p / "spec.json").is_file()) if W4.is_dir() else []
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(not SMALL, reason=f"no built w4a16 kernels in {W4}")]
+LIMITS = {"float32": (55.0, 2e-3), "float16": (35.0, 1e-2)}     # (min SQNR dB, max error / max |ref|)
+RESULTS = {}
+
+
+def _load(name):
+    from sparta.runtime.cuda import CudaKernel
+    from sparta.templates.cuda_w4a16 import W4A16Spec
+    return W4A16Spec(**json.loads((W4 / name / "spec.json").read_text())), CudaKernel(W4 / name)
+
+
+def _operands(spec, seed=None):
+    from sparta.templates.cuda_w4a16 import pack_weight, quantize
+    w = torch.randn(spec.n, spec.k, device="cuda") * (0.02 + torch.rand(spec.n, 1, device="cuda"))
+    scale, zero = quantize(w, spec.group, spec.sym)
+    wq, s, z = pack_weight(w, scale, zero, spec)
+    x = torch.randn(spec.m, spec.k, device="cuda").half()
+    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
+    return {"X": x, "Wq": wq, "S": s, "Z": z, "B": bias}
+
+
+def _errors(y, ref):
+    assert not y.isnan().any(), "some outputs were not written"
+    diff = y.float() - ref
+    sqnr = 10 * torch.log10(ref.pow(2).sum() / diff.pow(2).sum().clamp_min(1e-30)).item()
+    return sqnr, (diff.abs().max() / ref.abs().max()).item()
+
+
+def _run(spec, kernel, ops):
+    from sparta.templates.cuda_w4a16 import reference
+    y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
+    kernel.call(**{k: v for k, v in ops.items() if v is not None}, Y=y)
+    torch.cuda.synchronize()
+    return y, reference(ops["X"], ops["Wq"], ops["S"], ops["Z"], ops["B"], spec)
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_w4a16_matches_reference(name):
+    spec, kernel = _load(name)
+    for trial in range(2):                                 # two fresh draws: a race would show as a moving error
+        y, ref = _run(spec, kernel, _operands(spec))
+        sqnr, err = _errors(y, ref)
+        RESULTS.setdefault(name, []).append({"sqnr_db": sqnr, "max_err": err})
+        min_sqnr, max_err = LIMITS[spec.acc]
+        assert sqnr > min_sqnr and err < max_err, f"{name}: SQNR {sqnr:.1f} dB, max error {err:.2e}"
+
+
+def test_fp32_accumulation_is_at_least_as_accurate_as_fp16():
+    pairs = [("t_m16_asym_g128_bias", "t_m16_asym_g128_f16acc")]
+    for a, b in pairs:
+        if a not in SMALL or b not in SMALL:
+            pytest.skip("kernels not built")
+        (sa, ka), (sb, kb) = _load(a), _load(b)
+        ops = _operands(sa)
+        ya, ref = _run(sa, ka, ops)
+        ops_b = {**ops, "B": None}
+        yb, ref_b = _run(sb, kb, ops_b)
+        (qa, ea), (qb, eb) = _errors(ya, ref), _errors(yb, ref_b)
+        RESULTS["fp32_vs_fp16_acc"] = {"fp32": {"sqnr_db": qa, "max_err": ea}, "fp16": {"sqnr_db": qb, "max_err": eb}}
+        assert qa > qb - 1.0, f"fp32 accumulation {qa:.1f} dB vs fp16 {qb:.1f} dB"
+
+
+def test_w4a16_in_a_cuda_graph():
+    name = next(n for n in SMALL if "m5" in n) if any("m5" in n for n in SMALL) else SMALL[0]
+    spec, kernel = _load(name)
+    ops = _operands(spec)
+    y = torch.empty(spec.m, spec.n, dtype=torch.float16, device="cuda")
+    tensors = {k: v for k, v in ops.items() if v is not None}
+    kernel.call(**tensors, Y=y)                                  # load the module outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kernel.call(**tensors, Y=y)
+    ops["X"].copy_(torch.randn_like(ops["X"]))
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    from sparta.templates.cuda_w4a16 import reference
+    sqnr, err = _errors(y, reference(ops["X"], ops["Wq"], ops["S"], ops["Z"], ops["B"], spec))
+    RESULTS["graph_" + name] = {"sqnr_db": sqnr, "max_err": err}
+    assert sqnr > LIMITS[spec.acc][0] and err < LIMITS[spec.acc][1]
+
+
+def test_zz_write_accuracy_report():
+    out = os.environ.get("SPARTA_RESULTS")
+    for k, v in RESULTS.items():
+        print(k, v)
+    if out and RESULTS:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "w4a16_accuracy.json").write_text(json.dumps(RESULTS, indent=1))
