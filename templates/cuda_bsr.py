@@ -216,6 +216,21 @@ def _activate(y: torch.Tensor, act: str) -> torch.Tensor:
     return y
 
 
+def tir_epilogue(v, bias, act: str):
+    """fp32 ``v`` (+ fp16 ``bias`` if given), activation, cast to fp16 — as TIR (shared by the CUDA templates)."""
+    from tvm.script import tirx as T
+    if bias is not None:
+        v = v + T.Cast("float32", bias)
+    if act == "relu":
+        v = T.max(v, T.float32(0))
+    elif act == "gelu":
+        v = T.float32(0.5) * v * (T.float32(1) + T.tanh(T.float32(0.7978845608028654) *
+                                                        (v + T.float32(0.044715) * v * v * v)))
+    elif act == "gelu_erf":
+        v = T.float32(0.5) * v * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
+    return T.Cast("float16", v)
+
+
 def argument_names(spec: BsrSpec) -> list[str]:
     scales = ["XS", "WS"] if spec.dtype == "int8" else []
     return ["X", "Wp", *scales, *(["B"] if spec.bias else []), *(["Tab"] if spec.table == "arg" else []), "Y"]
@@ -269,16 +284,7 @@ def bsr_linear(spec: BsrSpec):
     def epilogue(v, b, xs, ws):
         if int8:
             v = T.Cast("float32", T.reinterpret("int32", v)) * xs * ws
-        if use_bias:
-            v = v + T.Cast("float32", b)
-        if act == "relu":
-            v = T.max(v, T.float32(0))
-        elif act == "gelu":
-            v = T.float32(0.5) * v * (T.float32(1) + T.tanh(T.float32(0.7978845608028654) *
-                                                            (v + T.float32(0.044715) * v * v * v)))
-        elif act == "gelu_erf":
-            v = T.float32(0.5) * v * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
-        return T.Cast("float16", v)
+        return tir_epilogue(v, b if use_bias else None, act)
 
     @T.macro
     def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cuda_bsr import ACTIVATIONS, _activate
+from .cuda_bsr import ACTIVATIONS, _activate, tir_epilogue
 
 
 @dataclass(frozen=True)
@@ -115,16 +115,7 @@ def fine_linear(spec: FineSpec):
     use_bias, act = spec.bias, spec.act
 
     def epilogue(v, b):
-        if use_bias:
-            v = v + T.Cast("float32", b)
-        if act == "relu":
-            v = T.max(v, T.float32(0))
-        elif act == "gelu":
-            v = T.float32(0.5) * v * (T.float32(1) + T.tanh(T.float32(0.7978845608028654) *
-                                                            (v + T.float32(0.044715) * v * v * v)))
-        elif act == "gelu_erf":
-            v = T.float32(0.5) * v * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
-        return T.Cast("float16", v)
+        return tir_epilogue(v, b if use_bias else None, act)
 
     @T.prim_func
     def kernel(x_h: T.handle, rp_h: T.handle, c_h: T.handle, v_h: T.handle, b_h: T.handle, y_h: T.handle):
