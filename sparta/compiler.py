@@ -124,21 +124,10 @@ def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dic
     from .passes.propagate import PropagationReport
     from .passes.transform import Plan
 
-    if quantize is not None:
-        if propagate:
-            t0 = time.perf_counter()
-            graph = run_propagation(graph)
-            timings["propagate"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        quantize(graph)
-        timings["calibrate"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        plan = transform(graph, target)
-        timings["transform"] = time.perf_counter() - t0
-        return graph, plan
     t0 = time.perf_counter()
-    key = pipeline_cache.pipeline_key(graph, target, {"propagate": propagate})
-    hit = pipeline_cache.load(key)
+    # calibration reads weight values and data, which the key does not hash: it bypasses the cache
+    key = pipeline_cache.pipeline_key(graph, target, {"propagate": propagate}) if quantize is None else None
+    hit = pipeline_cache.load(key) if key is not None else None
     if hit is not None:
         tesas, report, plan = hit
         for name, tesa in tesas.items():
@@ -151,11 +140,16 @@ def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dic
         t0 = time.perf_counter()
         graph = run_propagation(graph)
         timings["propagate"] = time.perf_counter() - t0
+    if quantize is not None:
+        t0 = time.perf_counter()
+        quantize(graph)
+        timings["calibrate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     plan = transform(graph, target)
     timings["transform"] = time.perf_counter() - t0
-    report = graph.meta.get("propagation")
-    pipeline_cache.store(key, graph, report.to_json() if report is not None else None, plan.to_json())
+    if key is not None:
+        report = graph.meta.get("propagation")
+        pipeline_cache.store(key, graph, report.to_json() if report is not None else None, plan.to_json())
     return graph, plan
 
 
