@@ -123,32 +123,43 @@ def saved_models(out: Path) -> None:
     w8.save(out / "saved_mlp_w8a8")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
-    ap.add_argument("--only", nargs="*", help="names to build (default: all)")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    out = Path(args.out)
+TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear}
+
+
+def build_all(specs: dict, out: Path, jobs: int, templates=TEMPLATES) -> None:
+    """Build every spec (through the template its type names) into ``out/<name>/``, ``jobs`` at a time."""
     out.mkdir(parents=True, exist_ok=True)
-    todo = {n: s for n, s in kernels().items() if not args.only or n in args.only}
 
     def one(item):
         name, spec = item
         t0 = time.perf_counter()
-        template = {QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear}.get(type(spec), bsr_linear)
-        art = build_cuda(template, spec)
+        art = build_cuda(templates[type(spec)], spec)
         dest = out / name
         shutil.rmtree(dest, ignore_errors=True)
         save_dir(art, dest)
         return name, art, time.perf_counter() - t0
 
-    if not args.only:
-        saved_models(out)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for name, art, dt in pool.map(one, todo.items()):
+    with ThreadPoolExecutor(jobs) as pool:
+        for name, art, dt in pool.map(one, specs.items()):
             print(f"{name}: grid {art.launch['grid']} block {art.launch['block']} smem {art.launch['shared_bytes']} "
                   f"({'cached' if art.cached else f'built in {dt:.1f} s'})", flush=True)
+
+
+def arguments(default_out: Path) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(default_out))
+    ap.add_argument("--only", nargs="*", help="names to build (default: all)")
+    ap.add_argument("--jobs", type=int, default=2)
+    return ap.parse_args()
+
+
+def main():
+    args = arguments(Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
+    out = Path(args.out)
+    if not args.only:
+        out.mkdir(parents=True, exist_ok=True)
+        saved_models(out)
+    build_all({n: s for n, s in kernels().items() if not args.only or n in args.only}, out, args.jobs)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,10 @@ others are the shapes and tilings ``benchmarks/bench_cuda_w4a16.py`` times.
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from sparta.codegen.cuda_build import build_cuda, save_dir
+from build_cuda_kernels import arguments, build_all  # noqa: E402  (benchmarks/ is the script's folder)
 from sparta.templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 
 BENCH_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}   # N x K
@@ -48,28 +44,9 @@ def kernels() -> dict[str, W4A16Spec]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "artifacts" / "cuda" / "w4a16"))
-    ap.add_argument("--only", nargs="*", help="names to build (default: all)")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    todo = {n: s for n, s in kernels().items() if not args.only or n in args.only}
-
-    def one(item):
-        name, spec = item
-        t0 = time.perf_counter()
-        art = build_cuda(w4a16_gemv, spec)
-        dest = out / name
-        shutil.rmtree(dest, ignore_errors=True)
-        save_dir(art, dest)
-        return name, art, time.perf_counter() - t0
-
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for name, art, dt in pool.map(one, todo.items()):
-            print(f"{name}: grid {art.launch['grid']} block {art.launch['block']} "
-                  f"({'cached' if art.cached else f'built in {dt:.1f} s'})", flush=True)
+    args = arguments(Path(__file__).resolve().parents[1] / "artifacts" / "cuda" / "w4a16")
+    build_all({n: s for n, s in kernels().items() if not args.only or n in args.only}, Path(args.out), args.jobs,
+              {W4A16Spec: w4a16_gemv})
 
 
 if __name__ == "__main__":
