@@ -30,32 +30,12 @@ def _mask(spec, density):
 
 
 def _check(name, density):
+    """The kernel against its torch reference on fresh data; W8A8 kernels against the exact int8
+    reference (int32 dot products are exact, so only fp32 rounding differs) and, by SQNR, against
+    the fp16 product (the per-token × per-channel int8 error)."""
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.templates.cuda_bsr import reference
-    spec = load_spec(ROOT / name)
-    if spec.dtype == "int8":
-        return _check_int8(name, spec, density)
-    mask = _mask(spec, density)
-    x = torch.randn(spec.m, spec.k, device="cuda").half()
-    w = torch.randn(spec.n, spec.k, device="cuda").half()
-    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
-    op = BsrLinearOp(ROOT / name, spec, w, mask, bias)
-    y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
-    op(x, out=y)
-    torch.cuda.synchronize()
-    ref = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk)
-    assert not y.isnan().any(), "some outputs were not written"
-    scale = ref.float().abs().max().clamp_min(1.0)
-    err = ((y.float() - ref.float()).abs().max() / scale).item()
-    assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |ref|"
-    return err
-
-
-def _check_int8(name, spec, density):
-    """W8A8: int32 dot products are exact, so the kernel matches the int8 reference to fp32
-    rounding; against the fp16 product the per-token × per-channel int8 error is bounded by SQNR."""
-    from sparta.runtime.bsr_linear import BsrLinearOp
     from sparta.templates.cuda_bsr import quantize_rows, reference, reference_int8
+    spec = load_spec(ROOT / name)
     mask = _mask(spec, density)
     x = torch.randn(spec.m, spec.k, device="cuda").half()
     w = torch.randn(spec.n, spec.k, device="cuda").half()
@@ -65,13 +45,15 @@ def _check_int8(name, spec, density):
     op(x, out=y)
     torch.cuda.synchronize()
     assert not y.isnan().any(), "some outputs were not written"
-    ref = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk)
+    exact = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk)
+    int8 = spec.dtype == "int8"
+    ref = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk) \
+        if int8 else exact
     scale = ref.float().abs().max().clamp_min(1.0)
     err = ((y.float() - ref.float()).abs().max() / scale).item()
-    assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |int8 ref|"
-    if density > 0:
-        exact = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk).float()
-        sqnr = 10 * torch.log10(exact.pow(2).mean() / (y.float() - exact).pow(2).mean()).item()
+    assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |{'int8 ' if int8 else ''}ref|"
+    if int8 and density > 0:
+        sqnr = 10 * torch.log10(exact.float().pow(2).mean() / (y.float() - exact.float()).pow(2).mean()).item()
         assert sqnr > 30, f"{name}: SQNR {sqnr:.1f} dB against the fp16 product"
     return err
 

@@ -44,21 +44,27 @@ def test_matches_a_torch_model_with_the_masked_weights(loaded):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
-def test_runs_inside_a_cuda_graph(loaded):
-    x = torch.randn(3, 333, 1024, device="cuda")
-    eager = loaded(x)
+def replay_on_new_input(model, x):
+    """Capture ``model(x)`` in a CUDA graph, refill ``x``, replay; assert the replay equals an eager call
+    on the new ``x``. Returns the replayed output."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        loaded(x)
+        model(x)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = loaded(x)
+        out = model(x)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, loaded(x), rtol=0, atol=0)
-    assert not torch.equal(out, eager)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    return out
+
+
+def test_runs_inside_a_cuda_graph(loaded):
+    x = torch.randn(3, 333, 1024, device="cuda")
+    eager = loaded(x)
+    assert not torch.equal(replay_on_new_input(loaded, x), eager)
 
 
 W8A8 = ROOT / "saved_mlp_w8a8"
@@ -86,14 +92,4 @@ def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math
     out = model(x)
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, err
-    stream = torch.cuda.Stream()                 # the quantiser and the int8 kernels capture in a CUDA graph
-    with torch.cuda.stream(stream):
-        model(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = model(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(captured, model(x), rtol=0, atol=0)
+    replay_on_new_input(model, x)                # the quantiser and the int8 kernels capture in a CUDA graph
