@@ -20,6 +20,7 @@ import torch
 
 from common import bench_mask  # noqa: E402  (benchmarks/ is the script's folder)
 from sparta.codegen.cuda_build import build_cuda, save_dir
+from sparta.codegen.specialize_cuda import int8_dense_tiles
 from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from sparta.templates.cuda_fine import FineSpec, fine_linear
 from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
@@ -51,7 +52,41 @@ INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2
               "i8_b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
               "i8_b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=2, stages=3)}
 
-CONST_TILES, CONST_SPARSITIES, CONST_SETS = ("b32_t128w2", "b64_t128"), (90, 95), 4
+# Hopper wgmma kernels (mma="wgmma", sm_90a): warps_m x warps_n count warpgroups of 128 threads
+WG = dict(mma="wgmma")
+WGMMA_TILES = {"t128x128k64wg": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
+               "t128x256k64wg": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
+               "t128x192k64wg": dict(bn=192, bk=64, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
+               "t128x256k64wg2": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
+               "t256x128k64wg": dict(bn=128, bk=64, tm=256, warps_m=4, warps_n=1, stages=4, **WG),
+               "t128x128k32wg": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
+               "t128x128k64wgs3": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1, stages=3, **WG),
+               "t128x256k32wg": dict(bn=256, bk=32, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
+               "t128x192k64wgs3": dict(bn=192, bk=64, tm=128, warps_m=2, warps_n=1, stages=3, **WG),
+               "t64x256k64wg": dict(bn=256, bk=64, tm=64, warps_m=1, warps_n=1, stages=4, **WG),
+               "b32_t64wg": dict(bn=32, bk=32, tm=64, warps_m=1, warps_n=1, stages=6, **WG),
+               "b64_t64wg": dict(bn=64, bk=64, tm=64, warps_m=1, warps_n=1, stages=4, **WG),
+               "b64_t128wgs3": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=3, **WG),
+               "b32_t128wg": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
+               "b32_t256wg": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=6, **WG),
+               "b64_t128wg": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
+               "b64_t256wg": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=4, **WG)}
+INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
+                    "i8_t128x256k128wg": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
+                    "i8_t128x192k128wg": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
+                    "i8_t256x128k128wg": dict(bn=128, bk=128, tm=256, warps_m=4, warps_n=1, stages=4, **WG),
+                    "i8_t128x128k128wgs3": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=1, stages=3, **WG),
+                    "i8_t128x256k64wg2": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
+                    "i8_t128x192k128wgs3": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=3, **WG),
+                    "i8_t256x128k64wg": dict(bn=128, bk=64, tm=256, warps_m=4, warps_n=1, stages=4, **WG),
+                    "i8_t64x256k128wg2": dict(bn=256, bk=128, tm=64, warps_m=1, warps_n=2, stages=3, **WG),
+                    "i8_b64_t64wg": dict(bn=64, bk=64, tm=64, warps_m=1, warps_n=1, stages=6, **WG),
+                    "i8_b64_t128wgs3": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=3, **WG),
+                    "i8_b32_t128wg": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
+                    "i8_b64_t128wg": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
+                    "i8_b64_t256wg": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=6, **WG)}
+
+CONST_TILES, CONST_SPARSITIES, CONST_SETS = ("b32_t128w2", "b64_t128", "b64_t128wg"), (90, 95), 4
 
 
 def _pattern(mask: torch.Tensor) -> tuple:
@@ -73,14 +108,32 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         "t_i8_b64_gelu": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
                                  act="gelu_erf", dtype="int8"),
         "t_i8_dense_nobias": BsrSpec(256, 256, 256, bias=False, dtype="int8", **INT8_TILES["i8_t128x128k64"]),
+        # wgmma (sm_90a): the same cases, every swizzle width (rows of 32, 64, 128 bytes), 1-4 warpgroups
+        "t_wg_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=128, warps_m=2, stages=3, act="gelu", **WG),
+        "t_wg_ragged_relu": BsrSpec(130, 100, 40, bn=32, bk=32, tm=64, warps_m=1, stages=4, act="relu", **WG),
+        "t_wg_k16_gelu_erf": BsrSpec(130, 64, 96, bn=64, bk=16, tm=64, warps_m=1, stages=3, act="gelu_erf", **WG),
+        "t_wg_const_nobias": BsrSpec(192, 128, 256, bn=32, bk=32, tm=64, warps_m=1, stages=4, bias=False,
+                                     table="const", pattern=_pattern(bench_mask(4, 8, 0.4, "t_const")), **WG),
+        "t_wg_b64": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, stages=4, **WG),
+        "t_wg_dense_2x2": BsrSpec(256, 512, 192, bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=3, **WG),
+        "t_wg_dense_256": BsrSpec(300, 256, 128, bn=128, bk=64, tm=256, warps_m=4, stages=4, **WG),
+        "t_wg_i8_odd_relu": BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=1, stages=3, act="relu",
+                                    dtype="int8", **WG),
+        "t_wg_i8_b64_gelu": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, stages=4, act="gelu_erf",
+                                    dtype="int8", **WG),
+        "t_wg_i8_dense_nobias": BsrSpec(256, 256, 256, bias=False, dtype="int8",
+                                        **INT8_WGMMA_TILES["i8_t128x256k128wg"]),
+        # the dense W8A8 pair compile() builds (mma.sync fallback + wgmma, same 192x128 blocks)
+        "t_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[0]),
+        "t_wg_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[1]),
     }
     for shape_name, (m, n, k) in (("ffn1", FFN1), ("ffn2", FFN2)):
-        for tile, kw in {**DENSE_TILES, **SPARSE_TILES}.items():
+        for tile, kw in {**DENSE_TILES, **SPARSE_TILES, **WGMMA_TILES}.items():
             specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, **kw)
-        for tile, kw in INT8_TILES.items():
+        for tile, kw in {**INT8_TILES, **INT8_WGMMA_TILES}.items():
             specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, dtype="int8", **kw)
         for tile in CONST_TILES:                 # dismantled: the benchmark's block patterns baked in
-            kw = SPARSE_TILES[tile]
+            kw = {**SPARSE_TILES, **WGMMA_TILES}[tile]
             for sp in CONST_SPARSITIES:
                 for i in range(CONST_SETS):
                     mask = bench_mask(-(-n // kw["bn"]), -(-k // kw["bk"]), 1 - sp / 100,

@@ -59,7 +59,8 @@ def main():
             dense = [r for r in result["rows"] if r["block"] is None]
             entry["dense_gflops"] = sum(2 * r["m"] * r["n"] * r["k"] / _best(r) / 1e3 for r in dense) / len(dense)
             prof["notes"]["W8A8"] = (f"dense rate and 32x32/64x64 block costs measured on sparta's int8 bsr_linear "
-                                     f"kernels ({where}); other block shapes are stand-ins")
+                                     f"kernels, the best tile of each case (dense: the Hopper wgmma tiles "
+                                     f"compile() builds for sm_90) ({where}); other block shapes are stand-ins")
         else:
             prof["notes"]["W16 blocks"] = (f"32x32 and 64x64 measured on sparta's bsr_linear kernels ({where}); other "
                                            "shapes and widths are still stand-ins")

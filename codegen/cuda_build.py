@@ -47,7 +47,9 @@ def nvcc_version() -> str:
 
 
 def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
-    """``template(spec)`` (an IRModule with one PrimFunc ``spec.name``) → cached CUDA artifact."""
+    """``template(spec)`` (an IRModule with one PrimFunc ``spec.name``) → cached CUDA artifact, with
+    cubins for ``spec.archs`` if the spec names them (e.g. ``sm_90a`` for wgmma), else ``archs``."""
+    archs = tuple(getattr(spec, "archs", None) or archs)
     key = cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
                            "archs": list(archs), "versions": versions(), "nvcc": nvcc_version(),
                            "source": _source_digest(inspect.getmodule(template))})
@@ -60,7 +62,7 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
             return CudaArtifact(path.parent, launch, True, time.perf_counter() - t0)
         cache.invalidate(key)
     mod = template(spec)
-    source, launch = _lower(mod, spec.name)
+    source, launch = _lower(mod, spec.name, archs[0])
     if hasattr(spec, "shared_bytes"):     # dynamic shared memory the template sized itself
         launch["shared_bytes"] = int(spec.shared_bytes)
 
@@ -95,19 +97,21 @@ def _cubins_intact(folder: Path, launch: dict) -> bool:
 
 def _nvcc(src: Path, out: Path, arch: str) -> None:
     nvcc_version()
-    r = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", *NVCC_FLAGS, str(src), "-o", str(out)],
+    # the arch-specific targets (wgmma, setmaxnreg: sm_90a) need the -gencode spelling
+    target = f"-gencode=arch=compute_{arch[3:]},code={arch}" if arch.endswith("a") else f"-arch={arch}"
+    r = subprocess.run(["nvcc", "-cubin", target, *NVCC_FLAGS, str(src), "-o", str(out)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise CodegenError(f"nvcc failed for {src.name} ({arch}):\n{r.stderr[-2000:]}")
 
 
-def _lower(mod, name: str) -> tuple[str, dict]:
+def _lower(mod, name: str, arch: str = ARCHS[0]) -> tuple[str, dict]:
     """CUDA C of ``mod`` and its launch spec (from the lowered device function)."""
     t = tvm()
     from tvm import tirx
     from tvm.tirx.build import split_host_device_mods
 
-    target = t.target.Target({"kind": "cuda", "arch": ARCHS[0]})
+    target = t.target.Target({"kind": "cuda", "arch": arch})
     try:
         with target:
             ex = t.compile(mod, target=target)

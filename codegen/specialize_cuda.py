@@ -4,7 +4,9 @@
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
 covered by the template's square blocks of the plan's largest block side (32 or 64); the
-block list goes in a table argument, so ops of one shape share one kernel. Ops the template
+block list goes in a table argument, so ops of one shape share one kernel. A dense W8A8 op also
+gets a Hopper ``wgmma`` kernel (sm_90a) over the same blocks, which the runtime runs on sm_90
+GPUs (1.1-1.4x fp16 cuBLAS there, where ``mma.sync`` int8 is not faster). Ops the template
 cannot take (K not a multiple of 8, conv, a full-matrix addend) stay torch ops, with the
 reason in the report.
 """
@@ -28,8 +30,17 @@ from .specialize import _fusable_activation, _weight_matrix
 FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # only exact GELU reaches here (_fusable_activation)
 # W8A8 tiles measured best on the H100 (benchmarks/RESULTS.md, bench_cuda_w8a8): per block side, and dense
 INT8_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
-              64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
-              "dense": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=2, stages=3)}
+              64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
+HOPPER_SMS = 132                                        # H100/H200 SXM multiprocessors
+
+
+def int8_dense_tiles(m: int, n: int) -> tuple[dict, dict]:
+    """(mma.sync tiles, wgmma tiles) of a dense W8A8 GEMM, over the same blocks. The wgmma tile
+    measured best on the H100 (bench_cuda_w8a8): 128x192 where one wave of them covers the output
+    (BERT FFN2), else 128x256."""
+    bn = 192 if n % 192 == 0 and -(-m // 128) * (n // 192) <= HOPPER_SMS else 256
+    hopper = dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=1 if bn == 192 else 2, stages=4, mma="wgmma")
+    return dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=bn // 64, stages=3), hopper
 
 
 def specialize_cuda(graph: Graph, plan: Plan):
@@ -75,10 +86,10 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     fused = fused if act else None
     int8 = all(s.weight_bits == 8 and s.act_bits == 8 for s in op_plan.subops) and k % 16 == 0
     mask = block_mask_of(weight, side, side)
-    tiles = TUNED_TILES[side]
+    tiles, hopper_tiles = TUNED_TILES[side], None
     if int8:
         dense = bool(keep.all())
-        tiles = INT8_TILES["dense" if dense else side]
+        tiles, hopper_tiles = int8_dense_tiles(m, n) if dense else (INT8_TILES[side], None)
         mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
         if dense:   # every block computed, zeros included (a dense tile does not skip empty blocks)
             mask = torch.ones_like(mask)
@@ -86,6 +97,10 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{'i8_' if int8 else ''}b{spec.bn}x{spec.bk}_"
                                           f"{act or 'none'}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
+    hopper = None
+    if hopper_tiles is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
+        h_spec = dataclasses.replace(spec, **hopper_tiles, name=spec.name + "_wgmma")
+        hopper = (build_cuda(bsr_linear, h_spec), h_spec)
     out_shape = graph.tensor(op.outputs[0]).shape
     scale, quant = None, None
     if int8:
@@ -93,15 +108,19 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         scale = params.scale[:, 0] if params is not None and params.group >= k else None   # calibrated, per channel
         quant = build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, name=f"quantize_rows_{m}x{k}")).path
     module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
-                                          weight_scale=scale, quant_folder=quant)
+                                          weight_scale=scale, quant_folder=quant,
+                                          hopper=(hopper[0].path, hopper[1]) if hopper else None)
     module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
     if int8:   # the reference applies the weights the kernel applies (activations: per-token int8 at run time)
         module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
     row = {"op": op.name, "template": "bsr_linear", "blocks": f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
            "bits": "W8A8" if int8 else "W16A16",
            "dismantle": "tile (table argument)", "build_s": round(art.build_s, 3), "cached": art.cached,
-           "code_bytes": sum((art.path / c["file"]).stat().st_size for c in art.launch["cubins"].values()),
+           "code_bytes": sum((a.path / c["file"]).stat().st_size for a in [art] + ([hopper[0]] if hopper else [])
+                             for c in a.launch["cubins"].values()),
            "key": art.path.name, "artifact": str(art.path)}
+    if hopper:
+        row["note"] = f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"
     planned = sorted({f"W{s.weight_bits}A{s.act_bits}" for s in op_plan.subops} - {row["bits"], "W16A16", "W32A32"})
     if planned:  # the low-bit CUDA kernels are not wired into compile yet: say so rather than hide it
         row["note"] = f"plan asked for {', '.join(planned)}; runs the fp16 kernel"

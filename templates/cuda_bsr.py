@@ -54,6 +54,7 @@ class BsrSpec:
     act: str = "none"
     table: str = "arg"
     dtype: str = "float16"                            # operands: "float16", or "int8" (W8A8)
+    mma: str = "sync"                                 # "sync" (mma.sync, sm_80+) or "wgmma" (sm_90a)
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -65,7 +66,7 @@ class BsrSpec:
             bad.append(f"K={self.k} must be a multiple of 8 (16-byte rows)")
         if self.bk % 16 or self.bk > 128 or self.bn % 16:
             bad.append(f"block {self.bn}x{self.bk}: bn must be a multiple of 16, bk of 16 up to 128")
-        if self.tm % (16 * self.warps_m) or self.bn % (16 * self.warps_n):
+        if self.mma == "sync" and (self.tm % (16 * self.warps_m) or self.bn % (16 * self.warps_n)):
             bad.append(f"tile {self.tm}x{self.bn} does not split into {self.warps_m}x{self.warps_n} warps "
                        "of 16-multiples")
         if self.act not in ACTIVATIONS:
@@ -80,8 +81,34 @@ class BsrSpec:
             bad.append(f"dtype {self.dtype!r} must be 'float16' or 'int8'")
         elif self.dtype == "int8" and (self.k % 16 or self.bk % 32):
             bad.append(f"int8: K={self.k} must be a multiple of 16 and bk={self.bk} of 32")
+        if self.mma not in ("sync", "wgmma"):
+            bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
+        elif self.mma == "wgmma":
+            bad += self._wgmma_problems()
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    def _wgmma_problems(self) -> list[str]:
+        bad = []
+        wtn = self.bn // self.warps_n
+        if self.tm != 64 * self.warps_m:
+            bad.append(f"wgmma: tm={self.tm} must be 64 x warps_m (warps_m, warps_n count warpgroups)")
+        if self.bn % self.warps_n or wtn % 16 or wtn > (224 if self.dtype == "int8" else 256):
+            bad.append(f"wgmma: bn/warps_n={self.bn}/{self.warps_n} must be a multiple of 16 up to "
+                       f"{224 if self.dtype == 'int8' else 256}")
+        if self.bk // self.elems_per_half not in (16, 32, 64):
+            bad.append(f"wgmma: bk={self.bk} must span 32, 64 or 128 bytes (one swizzle atom)")
+        if self.stages < 3:
+            bad.append("wgmma: stages must be >= 3 (one stage drains while two load)")
+        if wtn // 2 + 40 > min(255, 65536 // self.threads):
+            bad.append(f"wgmma: {wtn // 2} accumulator registers per thread do not fit beside the rest with "
+                       f"{self.threads} threads (65536 registers per SM): fewer warpgroups or a narrower bn")
+        return bad
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        """The GPU architectures nvcc builds this kernel for."""
+        return ("sm_90a",) if self.mma == "wgmma" else ("sm_80", "sm_90")
 
     @property
     def row_blocks(self) -> int:
@@ -93,7 +120,7 @@ class BsrSpec:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
+        return (128 if self.mma == "wgmma" else 32) * self.warps_m * self.warps_n
 
     @property
     def elems_per_half(self) -> int:
@@ -245,65 +272,115 @@ def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
     return fn, src
 
 
+class _Movement:
+    """What the ``mma.sync`` and ``wgmma`` kernels share: the table lookup, the ``cp.async`` stage
+    loader into XOR-swizzled shared memory (for ``bk`` of 16/32/64 lanes this is exactly the
+    32/64/128-byte swizzle that wgmma's shared-memory descriptors read) and the coalesced store of
+    the fp16 output tile staged in shared memory."""
+
+    def __init__(self, spec: BsrSpec, threads: int):
+        from tvm.script import tirx as T
+
+        EL = spec.elems_per_half             # the data movement counts 16-bit lanes: K and BK in lanes
+        M, N, K, BN, BK, TM = spec.m, spec.n, spec.k // EL, spec.bn, spec.bk // EL, spec.tm
+        NT = threads
+        C = BK // 8                          # 16-byte chunks per shared row
+        RPL = max(1, 8 // C)                 # rows per 128-byte bank line
+        self.x_elems, self.stage = TM * BK, (TM + BN) * BK
+        X_ELEMS, STAGE = self.x_elems, self.stage
+        X_CHUNKS, W_CHUNKS = TM * C, BN * C
+        X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
+        self.head = 3 * spec.row_blocks
+        self.out_ld = OUT_LD = BN + 8        # padded row of the output tile: conflict-free half2 writes
+        OUT_CHUNKS = TM * (BN // 8)
+        OUT_ITERS = -(-OUT_CHUNKS // NT)
+        self.const_tab = spec.table == "const"
+        if self.const_tab:
+            self.tab_fn, self.tab_src = _const_table_source(spec)
+
+        def swz(row, chunk):                 # shared offset of a 16-byte chunk, XOR-swizzled
+            return row * BK + T.bitwise_xor(chunk, T.truncmod(T.truncdiv(row, RPL), C)) * 8
+        self.swz = swz
+
+        @T.macro
+        def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):
+            # X[m0 : m0+TM, kb*BK : +BK] and packed block ``blk`` into ``stage``, 16 bytes per cp.async
+            for it in T.unroll(X_ITERS):
+                c = T.meta_var(tx + it * NT)
+                if X_CHUNKS % NT == 0 or c < X_CHUNKS:
+                    r = T.meta_var(c // C)
+                    kc = T.meta_var(kb * BK + (c % C) * 8)
+                    ok = T.meta_var(T.Cast("uint32", T.if_then_else(T.And(m0 + r < M, kc < K), 16, 0)))
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        smem.ptr_to([stage * STAGE + swz(r, c % C)]),
+                        X.ptr_to([T.min(m0 + r, M - 1), T.min(kc, K - 8)]), 16, ok))
+            for it in T.unroll(W_ITERS):
+                c = T.meta_var(tx + it * NT)
+                if W_CHUNKS % NT == 0 or c < W_CHUNKS:
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        smem.ptr_to([stage * STAGE + X_ELEMS + swz(c // C, c % C)]),
+                        Wp.ptr_to([blk * (BN * BK) + c * 8]), 16))
+        self.load_stage = load_stage
+
+        @T.macro
+        def store_tile(smem, Y, tx, m0, row):
+            # the fp16 tile (TM x BN, rows OUT_LD apart in shared memory) -> coalesced 16-byte rows of Y
+            for it in T.unroll(OUT_ITERS):
+                c = T.meta_var(tx + it * NT)
+                if OUT_CHUNKS % NT == 0 or c < OUT_CHUNKS:
+                    yr = T.meta_var(m0 + c // (BN // 8))
+                    yc = T.meta_var(row * BN + (c % (BN // 8)) * 8)
+                    if N % 8 == 0:
+                        if yr < M and yc < N:
+                            for v in T.vectorized(8):
+                                Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+                    else:
+                        for v in T.unroll(8):
+                            if yr < M and yc + v < N:
+                                Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+        self.store_tile = store_tile
+
+    def tab(self, tab_buf, i):
+        """Entry ``i`` of the block table: the baked constant array, or the ``Tab`` argument."""
+        from tvm.script import tirx as T
+        if self.const_tab:
+            return T.cuda.func_call(self.tab_fn, i, source_code=self.tab_src, return_type="int32")
+        return tab_buf[i]
+
+
+def epilogue_value(spec: BsrSpec, v, b, xs, ws):
+    """One accumulator (fp32, or int32 bits for int8) → the fp16 output element."""
+    from tvm.script import tirx as T
+    if spec.dtype == "int8":
+        v = T.Cast("float32", T.reinterpret("int32", v)) * xs * ws
+    return tir_epilogue(v, b if spec.bias else None, spec.act)
+
+
 def bsr_linear(spec: BsrSpec):
-    """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    """The kernel as an IRModule with one PrimFunc named ``spec.name`` (``mma.sync``, or the
+    Hopper ``wgmma`` kernel of ``templates/cuda_bsr_wgmma.py`` when ``spec.mma == "wgmma"``)."""
+    if spec.mma == "wgmma":
+        from .cuda_bsr_wgmma import bsr_linear_wgmma
+        return bsr_linear_wgmma(spec)
     import tvm
     from tvm.script import tirx as T
 
     int8 = spec.dtype == "int8"
-    EL = spec.elems_per_half                 # the data movement counts 16-bit lanes: K and BK in lanes
-    M, N, K, BN, BK, TM, S = spec.m, spec.n, spec.k // EL, spec.bn, spec.bk // EL, spec.tm, spec.stages
+    EL = spec.elems_per_half
+    M, N, K, TM, BN, BK, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.bk // EL, spec.stages
     NT, WM, WN = spec.threads, spec.warps_m, spec.warps_n
     WTM, WTN = TM // WM, BN // WN            # warp tile
     MI, NI = WTM // 16, WTN // 8             # mma tiles per warp: 16 rows x 8 cols each
     R = spec.row_blocks
-    C = BK // 8                              # 16-byte chunks per shared row
-    RPL = max(1, 8 // C)                     # rows per 128-byte bank line
-    X_ELEMS, STAGE = TM * BK, (TM + BN) * BK
-    X_CHUNKS, W_CHUNKS = TM * C, BN * C
-    X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
-    HEAD = 3 * R
-    OUT_LD = BN + 8                          # padded row of the output tile: conflict-free half2 writes
-    OUT_CHUNKS = TM * (BN // 8)
-    OUT_ITERS = -(-OUT_CHUNKS // NT)
-    use_bias, act, const_tab = spec.bias, spec.act, spec.table == "const"
+    mv = _Movement(spec, NT)
+    X_ELEMS, STAGE, HEAD, OUT_LD = mv.x_elems, mv.stage, mv.head, mv.out_ld
+    swz, tab, load_stage, store_tile = mv.swz, mv.tab, mv.load_stage, mv.store_tile
     MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" if int8 else \
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
     ACC = "uint32" if int8 else "float32"          # PTX's int mma takes .u32 registers (int32 bits)
-    if const_tab:
-        tab_fn, tab_src = _const_table_source(spec)
-
-    def swz(row, chunk):                     # shared offset of a 16-byte chunk, XOR-swizzled
-        return row * BK + T.bitwise_xor(chunk, T.truncmod(T.truncdiv(row, RPL), C)) * 8
-
-    def tab(tab_buf, i):
-        if const_tab:
-            return T.cuda.func_call(tab_fn, i, source_code=tab_src, return_type="int32")
-        return tab_buf[i]
 
     def epilogue(v, b, xs, ws):
-        if int8:
-            v = T.Cast("float32", T.reinterpret("int32", v)) * xs * ws
-        return tir_epilogue(v, b if use_bias else None, act)
-
-    @T.macro
-    def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):
-        # X[m0 : m0+TM, kb*BK : +BK] and packed block ``blk`` into ``stage``, 16 bytes per cp.async
-        for it in T.unroll(X_ITERS):
-            c = T.meta_var(tx + it * NT)
-            if X_CHUNKS % NT == 0 or c < X_CHUNKS:
-                r = T.meta_var(c // C)
-                kc = T.meta_var(kb * BK + (c % C) * 8)
-                ok = T.meta_var(T.Cast("uint32", T.if_then_else(T.And(m0 + r < M, kc < K), 16, 0)))
-                T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                    smem.ptr_to([stage * STAGE + swz(r, c % C)]),
-                    X.ptr_to([T.min(m0 + r, M - 1), T.min(kc, K - 8)]), 16, ok))
-        for it in T.unroll(W_ITERS):
-            c = T.meta_var(tx + it * NT)
-            if W_CHUNKS % NT == 0 or c < W_CHUNKS:
-                T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                    smem.ptr_to([stage * STAGE + X_ELEMS + swz(c // C, c % C)]),
-                    Wp.ptr_to([blk * (BN * BK) + c * 8]), 16))
+        return epilogue_value(spec, v, b, xs, ws)
 
     @T.macro
     def mma_stage(smem, acc, af, bf, lane, wr, wc, base):
@@ -384,18 +461,6 @@ def bsr_linear(spec: BsrSpec):
                                                           B[T.min(row * BN + lc, N - 1)],
                                                           XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)])
         T.tvm_storage_sync("shared")
-        for it in T.unroll(OUT_ITERS):                 # coalesced 16-byte rows out
-            c = T.meta_var(tx + it * NT)
-            if OUT_CHUNKS % NT == 0 or c < OUT_CHUNKS:
-                yr = T.meta_var(m0 + c // (BN // 8))
-                yc = T.meta_var(row * BN + (c % (BN // 8)) * 8)
-                if N % 8 == 0:
-                    if yr < M and yc < N:
-                        for v in T.vectorized(8):
-                            Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
-                else:
-                    for v in T.unroll(8):
-                        if yr < M and yc + v < N:
-                            Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+        store_tile(smem, Y, tx, m0, row)
 
     return tvm.IRModule({spec.name: kernel})

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..templates.cuda_bsr import BsrSpec, block_mask_of, pack_weight, quantize_rows, unpack_weight
-from .cuda import CudaKernel, CudaRuntimeError
+from .cuda import CudaKernel, CudaRuntimeError, device_arch
 
 
 def spec_to_json(spec: BsrSpec) -> dict:
@@ -142,13 +142,23 @@ class SparseLinearCUDA(torch.nn.Module):
     input's dtype. ``folder`` is the kernel's artifact folder (cubins + launch.json). A W8A8
     kernel (``spec.dtype == "int8"``) holds int8 blocks and per-channel ``weight_scale``; its
     input is quantised per token by the kernel in ``quant_folder`` (torch ops without one).
+    ``hopper`` = (folder, spec): a ``wgmma`` kernel over the same blocks, run instead on sm_90 GPUs.
     """
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
-                 weight_scale: torch.Tensor | None = None, quant_folder: str | None = None):
+                 weight_scale: torch.Tensor | None = None, quant_folder: str | None = None,
+                 hopper: tuple | None = None):
         super().__init__()
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
+        self.hopper = None
+        if hopper is not None:
+            h_folder, h_spec = hopper
+            same = ("m", "n", "k", "bn", "bk", "bias", "act", "dtype", "table")
+            if h_spec.mma != "wgmma" or any(getattr(h_spec, f) != getattr(spec, f) for f in same):
+                raise CudaRuntimeError(f"op {op_name!r}: the Hopper kernel must be a wgmma kernel over the same "
+                                       f"blocks and epilogue ({', '.join(same)})")
+            self.hopper = (str(h_folder), h_spec)
         int8 = spec.dtype == "int8"
         if int8 and (wp.dtype != torch.int8 or weight_scale is None):
             raise CudaRuntimeError(f"op {op_name!r}: a W8A8 kernel needs int8 blocks and per-channel weight scales")
@@ -164,7 +174,7 @@ class SparseLinearCUDA(torch.nn.Module):
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
                     block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
-                    weight_scale: torch.Tensor | None = None, quant_folder=None) -> SparseLinearCUDA:
+                    weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None) -> SparseLinearCUDA:
         """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
         scales, e.g. by calibration; default: each channel's absolute maximum / 127)."""
         if spec.dtype == "int8":
@@ -175,7 +185,13 @@ class SparseLinearCUDA(torch.nn.Module):
             wp, table = pack_weight(codes, spec, block_mask)
         else:
             wp, table = pack_weight(weight.half(), spec, block_mask)
-        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder)
+        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper)
+
+    def kernel_for(self, device) -> tuple[str, BsrSpec]:
+        """(folder, spec) of the kernel this op runs on ``device``: the wgmma one on sm_90 if built."""
+        if self.hopper is not None and device_arch(device) == "sm_90":
+            return self.hopper
+        return self.folder, self.spec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
@@ -184,7 +200,8 @@ class SparseLinearCUDA(torch.nn.Module):
         if self._op is None or self._op.wp.data_ptr() != self.wp.data_ptr():
             if not self.wp.is_cuda:
                 raise CudaRuntimeError(f"op {self.op_name!r}: its weights are on the CPU; call compiled.to('cuda')")
-            self._op = BsrLinearOp.packed(self.folder, self.spec, self.wp, self.table,
+            folder, spec = self.kernel_for(x.device)
+            self._op = BsrLinearOp.packed(folder, spec, self.wp, self.table,
                                           self.bias if self.spec.bias else None, self.weight_scale)
             if self.quant_folder:
                 self._op.quantizer = RowQuantizer(self.quant_folder)
@@ -215,22 +232,31 @@ class SparseLinearCUDA(torch.nn.Module):
         if self.quant_folder:
             config["quantizer"] = Path(self.quant_folder).name
             folders[config["quantizer"]] = Path(self.quant_folder)
+        if self.hopper is not None:
+            h_folder = Path(self.hopper[0])
+            config["hopper"] = {"kernel": h_folder.name, "spec": spec_to_json(self.hopper[1])}
+            folders[h_folder.name] = h_folder
         return config, tensors, folders
 
     @classmethod
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> SparseLinearCUDA:
         spec = spec_from_json(config["spec"])
-        if (folders[config["kernel"]] / "spec.json").is_file() and load_spec(folders[config["kernel"]]) != spec:
-            raise CudaRuntimeError(f"op {config['op_name']!r}: its kernel folder was built for a different spec")
+        hopper = config.get("hopper")
+        kernels = [(config["kernel"], spec)] + ([(hopper["kernel"], spec_from_json(hopper["spec"]))] if hopper else [])
+        for name, kspec in kernels:
+            if (folders[name] / "spec.json").is_file() and load_spec(folders[name]) != kspec:
+                raise CudaRuntimeError(f"op {config['op_name']!r}: kernel folder {name} was built for a different spec")
         module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
-                     folders[config["quantizer"]] if config.get("quantizer") else None)
+                     folders[config["quantizer"]] if config.get("quantizer") else None,
+                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         return module
 
     def extra_repr(self) -> str:
         return (f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, "
-                f"{'W8A8' if self.spec.dtype == 'int8' else 'fp16'}, act={self.spec.act}")
+                f"{'W8A8' if self.spec.dtype == 'int8' else 'fp16'}, act={self.spec.act}"
+                f"{', wgmma on sm_90' if self.hopper else ''}")
 
 
 __all__ = ["BsrLinearOp", "RowQuantizer", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]

@@ -68,7 +68,8 @@ class CudaKernel:
         if device in self._functions:
             return self._functions[device]
         arch = device_arch(device)
-        info = self.launch.get("cubins", {}).get(arch)
+        cubins = self.launch.get("cubins", {})
+        info = cubins.get(arch) or cubins.get(arch + "a")     # sm_90a cubins run on sm_90 only
         if info is None:
             raise CudaRuntimeError(f"kernel {self.name!r} has no cubin for {arch} "
                                    f"(built for {sorted(self.launch.get('cubins', {}))})")

@@ -110,6 +110,41 @@ def test_bad_specs_are_refused():
         BsrSpec(64, 64, 64, act="swish")
     with pytest.raises(ValueError, match="table"):
         BsrSpec(64, 64, 64, table="rom")
+    with pytest.raises(ValueError, match="64 x warps_m"):
+        BsrSpec(64, 64, 64, bn=64, bk=64, tm=128, warps_m=1, mma="wgmma")
+    with pytest.raises(ValueError, match="swizzle atom"):
+        BsrSpec(64, 64, 256, bn=64, bk=128, tm=64, warps_m=1, mma="wgmma")
+    with pytest.raises(ValueError, match="accumulator registers"):
+        BsrSpec(256, 256, 64, bn=256, bk=64, tm=256, warps_m=4, mma="wgmma")
+    with pytest.raises(ValueError, match="up to 224"):
+        BsrSpec(64, 256, 64, bn=256, bk=64, tm=64, warps_m=1, dtype="int8", mma="wgmma")
+    with pytest.raises(ValueError, match="mma"):
+        BsrSpec(64, 64, 64, mma="tcgen05")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype,bk,instr", [("float16", 64, "m64n64k16.f32.f16.f16"),
+                                            ("float16", 16, "m64n64k16.f32.f16.f16"),
+                                            ("int8", 64, "m64n64k32.s32.s8.s8")])
+def test_wgmma_kernel_builds_for_sm90a_only(tmp_path, monkeypatch, dtype, bk, instr):
+    """The Hopper variant: wgmma from shared-memory descriptors (swizzle mode from the row width),
+    async-proxy fence after the cp.async copies, one warpgroup per 64 rows, an sm_90a cubin only."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = BsrSpec(257, 192, 320, bn=64, bk=bk, tm=128, warps_m=2, stages=4, act="gelu_erf", dtype=dtype,
+                   mma="wgmma", name="probe_wg")
+    art = build_cuda(bsr_linear, spec)
+    src = (art.path / "kernel.cu").read_text()
+    for needle in (f"wgmma.mma_async.sync.aligned.{instr}", "wgmma.fence.sync.aligned", "wgmma.commit_group",
+                   "wgmma.wait_group.sync.aligned 1", "fence.proxy.async.shared::cta", "cp.async.cg.shared.global"):
+        assert needle in src, f"{needle} is emitted"
+    assert "ldmatrix" not in src and "mma.sync" not in src
+    row_bytes = bk * (1 if dtype == "int8" else 2)
+    swizzle = {32: 1, 64: 2, 128: 3}[row_bytes]
+    assert f"ptx_wgmma_encode_matrix_descriptor((&(desc_ptr[0])), (&(smem_ptr[0])), 1, {row_bytes // 2}, {swizzle})" \
+        in src, "one descriptor: 8-row groups of the swizzled rows apart, the swizzle of the row width"
+    assert sorted(art.launch["cubins"]) == ["sm_90a"] and spec.archs == ("sm_90a",)
+    assert art.launch["block"][0] == 256 == spec.threads and art.launch["grid"][:2] == [3, 3]
+    assert (art.path / "kernel.sm_90a.cubin").read_bytes()[:4] == b"\x7fELF"
 
 
 @needs_nvcc

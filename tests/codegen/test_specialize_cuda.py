@@ -79,7 +79,16 @@ def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, 
     assert torch.equal(module.weight_scale, fitted.float()) and module.quant_folder
     expected = fake_quantized_weights(compiled.graph)["0.weight"]
     torch.testing.assert_close(module.reference_weight.float(), expected.half().float(), rtol=0, atol=2e-3)
+    # the dense W8A8 op also carries a Hopper wgmma kernel over the same packed blocks
+    dense = compiled.module_replacements()["linear_1"]
+    folder, spec = dense.hopper
+    assert spec.mma == "wgmma" and (spec.bn, spec.bk) == (dense.spec.bn, dense.spec.bk) and dense.spec.mma == "sync"
+    assert sorted(json.loads((Path(folder) / "launch.json").read_text())["cubins"]) == ["sm_90a"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in (Path(folder) / "kernel.cu").read_text()
+    assert "wgmma" in rows["linear_1"]["note"] and module.hopper is None
     loaded = sparta.load(compiled.save(tmp_path / "w8a8"))
     again = loaded.module_replacements()["linear"]
     assert torch.equal(again.wp, module.wp) and torch.equal(again.weight_scale, module.weight_scale)
     assert again.quant_folder and (Path(again.quant_folder) / "launch.json").is_file()
+    dense_again = loaded.module_replacements()["linear_1"]
+    assert dense_again.hopper[1] == spec and (Path(dense_again.hopper[0]) / "kernel.sm_90a.cubin").is_file()

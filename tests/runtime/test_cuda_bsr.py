@@ -52,7 +52,7 @@ def _check(name, density):
     scale = ref.float().abs().max().clamp_min(1.0)
     err = ((y.float() - ref.float()).abs().max() / scale).item()
     assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |{'int8 ' if int8 else ''}ref|"
-    if int8 and density > 0:
+    if int8 and exact.float().abs().max() > 0:      # (a small random mask can keep no block)
         sqnr = 10 * torch.log10(exact.float().pow(2).mean() / (y.float() - exact.float()).pow(2).mean()).item()
         assert sqnr > 30, f"{name}: SQNR {sqnr:.1f} dB against the fp16 product"
     return err

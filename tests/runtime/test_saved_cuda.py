@@ -93,3 +93,12 @@ def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, err
     replay_on_new_input(model, x)                # the quantiser and the int8 kernels capture in a CUDA graph
+    dense = next(m for m in mods.values() if m.hopper is not None)     # the dense W8A8 op: wgmma on sm_90
+    folder, spec = dense.kernel_for(x.device)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert (spec.mma == "wgmma") == hopper and dense._op.kernel.folder == Path(folder)
+    if hopper:   # the mma.sync kernel over the same packed blocks gives the same output
+        from sparta.runtime.bsr_linear import BsrLinearOp
+        xh = torch.randn(dense.spec.m, dense.spec.k, device="cuda").half()
+        sync = BsrLinearOp.packed(dense.folder, dense.spec, dense.wp, dense.table, dense.bias, dense.weight_scale)
+        torch.testing.assert_close(dense._op(xh), sync(xh), rtol=2e-3, atol=2e-3)

@@ -1,0 +1,143 @@
+"""The Hopper (sm_90a) variant of ``bsr_linear``: warpgroup MMA (``wgmma.mma_async``) from shared memory.
+
+Same spec, table, packed weights, arguments and epilogue as the ``mma.sync`` kernel of
+``templates/cuda_bsr.py`` (``BsrSpec(..., mma="wgmma")``); only the inner product differs.
+``warps_m × warps_n`` count *warpgroups* (128 threads each): warpgroup ``(g_m, g_n)`` owns
+rows ``64·g_m …`` and columns ``(bn / warps_n)·g_n …`` of the CTA tile and issues one
+``wgmma m64nNk16`` (fp16, fp32 accumulation) or ``m64nNk32`` (int8, int32) per 32 bytes of K.
+
+Both operands are read by the tensor cores straight from shared memory through 64-bit matrix
+descriptors: the ``cp.async`` loader writes K-major rows of ``bk`` lanes with the XOR swizzle that
+is exactly wgmma's 32/64/128-byte swizzle mode for rows of 32/64/128 bytes, so no ``ldmatrix``
+and no register fragments for A and B. Pipeline (``S`` stages, ``S - 2`` loads in flight): per
+kept block, wait for its stage, ``fence.proxy.async`` (cp.async writes through the generic proxy,
+wgmma reads through the async proxy), barrier, issue the load ``S - 2`` blocks ahead, issue the
+block's wgmmas, commit, and wait until at most this group is pending — so the stage the next
+iteration overwrites has been read by every warpgroup once the next barrier passes.
+"""
+
+from __future__ import annotations
+
+from .cuda_bsr import BsrSpec, _Movement, epilogue_value
+
+SWIZZLE_MODE = {32: 1, 64: 2, 128: 3}     # row bytes -> the descriptor helper's swizzle code
+
+
+def _acc_fence_source(n: int, ctype: str) -> tuple[str, str]:
+    """A device function that pins ``n`` accumulator registers (an empty asm with "+" operands),
+    so the compiler neither reads them before ``wgmma.wait_group`` nor moves them across a wgmma."""
+    fn = f"sparta_wgmma_acc_fence_{'f32' if ctype == 'float' else 'u32'}_{n}"
+    cons = "f" if ctype == "float" else "r"
+    return fn, (f"__device__ __forceinline__ void {fn}({ctype}* a) {{\n#pragma unroll\n"
+                f"  for (int i = 0; i < {n}; ++i) asm volatile(\"\" : \"+{cons}\"(a[i]) :: \"memory\");\n}}\n")
+
+
+def bsr_linear_wgmma(spec: BsrSpec):
+    """The wgmma kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm.script import tirx as T
+
+    int8 = spec.dtype == "int8"
+    EL = spec.elems_per_half
+    M, N, K, TM, BN, BK, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.bk // EL, spec.stages
+    NT, GN = spec.threads, spec.warps_n
+    WTN = BN // GN                           # columns per warpgroup = the wgmma's N
+    NACC = WTN // 2                          # accumulator registers per thread
+    R = spec.row_blocks
+    mv = _Movement(spec, NT)
+    X_ELEMS, STAGE, HEAD, OUT_LD = mv.x_elems, mv.stage, mv.head, mv.out_ld
+    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
+    ROW_BYTES = BK * 2
+    SWIZZLE, SBO = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16     # 8-row core-matrix groups apart
+    KSTEPS = BK // 16                        # one wgmma per 32 bytes of K
+    WGMMA = (f"wgmma.mma_async.sync.aligned.m64n{WTN}k32.s32.s8.s8" if int8 else
+             f"wgmma.mma_async.sync.aligned.m64n{WTN}k16.f32.f16.f16")
+    ACC = "uint32" if int8 else "float32"
+    fence_fn, fence_src = _acc_fence_source(NACC, "unsigned int" if int8 else "float")
+    LOOK = S - 2                             # loads in flight ahead of the block being multiplied
+
+    def epilogue(v, b, xs, ws):
+        return epilogue_value(spec, v, b, xs, ws)
+
+    def wgmma(acc, da, db):
+        regs = [acc[i] for i in range(NACC)]
+        if int8:
+            return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1))
+        return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1), 1, 1, 0, 0)
+
+    @T.macro
+    def mma_stage(acc, desc, gm, gn, stage):
+        T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+        for kk in T.unroll(KSTEPS):          # descriptors advance in 16-byte units: 32 bytes of K per step
+            T.evaluate(wgmma(acc, desc[0] + T.Cast("uint64", (stage * STAGE + gm * 64 * BK) // 8 + kk * 2),
+                             desc[0] + T.Cast("uint64", (stage * STAGE + X_ELEMS + gn * WTN * BK) // 8 + kk * 2)))
+        T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
+        T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
+
+    @T.prim_func
+    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
+               y_h: T.handle):
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        wlen = T.int32()
+        ntab = T.int32()
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Wp = T.match_buffer(wp_h, (wlen,), "float16")
+        XS = T.match_buffer(xs_h, (M,), "float32")      # int8 only: per-row and per-channel scales
+        WS = T.match_buffer(ws_h, (N,), "float32")
+        B = T.match_buffer(b_h, (N,), "float16")
+        Tab = T.match_buffer(tab_h, (ntab,), "int32")
+        Y = T.match_buffer(y_h, (M, N), "float16")
+        bx = T.launch_thread("blockIdx.x", -(-M // TM))
+        by = T.launch_thread("blockIdx.y", R)
+        tx = T.launch_thread("threadIdx.x", NT)
+        smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
+        acc = T.alloc_buffer((NACC,), ACC, scope="local")
+        desc = T.alloc_buffer((1,), "uint64", scope="local")
+        kn = T.alloc_buffer((1,), "int32", scope="local")
+        lane = T.meta_var(tx % 32)
+        g = T.meta_var(tx // 128)
+        gm = T.meta_var(g // GN)
+        gn = T.meta_var(g % GN)
+        wq = T.meta_var(tx % 128 // 32)                 # warp within the warpgroup: 16 rows each
+        m0 = T.meta_var(bx * TM)
+        row = tab(Tab, by * 3)
+        first = tab(Tab, by * 3 + 1)
+        count = tab(Tab, by * 3 + 2)
+        # one descriptor for the start of shared memory; every operand tile is an offset from it
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, SBO, SWIZZLE)
+        for i in T.unroll(NACC):
+            acc[i] = T.Cast(ACC, 0)
+        # pin the accumulators around the asynchronous span only (a "+" asm while a wgmma group is
+        # pending would serialise every wgmma: ptxas C7515)
+        T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
+        for s in T.unroll(LOOK):                        # prologue: stages 0 .. S-3 in flight
+            if s < count:
+                load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + first + s), first + s)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        if LOOK < count:                                # K index of the next block, read one step early
+            kn[0] = tab(Tab, HEAD + first + LOOK)
+        for t in T.serial(count):
+            T.evaluate(T.ptx["cp.async.wait_group"](LOOK - 1))
+            T.evaluate(T.ptx["fence.proxy.async.shared::cta"]())
+            T.tvm_storage_sync("shared")                # stage t landed; stage t-2 read by every warpgroup
+            if t + LOOK < count:
+                load_stage(smem, X, Wp, tx, m0, (t + LOOK) % S, kn[0], first + t + LOOK)
+                if t + LOOK + 1 < count:
+                    kn[0] = tab(Tab, HEAD + first + t + LOOK + 1)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            mma_stage(acc, desc, gm, gn, t % S)
+        T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
+        T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
+        T.evaluate(T.ptx["cp.async.wait_group"](0))
+        T.tvm_storage_sync("shared")                    # every warpgroup is done with the stages
+        for j in T.unroll(WTN // 8):                    # bias + activation, fp16 tile into shared
+            for h in T.unroll(2):
+                for e in T.unroll(2):
+                    lr = T.meta_var(gm * 64 + wq * 16 + lane // 4 + h * 8)
+                    lc = T.meta_var(gn * WTN + j * 8 + (lane % 4) * 2 + e)
+                    smem[lr * OUT_LD + lc] = epilogue(acc[j * 4 + h * 2 + e], B[T.min(row * BN + lc, N - 1)],
+                                                      XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)])
+        T.tvm_storage_sync("shared")
+        store_tile(smem, Y, tx, m0, row)
+
+    return tvm.IRModule({spec.name: kernel})
