@@ -23,6 +23,7 @@ from sparta.codegen.cuda_build import build_cuda, save_dir
 from sparta.codegen.specialize_cuda import int8_dense_tiles
 from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from sparta.templates.cuda_fine import FineSpec, fine_linear
+from sparta.templates.cuda_q4_gemv import Q4GemvSpec, Q8QuantSpec, q4_gemv, quantize_q8_kernel
 from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 
 FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 tokens: (M, N, K)
@@ -149,6 +150,15 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     specs["fine_ffn1_n128"] = FineSpec(*FFN1, tm=32, npb=128)
     specs["fine_ffn2"] = FineSpec(*FFN2, tm=16, npb=128)
     specs["fine_ffn2_n256"] = FineSpec(*FFN2, tm=16, npb=256)
+    # dp4a q4 GEMV (W4A8, llama.cpp style): odd shapes (K blocks not a multiple of 32 lanes), every M
+    specs["t_q4_odd_bias"] = Q4GemvSpec(3, 100, 96, warps=2, bias=True)
+    specs["t_q4_ragged"] = Q4GemvSpec(1, 37, 1056)
+    specs["t_q4_m8"] = Q4GemvSpec(8, 64, 4096, warps=8, bias=True)
+    for m, k in ((3, 96), (1, 1056), (8, 4096)):
+        specs[f"t_q8_{m}x{k}"] = Q8QuantSpec(m, k)
+    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008)):      # bench_cuda_w4a16.py, batch 1
+        specs[f"q4gemv_{n}x{k}_m1"] = Q4GemvSpec(1, n, k)
+        specs[f"q8quant_{k}_m1"] = Q8QuantSpec(1, k)
     specs["q_ffn1"] = QuantRowsSpec(*FFN1[::2])
     specs["q_ffn2"] = QuantRowsSpec(*FFN2[::2])
     return {name: type(s)(**{**asdict(s), "name": name}) for name, s in specs.items()}
@@ -176,7 +186,8 @@ def saved_models(out: Path) -> None:
     w8.save(out / "saved_mlp_w8a8")
 
 
-TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear}
+TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear, Q4GemvSpec: q4_gemv,
+             Q8QuantSpec: quantize_q8_kernel}
 
 
 def build_all(specs: dict, out: Path, jobs: int, templates=TEMPLATES) -> None:
