@@ -14,6 +14,10 @@ kept block, wait for its stage, ``fence.proxy.async`` (cp.async writes through t
 wgmma reads through the async proxy), barrier, issue the load ``S - 2`` blocks ahead, issue the
 block's wgmmas, commit, and wait until at most this group is pending — so the stage the next
 iteration overwrites has been read by every warpgroup once the next barrier passes.
+
+The descriptors assume the dynamic shared memory starts 1024-byte aligned (the 128-byte swizzle's
+repeat); it does, as the kernel declares no static shared memory — the GPU tests check every swizzle
+width against the torch reference.
 """
 
 from __future__ import annotations
