@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..templates.cuda_bsr import BsrSpec, block_mask_of, pack_weight, quantize_rows, unpack_weight
-from .cuda import CudaKernel, CudaRuntimeError, device_arch
+from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, device_arch
 
 
 def spec_to_json(spec: BsrSpec) -> dict:
@@ -44,8 +44,7 @@ class RowQuantizer:
         self._prepared = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape != (self.m, self.k) or x.dtype != torch.float16 or not x.is_contiguous():
-            raise CudaRuntimeError(f"{self.kernel.name}: input must be a contiguous fp16 ({self.m}, {self.k}) tensor")
+        check_fp16_input(self.kernel.name, x, self.m, self.k)
         xq = torch.empty(self.m, self.k, dtype=torch.int8, device=x.device)
         xs = torch.empty(self.m, dtype=torch.float32, device=x.device)
         if self._prepared is None:
@@ -108,9 +107,7 @@ class BsrLinearOp:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        if x.shape != (s.m, s.k) or x.dtype != torch.float16 or not x.is_contiguous():
-            raise CudaRuntimeError(f"{s.name}: input must be a contiguous fp16 ({s.m}, {s.k}) tensor, "
-                                   f"got {x.dtype} {tuple(x.shape)}")
+        check_fp16_input(s.name, x, s.m, s.k)
         if s.dtype == "int8":
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out

@@ -45,6 +45,13 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
+def check_fp16_input(name: str, x: torch.Tensor, m: int, k: int) -> None:
+    """Refuse ``x`` unless it is a contiguous fp16 ``(m, k)`` tensor (what every sparta kernel reads)."""
+    if x.shape != (m, k) or x.dtype != torch.float16 or not x.is_contiguous():
+        raise CudaRuntimeError(f"{name}: input must be a contiguous fp16 ({m}, {k}) tensor, "
+                               f"got {x.dtype} {tuple(x.shape)}")
+
+
 def device_arch(device=None) -> str:
     if not torch.cuda.is_available():
         raise CudaRuntimeError("no CUDA GPU is available (torch.cuda.is_available() is False)")

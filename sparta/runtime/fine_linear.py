@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..templates.cuda_fine import FineSpec, pack_weight
-from .cuda import CudaKernel, CudaRuntimeError
+from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
 
 
 class FineLinearOp:
@@ -29,9 +29,7 @@ class FineLinearOp:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        if x.shape != (s.m, s.k) or x.dtype != torch.float16 or not x.is_contiguous():
-            raise CudaRuntimeError(f"{s.name}: input must be a contiguous fp16 ({s.m}, {s.k}) tensor, "
-                                   f"got {x.dtype} {tuple(x.shape)}")
+        check_fp16_input(s.name, x, s.m, s.k)
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out
         if self._prepared is None:
             self._prepared = self.kernel.prepare(X=x, RowPtr=self.row_ptr, Cols=self.cols, Vals=self.vals,

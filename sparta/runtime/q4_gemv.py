@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..templates.cuda_q4_gemv import BLOCK, Q4GemvSpec, Q8QuantSpec
-from .cuda import CudaKernel, CudaRuntimeError
+from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
 
 
 class Q4GemvOp:
@@ -42,9 +42,7 @@ class Q4GemvOp:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        if x.shape != (s.m, s.k) or x.dtype != torch.float16 or not x.is_contiguous():
-            raise CudaRuntimeError(f"{s.name}: input must be a contiguous fp16 ({s.m}, {s.k}) tensor, "
-                                   f"got {x.dtype} {tuple(x.shape)}")
+        check_fp16_input(s.name, x, s.m, s.k)
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out
         if self._quant is None:
             self._quant = self.quant.prepare(X=x, XQ=self.xq, XD=self.xd)
