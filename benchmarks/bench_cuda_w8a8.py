@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from bench_cuda_bsr import SETS, ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
 from common import bench_mask, save  # noqa: E402
 from sparta.runtime.bsr_linear import BsrLinearOp, RowQuantizer, load_spec
-from sparta.templates.cuda_bsr import quantize_rows, reference_int8
+from sparta.templates.cuda_bsr_ref import quantize_rows, reference_int8
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}

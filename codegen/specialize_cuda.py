@@ -22,7 +22,8 @@ from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
 from ..runtime.bsr_linear import SparseLinearCUDA
-from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, block_mask_of, bsr_linear
+from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
+from ..templates.cuda_bsr_ref import block_mask_of
 from ..templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix

@@ -1,7 +1,7 @@
 """Per-row (per-token) symmetric int8 quantisation of fp16 activations for the W8A8 kernels, in TVMScript.
 
 ``XQ[m, :] = clamp(round(X[m, :] / s[m]), ±127)``, ``s[m] = max|X[m, :]| · (1/127)`` — bit for bit what
-``sparta.templates.cuda_bsr.quantize_rows`` computes in torch (fp32 division, round half to even).
+``sparta.templates.cuda_bsr_ref.quantize_rows`` computes in torch (fp32 division, round half to even).
 One CTA per row: 16-byte loads, a shared-memory max reduction, 8-byte int8 stores. Memory-bound:
 it reads 2 and writes 1 byte per element.
 """

@@ -1,7 +1,7 @@
 """A block-sparse linear layer running sparta's CUDA ``bsr_linear`` kernel (no TVM needed).
 
 ``BsrLinearOp(folder, spec, weight, block_mask, bias)`` packs the kept blocks once
-(``sparta.templates.cuda_bsr.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
+(``sparta.templates.cuda_bsr_ref.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
 then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream. For an
 int8 (W8A8) kernel the weight is quantised per channel at construction and ``op(x)``
 quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised.
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_bsr import BsrSpec, block_mask_of, pack_weight, quantize_rows, unpack_weight
+from ..templates.cuda_bsr import BsrSpec
+from ..templates.cuda_bsr_ref import block_mask_of, pack_weight, quantize_rows, unpack_weight
 from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, device_arch
 
 
@@ -36,7 +37,7 @@ def load_spec(folder) -> BsrSpec:
 
 class RowQuantizer:
     """sparta's per-row int8 quantisation kernel (``templates/cuda_quant.py``): ``q(x) -> (xq, xs)``,
-    bit for bit ``cuda_bsr.quantize_rows``, one pass over ``x``."""
+    bit for bit ``cuda_bsr_ref.quantize_rows``, one pass over ``x``."""
 
     def __init__(self, folder):
         self.kernel = CudaKernel(folder)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
-from sparta.templates.cuda_bsr import (BsrSpec, argument_names, block_mask_of, bsr_linear, build_table, pack_weight,
-                                       quantize_rows, reference, reference_int8, unpack_weight)
+from sparta.templates.cuda_bsr import BsrSpec, argument_names, bsr_linear
+from sparta.templates.cuda_bsr_ref import (block_mask_of, build_table, pack_weight, quantize_rows, reference,
+                                           reference_int8, unpack_weight)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 

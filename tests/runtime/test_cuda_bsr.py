@@ -34,7 +34,7 @@ def _check(name, density):
     reference (int32 dot products are exact, so only fp32 rounding differs) and, by SQNR, against
     the fp16 product (the per-token × per-channel int8 error)."""
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.templates.cuda_bsr import quantize_rows, reference, reference_int8
+    from sparta.templates.cuda_bsr_ref import quantize_rows, reference, reference_int8
     spec = load_spec(ROOT / name)
     mask = _mask(spec, density)
     x = torch.randn(spec.m, spec.k, device="cuda").half()
@@ -61,7 +61,7 @@ def _check(name, density):
 def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
     from sparta.runtime.cuda import CudaRuntimeError
-    from sparta.templates.cuda_bsr import pack_weight, quantize_rows
+    from sparta.templates.cuda_bsr_ref import pack_weight, quantize_rows
     names = [n for n in SMALL if load_spec(ROOT / n).dtype == "int8"]
     if not names:
         pytest.skip("no int8 kernels built")
@@ -80,7 +80,7 @@ def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
 @pytest.mark.parametrize("name", QUANT)
 def test_row_quantizer_is_bit_exact_with_torch(name):
     from sparta.runtime.bsr_linear import RowQuantizer
-    from sparta.templates.cuda_bsr import quantize_rows
+    from sparta.templates.cuda_bsr_ref import quantize_rows
     q = RowQuantizer(ROOT / name)
     x = (torch.randn(q.m, q.k, device="cuda") * torch.rand(q.m, 1, device="cuda") * 10).half()
     x[0] = 0                                           # an all-zero row: scale clamps, codes are 0
@@ -97,7 +97,7 @@ def test_bsr_linear_matches_reference(name, density):
 
 def test_bsr_linear_graph_capture():
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.templates.cuda_bsr import reference
+    from sparta.templates.cuda_bsr_ref import reference
     name = SMALL[0]
     spec = load_spec(ROOT / name)
     mask = _mask(spec, 0.5)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cuda,
 
 def _args():
     from sparta.runtime.bsr_linear import load_spec
-    from sparta.templates.cuda_bsr import pack_weight
+    from sparta.templates.cuda_bsr_ref import pack_weight
     spec = load_spec(KERNEL)
     w = torch.randn(spec.n, spec.k, device="cuda").half()
     wp, tab = pack_weight(w, spec, torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool))

@@ -74,7 +74,7 @@ needs_w8a8 = pytest.mark.skipif(not (W8A8 / "sparta.json").is_file(), reason=f"n
 @needs_w8a8
 def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math():
     import sparta
-    from sparta.templates.cuda_bsr import quantize_rows
+    from sparta.templates.cuda_bsr_ref import quantize_rows
     model = sparta.load(W8A8).to("cuda")
     mods = {k: m for k, m in model.module_replacements().items() if type(m).__name__ == "SparseLinearCUDA"}
     assert len(mods) == 2 and all(m.spec.dtype == "int8" and m.quant_folder for m in mods.values())

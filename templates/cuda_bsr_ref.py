@@ -1,0 +1,107 @@
+"""The torch side of ``templates/cuda_bsr.py``: block masks, the block table, packing of the kept
+blocks (fp16 or int8 codes) and the references the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .cuda_bsr import BsrSpec
+
+
+def block_mask_of(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """(row_blocks, k_blocks) bool: which ``bn × bk`` blocks of ``w`` hold a nonzero."""
+    n, k = w.shape
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=w.dtype, device=w.device)
+    pad[:n, :k] = w
+    return pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).ne(0).any(dim=(1, 3))
+
+
+def build_table(block_mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Table (int32: per slot row, first packed block, count; then the packed blocks' K
+    indices) and the packed order of kept blocks. Slots are sorted by decreasing count."""
+    mask = block_mask.cpu().bool()
+    counts = mask.sum(dim=1).tolist()
+    order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
+    head, kidx, packed = [], [], []
+    for r in order:
+        ks = torch.nonzero(mask[r]).flatten().tolist()
+        head += [r, len(packed), len(ks)]
+        packed += [(r, kb) for kb in ks]
+        kidx += ks
+    return torch.tensor(head + kidx, dtype=torch.int32), packed
+
+
+def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wp, table)``: the kept ``bn × bk`` blocks of ``w`` (zero-padded at the edges), fp16
+    (int8 codes for ``dtype="int8"``), contiguous in table order, and the int32 table. ``Wp`` has
+    at least one block."""
+    table, packed = build_table(block_mask)
+    n, k = w.shape
+    dtype = torch.int8 if spec.dtype == "int8" else torch.float16
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=dtype, device=w.device)
+    pad[:n, :k] = w
+    blocks = pad.reshape(spec.row_blocks, spec.bn, spec.k_blocks, spec.bk).permute(0, 2, 1, 3)
+    if packed:
+        rows = torch.tensor([r for r, _ in packed], device=w.device)
+        cols = torch.tensor([c for _, c in packed], device=w.device)
+        wp = blocks[rows, cols].contiguous()
+    else:
+        wp = torch.zeros(1, spec.bn, spec.bk, dtype=dtype, device=w.device)
+    return wp, table.to(w.device)
+
+
+def unpack_weight(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: the dense ``(N, K)`` fp16 weight, zero where no block is kept."""
+    head = table[: 3 * spec.row_blocks].reshape(-1, 3).tolist()
+    kidx = table[3 * spec.row_blocks:].tolist()
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=wp.dtype, device=wp.device)
+    for row, first, count in head:
+        for j in range(first, first + count):
+            kb = kidx[j]
+            pad[row * spec.bn:(row + 1) * spec.bn, kb * spec.bk:(kb + 1) * spec.bk] = wp[j]
+    return pad[: spec.n, : spec.k].contiguous()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None, bias: torch.Tensor | None,
+              act: str, bn: int, bk: int) -> torch.Tensor:
+    """What the kernel computes, in fp32 from the fp16 operands, rounded to fp16 at the end."""
+    w = w.float()
+    if block_mask is not None:
+        keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
+        w = w * keep.to(w.device)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return _activate(y, act).half()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 codes and fp32 scales (activations per token; weights per channel)."""
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) * (1.0 / 127.0)   # the reciprocal, as the kernel does
+    return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int) -> torch.Tensor:
+    """What the W8A8 kernel computes: exact int32 dot products, scaled in fp32, fp16 out."""
+    w = wq.double()
+    if block_mask is not None:
+        keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
+        w = w * keep.to(w.device)
+    y = (xq.double() @ w.t()).float() * xs.float()[:, None] * ws.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return _activate(y, act).half()
+
+
+def _activate(y: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "relu":
+        return torch.relu(y)
+    if act == "gelu":
+        return torch.nn.functional.gelu(y, approximate="tanh")
+    if act == "gelu_erf":
+        return torch.nn.functional.gelu(y)
+    return y
