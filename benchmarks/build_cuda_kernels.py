@@ -87,6 +87,15 @@ INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2,
                     "i8_b64_t128wg": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
                     "i8_b64_t256wg": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=6, **WG)}
 
+# W4A16 GEMM (int4 weights dequantised in registers), by M: bench_cuda_w4_gemm.py
+W4_TILES = {"t16x32k128": dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4),
+            "t64x128k128": dict(tm=64, bn=128, bk=128, warps_m=1, warps_n=4, stages=4),
+            "t128x128k64": dict(tm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=4),
+            "t128x128k64w8": dict(tm=128, bn=128, bk=64, warps_m=4, warps_n=2, stages=4)}
+W4_GEMM_MS = {16: ("t16x32k128", "t64x128k128"), 64: ("t64x128k128",),
+              **{m: ("t64x128k128", "t128x128k64", "t128x128k64w8") for m in (256, 1024, 4096)}}
+W4_GEMM_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
+
 CONST_TILES, CONST_SPARSITIES, CONST_SETS = ("b32_t128w2", "b64_t128", "b64_t128wg"), (90, 95), 4
 
 
@@ -127,6 +136,17 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         # the dense W8A8 pair compile() builds (mma.sync fallback + wgmma, same 192x128 blocks)
         "t_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[0]),
         "t_wg_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[1]),
+        # W4A16 (int4 records, lop3 dequantisation): odd M, ragged N/K, zero points, const table, M of 16
+        "t_w4_odd_gelu": BsrSpec(200, 96, 200, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", dtype="w4a16"),
+        "t_w4_ragged_zero_relu": BsrSpec(130, 100, 200, bn=32, bk=64, tm=64, warps_m=2, stages=2, act="relu",
+                                         dtype="w4a16", zero=True),
+        "t_w4_b64": BsrSpec(257, 192, 320, dtype="w4a16", **TUNED_TILES[64]),
+        "t_w4_dense_zero_gelu_erf": BsrSpec(300, 256, 512, act="gelu_erf", dtype="w4a16", zero=True,
+                                            **W4_TILES["t128x128k64w8"]),
+        "t_w4_k128_nobias": BsrSpec(77, 256, 640, bias=False, dtype="w4a16", **W4_TILES["t64x128k128"]),
+        "t_w4_m16": BsrSpec(16, 96, 384, dtype="w4a16", **W4_TILES["t16x32k128"]),
+        "t_w4_const": BsrSpec(192, 128, 256, bn=32, bk=32, tm=64, warps_m=2, stages=3, dtype="w4a16",
+                              table="const", pattern=_pattern(bench_mask(4, 8, 0.4, "t_const"))),
     }
     for shape_name, (m, n, k) in (("ffn1", FFN1), ("ffn2", FFN2)):
         for tile, kw in {**DENSE_TILES, **SPARSE_TILES, **WGMMA_TILES}.items():
@@ -141,6 +161,12 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                       f"{shape_name}-{kw['bn']}-{sp}-{i}")
                     specs[f"{shape_name}_{tile}c_sp{sp}_s{i}"] = BsrSpec(m, n, k, bias=True, table="const",
                                                                         pattern=_pattern(mask), **kw)
+        for tile in ("b32_t128w2", "b64_t128"):      # block-sparse W4A16, compile()'s tiles
+            specs[f"{shape_name}_w4_{tile}"] = BsrSpec(m, n, k, bias=True, dtype="w4a16", **SPARSE_TILES[tile])
+    for shape, (n, k) in W4_GEMM_SHAPES.items():   # dense W4A16 GEMM (bench_cuda_w4_gemm.py)
+        for m, tiles in W4_GEMM_MS.items():
+            for tile in tiles:
+                specs[f"w4g_{shape}_m{m}_{tile}"] = BsrSpec(m, n, k, bias=False, dtype="w4a16", **W4_TILES[tile])
     specs["t_q_odd"] = QuantRowsSpec(37, 200, threads=32)              # W8A8 activation quantiser
     # fine-grained (CSR) sparse: odd shapes, both row tilings; FFN kernels for bench_cuda_fine.py
     specs["t_fine_odd_relu"] = FineSpec(200, 100, 72, tm=32, npb=64, act="relu")
@@ -166,8 +192,8 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
 
 def saved_models(out: Path) -> None:
     """Small models compiled for CUDA and saved, for ``tests/runtime/test_saved_cuda.py``: an fp32
-    MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear, ReLU fused; and the same
-    MLP calibrated to W8A8."""
+    MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear, ReLU fused; the same
+    MLP calibrated to W8A8; and, in fp16 on 16 tokens, calibrated to 4-bit weights (W4A16)."""
     import sparta
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
@@ -184,6 +210,12 @@ def saved_models(out: Path) -> None:
                         quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
     print(w8.kernel_report())
     w8.save(out / "saved_mlp_w8a8")
+    # an fp16 MLP on 16 tokens (decode-like) with 4-bit weights (groups of 128, asymmetric): W4A16 kernels
+    half = [(torch.randn(2, 8, 1024, generator=g).half(),) for _ in range(2)]
+    w4 = sparta.compile(model.half(), {"0.weight": masks["0.weight"]}, half[0], target="cuda", calibration=half,
+                        quant_tolerance={"tolerance": 5e-2, "widths": (4,), "symmetric": False, "progress": False})
+    print(w4.kernel_report())
+    w4.save(out / "saved_mlp_w4a16")
 
 
 TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear, Q4GemvSpec: q4_gemv,

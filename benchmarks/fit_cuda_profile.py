@@ -8,7 +8,10 @@ kept blocks (least squares, both FFN shapes, time normalised per activation row)
 is the marginal cost of a block — what weighted block cover compares — written as ns per
 block per activation row into ``passes/profiles/cuda.json``: ``bench_cuda_bsr.py`` results
 fill the W16A16 entry, ``bench_cuda_w8a8.py`` results the W8A8 entry (its dense rate too:
-sparta's dense int8 tile is what a dense W8A8 sub-operator runs).
+sparta's dense int8 tile is what a dense W8A8 sub-operator runs), ``bench_cuda_w4_gemm.py``
+results the W4A16 entry (dense rate: the best tile at M = 4096; blocks: the W4A16 kernel's
+times on the BERT FFN masks). The profile streams weights (``stream_weights``): small-M GEMMs
+cost at least their weight bytes over the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -47,7 +50,12 @@ def main():
         result = json.loads(src.read_text())
         meta = result.get("meta", {})
         where = f"{meta.get('device')}, {meta.get('date')}, fitted by `python benchmarks/fit_cuda_profile.py {src.name}`"
-        if "sparse" in result:                                   # bench_cuda_bsr.py: fp16
+        w4 = bool(result.get("dense")) and "group" in result["dense"][0]
+        if w4:                                                   # bench_cuda_w4_gemm.py
+            bits = (4, 16)
+            rows = [{**r, "results": {"sparta": r["results"]["sparta_w4a16"]}} for r in result["sparse"]
+                    if "kernel_us" in r["results"].get("sparta_w4a16", {})]
+        elif "sparse" in result:                                 # bench_cuda_bsr.py: fp16
             bits, rows = (16, 16), result["sparse"]
         else:                                                    # bench_cuda_w8a8.py
             bits, rows = (8, 8), [r for r in result["rows"] if r["block"] is not None]
@@ -61,10 +69,16 @@ def main():
             prof["notes"]["W8A8"] = (f"dense rate and 32x32/64x64 block costs measured on sparta's int8 bsr_linear "
                                      f"kernels, the best tile of each case (dense: the Hopper wgmma tiles "
                                      f"compile() builds for sm_90) ({where}); other block shapes are stand-ins")
+        elif w4:
+            dense = [r for r in result["dense"] if r["m"] == 4096]
+            entry["dense_gflops"] = sum(2 * r["m"] * r["n"] * r["k"] / _best(r) / 1e3 for r in dense) / len(dense)
+            prof["notes"]["W4A16"] = (f"dense rate (best tile at M=4096) and 32x32/64x64 block costs measured on "
+                                      f"sparta's W4A16 bsr_linear kernels ({where}); other block shapes are stand-ins")
         else:
             prof["notes"]["W16 blocks"] = (f"32x32 and 64x64 measured on sparta's bsr_linear kernels ({where}); other "
                                            "shapes and widths are still stand-ins")
         print(label, {k: round(v, 5) for k, v in costs.items()}, round(entry["dense_gflops"]))
+    prof["stream_weights"] = True
     PROFILE.write_text(json.dumps(prof, indent=1) + "\n")
 
 

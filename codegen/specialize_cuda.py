@@ -1,5 +1,6 @@
 """Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel
-(fp16, or W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs).
+(fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
+W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights).
 
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
@@ -33,6 +34,10 @@ FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # only exact GELU reaches
 INT8_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
               64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
 HOPPER_SMS = 132                                        # H100/H200 SXM multiprocessors
+# W4A16 dense tiles by M, measured on the H100 (benchmarks/RESULTS.md, bench_cuda_w4_gemm)
+W4_DENSE_TILES = ((16, dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4)),
+                  (1024, dict(tm=64, bn=128, bk=128, warps_m=1, warps_n=4, stages=4)),
+                  (None, dict(tm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=4)))
 
 
 def int8_dense_tiles(m: int, n: int) -> tuple[dict, dict]:
@@ -86,16 +91,23 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     act = FUSED.get(fused.op) if fused is not None else None
     fused = fused if act else None
     int8 = all(s.weight_bits == 8 and s.act_bits == 8 for s in op_plan.subops) and k % 16 == 0
+    w4, w4_refusal = _w4_params(graph, view[1], op_plan, k)
     mask = block_mask_of(weight, side, side)
     tiles, hopper_tiles = TUNED_TILES[side], None
+    if w4 is not None and keep.all():
+        tiles = next(t for top, t in W4_DENSE_TILES if top is None or m <= top)
+        mask = torch.ones_like(block_mask_of(weight, tiles["bn"], tiles["bk"]))
     if int8:
         dense = bool(keep.all())
         tiles, hopper_tiles = int8_dense_tiles(m, n) if dense else (INT8_TILES[side], None)
         mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
         if dense:   # every block computed, zeros included (a dense tile does not skip empty blocks)
             mask = torch.ones_like(mask)
-    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", dtype="int8" if int8 else "float16", **tiles)
-    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{'i8_' if int8 else ''}b{spec.bn}x{spec.bk}_"
+    dtype = "int8" if int8 else "w4a16" if w4 is not None else "float16"
+    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", dtype=dtype,
+                   zero=w4 is not None and w4.zero is not None, **tiles)
+    tag = {"int8": "i8_", "w4a16": "w4_", "float16": ""}[dtype]
+    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}_"
                                           f"{act or 'none'}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
     hopper = None
@@ -108,14 +120,17 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         params = graph.meta.get("quant_params", {}).get(view[1], {}).get(8)
         scale = params.scale[:, 0] if params is not None and params.group >= k else None   # calibrated, per channel
         quant = build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, name=f"quantize_rows_{m}x{k}")).path
+    zero = None
+    if w4 is not None:                 # calibration's scales (and zero points), element-wise
+        scale, zero = w4.expand(k)
     module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
                                           weight_scale=scale, quant_folder=quant,
-                                          hopper=(hopper[0].path, hopper[1]) if hopper else None)
+                                          hopper=(hopper[0].path, hopper[1]) if hopper else None, weight_zero=zero)
     module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
-    if int8:   # the reference applies the weights the kernel applies (activations: per-token int8 at run time)
+    if int8 or w4 is not None:   # the reference applies the weights the kernel applies (int8: activations per token)
         module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
     row = {"op": op.name, "template": "bsr_linear", "blocks": f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
-           "bits": "W8A8" if int8 else "W16A16",
+           "bits": {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
            "dismantle": "tile (table argument)", "build_s": round(art.build_s, 3), "cached": art.cached,
            "code_bytes": sum((a.path / c["file"]).stat().st_size for a in [art] + ([hopper[0]] if hopper else [])
                              for c in a.launch["cubins"].values()),
@@ -123,6 +138,20 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     if hopper:
         row["note"] = f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"
     planned = sorted({f"W{s.weight_bits}A{s.act_bits}" for s in op_plan.subops} - {row["bits"], "W16A16", "W32A32"})
-    if planned:  # the low-bit CUDA kernels are not wired into compile yet: say so rather than hide it
-        row["note"] = f"plan asked for {', '.join(planned)}; runs the fp16 kernel"
+    if planned:  # a width without a CUDA kernel for this op: say so rather than hide it
+        row["note"] = f"plan asked for {', '.join(planned)}; runs the fp16 kernel" + \
+            (f" ({w4_refusal})" if w4_refusal else "")
     return module, row, fused
+
+
+def _w4_params(graph: Graph, weight: str, op_plan: OpPlan, k: int):
+    """(QuantParams, None) when the plan runs the op as W4A16 and calibration's scales suit the kernel
+    (one scale per 32 columns at least); else (None, why not or None)."""
+    if not all(s.weight_bits == 4 and s.act_bits == 16 for s in op_plan.subops):
+        return None, None
+    params = graph.meta.get("quant_params", {}).get(weight, {}).get(4)
+    if params is None:
+        return None, "no fitted 4-bit scales"
+    if params.group < k and params.group % 32:
+        return None, f"W4A16 kernels need scale groups of a multiple of 32 columns, not {params.group}"
+    return params, None

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cuda_bsr_ref import build_table
+from .cuda_w4a16 import dequant_word
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
 # measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
@@ -55,8 +56,9 @@ class BsrSpec:
     bias: bool = True
     act: str = "none"
     table: str = "arg"
-    dtype: str = "float16"                            # operands: "float16", or "int8" (W8A8)
+    dtype: str = "float16"                            # operands: "float16", "int8" (W8A8) or "w4a16"
     mma: str = "sync"                                 # "sync" (mma.sync, sm_80+) or "wgmma" (sm_90a)
+    zero: bool = False                                # w4a16: a uint8 zero point per scale (else code 8)
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -79,10 +81,14 @@ class BsrSpec:
             bad.append("too many blocks for a constant table (64 KiB); use table='arg'")
         if self.stages < 2:
             bad.append("stages must be >= 2")
-        if self.dtype not in ("float16", "int8"):
-            bad.append(f"dtype {self.dtype!r} must be 'float16' or 'int8'")
+        if self.dtype not in ("float16", "int8", "w4a16"):
+            bad.append(f"dtype {self.dtype!r} must be 'float16', 'int8' or 'w4a16'")
         elif self.dtype == "int8" and (self.k % 16 or self.bk % 32):
             bad.append(f"int8: K={self.k} must be a multiple of 16 and bk={self.bk} of 32")
+        elif self.dtype == "w4a16" and (self.bk % 32 or self.bn % 16 or self.mma != "sync"):
+            bad.append(f"w4a16: bk={self.bk} must be a multiple of 32 (a word of 8 nibbles per lane) and mma 'sync'")
+        if self.zero and self.dtype != "w4a16":
+            bad.append("zero points are for dtype='w4a16'")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":
@@ -130,8 +136,17 @@ class BsrSpec:
         return 2 if self.dtype == "int8" else 1
 
     @property
+    def w_lanes(self) -> int:
+        """16-bit lanes of one packed weight block (a W4A16 block is a record: words, scales, zeros)."""
+        if self.dtype == "w4a16":
+            from .cuda_bsr_w4 import record_lanes
+            return record_lanes(self.bn, self.bk, self.zero)
+        return self.bn * self.bk // self.elems_per_half
+
+    @property
     def shared_bytes(self) -> int:
-        return max(self.stages * (self.tm + self.bn) * self.bk // self.elems_per_half, self.tm * (self.bn + 8)) * 2
+        stage = self.tm * self.bk // self.elems_per_half + self.w_lanes
+        return max(self.stages * stage, self.tm * (self.bn + 8)) * 2
 
     def pattern_nnz(self) -> int:
         return len(self.pattern)
@@ -145,6 +160,8 @@ class BsrSpec:
 
     def key(self) -> dict:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "pattern"}
+        if self.dtype != "w4a16":
+            del d["zero"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d
@@ -193,9 +210,10 @@ class _Movement:
         NT = threads
         C = BK // 8                          # 16-byte chunks per shared row
         RPL = max(1, 8 // C)                 # rows per 128-byte bank line
-        self.x_elems, self.stage = TM * BK, (TM + BN) * BK
-        X_ELEMS, STAGE = self.x_elems, self.stage
-        X_CHUNKS, W_CHUNKS = TM * C, BN * C
+        self.x_elems, self.stage = TM * BK, TM * BK + spec.w_lanes
+        X_ELEMS, STAGE, W_LANES = self.x_elems, self.stage, spec.w_lanes
+        W4 = spec.dtype == "w4a16"           # a W4A16 block is a record copied as is, not a swizzled tile
+        X_CHUNKS, W_CHUNKS = TM * C, W_LANES // 8
         X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
         self.head = 3 * spec.row_blocks
         self.out_ld = OUT_LD = BN + 8        # padded row of the output tile: conflict-free half2 writes
@@ -225,8 +243,8 @@ class _Movement:
                 c = T.meta_var(tx + it * NT)
                 if W_CHUNKS % NT == 0 or c < W_CHUNKS:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                        smem.ptr_to([stage * STAGE + X_ELEMS + swz(c // C, c % C)]),
-                        Wp.ptr_to([blk * (BN * BK) + c * 8]), 16))
+                        smem.ptr_to([stage * STAGE + X_ELEMS + (c * 8 if W4 else swz(c // C, c % C))]),
+                        Wp.ptr_to([blk * W_LANES + c * 8]), 16))
         self.load_stage = load_stage
 
         @T.macro
@@ -272,7 +290,7 @@ def bsr_linear(spec: BsrSpec):
     import tvm
     from tvm.script import tirx as T
 
-    int8 = spec.dtype == "int8"
+    int8, w4 = spec.dtype == "int8", spec.dtype == "w4a16"
     EL = spec.elems_per_half
     M, N, K, TM, BN, BK, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.bk // EL, spec.stages
     NT, WM, WN = spec.threads, spec.warps_m, spec.warps_n
@@ -290,12 +308,16 @@ def bsr_linear(spec: BsrSpec):
         return epilogue_value(spec, v, b, xs, ws)
 
     @T.macro
+    def load_a(smem, af, lane, wr, base, kk):
+        for mi in T.unroll(MI):
+            T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
+                af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
+                smem.ptr_to([base + swz(wr * WTM + mi * 16 + lane % 16, kk * 2 + lane // 16)])))
+
+    @T.macro
     def mma_stage(smem, acc, af, bf, lane, wr, wc, base):
         for kk in T.unroll(BK // 16):
-            for mi in T.unroll(MI):
-                T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
-                    af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
-                    smem.ptr_to([base + swz(wr * WTM + mi * 16 + lane % 16, kk * 2 + lane // 16)])))
+            load_a(smem, af, lane, wr, base, kk)
             for nj in T.unroll(NI // 2):
                 T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
                     bf[nj * 4], bf[nj * 4 + 1], bf[nj * 4 + 2], bf[nj * 4 + 3],
@@ -310,6 +332,42 @@ def bsr_linear(spec: BsrSpec):
                         bf[ni * 2], bf[ni * 2 + 1],
                         acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
                         acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
+
+    KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
+    NW = BN * spec.bk // 8                   # w4a16: words per block; scales follow, then zero points
+    dequant = dequant_word()
+
+    def dup(u16):                            # uint32 with the same 16 bits in both halves
+        return u16 | (u16 << T.uint32(16))
+
+    @T.macro
+    def mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, base):
+        # B fragments from the int4 record: KW words per 8 columns, dequantised in registers
+        for ni in T.unroll(NI):
+            for v in T.vectorized(KW):
+                wq[ni * KW + v] = smw[(base + X_ELEMS) // 2 + ((wc * (WTN // 8) + ni) * 32 + lane) * KW + v]
+        for kw in T.unroll(KW):
+            for ni in T.unroll(NI):
+                n = T.meta_var(wc * WTN + ni * 8 + lane // 4)
+                sz[0] = dup(T.Cast("uint32", T.reinterpret("uint16", smem[base + X_ELEMS + NW * 2 + kw * BN + n])))
+                if spec.zero:
+                    sz[3] = T.Cast("uint32", smb[(base + X_ELEMS + NW * 2 + KW * BN) * 2 + kw * BN + n])
+                    sz[1] = dup(sz[3] | T.uint32(0x6400))                      # half2(1024 + z)
+                    sz[2] = dup((sz[3] << T.uint32(4)) | T.uint32(0xD400))     # half2(-(64 + z))
+                    dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], sz[1], sz[2])
+                else:
+                    dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], T.uint32(0x64086408), T.uint32(0xD480D480))
+            for h in T.unroll(2):
+                load_a(smem, af, lane, wr, base, kw * 2 + h)
+                for mi in T.unroll(MI):
+                    for ni in T.unroll(NI):
+                        T.evaluate(T.ptx[MMA](
+                            acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                            acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
+                            af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
+                            bf[ni * 4 + 2 * h], bf[ni * 4 + 2 * h + 1],
+                            acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                            acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
@@ -330,8 +388,12 @@ def bsr_linear(spec: BsrSpec):
         smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
-        bf = T.alloc_buffer((NI * 2,), "uint32", scope="local")
+        bf = T.alloc_buffer((NI * (4 if w4 else 2),), "uint32", scope="local")
         kn = T.alloc_buffer((1,), "int32", scope="local")
+        smw = T.decl_buffer((S * STAGE // 2,), "uint32", data=smem.data, scope="shared.dyn")   # w4a16 views
+        smb = T.decl_buffer((S * STAGE * 2,), "uint8", data=smem.data, scope="shared.dyn")
+        wq = T.alloc_buffer((NI * KW if w4 else 1,), "uint32", scope="local")
+        sz = T.alloc_buffer((4 if w4 else 1,), "uint32", scope="local")
         lane = T.meta_var(tx % 32)
         wr = T.meta_var(tx // 32 // WN)
         wc = T.meta_var(tx // 32 % WN)
@@ -355,7 +417,10 @@ def bsr_linear(spec: BsrSpec):
                 if t + S < count:
                     kn[0] = tab(Tab, HEAD + first + t + S)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-            mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
+            if w4:
+                mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, (t % S) * STAGE)
+            else:
+                mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                   # every warp is done with the stages
         for mi in T.unroll(MI):                        # bias + activation, fp16 tile into shared

@@ -156,6 +156,31 @@ def reference(x: torch.Tensor, wq, s, z, bias, spec: W4A16Spec) -> torch.Tensor:
     return y if bias is None else y + bias.float()
 
 
+def dequant_word():
+    """TIR macro ``dequant(b, o, w, s2, zl, zh)``: the 8 nibbles of uint32 ``w`` (in ``ORDER``) to four
+    half2 ``b[o .. o+3]`` = elements (0, 1), (2, 3), (4, 5), (6, 7), each ``(q - zero) · scale``: one
+    ``lop3`` per pair into the mantissa of fp16 1024, one exact ``sub``/``fma`` removing 1024 + zero
+    (``zl`` = half2(1024 + z), ``zh`` = half2(-(64 + z)) for the high nibbles, taken ×1/16), one ``mul``
+    by ``s2`` = half2(scale). Shared by the W4A16 GEMV and the ``bsr_linear`` W4A16 kernel."""
+    from tvm.script import tirx as T
+
+    MAGIC, LO, HI = T.uint32(0x64006400), T.uint32(0x000F000F), T.uint32(0x00F000F0)
+    SIXTEENTH = T.uint32(0x2C002C00)           # half2(1/16, 1/16)
+
+    @T.macro
+    def dequant(b, o, w, s2, zl, zh):
+        T.evaluate(T.ptx["lop3.b32"](b[o], w, LO, MAGIC, 0xEA))
+        T.evaluate(T.ptx["lop3.b32"](b[o + 1], w, HI, MAGIC, 0xEA))
+        T.evaluate(T.ptx["lop3.b32"](b[o + 2], w >> T.uint32(8), LO, MAGIC, 0xEA))
+        T.evaluate(T.ptx["lop3.b32"](b[o + 3], w >> T.uint32(8), HI, MAGIC, 0xEA))
+        for h in T.unroll(2):
+            T.evaluate(T.ptx["sub.f16x2"](b[o + 2 * h], b[o + 2 * h], zl))            # 1024+q - (1024+z)
+            T.evaluate(T.ptx["fma.rn.f16x2"](b[o + 2 * h + 1], b[o + 2 * h + 1], SIXTEENTH, zh))  # (1024+16q)/16 - (64+z)
+            T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h], b[o + 2 * h], s2))
+            T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h + 1], b[o + 2 * h + 1], s2))
+    return dequant
+
+
 def w4a16_gemv(spec: W4A16Spec):
     """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
     import tvm
@@ -175,9 +200,6 @@ def w4a16_gemv(spec: W4A16Spec):
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
     sym, use_bias = spec.sym, spec.bias
-    MAGIC, LO, HI = T.uint32(0x64006400), T.uint32(0x000F000F), T.uint32(0x00F000F0)
-    SIXTEENTH = T.uint32(0x2C002C00)           # half2(1/16, 1/16)
-
     def dup(u16):                              # uint32 with the same 16 bits in both halves
         return u16 | (u16 << T.uint32(16))
 
@@ -196,18 +218,12 @@ def w4a16_gemv(spec: W4A16Spec):
     def zero_hi(zh, i):                        # half2(-(64 + zero))
         return T.uint32(0xD480D480) if sym else zh[i]
 
+    dequant = dequant_word()
+
     @T.macro
     def dequant_mma(acc, b, w, s2, zl, zh, xa, xo, tile, j):
         # word j: 8 nibbles = k 8j..8j+7 of the lane's 32 -> k16 steps 2j (b0, b1) and 2j+1 (b2, b3)
-        T.evaluate(T.ptx["lop3.b32"](b[0], w, LO, MAGIC, 0xEA))
-        T.evaluate(T.ptx["lop3.b32"](b[1], w, HI, MAGIC, 0xEA))
-        T.evaluate(T.ptx["lop3.b32"](b[2], w >> T.uint32(8), LO, MAGIC, 0xEA))
-        T.evaluate(T.ptx["lop3.b32"](b[3], w >> T.uint32(8), HI, MAGIC, 0xEA))
-        for h in T.unroll(2):
-            T.evaluate(T.ptx["sub.f16x2"](b[2 * h], b[2 * h], zl))            # 1024+q - (1024+z)
-            T.evaluate(T.ptx["fma.rn.f16x2"](b[2 * h + 1], b[2 * h + 1], SIXTEENTH, zh))   # (1024+16q)/16 - (64+z)
-            T.evaluate(T.ptx["mul.f16x2"](b[2 * h], b[2 * h], s2))
-            T.evaluate(T.ptx["mul.f16x2"](b[2 * h + 1], b[2 * h + 1], s2))
+        dequant(b, 0, w, s2, zl, zh)
         for h in T.unroll(2):
             s = T.meta_var(2 * j + h)
             a1 = T.meta_var(a_high(xa, xo + 16 + 2 * s))

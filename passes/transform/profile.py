@@ -52,6 +52,10 @@ class HardwareProfile:
     # "none": the generic kernel, one per shape, shared by every layer of that shape)
     full_max_blocks: int = 512
     large_dismantle: str = "tile"
+    # weights stream from memory on every call (a GPU's L2 holds a layer, not a model): GEMM costs are
+    # at least their weight bytes / bandwidth, so decode-like shapes favour fewer bits. Off for the CPU
+    # profile, whose single-thread copy bandwidth is no such floor (its test models stay in cache).
+    stream_weights: bool = False
 
     # ---- what the hardware runs ---------------------------------------------------------
     def act_widths(self) -> list[int]:
@@ -76,17 +80,25 @@ class HardwareProfile:
 
     # ---- cost model (µs) -----------------------------------------------------------------
     def dense_us(self, m: int, n: int, k: int, weight_bits: int, act_bits: int) -> float:
+        """Launch + the slower of the flops at the kernel's dense rate and streaming its weights
+        (few activation rows: decode-like GEMMs are bound by the weight bytes, which low bits cut)."""
         kern = self.kernel(weight_bits, act_bits)
-        return self.fixed_us + 2.0 * m * n * k / (kern.dense_gflops * 1e3)
+        return self.fixed_us + max(2.0 * m * n * k / (kern.dense_gflops * 1e3),
+                                   self.weight_stream_us(n * k, weight_bits))
 
     def block_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int) -> float:
+        """The blocks' measured cost per activation row, at least the time to stream their weights."""
         ns = self.kernel(weight_bits, act_bits).blocks.get(tuple(shape))
         if ns is None:
             raise PlanError(f"profile {self.target!r} has no cost for block {shape} at W{weight_bits}A{act_bits}")
-        return n_blocks * m * ns / 1e3
+        return max(n_blocks * m * ns / 1e3, self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
 
     def memory_us(self, nbytes: int) -> float:
         return nbytes / (self.bandwidth_gbs * 1e3)
+
+    def weight_stream_us(self, elements: int, bits: int) -> float:
+        """Time to read ``elements`` weights of ``bits`` (0 unless the profile streams weights)."""
+        return self.memory_us(elements * bits // 8) if self.stream_weights else 0.0
 
     # ---- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -94,6 +106,7 @@ class HardwareProfile:
                 "fixed_us": self.fixed_us, "bandwidth_gbs": self.bandwidth_gbs, "notes": self.notes,
                 "sparse_ops": list(self.sparse_ops),
                 "dismantle": {"full_max_blocks": self.full_max_blocks, "large": self.large_dismantle},
+                "stream_weights": self.stream_weights,
                 "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
                              "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()}} for k in self.kernels]}
 
@@ -111,7 +124,8 @@ class HardwareProfile:
                 raise ValueError(f"unknown dismantle level {large!r}")
             return cls(data["target"], data.get("device", ""), data.get("date", ""), data.get("source", ""),
                        float(data["fixed_us"]), float(data["bandwidth_gbs"]), kernels, dict(data.get("notes", {})),
-                       tuple(data.get("sparse_ops", cls.sparse_ops)), int(dis.get("full_max_blocks", 512)), large)
+                       tuple(data.get("sparse_ops", cls.sparse_ops)), int(dis.get("full_max_blocks", 512)), large,
+                       bool(data.get("stream_weights", False)))
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise PlanError(f"invalid hardware profile: {exc}") from exc
 

@@ -4,7 +4,8 @@
 (``sparta.templates.cuda_bsr_ref.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
 then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream. For an
 int8 (W8A8) kernel the weight is quantised per channel at construction and ``op(x)``
-quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised.
+quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised. A W4A16 kernel
+(``dtype="w4a16"``) holds int4 block records (``templates/cuda_bsr_w4.py``) and takes fp16 ``x``.
 :class:`SparseLinearCUDA` is the graph module ``compile(target="cuda")`` puts in place of
 a sparse linear; it holds the packed weights and saves/loads without TVM.
 """
@@ -19,6 +20,7 @@ import torch
 
 from ..templates.cuda_bsr import BsrSpec
 from ..templates.cuda_bsr_ref import block_mask_of, pack_weight, quantize_rows, unpack_weight
+from ..templates.cuda_bsr_w4 import expand_groups, pack_w4, quantize_w4, unpack_w4
 from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, device_arch
 
 
@@ -59,7 +61,7 @@ class BsrLinearOp:
     """One sparse linear: packed weights + table on the GPU, the kernel loaded from ``folder``."""
 
     def __init__(self, folder, spec: BsrSpec, weight: torch.Tensor, block_mask: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, quantizer=None):
+                 bias: torch.Tensor | None = None, quantizer=None, group: int = 128):
         self.kernel, self.spec = CudaKernel(folder), spec
         self.quantizer = quantizer          # int8: x -> (codes, scales); default: torch ops
         if tuple(weight.shape) != (spec.n, spec.k):
@@ -71,9 +73,12 @@ class BsrLinearOp:
             if not torch.equal(spec.pattern_mask(), block_mask):
                 raise CudaRuntimeError(f"{spec.name}: the block mask differs from the pattern baked into the kernel")
         scale = None
-        if spec.dtype == "int8":
-            weight, scale = quantize_rows(weight)
-        wp, table = pack_weight(weight if scale is not None else weight.half(), spec, block_mask)
+        if spec.dtype == "w4a16":          # round to nearest, one scale per ``group`` columns
+            wp, table = pack_w4(*_expanded_w4(weight, group, spec), spec, block_mask)
+        else:
+            if spec.dtype == "int8":
+                weight, scale = quantize_rows(weight)
+            wp, table = pack_weight(weight if scale is not None else weight.half(), spec, block_mask)
         self._setup(wp, table, bias, scale)
 
     @classmethod
@@ -83,7 +88,8 @@ class BsrLinearOp:
         op = cls.__new__(cls)
         op.kernel, op.spec, op.quantizer = CudaKernel(folder), spec, None
         heads = 3 * spec.row_blocks
-        if wp.dim() != 3 or tuple(wp.shape[1:]) != (spec.bn, spec.bk) or table.dtype != torch.int32 \
+        block = (2 * spec.w_lanes,) if spec.dtype == "w4a16" else (spec.bn, spec.bk)
+        if wp.dim() != len(block) + 1 or tuple(wp.shape[1:]) != block or table.dtype != torch.int32 \
                 or table.numel() < heads or table.numel() - heads > wp.shape[0]:
             raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
                                    f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.row_blocks} rows")
@@ -98,8 +104,12 @@ class BsrLinearOp:
         if int8 and (wp.dtype != torch.int8 or weight_scale is None or weight_scale.numel() != self.spec.n):
             raise CudaRuntimeError(f"{self.spec.name}: the W8A8 kernel takes int8 blocks and {self.spec.n} "
                                    "per-channel weight scales")
+        w4 = self.spec.dtype == "w4a16"
+        if w4 and (wp.dtype != torch.uint8 or weight_scale is not None):
+            raise CudaRuntimeError(f"{self.spec.name}: the W4A16 kernel takes packed int4 block records "
+                                   "(cuda_bsr_w4.pack_w4, scales inside), no separate scales")
         dev = wp.device
-        self.wp, self.table = (wp if int8 else wp.half()).contiguous(), table.to(dev).contiguous()
+        self.wp, self.table = (wp if int8 or w4 else wp.half()).contiguous(), table.to(dev).contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
         self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
         self._prepared = None
@@ -113,7 +123,8 @@ class BsrLinearOp:
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(X=x, Wp=self.wp.view(-1), B=self.bias, Tab=self.table, Y=y)
+            self._prepared = self.kernel.prepare(X=x, Wp=self.wp.view(-1).view(torch.float16), B=self.bias,
+                                                 Tab=self.table, Y=y)
         else:
             self._prepared.launch(X=x, Y=y)
         return y
@@ -133,6 +144,12 @@ class BsrLinearOp:
         return y
 
 
+def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
+    codes, scale, zero = quantize_w4(weight, group, spec.zero)
+    k = weight.shape[1]
+    return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
+
+
 class SparseLinearCUDA(torch.nn.Module):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
@@ -141,6 +158,7 @@ class SparseLinearCUDA(torch.nn.Module):
     kernel (``spec.dtype == "int8"``) holds int8 blocks and per-channel ``weight_scale``; its
     input is quantised per token by the kernel in ``quant_folder`` (torch ops without one).
     ``hopper`` = (folder, spec): a ``wgmma`` kernel over the same blocks, run instead on sm_90 GPUs.
+    A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``).
     """
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
@@ -160,7 +178,9 @@ class SparseLinearCUDA(torch.nn.Module):
         int8 = spec.dtype == "int8"
         if int8 and (wp.dtype != torch.int8 or weight_scale is None):
             raise CudaRuntimeError(f"op {op_name!r}: a W8A8 kernel needs int8 blocks and per-channel weight scales")
-        self.register_buffer("wp", wp if int8 else wp.half())
+        if spec.dtype == "w4a16" and wp.dtype != torch.uint8:
+            raise CudaRuntimeError(f"op {op_name!r}: a W4A16 kernel needs uint8 int4 block records")
+        self.register_buffer("wp", wp if int8 or spec.dtype == "w4a16" else wp.half())
         self.register_buffer("weight_scale", weight_scale.float() if int8 else None)
         self.quant_folder = str(quant_folder) if quant_folder else None
         self.register_buffer("table", table.to(torch.int32))
@@ -172,9 +192,22 @@ class SparseLinearCUDA(torch.nn.Module):
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
                     block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
-                    weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None) -> SparseLinearCUDA:
+                    weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None,
+                    weight_zero: torch.Tensor | None = None) -> SparseLinearCUDA:
         """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
-        scales, e.g. by calibration; default: each channel's absolute maximum / 127)."""
+        scales, e.g. by calibration; default: each channel's absolute maximum / 127). W4A16 kernels
+        quantise it with element-wise ``(N, K)`` ``weight_scale`` (and ``weight_zero`` for
+        asymmetric kernels), default round to nearest in groups of 128."""
+        if spec.dtype == "w4a16":
+            if weight_scale is None:
+                codes, scale, zero = _expanded_w4(weight, 128, spec)
+            else:
+                # the codes calibration chose (fp32 scales, its clamp); the kernel multiplies by fp16 scales
+                q = torch.round(weight.float() / weight_scale.float())
+                q = q.clamp(-7, 7) + 8 if weight_zero is None else (q + weight_zero.float()).clamp(0, 15)
+                codes, scale, zero = q.to(torch.uint8), weight_scale.half(), weight_zero
+            wp, table = pack_w4(codes, scale, zero, spec, block_mask)
+            return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, None, quant_folder, hopper)
         if spec.dtype == "int8":
             if weight_scale is None:
                 codes, weight_scale = quantize_rows(weight)
@@ -208,6 +241,8 @@ class SparseLinearCUDA(torch.nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""
+        if self.spec.dtype == "w4a16":
+            return unpack_w4(self.wp.cpu(), self.table.cpu(), self.spec)
         w = unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
         if self.spec.dtype == "int8":
             return (w.float() * self.weight_scale.cpu()[:, None]).half()
@@ -253,7 +288,7 @@ class SparseLinearCUDA(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, "
-                f"{'W8A8' if self.spec.dtype == 'int8' else 'fp16'}, act={self.spec.act}"
+                f"{ {'int8': 'W8A8', 'w4a16': 'W4A16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
                 f"{', wgmma on sm_90' if self.hopper else ''}")
 
 

@@ -92,3 +92,47 @@ def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, 
     assert again.quant_folder and (Path(again.quant_folder) / "launch.json").is_file()
     dense_again = loaded.module_replacements()["linear_1"]
     assert dense_again.hopper[1] == spec and (Path(dense_again.hopper[0]) / "kernel.sm_90a.cubin").is_file()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_calibrated_4bit_weights_build_w4a16_kernels_that_save_and_reload(tmp_path, monkeypatch, symmetric):
+    """An fp16 model on 16 tokens (decode-like: the weights' bytes decide), weights calibrated to 4 bits:
+    W4A16 kernels with the fitted group scales (and zero points) packed into int4 block records, the
+    sparse op keeping its blocks, the dense one on the small-M tile."""
+    from sparta.passes.quant import fake_quantized_weights
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, mask = _mlp_and_mask(1)
+    model = model.half()
+    batches = [(torch.randn(2, 8, 1024).half(),) for _ in range(2)]
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1.0, "widths": (4,), "symmetric": symmetric,
+                                               "group_size": 64, "progress": False})
+    rows = {k["op"]: k for k in compiled.kernels}
+    assert {r["bits"] for r in rows.values()} == {"W4A16"} and not any("note" in r for r in rows.values()), \
+        compiled.kernel_report()
+    mods = compiled.module_replacements()
+    assert mods["linear"].spec.dtype == "w4a16" and mods["linear"].spec.zero == (not symmetric)
+    assert (mods["linear"].spec.bn, mods["linear"].spec.bk) == (32, 32) and mods["linear_1"].spec.tm == 16
+    assert "lop3.b32" in (Path(rows["linear_1"]["artifact"]) / "kernel.cu").read_text()
+    expected = fake_quantized_weights(compiled.graph)
+    for op, weight in (("linear", "0.weight"), ("linear_1", "2.weight")):
+        got, want = mods[op].reference_weight.float(), expected[weight].float()
+        assert got.shape == want.shape
+        # fp16 scales: each weight within one fp16 rounding of the scale (x 7.5 steps) of the fp32 one
+        assert (got - want).abs().max() <= 8 * want.abs().max() * 2 ** -10
+        assert torch.equal(got == 0, want == 0)         # pruned elements stay exactly zero
+    loaded = sparta.load(compiled.save(tmp_path / "w4"))
+    again = loaded.module_replacements()["linear"]
+    assert again.spec == mods["linear"].spec and torch.equal(again.wp, mods["linear"].wp)
+    assert torch.equal(again.dense_weight(), mods["linear"].dense_weight())
+
+
+def test_4bit_scales_the_kernel_cannot_hold_fall_back_to_fp16_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, mask = _mlp_and_mask(2)
+    model = model.half()
+    batches = [(torch.randn(2, 8, 1024).half(),) for _ in range(2)]
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1.0, "widths": (4,), "group_size": 16, "progress": False})
+    row = next(k for k in compiled.kernels if k["op"] == "linear")
+    assert row["bits"] == "W16A16" and "multiple of 32 columns" in row["note"]

@@ -31,31 +31,53 @@ def _mask(spec, density):
 
 def _check(name, density):
     """The kernel against its torch reference on fresh data; W8A8 kernels against the exact int8
-    reference (int32 dot products are exact, so only fp32 rounding differs) and, by SQNR, against
-    the fp16 product (the per-token × per-channel int8 error)."""
+    reference (int32 dot products are exact, so only fp32 rounding differs), W4A16 kernels against
+    the product with the dequantised int4 weight, and both, by SQNR, against the fp16 product
+    (the quantisation error)."""
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
     from sparta.templates.cuda_bsr_ref import quantize_rows, reference, reference_int8
+    from sparta.templates.cuda_bsr_w4 import unpack_w4
     spec = load_spec(ROOT / name)
     mask = _mask(spec, density)
     x = torch.randn(spec.m, spec.k, device="cuda").half()
     w = torch.randn(spec.n, spec.k, device="cuda").half()
     bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
-    op = BsrLinearOp(ROOT / name, spec, w, mask, bias)
+    w4 = spec.dtype == "w4a16"
+    op = BsrLinearOp(ROOT / name, spec, w, mask, bias, group=64 if spec.zero else 128)
     y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
     op(x, out=y)
     torch.cuda.synchronize()
     assert not y.isnan().any(), "some outputs were not written"
     exact = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk)
     int8 = spec.dtype == "int8"
-    ref = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk) \
-        if int8 else exact
+    if int8:
+        ref = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk)
+    elif w4:
+        ref = reference(x, unpack_w4(op.wp, op.table, spec), None, bias, spec.act, spec.bn, spec.bk)
+    else:
+        ref = exact
     scale = ref.float().abs().max().clamp_min(1.0)
     err = ((y.float() - ref.float()).abs().max() / scale).item()
-    assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |{'int8 ' if int8 else ''}ref|"
-    if int8 and exact.float().abs().max() > 0:      # (a small random mask can keep no block)
+    assert err < 2e-3, f"{name} density {density}: max error {err:.2e} of max |{spec.dtype} ref|"
+    if (int8 or w4) and exact.float().abs().max() > 0:      # (a small random mask can keep no block)
         sqnr = 10 * torch.log10(exact.float().pow(2).mean() / (y.float() - exact.float()).pow(2).mean()).item()
-        assert sqnr > 30, f"{name}: SQNR {sqnr:.1f} dB against the fp16 product"
+        assert sqnr > (15 if w4 else 30), f"{name}: SQNR {sqnr:.1f} dB against the fp16 product"
     return err
+
+
+def test_w4a16_rejects_fp16_blocks():
+    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.runtime.cuda import CudaRuntimeError
+    from sparta.templates.cuda_bsr_ref import pack_weight
+    names = [n for n in SMALL if load_spec(ROOT / n).dtype == "w4a16"]
+    if not names:
+        pytest.skip("no w4a16 kernels built")
+    spec = load_spec(ROOT / names[0])
+    mask = torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
+    w = torch.randn(spec.n, spec.k, device="cuda")
+    wp16, table = pack_weight(w.half(), spec.__class__(**{**spec.__dict__, "dtype": "float16", "zero": False}), mask)
+    with pytest.raises(CudaRuntimeError, match="do not fit"):
+        BsrLinearOp.packed(ROOT / names[0], spec, wp16, table, torch.zeros(spec.n, device="cuda"))
 
 
 def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():

@@ -102,3 +102,30 @@ def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math
         xh = torch.randn(dense.spec.m, dense.spec.k, device="cuda").half()
         sync = BsrLinearOp.packed(dense.folder, dense.spec, dense.wp, dense.table, dense.bias, dense.weight_scale)
         torch.testing.assert_close(dense._op(xh), sync(xh), rtol=2e-3, atol=2e-3)
+
+
+W4A16 = ROOT / "saved_mlp_w4a16"
+
+
+@pytest.mark.skipif(not (W4A16 / "sparta.json").is_file(), reason=f"no saved W4A16 model in {W4A16}")
+def test_calibrated_4bit_model_runs_w4a16_kernels_and_matches_its_dequantised_weights():
+    import sparta
+    model = sparta.load(W4A16).to("cuda")
+    mods = {k: m for k, m in model.module_replacements().items() if type(m).__name__ == "SparseLinearCUDA"}
+    assert len(mods) == 2 and all(m.spec.dtype == "w4a16" and m.spec.zero for m in mods.values()), mods
+    assert max(model.verify(trials=2).values()) < 1e-2
+    g = model.graph
+    (w0, l0), (w2, l2) = sorted((m.weight_name, m) for m in mods.values())
+    assert (w0, w2) == ("0.weight", "2.weight")
+    b0, b2 = g.tensor("0.bias").data.cuda().float(), g.tensor("2.bias").data.cuda().float()
+    x = torch.randn(2, 8, 1024, device="cuda").half()
+    h = torch.relu(torch.nn.functional.linear(x.float(), l0.dense_weight().cuda().float(), b0))
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(h.half().float(), l2.dense_weight().cuda().float(), b2))
+    out = model(x)
+    assert out.dtype == torch.float16
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, err
+    fq = {w: g.tensor(w).data.cuda().float() for w in (w0, w2)}     # calibration's fake-quantised weights
+    for w, m in ((w0, l0), (w2, l2)):
+        assert ((m.dense_weight().cuda().float() - fq[w]).abs().max() / fq[w].abs().max()).item() < 1e-2
+    replay_on_new_input(model, x)
