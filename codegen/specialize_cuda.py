@@ -34,8 +34,11 @@ FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # only exact GELU reaches
 INT8_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
               64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
 HOPPER_SMS = 132                                        # H100/H200 SXM multiprocessors
-# W4A16 dense tiles by M, measured on the H100 (benchmarks/RESULTS.md, bench_cuda_w4_gemm)
+# W4A16 dense tiles by M, measured on the H100 (benchmarks/RESULTS.md, bench_cuda_w4_gemm): up to 16 rows
+# the int4 kernel beats cuBLAS fp16 (1.0-1.9x); from 17 to 255 rows it is 2x slower (32 CTAs of 128
+# columns, no split-K), so such ops stay cuBLAS on the dequantised weights
 W4_DENSE_TILES = ((16, dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4)),
+                  (255, None),
                   (1024, dict(tm=64, bn=128, bk=128, warps_m=1, warps_n=4, stages=4)),
                   (None, dict(tm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=4)))
 
@@ -96,6 +99,9 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     tiles, hopper_tiles = TUNED_TILES[side], None
     if w4 is not None and keep.all():
         tiles = next(t for top, t in W4_DENSE_TILES if top is None or m <= top)
+        if tiles is None:
+            return (f"W4A16 dense GEMM at M={m} is slower than cuBLAS fp16 on the dequantised weights "
+                    "(measured, bench_cuda_w4_gemm); runs as a torch op")
         mask = torch.ones_like(block_mask_of(weight, tiles["bn"], tiles["bk"]))
     if int8:
         dense = bool(keep.all())

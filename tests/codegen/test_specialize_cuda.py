@@ -136,3 +136,17 @@ def test_4bit_scales_the_kernel_cannot_hold_fall_back_to_fp16_with_a_note(tmp_pa
                               quant_tolerance={"tolerance": 1.0, "widths": (4,), "group_size": 16, "progress": False})
     row = next(k for k in compiled.kernels if k["op"] == "linear")
     assert row["bits"] == "W16A16" and "multiple of 32 columns" in row["note"]
+
+
+def test_dense_4bit_ops_where_the_int4_gemm_is_slower_stay_cublas(tmp_path, monkeypatch):
+    """At 64 rows the W4A16 dense GEMM measured 2x slower than cuBLAS fp16: the dense op stays a torch op
+    (on the dequantised weights) and says why; the sparse op still gets its W4A16 kernel."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, mask = _mlp_and_mask(3)
+    model = model.half()
+    batches = [(torch.randn(2, 32, 1024).half(),) for _ in range(2)]
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1.0, "widths": (4,), "progress": False})
+    rows = {k["op"]: k for k in compiled.kernels}
+    assert rows["linear_1"]["template"] == "torch" and "slower than cuBLAS" in rows["linear_1"]["key"]
+    assert rows["linear"]["bits"] == "W4A16"
