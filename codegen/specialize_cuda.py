@@ -1,6 +1,7 @@
 """Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel
 (fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
-W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights).
+W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights;
+a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``).
 
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
@@ -23,9 +24,11 @@ from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
 from ..runtime.bsr_linear import SparseLinearCUDA
+from ..runtime.w4a16_gemv import W4A16GemvCUDA
 from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from ..templates.cuda_bsr_ref import block_mask_of
 from ..templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
+from ..templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
 
@@ -97,6 +100,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     w4, w4_refusal = _w4_params(graph, view[1], op_plan, k)
     mask = block_mask_of(weight, side, side)
     tiles, hopper_tiles = TUNED_TILES[side], None
+    if w4 is not None and keep.all() and m <= 16 and _gemv_group(w4, k):
+        return _build_gemv(graph, op, view, weight, bias, w4, _gemv_group(w4, k))
     if w4 is not None and keep.all():
         tiles = next(t for top, t in W4_DENSE_TILES if top is None or m <= top)
         if tiles is None:
@@ -148,6 +153,37 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         row["note"] = f"plan asked for {', '.join(planned)}; runs the fp16 kernel" + \
             (f" ({w4_refusal})" if w4_refusal else "")
     return module, row, fused
+
+
+def _gemv_group(params, k: int) -> int:
+    """The GEMV's scale group for calibration's scales (32, 64 or 128 dividing K), 0 if none fits."""
+    group = 128 if params.group >= 128 else params.group
+    return group if group in (32, 64, 128) and k % group == 0 and (params.group >= k or params.group % group == 0) \
+        else 0
+
+
+def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, group: int):
+    """A dense 4-bit linear of <= 16 rows on the W4A16 GEMV (bias fused; the activation stays a torch op)."""
+    x_name, _, _, m, n, k = view
+    sym = params.zero is None
+    # rows <= 8: two 8-row tiles per CTA over 16 warps; more rows: 8 warps, two K chunks in flight (bench_cuda_w4a16)
+    tiling = dict(ntile=2, warps=16, unroll=1) if m <= 8 else dict(ntile=2, warps=8, unroll=2)
+    spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, **tiling,
+                     name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}")
+    art = build_cuda(w4a16_gemv, spec)
+    scale_el, zero_el = params.expand(k)
+    q = torch.round(weight.float() / scale_el.float())          # calibration's codes, its clamp
+    codes = (q.clamp(-7, 7) + 8 if sym else (q + zero_el).clamp(0, 15)).to(torch.uint8)
+    zero = None if sym else zero_el[:, ::group].to(torch.uint8)
+    module = W4A16GemvCUDA.from_codes(op.name, x_name, art.path, spec, codes, scale_el[:, ::group].half(), zero,
+                                      bias, graph.tensor(op.outputs[0]).shape)
+    module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
+    module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
+    row = {"op": op.name, "template": "w4a16_gemv", "blocks": "dense", "bits": "W4A16", "dismantle": "-",
+           "build_s": round(art.build_s, 3), "cached": art.cached,
+           "code_bytes": sum((art.path / c["file"]).stat().st_size for c in art.launch["cubins"].values()),
+           "key": art.path.name, "artifact": str(art.path)}
+    return module, row, None
 
 
 def _w4_params(graph: Graph, weight: str, op_plan: OpPlan, k: int):

@@ -34,6 +34,7 @@ VERSION = 1
 MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from_saved()
     "passthrough": "sparta.backend.fx:Passthrough",
     "bsr_linear_cuda": "sparta.runtime.bsr_linear:SparseLinearCUDA",
+    "w4a16_gemv_cuda": "sparta.runtime.w4a16_gemv:W4A16GemvCUDA",
     "sparse_linear_cpu": "sparta.codegen.cpu_modules:SparseLinearCPU",
 }
 

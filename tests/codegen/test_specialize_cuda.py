@@ -97,8 +97,8 @@ def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_calibrated_4bit_weights_build_w4a16_kernels_that_save_and_reload(tmp_path, monkeypatch, symmetric):
     """An fp16 model on 16 tokens (decode-like: the weights' bytes decide), weights calibrated to 4 bits:
-    W4A16 kernels with the fitted group scales (and zero points) packed into int4 block records, the
-    sparse op keeping its blocks, the dense one on the small-M tile."""
+    the sparse op gets a W4A16 block kernel (the fitted group scales and zero points packed into int4
+    block records), the dense one the W4A16 GEMV with the same scales and bias fused."""
     from sparta.passes.quant import fake_quantized_weights
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     model, mask = _mlp_and_mask(1)
@@ -112,8 +112,11 @@ def test_calibrated_4bit_weights_build_w4a16_kernels_that_save_and_reload(tmp_pa
         compiled.kernel_report()
     mods = compiled.module_replacements()
     assert mods["linear"].spec.dtype == "w4a16" and mods["linear"].spec.zero == (not symmetric)
-    assert (mods["linear"].spec.bn, mods["linear"].spec.bk) == (32, 32) and mods["linear_1"].spec.tm == 16
-    assert "lop3.b32" in (Path(rows["linear_1"]["artifact"]) / "kernel.cu").read_text()
+    assert (mods["linear"].spec.bn, mods["linear"].spec.bk) == (32, 32)
+    assert rows["linear_1"]["template"] == "w4a16_gemv" and type(mods["linear_1"]).__name__ == "W4A16GemvCUDA"
+    assert (mods["linear_1"].spec.group, mods["linear_1"].spec.sym, mods["linear_1"].spec.bias) == (64, symmetric, True)
+    for op in ("linear", "linear_1"):
+        assert "lop3.b32" in (Path(rows[op]["artifact"]) / "kernel.cu").read_text()
     expected = fake_quantized_weights(compiled.graph)
     for op, weight in (("linear", "0.weight"), ("linear_1", "2.weight")):
         got, want = mods[op].reference_weight.float(), expected[weight].float()
@@ -122,9 +125,9 @@ def test_calibrated_4bit_weights_build_w4a16_kernels_that_save_and_reload(tmp_pa
         assert (got - want).abs().max() <= 8 * want.abs().max() * 2 ** -10
         assert torch.equal(got == 0, want == 0)         # pruned elements stay exactly zero
     loaded = sparta.load(compiled.save(tmp_path / "w4"))
-    again = loaded.module_replacements()["linear"]
-    assert again.spec == mods["linear"].spec and torch.equal(again.wp, mods["linear"].wp)
-    assert torch.equal(again.dense_weight(), mods["linear"].dense_weight())
+    for op in ("linear", "linear_1"):
+        again = loaded.module_replacements()[op]
+        assert again.spec == mods[op].spec and torch.equal(again.dense_weight(), mods[op].dense_weight())
 
 
 def test_4bit_scales_the_kernel_cannot_hold_fall_back_to_fp16_with_a_note(tmp_path, monkeypatch):

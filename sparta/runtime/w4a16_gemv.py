@@ -1,0 +1,101 @@
+"""A dense 4-bit linear on few rows running sparta's W4A16 GEMV kernel (``templates/cuda_w4a16.py``), no TVM.
+
+:class:`W4A16GemvCUDA` is the graph module ``compile(target="cuda")`` puts in place of a dense linear whose
+weights calibration lowered to 4 bits when the op has at most 16 activation rows (decode): int4 codes
+in the kernel's interleaved layout, fp16 group scales (and uint8 zero points), bias fused. It saves and
+loads without TVM like :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from ..templates.cuda_w4a16 import W4A16Spec, dequantize, pack_codes
+from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
+
+
+class W4A16GemvCUDA(torch.nn.Module):
+    """One graph op run by the W4A16 GEMV: ``y = x · dequant(W)ᵀ (+ b)`` for the op's ``(M, K)`` input."""
+
+    def __init__(self, op_name: str, x_name: str, folder, spec: W4A16Spec, wq: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple):
+        super().__init__()
+        if wq.shape != (spec.tiles, spec.chunks, 32, 4) or wq.dtype != torch.int32 \
+                or scale.shape != (spec.tiles, spec.groups, 8) or (zero is None) != spec.sym:
+            raise CudaRuntimeError(f"op {op_name!r}: packed weights {tuple(wq.shape)} / scales {tuple(scale.shape)} "
+                                   f"do not fit {spec.name} (cuda_w4a16.pack_codes)")
+        if spec.bias and bias is None:
+            raise CudaRuntimeError(f"op {op_name!r}: the kernel adds a bias; pass one")
+        self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
+        self.register_buffer("wq", wq)
+        self.register_buffer("scale", scale.half())
+        self.register_buffer("zero", zero)
+        self.register_buffer("bias", bias.half() if bias is not None else None)
+        self.out_shape = tuple(out_shape)
+        self.weight_name, self.weight_transposed = None, False
+        self._kernel, self._prepared, self._prepared_for = None, None, None
+
+    @classmethod
+    def from_codes(cls, op_name: str, x_name: str, folder, spec: W4A16Spec, codes: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple) -> W4A16GemvCUDA:
+        """From uint8 codes ``(N, K)`` (0..15) and per-group scales / zero points ``(N, K / group)``."""
+        wq, s, z = pack_codes(codes, scale, zero, spec)
+        return cls(op_name, x_name, folder, spec, wq, s, z, bias, out_shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda or not self.wq.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
+                                   "(compiled.to('cuda'))")
+        s = self.spec
+        xh = x.reshape(s.m, s.k).to(torch.float16).contiguous()
+        check_fp16_input(s.name, xh, s.m, s.k)
+        y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device)
+        args = dict(X=xh, Wq=self.wq, S=self.scale, Y=y, **({} if s.sym else {"Z": self.zero}),
+                    **({"B": self.bias} if s.bias else {}))
+        if self._prepared is None or self._prepared_for != self.wq.data_ptr():
+            self._kernel = self._kernel or CudaKernel(self.folder)
+            self._prepared, self._prepared_for = self._kernel.prepare(**args), self.wq.data_ptr()
+        else:
+            self._prepared.launch(X=xh, Y=y)
+        return y.reshape(self.out_shape).to(x.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
+        z = None if self.zero is None else self.zero.cpu()
+        return dequantize(self.wq.cpu(), self.scale.cpu(), z, self.spec).half()
+
+    def graph_weight(self) -> torch.Tensor:
+        w = self.dense_weight()
+        return w.t().contiguous() if self.weight_transposed else w
+
+    # ---- saved models (sparta.saved) ------------------------------------------------
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
+        folder = Path(self.folder)
+        config = {"op_name": self.op_name, "x_name": self.input_names[0], "out_shape": list(self.out_shape),
+                  "spec": dataclasses.asdict(self.spec), "kernel": folder.name, "weight_name": self.weight_name,
+                  "weight_transposed": self.weight_transposed}
+        tensors = {"wq": self.wq, "scale": self.scale, **({"zero": self.zero} if self.zero is not None else {}),
+                   **({"bias": self.bias} if self.bias is not None else {})}
+        return config, tensors, {folder.name: folder}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> W4A16GemvCUDA:
+        spec = W4A16Spec(**config["spec"])
+        folder = folders[config["kernel"]]
+        if (folder / "spec.json").is_file() and W4A16Spec(**json.loads((folder / "spec.json").read_text())) != spec:
+            raise CudaRuntimeError(f"op {config['op_name']!r}: kernel folder {folder.name} was built for a different spec")
+        module = cls(config["op_name"], config["x_name"], folder, spec, tensors["wq"], tensors["scale"],
+                     tensors.get("zero"), tensors.get("bias"), tuple(config["out_shape"]))
+        module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
+        return module
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{self.op_name}: {s.k}->{s.n}, W4A16 GEMV, {s.m} rows, group {s.group}{'' if s.sym else ', zero points'}"
+
+
+__all__ = ["W4A16GemvCUDA"]
