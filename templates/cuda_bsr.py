@@ -23,6 +23,11 @@ scales ``WS``), ``mma.sync.m16n8k32`` with int32 accumulation and ``y = acc · X
 (+ bias, activation) in the epilogue. Its data movement is the fp16 kernel's, byte for byte:
 the int8 operands are handed over as fp16 views of half the width (``x.view(torch.float16)``),
 and the m16n8k32 s8 fragments hold the same bytes per thread as the m16n8k16 f16 ones.
+
+``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
+scales (and zero points, ``zero=True``; ``templates/cuda_bsr_w4.py``), copied to shared memory as
+is; each warp turns its words into ``mma.sync`` B fragments in registers (``lop3`` dequantisation).
+The torch side (packing, table, references) is ``templates/cuda_bsr_ref.py``.
 """
 
 from __future__ import annotations
