@@ -320,6 +320,19 @@ def bsr_linear(spec: BsrSpec):
                 smem.ptr_to([base + swz(wr * WTM + mi * 16 + lane % 16, kk * 2 + lane // 16)])))
 
     @T.macro
+    def mma_tiles(acc, af, bf, bs, bo):
+        # every m16 x n8 tile of the warp: A fragments af, B fragment of column tile ni at bf[ni * bs + bo]
+        for mi in T.unroll(MI):
+            for ni in T.unroll(NI):
+                T.evaluate(T.ptx[MMA](
+                    acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                    acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
+                    af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
+                    bf[ni * bs + bo], bf[ni * bs + bo + 1],
+                    acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                    acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
+
+    @T.macro
     def mma_stage(smem, acc, af, bf, lane, wr, wc, base):
         for kk in T.unroll(BK // 16):
             load_a(smem, af, lane, wr, base, kk)
@@ -328,15 +341,7 @@ def bsr_linear(spec: BsrSpec):
                     bf[nj * 4], bf[nj * 4 + 1], bf[nj * 4 + 2], bf[nj * 4 + 3],
                     smem.ptr_to([base + X_ELEMS + swz(wc * WTN + nj * 16 + (lane // 16) * 8 + lane % 8,
                                                       kk * 2 + (lane // 8) % 2)])))
-            for mi in T.unroll(MI):
-                for ni in T.unroll(NI):
-                    T.evaluate(T.ptx[MMA](
-                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
-                        af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
-                        bf[ni * 2], bf[ni * 2 + 1],
-                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
+            mma_tiles(acc, af, bf, 2, 0)
 
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
     NW = BN * spec.bk // 8                   # w4a16: words per block; scales follow, then zero points
@@ -364,15 +369,7 @@ def bsr_linear(spec: BsrSpec):
                     dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], T.uint32(0x64086408), T.uint32(0xD480D480))
             for h in T.unroll(2):
                 load_a(smem, af, lane, wr, base, kw * 2 + h)
-                for mi in T.unroll(MI):
-                    for ni in T.unroll(NI):
-                        T.evaluate(T.ptx[MMA](
-                            acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                            acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
-                            af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
-                            bf[ni * 4 + 2 * h], bf[ni * 4 + 2 * h + 1],
-                            acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                            acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
+                mma_tiles(acc, af, bf, 4, 2 * h)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
