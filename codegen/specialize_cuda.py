@@ -131,21 +131,19 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         params = graph.meta.get("quant_params", {}).get(view[1], {}).get(8)
         scale = params.scale[:, 0] if params is not None and params.group >= k else None   # calibrated, per channel
         quant = build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, name=f"quantize_rows_{m}x{k}")).path
-    zero = None
-    if w4 is not None:                 # calibration's scales (and zero points), element-wise
+    if w4 is not None:                 # calibration's codes, scales and zero points
         scale, zero = w4.expand(k)
-    module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
-                                          weight_scale=scale, quant_folder=quant,
-                                          hopper=(hopper[0].path, hopper[1]) if hopper else None, weight_zero=zero)
-    module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
-    if int8 or w4 is not None:   # the reference applies the weights the kernel applies (int8: activations per token)
-        module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
-    row = {"op": op.name, "template": "bsr_linear", "blocks": f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
-           "bits": {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
-           "dismantle": "tile (table argument)", "build_s": round(art.build_s, 3), "cached": art.cached,
-           "code_bytes": sum((a.path / c["file"]).stat().st_size for a in [art] + ([hopper[0]] if hopper else [])
-                             for c in a.launch["cubins"].values()),
-           "key": art.path.name, "artifact": str(art.path)}
+        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, _w4_codes(w4, weight), scale, zero,
+                                                mask, bias, out_shape)
+    else:
+        module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
+                                              weight_scale=scale, quant_folder=quant,
+                                              hopper=(hopper[0].path, hopper[1]) if hopper else None)
+    # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
+    _bind(module, graph, op, view, reference=int8 or w4 is not None)
+    row = _row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
+               {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype], "tile (table argument)",
+               [art] + ([hopper[0]] if hopper else []))
     if hopper:
         row["note"] = f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"
     planned = sorted({f"W{s.weight_bits}A{s.act_bits}" for s in op_plan.subops} - {row["bits"], "W16A16", "W32A32"})
@@ -172,18 +170,33 @@ def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, 
                      name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}")
     art = build_cuda(w4a16_gemv, spec)
     scale_el, zero_el = params.expand(k)
-    q = torch.round(weight.float() / scale_el.float())          # calibration's codes, its clamp
-    codes = (q.clamp(-7, 7) + 8 if sym else (q + zero_el).clamp(0, 15)).to(torch.uint8)
     zero = None if sym else zero_el[:, ::group].to(torch.uint8)
-    module = W4A16GemvCUDA.from_codes(op.name, x_name, art.path, spec, codes, scale_el[:, ::group].half(), zero,
-                                      bias, graph.tensor(op.outputs[0]).shape)
+    module = W4A16GemvCUDA.from_codes(op.name, x_name, art.path, spec, _w4_codes(params, weight),
+                                      scale_el[:, ::group].half(), zero, bias, graph.tensor(op.outputs[0]).shape)
+    _bind(module, graph, op, view, reference=True)
+    return module, _row(op, "w4a16_gemv", "dense", "W4A16", "-", [art]), None
+
+
+def _w4_codes(params, weight: torch.Tensor) -> torch.Tensor:
+    """Calibration's 4-bit codes of ``weight`` as the kernels store them: uint8 0..15 (symmetric: +8)."""
+    codes = params.codes(weight)
+    return (codes + 8 if params.zero is None else codes).to(torch.uint8)
+
+
+def _bind(module, graph: Graph, op: Op, view, reference: bool) -> None:
+    """Record the graph weight the module stands for (and, for quantised kernels, the weight it applies)."""
     module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
-    module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
-    row = {"op": op.name, "template": "w4a16_gemv", "blocks": "dense", "bits": "W4A16", "dismantle": "-",
-           "build_s": round(art.build_s, 3), "cached": art.cached,
-           "code_bytes": sum((art.path / c["file"]).stat().st_size for c in art.launch["cubins"].values()),
-           "key": art.path.name, "artifact": str(art.path)}
-    return module, row, None
+    if reference:
+        module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
+
+
+def _row(op: Op, template: str, blocks: str, bits: str, dismantle: str, arts: list) -> dict:
+    """The kernel report row of an op built from ``arts`` (the first is the kernel it runs by default)."""
+    art = arts[0]
+    return {"op": op.name, "template": template, "blocks": blocks, "bits": bits, "dismantle": dismantle,
+            "build_s": round(art.build_s, 3), "cached": art.cached,
+            "code_bytes": sum((a.path / c["file"]).stat().st_size for a in arts for c in a.launch["cubins"].values()),
+            "key": art.path.name, "artifact": str(art.path)}
 
 
 def _w4_params(graph: Graph, weight: str, op_plan: OpPlan, k: int):

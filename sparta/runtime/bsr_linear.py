@@ -192,22 +192,15 @@ class SparseLinearCUDA(torch.nn.Module):
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
                     block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
-                    weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None,
-                    weight_zero: torch.Tensor | None = None) -> SparseLinearCUDA:
+                    weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None) -> SparseLinearCUDA:
         """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
         scales, e.g. by calibration; default: each channel's absolute maximum / 127). W4A16 kernels
-        quantise it with element-wise ``(N, K)`` ``weight_scale`` (and ``weight_zero`` for
-        asymmetric kernels), default round to nearest in groups of 128."""
+        round it to nearest in groups of 128 (fitted codes and scales: :meth:`from_w4_codes`)."""
         if spec.dtype == "w4a16":
-            if weight_scale is None:
-                codes, scale, zero = _expanded_w4(weight, 128, spec)
-            else:
-                # the codes calibration chose (fp32 scales, its clamp); the kernel multiplies by fp16 scales
-                q = torch.round(weight.float() / weight_scale.float())
-                q = q.clamp(-7, 7) + 8 if weight_zero is None else (q + weight_zero.float()).clamp(0, 15)
-                codes, scale, zero = q.to(torch.uint8), weight_scale.half(), weight_zero
-            wp, table = pack_w4(codes, scale, zero, spec, block_mask)
-            return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, None, quant_folder, hopper)
+            if weight_scale is not None:
+                raise CudaRuntimeError(f"op {op_name!r}: give a W4A16 kernel fitted codes through from_w4_codes")
+            return cls.from_w4_codes(op_name, x_name, folder, spec, *_expanded_w4(weight, 128, spec), block_mask,
+                                     bias, out_shape)
         if spec.dtype == "int8":
             if weight_scale is None:
                 codes, weight_scale = quantize_rows(weight)
@@ -217,6 +210,15 @@ class SparseLinearCUDA(torch.nn.Module):
         else:
             wp, table = pack_weight(weight.half(), spec, block_mask)
         return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper)
+
+    @classmethod
+    def from_w4_codes(cls, op_name: str, x_name: str, folder, spec: BsrSpec, codes: torch.Tensor,
+                      scale: torch.Tensor, zero: torch.Tensor | None, block_mask: torch.Tensor,
+                      bias: torch.Tensor | None, out_shape: tuple) -> SparseLinearCUDA:
+        """A W4A16 op from element-wise ``(N, K)`` uint8 codes (0..15), scales and zero points (None:
+        symmetric, code 8 is zero), e.g. the ones calibration fitted."""
+        wp, table = pack_w4(codes, scale.half(), zero, spec, block_mask)
+        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape)
 
     def kernel_for(self, device) -> tuple[str, BsrSpec]:
         """(folder, spec) of the kernel this op runs on ``device``: the wgmma one on sm_90 if built."""
