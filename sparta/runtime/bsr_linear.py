@@ -21,7 +21,7 @@ import torch
 from ..templates.cuda_bsr import BsrSpec
 from ..templates.cuda_bsr_ref import block_mask_of, pack_weight, quantize_rows, unpack_weight
 from ..templates.cuda_bsr_w4 import expand_groups, pack_w4, quantize_w4, unpack_w4
-from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, device_arch
+from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, device_arch
 
 
 def spec_to_json(spec: BsrSpec) -> dict:
@@ -150,7 +150,7 @@ def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
 
 
-class SparseLinearCUDA(torch.nn.Module):
+class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
@@ -249,11 +249,6 @@ class SparseLinearCUDA(torch.nn.Module):
         if self.spec.dtype == "int8":
             return (w.float() * self.weight_scale.cpu()[:, None]).half()
         return w
-
-    def graph_weight(self) -> torch.Tensor:
-        """:meth:`dense_weight` in the graph weight's layout (``(K, N)`` for addmm/mm/matmul)."""
-        w = self.dense_weight()
-        return w.t().contiguous() if self.weight_transposed else w
 
     # ---- saved models (sparta.saved) ------------------------------------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:

@@ -59,6 +59,15 @@ def device_arch(device=None) -> str:
     return f"sm_{major}{minor}"
 
 
+class GraphWeightLayout:
+    """For graph modules standing for a weight: ``graph_weight()`` is their ``dense_weight()`` (N, K) in the
+    graph weight's layout (``(K, N)`` for addmm/mm/matmul, ``weight_transposed``)."""
+
+    def graph_weight(self) -> torch.Tensor:
+        w = self.dense_weight()
+        return w.t().contiguous() if self.weight_transposed else w
+
+
 class CudaKernel:
     """One compiled kernel, loaded lazily per device; call it with torch CUDA tensors."""
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from ..templates.cuda_w4a16 import W4A16Spec, dequantize, pack_codes
-from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
+from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input
 
 
-class W4A16GemvCUDA(torch.nn.Module):
+class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
     """One graph op run by the W4A16 GEMV: ``y = x · dequant(W)ᵀ (+ b)`` for the op's ``(M, K)`` input."""
 
     def __init__(self, op_name: str, x_name: str, folder, spec: W4A16Spec, wq: torch.Tensor, scale: torch.Tensor,
@@ -67,10 +67,6 @@ class W4A16GemvCUDA(torch.nn.Module):
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
         z = None if self.zero is None else self.zero.cpu()
         return dequantize(self.wq.cpu(), self.scale.cpu(), z, self.spec).half()
-
-    def graph_weight(self) -> torch.Tensor:
-        w = self.dense_weight()
-        return w.t().contiguous() if self.weight_transposed else w
 
     # ---- saved models (sparta.saved) ------------------------------------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:

@@ -65,36 +65,38 @@ def _check(name, density):
     return err
 
 
-def test_w4a16_rejects_fp16_blocks():
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.runtime.cuda import CudaRuntimeError
+def _fp16_blocks_for_first(dtype):
+    """(folder, spec, all-kept mask, weight, fp16 blocks + table packed as if the kernel were fp16) of the
+    first small kernel of ``dtype``."""
+    from sparta.runtime.bsr_linear import load_spec
     from sparta.templates.cuda_bsr_ref import pack_weight
-    names = [n for n in SMALL if load_spec(ROOT / n).dtype == "w4a16"]
+    names = [n for n in SMALL if load_spec(ROOT / n).dtype == dtype]
     if not names:
-        pytest.skip("no w4a16 kernels built")
+        pytest.skip(f"no {dtype} kernels built")
     spec = load_spec(ROOT / names[0])
     mask = torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
     w = torch.randn(spec.n, spec.k, device="cuda")
     wp16, table = pack_weight(w.half(), spec.__class__(**{**spec.__dict__, "dtype": "float16", "zero": False}), mask)
+    return ROOT / names[0], spec, mask, w, wp16, table
+
+
+def test_w4a16_rejects_fp16_blocks():
+    from sparta.runtime.bsr_linear import BsrLinearOp
+    from sparta.runtime.cuda import CudaRuntimeError
+    folder, spec, _, _, wp16, table = _fp16_blocks_for_first("w4a16")
     with pytest.raises(CudaRuntimeError, match="do not fit"):
-        BsrLinearOp.packed(ROOT / names[0], spec, wp16, table, torch.zeros(spec.n, device="cuda"))
+        BsrLinearOp.packed(folder, spec, wp16, table, torch.zeros(spec.n, device="cuda"))
 
 
 def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.runtime.bsr_linear import BsrLinearOp
     from sparta.runtime.cuda import CudaRuntimeError
-    from sparta.templates.cuda_bsr_ref import pack_weight, quantize_rows
-    names = [n for n in SMALL if load_spec(ROOT / n).dtype == "int8"]
-    if not names:
-        pytest.skip("no int8 kernels built")
-    spec = load_spec(ROOT / names[0])
-    mask = torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
-    w = torch.randn(spec.n, spec.k, device="cuda")
+    from sparta.templates.cuda_bsr_ref import quantize_rows
+    folder, spec, mask, w, wp16, table = _fp16_blocks_for_first("int8")
     bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
-    wp16, table = pack_weight(w.half(), spec.__class__(**{**spec.__dict__, "dtype": "float16"}), mask)
     with pytest.raises(CudaRuntimeError, match="int8 blocks"):
-        BsrLinearOp.packed(ROOT / names[0], spec, wp16, table, bias)
-    op = BsrLinearOp(ROOT / names[0], spec, w, mask, bias)
+        BsrLinearOp.packed(folder, spec, wp16, table, bias)
+    op = BsrLinearOp(folder, spec, w, mask, bias)
     x = torch.randn(spec.m, spec.k, device="cuda").half()
     torch.testing.assert_close(op.int8(*quantize_rows(x)), op(x))
 
