@@ -8,7 +8,8 @@ points (sparta: asymmetric uint8 zeros; tinygemm: its scale-and-zero pairs). At 
 dp4a W4A8 GEMV (``templates/cuda_q4_gemv.py``: q4 weights and q8 activations in blocks of 32, the
 llama.cpp formats), with and without its activation quantiser. Kernel-only time: CUDA
 graphs of 40 calls rotating weight sets whose total exceeds 2.4× the 50 MB L2. The HBM floor is
-(int4 weight bytes + fp16 scale bytes) / measured device-to-device copy bandwidth (read + write).
+(int4 weight bytes + fp16 scale bytes) / measured device-to-device copy bandwidth (read + write); beside
+it, the time of a plain one-pass read of the same bytes (``read_probe.py``): what any kernel can reach.
 """
 
 from __future__ import annotations
@@ -105,21 +106,38 @@ def bench_shape(shape, n, k, m, bw):
     wf = [w.half() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
     res["cublas_fp16"] = {"kernel_us": gpu_kernel_us(lambda i: F.linear(xs[i % sets], wf[i]), len(wf))}
     best = min((v["kernel_us"], kk) for kk, v in res.items() if kk.startswith("sparta") and "kernel_us" in v)
+    read_us = read_probe_us(shape, wbytes + sbytes + zbytes, sets)
     for v in res.values():
         if "kernel_us" in v:
             v["x_floor"] = v["kernel_us"] / floor_us
             v["eff_GBps"] = (wbytes + sbytes) / v["kernel_us"] / 1e3
     row = {"shape": shape, "n": n, "k": k, "m": m, "group": GROUP, "weight_bytes": wbytes, "scale_bytes": sbytes,
-           "zero_bytes": zbytes, "sets": sets, "floor_us": floor_us, "best_sparta": best[1], "results": res}
+           "zero_bytes": zbytes, "sets": sets, "floor_us": floor_us, "read_probe_us": read_us,
+           "best_sparta": best[1], "results": res}
     tg = res["tinygemm"].get("kernel_us")
     row["best_vs_tinygemm"] = tg / best[0] if tg else None
     row["best_vs_cublas"] = res["cublas_fp16"]["kernel_us"] / best[0]
     print(f"{shape} m={m}: floor {floor_us:.2f} us | best sparta {best[1]} {best[0]:.2f} us "
           f"({best[0] / floor_us:.2f}x floor, SQNR {res[best[1]]['sqnr_db']:.1f} dB) | tinygemm "
           f"{f'{tg:.2f} us ({tg / floor_us:.2f}x floor)' if tg else res['tinygemm'].get('error')} | cuBLAS fp16 "
-          f"{res['cublas_fp16']['kernel_us']:.2f} us", flush=True)
+          f"{res['cublas_fp16']['kernel_us']:.2f} us | plain read of its bytes "
+          f"{f'{read_us:.2f} us ({read_us / floor_us:.2f}x floor)' if read_us else '-'}", flush=True)
     print("   " + " ".join(f"{kk}={v['kernel_us']:.2f}" for kk, v in res.items() if "kernel_us" in v), flush=True)
     return row
+
+
+def read_probe_us(shape, nbytes, sets) -> float | None:
+    """Fastest of the ``read_probe`` kernels (``read_probe.py``) reading ``nbytes`` once, rotated like the weights."""
+    best = None
+    for folder in sorted(ROOT.glob(f"w4a16/read_{shape}_*")):
+        kern = CudaKernel(folder)
+        words = json.loads((folder / "spec.json").read_text())["words"]
+        bufs = [torch.randint(-2 ** 31, 2 ** 31 - 1, (words, 4), dtype=torch.int32, device="cuda") for _ in range(sets)]
+        out = torch.zeros(1, dtype=torch.int32, device="cuda")
+        prep = kern.prepare(P=bufs[0], O=out)
+        us = gpu_kernel_us(lambda i: prep.launch(P=bufs[i], O=out), sets)
+        best = us if best is None else min(best, us)
+    return best
 
 
 def dp4a_q4(w, xs, ys, shape, m, sets, bw) -> dict:

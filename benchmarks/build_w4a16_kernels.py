@@ -4,7 +4,8 @@
 
 ``t_*`` kernels are for ``tests/runtime/test_cuda_w4a16.py`` (odd N, a partial last K chunk, every
 group size, symmetric and asymmetric, bias, fp32 and fp16 accumulation, ragged tilings); the
-others are the shapes and tilings ``benchmarks/bench_cuda_w4a16.py`` times.
+others are the shapes and tilings ``benchmarks/bench_cuda_w4a16.py`` times, and ``read_*`` plain reads
+of the same bytes (``read_probe.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from build_cuda_kernels import arguments, build_all  # noqa: E402  (benchmarks/ is the script's folder)
+from read_probe import ReadProbeSpec, read_probe
 from sparta.templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 
 BENCH_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}   # N x K
@@ -24,7 +26,10 @@ BENCH_TILINGS = {"nt1w4u2": dict(ntile=1, warps=4, unroll=2), "nt2w4u2": dict(nt
                  "nt4w8u1": dict(ntile=4, warps=8, unroll=1), "nt2w16u1": dict(ntile=2, warps=16, unroll=1)}
 
 
-def kernels() -> dict[str, W4A16Spec]:
+PROBE_CONFIGS = [(528, 512, 2), (1056, 256, 2), (264, 1024, 2), (264, 512, 4), (528, 256, 4)]
+
+
+def kernels() -> dict:
     specs = {
         "t_m1_sym_g128": W4A16Spec(1, 333, 1024, group=128),
         "t_m1_sym_g128_f16acc": W4A16Spec(1, 333, 4096, group=128, acc="float16"),
@@ -40,13 +45,17 @@ def kernels() -> dict[str, W4A16Spec]:
         for m in (1, 16):
             for tiling, kw in BENCH_TILINGS.items():
                 specs[f"b_{shape}_m{m}_{tiling}"] = W4A16Spec(m, n, k, group=128, sym=False, **kw)
-    return {name: W4A16Spec(**{**asdict(s), "name": name}) for name, s in specs.items()}
+    for shape, (n, k) in BENCH_SHAPES.items():       # plain reads of the same bytes (weights, scales, zeros)
+        words = -(-(n * k // 2 + 3 * n * (k // 128)) // 16)
+        for ctas, threads, unroll in PROBE_CONFIGS:
+            specs[f"read_{shape}_c{ctas}t{threads}u{unroll}"] = ReadProbeSpec(words, ctas, threads, unroll)
+    return {name: type(s)(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
 
 def main():
     args = arguments(Path(__file__).resolve().parents[1] / "artifacts" / "cuda" / "w4a16")
     build_all({n: s for n, s in kernels().items() if not args.only or n in args.only}, Path(args.out), args.jobs,
-              {W4A16Spec: w4a16_gemv})
+              {W4A16Spec: w4a16_gemv, ReadProbeSpec: read_probe})
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+import importlib
+import importlib.util
 import inspect
 import time
 from dataclasses import dataclass
@@ -17,8 +20,27 @@ from .tvm_env import cpu_target, cpu_target_spec, load_kernel, tvm, versions
 
 @functools.lru_cache(maxsize=None)
 def _source_digest(module) -> str:
-    """Hash of a template module's source: an edited template never hits a stale cache entry."""
-    return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:16]
+    """Hash of a template module's source and of the package modules it imports (relative imports,
+    also those inside functions, transitively): an edited template or macro never hits a stale entry."""
+    digest = hashlib.sha256()
+    for name in sorted(_relative_imports(module.__name__)):
+        digest.update(inspect.getsource(importlib.import_module(name)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _relative_imports(name: str, seen: set | None = None) -> set:
+    seen = set() if seen is None else seen
+    seen.add(name)
+    module = importlib.import_module(name)
+    package = module.__package__ or ""
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            targets = [base] if node.module else [f"{base}.{a.name}" for a in node.names]
+            for target in targets:
+                if target not in seen and importlib.util.find_spec(target) is not None:
+                    _relative_imports(target, seen)
+    return seen
 
 
 @dataclass

@@ -13,9 +13,11 @@ nibbles) subtracts ``1024 + zero`` exactly and one ``mul.f16x2`` applies the sca
 512 contiguous bytes per tile and chunk (16-byte ``ld.global.nc.L1::no_allocate``). Scales
 ``S[tile, group, 8]`` fp16, zero points ``Z[tile, group, 8]`` uint8.
 
-Compute: the dequantised half2 pairs are exactly the B fragments of ``mma.sync.m16n8k16`` (K permuted
-consistently in A and B: lane ``t`` takes K ``32t + 4s .. +4`` of k16-step ``s``), so A (rows of X,
-zero past ``M``) comes from four 16-byte loads per row and chunk, in registers. Accumulation in fp32
+Compute: ``Yᵀ = W Xᵀ`` on ``mma.sync.m16n8k16``: the dequantised half2 pairs of two 8-row tiles are
+exactly an A fragment (tile ``2p`` rows 0..7, tile ``2p+1`` rows 8..15; K permuted consistently in A and
+B: lane ``t`` takes K ``32t + 4s .. +4`` of k16-step ``s``) and B is 8 rows of X (zero past ``M``, a second
+MMA for rows 8..15) from four 16-byte loads per row and chunk, in registers — the operands sit where the
+MMA wants them, with no register moves, and one MMA covers 16 weight rows. Accumulation in fp32
 (``acc="float32"``) or fp16 (``acc="float16"``). A CTA owns ``ntile`` 8-row tiles; its ``warps`` split K
 (chunks round-robin) and reduce through shared memory; bias is fused into the fp16 store.
 """
@@ -189,11 +191,12 @@ def w4a16_gemv(spec: W4A16Spec):
     M, N, K, G = spec.m, spec.n, spec.k, spec.group
     TILES, KC, NG = spec.tiles, spec.chunks, spec.groups
     NT, W, U = spec.ntile, spec.warps, spec.unroll
-    RH = 1 if M <= 8 else 2                   # row halves of the 16-row A fragment that hold X rows
+    NP = -(-NT // 2)                          # pairs of 8-row tiles: the 16 rows of one MMA's A
+    RH = 1 if M <= 8 else 2                   # 8-column halves of X rows (the MMA's B, N = 8)
     ITERS = -(-KC // (W * U))
     GRID = -(-TILES // NT)
     f16acc = spec.acc == "float16"
-    NACC = NT * (2 if f16acc else 4)
+    NACC = RH * NP * (2 if f16acc else 4)
     MMA = ("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16" if f16acc
            else "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
     ACC = "uint32" if f16acc else "float32"
@@ -203,14 +206,11 @@ def w4a16_gemv(spec: W4A16Spec):
     def dup(u16):                              # uint32 with the same 16 bits in both halves
         return u16 | (u16 << T.uint32(16))
 
-    def acc_value(acc, tile, r):               # the fp32 value of C fragment element r (0..3) of a tile
+    def acc_value(acc, i, r):                  # the fp32 value of C element r (0..3) of accumulator set i
         if f16acc:
-            bits = T.Cast("uint16", (acc[tile * 2 + r // 2] >> T.Cast("uint32", 16 * (r % 2))) & T.uint32(0xFFFF))
+            bits = T.Cast("uint16", (acc[i * 2 + r // 2] >> T.Cast("uint32", 16 * (r % 2))) & T.uint32(0xFFFF))
             return T.Cast("float32", T.reinterpret("float16", bits))
-        return acc[tile * 4 + r]
-
-    def a_high(xa, i):                         # A rows 8..15: X rows only when M > 8
-        return xa[i] if RH == 2 else T.uint32(0)
+        return acc[i * 4 + r]
 
     def zero_lo(zl, i):                        # half2(1024 + zero)
         return T.uint32(0x64086408) if sym else zl[i]
@@ -221,21 +221,25 @@ def w4a16_gemv(spec: W4A16Spec):
     dequant = dequant_word()
 
     @T.macro
-    def dequant_mma(acc, b, w, s2, zl, zh, xa, xo, tile, j):
-        # word j: 8 nibbles = k 8j..8j+7 of the lane's 32 -> k16 steps 2j (b0, b1) and 2j+1 (b2, b3)
-        dequant(b, 0, w, s2, zl, zh)
+    def mma_pair(acc, b, xa, xo, p, j, paired):
+        # Y^T = W X^T: A = 16 weight rows (tile 2p: b[0..3], tile 2p+1: b[4..7]) in registers straight from
+        # the dequantisation, B = 8 rows of X (two of the lane's xa words): no register shuffling per MMA.
+        # Word j: 8 nibbles = k 8j..8j+7 of the lane's 32 -> k16 steps 2j (pairs 0, 1) and 2j+1 (pairs 2, 3).
         for h in T.unroll(2):
             s = T.meta_var(2 * j + h)
-            a1 = T.meta_var(a_high(xa, xo + 16 + 2 * s))
-            a3 = T.meta_var(a_high(xa, xo + 16 + 2 * s + 1))
-            if f16acc:
-                T.evaluate(T.ptx[MMA](acc[tile * 2], acc[tile * 2 + 1],
-                                      xa[xo + 2 * s], a1, xa[xo + 2 * s + 1], a3, b[2 * h], b[2 * h + 1],
-                                      acc[tile * 2], acc[tile * 2 + 1]))
-            else:
-                T.evaluate(T.ptx[MMA](acc[tile * 4], acc[tile * 4 + 1], acc[tile * 4 + 2], acc[tile * 4 + 3],
-                                      xa[xo + 2 * s], a1, xa[xo + 2 * s + 1], a3, b[2 * h], b[2 * h + 1],
-                                      acc[tile * 4], acc[tile * 4 + 1], acc[tile * 4 + 2], acc[tile * 4 + 3]))
+            a1 = T.meta_var(b[4 + 2 * h] if paired else T.uint32(0))
+            a3 = T.meta_var(b[5 + 2 * h] if paired else T.uint32(0))
+            for rh in T.unroll(RH):
+                i = T.meta_var(rh * NP + p)
+                x0 = T.meta_var(xa[xo + rh * 16 + 2 * s])
+                x1 = T.meta_var(xa[xo + rh * 16 + 2 * s + 1])
+                if f16acc:
+                    T.evaluate(T.ptx[MMA](acc[i * 2], acc[i * 2 + 1], b[2 * h], a1, b[2 * h + 1], a3, x0, x1,
+                                          acc[i * 2], acc[i * 2 + 1]))
+                else:
+                    T.evaluate(T.ptx[MMA](acc[i * 4], acc[i * 4 + 1], acc[i * 4 + 2], acc[i * 4 + 3],
+                                          b[2 * h], a1, b[2 * h + 1], a3, x0, x1,
+                                          acc[i * 4], acc[i * 4 + 1], acc[i * 4 + 2], acc[i * 4 + 3]))
 
     @T.prim_func
     def kernel(x_h: T.handle, wq_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, y_h: T.handle):
@@ -248,7 +252,7 @@ def w4a16_gemv(spec: W4A16Spec):
         Y = T.match_buffer(y_h, (M, N), "float16")
         bx = T.launch_thread("blockIdx.x", GRID)
         tx = T.launch_thread("threadIdx.x", W * 32)
-        red = T.alloc_buffer((W * NT * 4 * 32,), "float32", scope="shared")
+        red = T.alloc_buffer((W * OUTS,), "float32", scope="shared")     # [warp][row of X][column of the CTA]
         acc = T.alloc_buffer((NACC,), ACC, scope="local")
         wq = T.alloc_buffer((U * NT * 4,), "uint32", scope="local")
         xa = T.alloc_buffer((U * RH * 16,), "uint32", scope="local")
@@ -256,7 +260,7 @@ def w4a16_gemv(spec: W4A16Spec):
         sc = T.alloc_buffer((U * NT,), "uint32", scope="local")
         zl = T.alloc_buffer((U * NT,), "uint32", scope="local")
         zh = T.alloc_buffer((U * NT,), "uint32", scope="local")
-        b = T.alloc_buffer((4,), "uint32", scope="local")
+        b = T.alloc_buffer((8,), "uint32", scope="local")
         tot = T.alloc_buffer((1,), "float32", scope="local")
         warp = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
@@ -292,28 +296,36 @@ def w4a16_gemv(spec: W4A16Spec):
             for u in T.unroll(U):
                 c = T.meta_var((it * U + u) * W + warp)
                 if KC % (W * U) == 0 or c < KC:
-                    for tile in T.unroll(NT):
-                        if TILES % NT == 0 or bx * NT + tile < TILES:
+                    for p in T.unroll(NP):
+                        t0 = T.meta_var(u * NT + 2 * p)
+                        if TILES % NT == 0 or bx * NT + 2 * p < TILES:
                             for j in T.unroll(4):
-                                dequant_mma(acc, b, wq[(u * NT + tile) * 4 + j], sc[u * NT + tile],
-                                            zero_lo(zl, u * NT + tile), zero_hi(zh, u * NT + tile),
-                                            xa, u * RH * 16, tile, j)
-        for tile in T.unroll(NT):                      # split-K partials of every warp into shared memory
-            for r in T.unroll(4):
-                if RH == 2 or r < 2:
-                    red[((warp * NT + tile) * 4 + r) * 32 + lane] = acc_value(acc, tile, r)
+                                dequant(b, 0, wq[t0 * 4 + j], sc[t0], zero_lo(zl, t0), zero_hi(zh, t0))
+                                if 2 * p + 1 < NT:
+                                    if TILES % NT == 0 or bx * NT + 2 * p + 1 < TILES:
+                                        dequant(b, 4, wq[(t0 + 1) * 4 + j], sc[t0 + 1], zero_lo(zl, t0 + 1),
+                                                zero_hi(zh, t0 + 1))
+                                    else:
+                                        for e in T.unroll(4):
+                                            b[4 + e] = T.uint32(0)
+                                mma_pair(acc, b, xa, u * RH * 16, p, j, 2 * p + 1 < NT)
+        for rh in T.unroll(RH):                        # split-K partials of every warp into shared memory
+            for p in T.unroll(NP):
+                for r in T.unroll(4):
+                    m = T.meta_var(rh * 8 + t * 2 + r % 2)
+                    nl = T.meta_var((2 * p + r // 2) * 8 + g)
+                    if (M % 8 == 0 or m < M) and (NT % 2 == 0 or 2 * p + r // 2 < NT):
+                        red[(warp * M + m) * NT * 8 + nl] = acc_value(acc, rh * NP + p, r)
         T.tvm_storage_sync("shared")
         for it in T.unroll(OUT_ITERS):
             o = T.meta_var(tx + it * W * 32)
             if OUTS % (W * 32) == 0 or o < OUTS:
                 m = T.meta_var(o // (NT * 8))
-                nl = T.meta_var(o % (NT * 8))
-                n = T.meta_var(bx * NT * 8 + nl)
+                n = T.meta_var(bx * NT * 8 + o % (NT * 8))
                 if N % (NT * 8) == 0 or n < N:
-                    src = T.meta_var(((nl // 8) * 4 + (m // 8) * 2 + nl % 2) * 32 + (m % 8) * 4 + (nl % 8) // 2)
-                    tot[0] = red[src]
+                    tot[0] = red[o]
                     for w in T.unroll(1, W):
-                        tot[0] = tot[0] + red[w * NT * 4 * 32 + src]
+                        tot[0] = tot[0] + red[w * OUTS + o]
                     if use_bias:
                         Y[m, n] = T.Cast("float16", tot[0] + T.Cast("float32", B[n]))
                     else:

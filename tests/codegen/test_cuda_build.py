@@ -219,3 +219,13 @@ def test_fine_csr_round_trip_and_reference(density):
     x = torch.randn(5, 72, generator=g).half()
     torch.testing.assert_close(reference(x, w, keep, None, "none").float(), x.float() @ (w * keep).half().float().t(),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_cache_key_covers_the_modules_a_template_imports():
+    from sparta.codegen.build import _relative_imports, _source_digest
+    from sparta.templates import cuda_bsr, cuda_w4a16
+    # the W4A16 block stage and the shared dequantisation macro live in other modules than the template
+    # (imported inside its functions): editing them must change the key of every kernel built with them
+    assert {"sparta.templates.cuda_bsr_w4", "sparta.templates.cuda_w4a16"} <= _relative_imports(cuda_bsr.__name__)
+    assert _relative_imports(cuda_w4a16.__name__) == {cuda_w4a16.__name__}
+    assert _source_digest(cuda_bsr) != _source_digest(cuda_w4a16)
