@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_cuda_bsr import ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
 from bench_cuda_w4a16 import tinygemm  # noqa: E402
-from common import bench_mask, gpu_kernel_us, save  # noqa: E402
+from common import bench_mask, save  # noqa: E402
 
 from sparta.runtime.bsr_linear import BsrLinearOp, load_spec  # noqa: E402
 from sparta.templates.cuda_bsr_ref import reference  # noqa: E402
