@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cuda_bsr_ref import build_table
-from .cuda_w4a16 import dequant_word
+from .cuda_w4a16 import dequant_word, half2_splat, zero_terms
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
 # measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
@@ -347,9 +347,6 @@ def bsr_linear(spec: BsrSpec):
     NW = BN * spec.bk // 8                   # w4a16: words per block; scales follow, then zero points
     dequant = dequant_word()
 
-    def dup(u16):                            # uint32 with the same 16 bits in both halves
-        return u16 | (u16 << T.uint32(16))
-
     @T.macro
     def mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, base):
         # B fragments from the int4 record: KW words per 8 columns, dequantised in registers
@@ -359,14 +356,15 @@ def bsr_linear(spec: BsrSpec):
         for kw in T.unroll(KW):
             for ni in T.unroll(NI):
                 n = T.meta_var(wc * WTN + ni * 8 + lane // 4)
-                sz[0] = dup(T.Cast("uint32", T.reinterpret("uint16", smem[base + X_ELEMS + NW * 2 + kw * BN + n])))
+                sz[0] = half2_splat(smem[base + X_ELEMS + NW * 2 + kw * BN + n])
                 if spec.zero:
                     sz[3] = T.Cast("uint32", smb[(base + X_ELEMS + NW * 2 + KW * BN) * 2 + kw * BN + n])
-                    sz[1] = dup(sz[3] | T.uint32(0x6400))                      # half2(1024 + z)
-                    sz[2] = dup((sz[3] << T.uint32(4)) | T.uint32(0xD400))     # half2(-(64 + z))
+                    zt = T.meta_var(zero_terms(sz[3]))
+                    sz[1] = zt[0]                                              # half2(1024 + z)
+                    sz[2] = zt[1]                                              # half2(-(64 + z))
                     dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], sz[1], sz[2])
                 else:
-                    dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], T.uint32(0x64086408), T.uint32(0xD480D480))
+                    dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], zero_terms()[0], zero_terms()[1])
             for h in T.unroll(2):
                 load_a(smem, af, lane, wr, base, kw * 2 + h)
                 mma_tiles(acc, af, bf, 4, 2 * h)

@@ -158,6 +158,23 @@ def reference(x: torch.Tensor, wq, s, z, bias, spec: W4A16Spec) -> torch.Tensor:
     return y if bias is None else y + bias.float()
 
 
+def half2_splat(h):
+    """TIR: a uint32 holding the bits of fp16 ``h`` in both halves (the half2 ``(h, h)``)."""
+    from tvm.script import tirx as T
+    u = T.Cast("uint32", T.reinterpret("uint16", h))
+    return u | (u << T.uint32(16))
+
+
+def zero_terms(z=None):
+    """TIR ``(zl, zh)`` of :func:`dequant_word` for a uint32 zero point ``z`` (0..15): half2(1024 + z) and
+    half2(-(64 + z)); ``None``: the symmetric zero point 8, as constants."""
+    from tvm.script import tirx as T
+    if z is None:
+        return T.uint32(0x64086408), T.uint32(0xD480D480)
+    lo, hi = z | T.uint32(0x6400), (z << T.uint32(4)) | T.uint32(0xD400)
+    return lo | (lo << T.uint32(16)), hi | (hi << T.uint32(16))
+
+
 def dequant_word():
     """TIR macro ``dequant(b, o, w, s2, zl, zh)``: the 8 nibbles of uint32 ``w`` (in ``ORDER``) to four
     half2 ``b[o .. o+3]`` = elements (0, 1), (2, 3), (4, 5), (6, 7), each ``(q - zero) · scale``: one
@@ -203,8 +220,6 @@ def w4a16_gemv(spec: W4A16Spec):
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
     sym, use_bias = spec.sym, spec.bias
-    def dup(u16):                              # uint32 with the same 16 bits in both halves
-        return u16 | (u16 << T.uint32(16))
 
     def acc_value(acc, i, r):                  # the fp32 value of C element r (0..3) of accumulator set i
         if f16acc:
@@ -213,10 +228,10 @@ def w4a16_gemv(spec: W4A16Spec):
         return acc[i * 4 + r]
 
     def zero_lo(zl, i):                        # half2(1024 + zero)
-        return T.uint32(0x64086408) if sym else zl[i]
+        return zero_terms()[0] if sym else zl[i]
 
     def zero_hi(zh, i):                        # half2(-(64 + zero))
-        return T.uint32(0xD480D480) if sym else zh[i]
+        return zero_terms()[1] if sym else zh[i]
 
     dequant = dequant_word()
 
@@ -279,11 +294,11 @@ def w4a16_gemv(spec: W4A16Spec):
                             o = T.meta_var((u * NT + tile) * 4)
                             T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                                 wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
-                            sc[u * NT + tile] = dup(T.Cast("uint32", T.reinterpret("uint16", S[tl, kb // G, g])))
+                            sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
                             if not sym:
-                                zl[u * NT + tile] = dup(T.Cast("uint32", Z[tl, kb // G, g]) | T.uint32(0x6400))
-                                zh[u * NT + tile] = dup((T.Cast("uint32", Z[tl, kb // G, g]) << T.uint32(4))
-                                                        | T.uint32(0xD400))
+                                zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g])))
+                                zl[u * NT + tile] = zt[0]
+                                zh[u * NT + tile] = zt[1]
                     for rh in T.unroll(RH):
                         if g + rh * 8 < M and kb < K:
                             for q in T.unroll(4):
