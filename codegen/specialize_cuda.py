@@ -16,6 +16,7 @@ reason in the report.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -24,9 +25,11 @@ from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
 from ..runtime.bsr_linear import SparseLinearCUDA
+from ..runtime.layernorm import LayerNormCUDA, quantized_names
 from ..runtime.w4a16_gemv import W4A16GemvCUDA
 from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from ..templates.cuda_bsr_ref import block_mask_of
+from ..templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
 from ..templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 from ..templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 from .cuda_build import build_cuda
@@ -72,7 +75,61 @@ def specialize_cuda(graph: Graph, plan: Plan):
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report.append(row)
+    report += _quantizing_norms(graph, replacements)
     return replacements, report
+
+
+def _quantizing_norms(graph: Graph, replacements: dict) -> list[dict]:
+    """LayerNorms whose output W8A8 linears read become sparta's LayerNorm kernel, which hands those
+    linears per-token int8 codes and scales (bit for bit their own quantiser's on its fp16 output),
+    so they skip a pass over the activations. Returns the kernel report rows."""
+    rows = []
+    for op in graph.ops("layer_norm"):
+        y = op.outputs[0]
+        readers = graph.consumers(y)
+        int8 = [r for r in readers if isinstance(replacements.get(r), SparseLinearCUDA)
+                and replacements[r].spec.dtype == "int8" and replacements[r].input_names == [y]]
+        if not int8 or op.name in replacements:
+            continue
+        fp16_too = len(int8) < len(readers) or y in graph.outputs
+        built = _build_norm(graph, op, "both" if fp16_too else "int8", replacements[int8[0]].spec.m)
+        if isinstance(built, str):
+            rows.append({"op": op.name, "template": "torch", "blocks": "-", "bits": "-", "dismantle": "-",
+                         "build_s": 0.0, "cached": False, "code_bytes": 0, "key": built})
+            continue
+        module, row = built
+        for r in int8:
+            replacements[r].use_quantized_input(quantized_names(y), graph.tensor(graph.op(r).outputs[0]).dtype)
+        replacements[op.name] = module
+        row["note"] = f"emits per-token int8 codes for {', '.join(int8)}"
+        rows.append(row)
+    return rows
+
+
+def _build_norm(graph: Graph, op: Op, out: str, rows: int):
+    x = graph.tensor(op.input_of("input"))
+    n = x.shape[-1] if x.shape else 0
+    if list(op.attrs.get("normalized_shape", [])) != [n]:
+        return "normalises more than the last dimension"
+    if n % 8 or math.prod(x.shape[:-1]) != rows:
+        return f"width {n} is not a multiple of 8 or rows differ from the linears'"
+    params = {}
+    for role in ("weight", "bias"):
+        name = op.input_of(role)
+        if name is not None and graph.tensor(name).data is None:
+            return f"the {role} is not a constant"
+        params[role] = None if name is None else graph.tensor(name).data.float() * graph.tesa(name).mask.float()
+    if params["bias"] is not None and params["weight"] is None:
+        return "a bias without a weight"
+    spec = LayerNormSpec(rows, n, eps=float(op.attrs.get("eps", 1e-5)), affine=params["weight"] is not None,
+                         bias=params["bias"] is not None, out=out, threads=pick_threads(n),
+                         name=f"layer_norm_{rows}x{n}_{out}")
+    art = build_cuda(layer_norm_kernel, spec)
+    y = op.outputs[0]
+    outputs = ([y] if out == "both" else []) + quantized_names(y)
+    module = LayerNormCUDA(op.name, x.name, outputs, art.path, spec, params["weight"], params["bias"],
+                           graph.tensor(y).shape)
+    return module, _row(op, "layer_norm", "-", "A16->A8" if out == "int8" else "A16->A16+A8", "-", [art])
 
 
 def _build_op(graph: Graph, op: Op, op_plan: OpPlan):

@@ -35,6 +35,7 @@ MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from
     "passthrough": "sparta.backend.fx:Passthrough",
     "bsr_linear_cuda": "sparta.runtime.bsr_linear:SparseLinearCUDA",
     "w4a16_gemv_cuda": "sparta.runtime.w4a16_gemv:W4A16GemvCUDA",
+    "layer_norm_cuda": "sparta.runtime.layernorm:LayerNormCUDA",
     "sparse_linear_cpu": "sparta.codegen.cpu_modules:SparseLinearCPU",
 }
 

@@ -60,3 +60,16 @@ def bert_base(layers=12, seed=0):
     import transformers
     torch.manual_seed(seed)
     return transformers.BertModel(transformers.BertConfig(num_hidden_layers=layers)).eval()
+
+
+class NormBlock(nn.Module):
+    """LayerNorm feeding an MLP and a residual (post-LN BERT's FFN input): ``ln(x) + fc2(relu(fc1(ln(x))))``."""
+
+    def __init__(self, d=256, hidden=512, residual=True):
+        super().__init__()
+        self.ln, self.fc1, self.fc2, self.residual = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d), residual
+
+    def forward(self, x):
+        h = self.ln(x)
+        y = self.fc2(F.relu(self.fc1(h)))
+        return y + h if self.residual else y

@@ -5,7 +5,8 @@ hierarchy is created for dotted names), so ``gm.state_dict()`` matches the origi
 model and ONNX export names initializers after them. ``replacements`` lets later passes
 swap an op for a kernel module: it maps an op name to a callable module which receives
 the op's input tensors (in ``op.inputs`` order, or the tensors named by the module's
-``input_names``) and returns its outputs. Weights no remaining torch op reads are not
+``input_names``) and returns its outputs (or the tensors named by its ``output_names``, which
+may include tensors the graph does not hold, such as quantised copies of an output). Weights no remaining torch op reads are not
 registered (a kernel module holds its own packed copy).
 """
 
@@ -113,6 +114,11 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
             names = getattr(replacements[op.name], "input_names", None) or op.inputs
             result = fg.create_node("call_module", mod_name, tuple(lookup(t) for t in names),
                                     name=_fx_name(op.name))
+            produced = getattr(replacements[op.name], "output_names", None)
+            if produced is not None:    # the module returns these tensors (in order), not op.outputs
+                for i, t in enumerate(produced):
+                    env[t] = result if len(produced) == 1 else fg.call_function(operator.getitem, (result, i))
+                continue
             multi = len(op.outputs) > 1
         else:
             refs = {t: lookup(t) for t in op.inputs}

@@ -187,7 +187,15 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
         self.register_buffer("bias", bias.half() if bias is not None else torch.zeros(spec.n, dtype=torch.float16))
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
+        self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
         self._op = None
+
+    def use_quantized_input(self, names: list[str], out_dtype: torch.dtype) -> None:
+        """Read per-token int8 codes and fp32 scales (the graph tensors ``names``, e.g. from a LayerNorm
+        kernel that quantises its output) instead of quantising a float input; return ``out_dtype``."""
+        if self.spec.dtype != "int8" or len(names) != 2:
+            raise CudaRuntimeError(f"op {self.op_name!r}: only a W8A8 kernel reads (codes, scales) inputs")
+        self.input_names, self.out_dtype, self.quant_folder = list(names), out_dtype, None
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
@@ -226,7 +234,9 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
             return self.hopper
         return self.folder, self.spec
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if (x_scale is not None) != (self.out_dtype is not None):
+            raise CudaRuntimeError(f"op {self.op_name!r} takes {'(codes, scales)' if self.out_dtype else 'one input'}")
         if not x.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
@@ -238,6 +248,9 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
                                           self.bias if self.spec.bias else None, self.weight_scale)
             if self.quant_folder:
                 self._op.quantizer = RowQuantizer(self.quant_folder)
+        if x_scale is not None:
+            y = self._op.int8(x.reshape(self.spec.m, self.spec.k), x_scale.reshape(self.spec.m))
+            return y.reshape(self.out_shape).to(self.out_dtype)
         y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
         return y.reshape(self.out_shape).to(x.dtype)
 
@@ -262,6 +275,8 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
         if self.quant_folder:
             config["quantizer"] = Path(self.quant_folder).name
             folders[config["quantizer"]] = Path(self.quant_folder)
+        if self.out_dtype is not None:
+            config["quantized_input"] = {"names": self.input_names, "dtype": str(self.out_dtype).split(".")[-1]}
         if self.hopper is not None:
             h_folder = Path(self.hopper[0])
             config["hopper"] = {"kernel": h_folder.name, "spec": spec_to_json(self.hopper[1])}
@@ -281,6 +296,12 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
                      folders[config["quantizer"]] if config.get("quantizer") else None,
                      (folders[kernels[1][0]], kernels[1][1]) if hopper else None)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
+        quantized = config.get("quantized_input")
+        if quantized is not None:
+            dtype = getattr(torch, quantized["dtype"], None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise CudaRuntimeError(f"op {config['op_name']!r}: unknown output dtype {quantized['dtype']!r}")
+            module.use_quantized_input(quantized["names"], dtype)
         return module
 
     def extra_repr(self) -> str:

@@ -153,3 +153,38 @@ def test_dense_4bit_ops_where_the_int4_gemm_is_slower_stay_cublas(tmp_path, monk
     rows = {k["op"]: k for k in compiled.kernels}
     assert rows["linear_1"]["template"] == "torch" and "slower than cuBLAS" in rows["linear_1"]["key"]
     assert rows["linear"]["bits"] == "W4A16"
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_a_layer_norm_feeding_w8a8_linears_emits_their_int8_codes(tmp_path, monkeypatch, residual):
+    """The LayerNorm becomes sparta's kernel, which quantises its output per token for the W8A8 linear
+    reading it (fp16 as well when the residual reads it); the plan, the graph module and a save keep it."""
+    from models import NormBlock
+    from sparta.runtime.layernorm import LayerNormCUDA
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = NormBlock(256, 512, residual=residual).eval()
+    with torch.no_grad():
+        model.ln.weight.uniform_(0.5, 1.5)
+        model.ln.bias.uniform_(-0.5, 0.5)
+    batches = [(torch.randn(2, 24, 256),) for _ in range(2)]
+    mask = (torch.rand(512 // 32, 256 // 32) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    compiled = sparta.compile(model, {"fc1.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    mods = compiled.module_replacements()
+    norm, fc1 = mods["layer_norm"], mods["linear"]
+    assert isinstance(norm, LayerNormCUDA) and fc1.spec.dtype == "int8", compiled.kernel_report()
+    assert norm.spec.out == ("both" if residual else "int8") and norm.spec.eps == 1e-5
+    assert fc1.input_names == ["layer_norm:int8", "layer_norm:scale"] and fc1.quant_folder is None
+    assert norm.output_names == (["layer_norm"] if residual else []) + fc1.input_names
+    torch.testing.assert_close(norm.weight.float(), model.ln.weight.detach(), rtol=1e-3, atol=1e-3)
+    row = next(r for r in compiled.kernels if r["op"] == "layer_norm")
+    assert row["template"] == "layer_norm" and "linear" in row["note"]
+    src = (Path(row["artifact"]) / "kernel.cu").read_text()
+    assert "shfl_sync" in src and ("Y_ptr" in src) == residual
+    code = compiled.module.code      # the module's tuple output feeds the linear's two inputs
+    assert "kernel_layer_norm" in code and "getitem" in code
+    loaded = sparta.load(compiled.save(tmp_path / "saved"))
+    again = loaded.module_replacements()
+    assert again["layer_norm"].spec == norm.spec and again["layer_norm"].output_names == norm.output_names
+    assert again["linear"].input_names == fc1.input_names and again["linear"].out_dtype == torch.float32

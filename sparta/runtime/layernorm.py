@@ -1,0 +1,119 @@
+"""sparta's LayerNorm kernel (``templates/cuda_layernorm.py``) from torch, without TVM.
+
+``LayerNormOp(folder, spec, weight, bias)(x)`` normalises a contiguous fp16 ``(M, N)`` tensor and
+returns what the kernel was built to emit: ``y``, ``(xq, xs)`` or ``(y, xq, xs)`` (per-token int8
+codes and fp32 scales, what the W8A8 linears read). :class:`LayerNormCUDA` is the graph module
+``compile(target="cuda")`` puts in place of a ``layer_norm`` op whose output feeds W8A8 linears:
+it hands them the quantised activations (graph tensors ``<out>:int8`` and ``<out>:scale``) so
+they skip their own quantisation pass, and gives the fp16 output to every other reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..templates.cuda_layernorm import LayerNormSpec
+from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
+
+QUANT_SUFFIXES = (":int8", ":scale")
+
+
+def quantized_names(tensor: str) -> list[str]:
+    """Graph names of the per-token int8 codes and scales of ``tensor``."""
+    return [tensor + s for s in QUANT_SUFFIXES]
+
+
+class LayerNormOp:
+    """One LayerNorm kernel with its (fp16) weight and bias on the GPU."""
+
+    def __init__(self, folder, spec: LayerNormSpec, weight: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        self.kernel, self.spec = CudaKernel(folder), spec
+        for what, t, want in (("weight", weight, spec.affine), ("bias", bias, spec.bias)):
+            if want != (t is not None):
+                raise CudaRuntimeError(f"{spec.name}: the kernel {'takes' if want else 'has no'} a {what}")
+            if t is not None and tuple(t.shape) != (spec.n,):
+                raise CudaRuntimeError(f"{spec.name}: {what} is {tuple(t.shape)}, the kernel wants ({spec.n},)")
+        self.weight = None if weight is None else weight.detach().half().contiguous()
+        self.bias = None if bias is None else bias.detach().half().contiguous()
+        self._prepared = None
+
+    def __call__(self, x: torch.Tensor):
+        s = self.spec
+        check_fp16_input(s.name, x, s.m, s.n)
+        if self.weight is not None and self.weight.device != x.device:
+            self.weight = self.weight.to(x.device)
+            self.bias = None if self.bias is None else self.bias.to(x.device)
+            self._prepared = None
+        outs = {}
+        if s.out != "int8":
+            outs["Y"] = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device)
+        if s.out != "fp16":
+            outs["XQ"] = torch.empty(s.m, s.n, dtype=torch.int8, device=x.device)
+            outs["XS"] = torch.empty(s.m, dtype=torch.float32, device=x.device)
+        if self._prepared is None:
+            params = {k: v for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
+            self._prepared = self.kernel.prepare(X=x, **params, **outs)
+        else:
+            self._prepared.launch(X=x, **outs)
+        vals = tuple(outs.values())
+        return vals[0] if len(vals) == 1 else vals
+
+
+class LayerNormCUDA(torch.nn.Module):
+    """A ``layer_norm`` op run by sparta's kernel; ``output_names`` are the graph tensors it returns, in
+    order: its output (if anything but the W8A8 linears reads it) and/or ``quantized_names(output)``."""
+
+    def __init__(self, op_name: str, x_name: str, output_names: list[str], folder, spec: LayerNormSpec,
+                 weight: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple):
+        super().__init__()
+        want = (["y"] if spec.out != "int8" else []) + (["q", "s"] if spec.out != "fp16" else [])
+        if len(output_names) != len(want):
+            raise CudaRuntimeError(f"op {op_name!r}: a kernel emitting {spec.out} returns {len(want)} tensors, "
+                                   f"not {len(output_names)}")
+        if math.prod(out_shape) != spec.m * spec.n or out_shape[-1] != spec.n:
+            raise CudaRuntimeError(f"op {op_name!r}: output shape {tuple(out_shape)} is not {spec.m} rows of {spec.n}")
+        self.op_name, self.input_names, self.output_names = op_name, [x_name], list(output_names)
+        self.folder, self.spec, self.out_shape = str(folder), spec, tuple(out_shape)
+        self.register_buffer("weight", None if weight is None else weight.detach().half())
+        self.register_buffer("bias", None if bias is None else bias.detach().half())
+        self._op = None
+
+    def forward(self, x: torch.Tensor):
+        if not x.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
+                                   "(compiled.to('cuda'))")
+        if self._op is None or (self.weight is not None and self._op.weight.data_ptr() != self.weight.data_ptr()):
+            self._op = LayerNormOp(self.folder, self.spec, self.weight, self.bias)
+        outs = self._op(x.reshape(self.spec.m, self.spec.n).to(torch.float16).contiguous())
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        if self.spec.out != "int8":
+            outs = (outs[0].reshape(self.out_shape).to(x.dtype), *outs[1:])
+        return outs if len(outs) > 1 else outs[0]
+
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
+        folder = Path(self.folder)
+        config = {"op_name": self.op_name, "x_name": self.input_names[0], "output_names": self.output_names,
+                  "spec": dataclasses.asdict(self.spec), "kernel": folder.name, "out_shape": list(self.out_shape)}
+        tensors = {k: v for k, v in (("weight", self.weight), ("bias", self.bias)) if v is not None}
+        return config, tensors, {folder.name: folder}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> LayerNormCUDA:
+        spec = LayerNormSpec(**config["spec"])
+        folder = folders[config["kernel"]]
+        if (folder / "spec.json").is_file() and LayerNormSpec(**json.loads((folder / "spec.json").read_text())) != spec:
+            raise CudaRuntimeError(f"op {config['op_name']!r}: kernel folder {folder.name} was built for a different spec")
+        return cls(config["op_name"], config["x_name"], config["output_names"], folder, spec,
+                   tensors.get("weight"), tensors.get("bias"), tuple(config["out_shape"]))
+
+    def extra_repr(self) -> str:
+        return f"{self.op_name}: {self.spec.m}x{self.spec.n}, emits {self.spec.out}"
+
+
+__all__ = ["LayerNormCUDA", "LayerNormOp", "quantized_names", "QUANT_SUFFIXES"]
