@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 
-from common import bench_mask  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_cuda_layernorm import LN_SHAPES  # noqa: E402  (benchmarks/ is the script's folder)
+from common import bench_mask  # noqa: E402
 from sparta.codegen.cuda_build import build_cuda, save_dir
 from sparta.codegen.specialize_cuda import int8_dense_tiles
 from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from sparta.templates.cuda_fine import FineSpec, fine_linear
+from sparta.templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
 from sparta.templates.cuda_q4_gemv import Q4GemvSpec, Q8QuantSpec, q4_gemv, quantize_q8_kernel
 from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 
@@ -187,6 +189,15 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         specs[f"q8quant_{k}_m1"] = Q8QuantSpec(1, k)
     specs["q_ffn1"] = QuantRowsSpec(*FFN1[::2])
     specs["q_ffn2"] = QuantRowsSpec(*FFN2[::2])
+    # LayerNorm (+ per-token int8): odd rows, ragged chunks per thread, a CTA per row, no affine
+    specs["t_ln_warp_both"] = LayerNormSpec(37, 1000, out="both")
+    specs["t_ln_plain"] = LayerNormSpec(5, 24, affine=False, bias=False)
+    specs["t_ln_cta_int8"] = LayerNormSpec(33, 4104, out="int8", threads=pick_threads(4104))
+    specs["t_ln_cta2_weight_only"] = LayerNormSpec(16, 768, bias=False, out="both", threads=64)
+    for m, n in LN_SHAPES:                         # bench_cuda_layernorm.py
+        for out in ("fp16", "int8", "both"):
+            specs[f"ln_{m}x{n}_{out}"] = LayerNormSpec(m, n, out=out, threads=pick_threads(n))
+        specs[f"q_ln_{m}x{n}"] = QuantRowsSpec(m, n)
     return {name: type(s)(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
 
@@ -216,10 +227,32 @@ def saved_models(out: Path) -> None:
                         quant_tolerance={"tolerance": 5e-2, "widths": (4,), "symmetric": False, "progress": False})
     print(w4.kernel_report())
     w4.save(out / "saved_mlp_w4a16")
+    # post-LN block (LayerNorm -> W8A8 MLP + residual, 3x333 tokens): the norm kernel emits fp16 and int8
+    block = _NormBlock().eval()
+    with torch.no_grad():
+        block.ln.weight.uniform_(0.5, 1.5, generator=g)
+        block.ln.bias.uniform_(-0.5, 0.5, generator=g)
+    batches = [(torch.randn(3, 333, 1024, generator=g) * 3 + 1,) for _ in range(2)]
+    ln8 = sparta.compile(block, {"fc1.weight": masks["0.weight"]}, batches[0], target="cuda", calibration=batches,
+                         quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    print(ln8.kernel_report())
+    ln8.save(out / "saved_norm_w8a8")
+
+
+class _NormBlock(torch.nn.Module):
+    """``ln(x) + fc2(relu(fc1(ln(x))))``: a LayerNorm read by a linear and a residual (as ``tests/models.NormBlock``)."""
+
+    def __init__(self, d=1024, hidden=2048):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.fc2(torch.relu(self.fc1(h))) + h
 
 
 TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear, Q4GemvSpec: q4_gemv,
-             Q8QuantSpec: quantize_q8_kernel}
+             Q8QuantSpec: quantize_q8_kernel, LayerNormSpec: layer_norm_kernel}
 
 
 def build_all(specs: dict, out: Path, jobs: int, templates=TEMPLATES) -> None:

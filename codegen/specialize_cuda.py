@@ -2,6 +2,8 @@
 (fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
 W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights;
 a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``).
+A LayerNorm read by W8A8 linears becomes sparta's LayerNorm kernel, which hands them their per-token
+int8 codes (``templates/cuda_layernorm.py``), so they skip the quantiser.
 
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are

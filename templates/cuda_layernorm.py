@@ -2,7 +2,8 @@
 
 ``Y[m, :] = (X[m, :] - mean) · rsqrt(var + eps) · G + B`` with the statistics in fp32 by Welford's
 algorithm, as OneFlow's LayerNorm kernels compute them: each thread folds its values into
-(count, mean, M2), then threads merge pairwise (butterfly shuffles within a warp, shared memory
+(count, mean, M2) — the count of every value is known at compile time, so each update multiplies by a
+constant reciprocal instead of dividing — then threads merge pairwise (butterfly shuffles within a warp, shared memory
 across warps). The row stays in registers between the statistics and the normalisation, so ``X``
 is read once (OneFlow's "warp" kernel for ``threads=32``: one warp per row, four rows per CTA; its
 "block, cached" kernel for more threads: one CTA per row).
@@ -175,7 +176,7 @@ def layer_norm_kernel(spec: LayerNormSpec):
                     for v in T.unroll(8):      # Welford: the count of value (it, v) is 8·it + v + 1
                         vals[it * 8 + v] = T.Cast("float32", raw[it * 8 + v])
                         ot[0] = vals[it * 8 + v] - st[1]
-                        st[1] = st[1] + ot[0] / T.Cast("float32", it * 8 + v + 1)
+                        st[1] = st[1] + ot[0] * (T.float32(1) / T.Cast("float32", it * 8 + v + 1))
                         st[2] = st[2] + ot[0] * (vals[it * 8 + v] - st[1])
                     st[0] = T.Cast("float32", it * 8 + 8)
             merge(st, ot, red, lane, t)
