@@ -6,8 +6,8 @@ model and ONNX export names initializers after them. ``replacements`` lets later
 swap an op for a kernel module: it maps an op name to a callable module which receives
 the op's input tensors (in ``op.inputs`` order, or the tensors named by the module's
 ``input_names``) and returns its outputs (or the tensors named by its ``output_names``, which
-may include tensors the graph does not hold, such as quantised copies of an output). Weights no remaining torch op reads are not
-registered (a kernel module holds its own packed copy).
+may include tensors the graph does not hold, such as quantised copies of an output). Weights
+no remaining torch op reads are not registered (a kernel module holds its own packed copy).
 """
 
 from __future__ import annotations
