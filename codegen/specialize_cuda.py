@@ -69,8 +69,7 @@ def specialize_cuda(graph: Graph, plan: Plan):
         op = graph.op(op_plan.op)
         built = _build_op(graph, op, op_plan)
         if isinstance(built, str):
-            report.append({"op": op.name, "template": "torch", "blocks": "-", "bits": "W16A16", "dismantle": "-",
-                           "build_s": 0.0, "cached": False, "code_bytes": 0, "key": built})
+            report.append(_torch_row(op, "W16A16", built))
             continue
         module, row, fused = built
         replacements[op.name] = module
@@ -96,8 +95,7 @@ def _quantizing_norms(graph: Graph, replacements: dict) -> list[dict]:
         fp16_too = len(int8) < len(readers) or y in graph.outputs
         built = _build_norm(graph, op, "both" if fp16_too else "int8", replacements[int8[0]].spec.m)
         if isinstance(built, str):
-            rows.append({"op": op.name, "template": "torch", "blocks": "-", "bits": "-", "dismantle": "-",
-                         "build_s": 0.0, "cached": False, "code_bytes": 0, "key": built})
+            rows.append(_torch_row(op, "-", built))
             continue
         module, row = built
         for r in int8:
@@ -248,6 +246,12 @@ def _bind(module, graph: Graph, op: Op, view, reference: bool) -> None:
     module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
     if reference:
         module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
+
+
+def _torch_row(op: Op, bits: str, why: str) -> dict:
+    """The kernel report row of an op left to torch, ``why`` in its key column."""
+    return {"op": op.name, "template": "torch", "blocks": "-", "bits": bits, "dismantle": "-",
+            "build_s": 0.0, "cached": False, "code_bytes": 0, "key": why}
 
 
 def _row(op: Op, template: str, blocks: str, bits: str, dismantle: str, arts: list) -> dict:

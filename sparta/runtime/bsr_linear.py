@@ -21,7 +21,7 @@ import torch
 from ..templates.cuda_bsr import BsrSpec
 from ..templates.cuda_bsr_ref import block_mask_of, pack_weight, quantize_rows, unpack_weight
 from ..templates.cuda_bsr_w4 import expand_groups, pack_w4, quantize_w4, unpack_w4
-from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, device_arch
+from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec, device_arch
 
 
 def spec_to_json(spec: BsrSpec) -> dict:
@@ -289,8 +289,7 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
         hopper = config.get("hopper")
         kernels = [(config["kernel"], spec)] + ([(hopper["kernel"], spec_from_json(hopper["spec"]))] if hopper else [])
         for name, kspec in kernels:
-            if (folders[name] / "spec.json").is_file() and load_spec(folders[name]) != kspec:
-                raise CudaRuntimeError(f"op {config['op_name']!r}: kernel folder {name} was built for a different spec")
+            check_saved_spec(config["op_name"], folders[name], kspec, load=load_spec)
         module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
                      folders[config["quantizer"]] if config.get("quantizer") else None,

@@ -52,6 +52,17 @@ def check_fp16_input(name: str, x: torch.Tensor, m: int, k: int) -> None:
                                f"got {x.dtype} {tuple(x.shape)}")
 
 
+def check_saved_spec(op_name: str, folder, spec, load=None) -> None:
+    """Refuse a saved op whose kernel folder records (``spec.json``) another spec than the op's.
+    ``load(folder)`` reads the folder's spec (default: ``type(spec)`` from the JSON fields)."""
+    path = Path(folder) / "spec.json"
+    if not path.is_file():
+        return
+    built = load(folder) if load is not None else type(spec)(**json.loads(path.read_text()))
+    if built != spec:
+        raise CudaRuntimeError(f"op {op_name!r}: kernel folder {Path(folder).name} was built for a different spec")
+
+
 def device_arch(device=None) -> str:
     if not torch.cuda.is_available():
         raise CudaRuntimeError("no CUDA GPU is available (torch.cuda.is_available() is False)")

@@ -11,14 +11,13 @@ they skip their own quantisation pass, and gives the fp16 output to every other 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from ..templates.cuda_layernorm import LayerNormSpec
-from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
+from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, check_saved_spec
 
 QUANT_SUFFIXES = (":int8", ":scale")
 
@@ -107,8 +106,7 @@ class LayerNormCUDA(torch.nn.Module):
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> LayerNormCUDA:
         spec = LayerNormSpec(**config["spec"])
         folder = folders[config["kernel"]]
-        if (folder / "spec.json").is_file() and LayerNormSpec(**json.loads((folder / "spec.json").read_text())) != spec:
-            raise CudaRuntimeError(f"op {config['op_name']!r}: kernel folder {folder.name} was built for a different spec")
+        check_saved_spec(config["op_name"], folder, spec)
         return cls(config["op_name"], config["x_name"], config["output_names"], folder, spec,
                    tensors.get("weight"), tensors.get("bias"), tuple(config["out_shape"]))
 

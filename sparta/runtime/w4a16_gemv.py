@@ -9,13 +9,12 @@ loads without TVM like :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
 from ..templates.cuda_w4a16 import W4A16Spec, dequantize, pack_codes
-from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input
+from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
 
 
 class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
@@ -82,8 +81,7 @@ class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> W4A16GemvCUDA:
         spec = W4A16Spec(**config["spec"])
         folder = folders[config["kernel"]]
-        if (folder / "spec.json").is_file() and W4A16Spec(**json.loads((folder / "spec.json").read_text())) != spec:
-            raise CudaRuntimeError(f"op {config['op_name']!r}: kernel folder {folder.name} was built for a different spec")
+        check_saved_spec(config["op_name"], folder, spec)
         module = cls(config["op_name"], config["x_name"], folder, spec, tensors["wq"], tensors["scale"],
                      tensors.get("zero"), tensors.get("bias"), tuple(config["out_shape"]))
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]

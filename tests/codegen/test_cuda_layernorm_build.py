@@ -39,3 +39,15 @@ def test_bad_specs_are_refused():
 def test_threads_per_row():
     assert [pick_threads(n) for n in (24, 768, 1024, 1032, 4096, 8192, 65536)] == [32, 32, 32, 128, 256, 512, 1024]
     assert LayerNormSpec(4, 4104, threads=512).per_thread == 2 and LayerNormSpec(4, 768).per_thread == 3
+
+
+def test_a_saved_op_refuses_a_kernel_folder_built_for_another_spec(tmp_path):
+    import dataclasses
+
+    from sparta.runtime.cuda import CudaRuntimeError, check_saved_spec
+    spec = LayerNormSpec(4, 64, out="both")
+    check_saved_spec("ln", tmp_path, spec)                      # no spec.json: nothing to compare
+    (tmp_path / "spec.json").write_text(json.dumps(dataclasses.asdict(spec)))
+    check_saved_spec("ln", tmp_path, spec)
+    with pytest.raises(CudaRuntimeError, match="built for a different spec"):
+        check_saved_spec("ln", tmp_path, dataclasses.replace(spec, out="int8"))
