@@ -157,11 +157,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="90% only, 32x32 blocks")
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--sparsities", type=int, nargs="*", help="default 50 70 90 95")
+    ap.add_argument("--blocks", type=int, nargs="*", help="default 32 64")
     args = ap.parse_args()
     bw, peak = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s, cuBLAS 8192^3 {peak:.0f} TFLOP/s", flush=True)
     dense = [] if args.no_dense else dense_rows(bw, peak)
-    sparse = sparse_rows(bw, peak, [90] if args.quick else [50, 70, 90, 95], [32] if args.quick else [32, 64])
+    sparse = sparse_rows(bw, peak, args.sparsities or ([90] if args.quick else [50, 70, 90, 95]),
+                         args.blocks or ([32] if args.quick else [32, 64]))
     path = save("cuda_bsr", {"copy_GBps": bw, "cublas_peak_tflops": peak, "dense": dense, "sparse": sparse})
     print(f"wrote {path}")
 

@@ -84,13 +84,16 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sparsities", type=int, nargs="*", default=[90])
+    ap.add_argument("--blocks", type=int, nargs="*", default=[32, 64])
+    ap.add_argument("--no-dense", action="store_true")
     args = ap.parse_args()
     bw, peak = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s, cuBLAS fp16 8192^3 {peak:.0f} TFLOP/s", flush=True)
     rows = []
     for shape, (m, n, k) in SHAPES.items():
-        rows.append(run(shape, m, n, k, 0, None, bw, peak))
-        for blk in (32, 64):
+        if not args.no_dense:
+            rows.append(run(shape, m, n, k, 0, None, bw, peak))
+        for blk in args.blocks:
             for sp in args.sparsities:
                 rows.append(run(shape, m, n, k, sp, blk, bw, peak))
     print(f"wrote {save('cuda_w8a8', {'copy_GBps': bw, 'cublas_peak_tflops': peak, 'rows': rows})}")

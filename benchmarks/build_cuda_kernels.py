@@ -40,7 +40,15 @@ SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, sta
                 "b32_t64": dict(bn=32, bk=32, tm=64, warps_m=2, warps_n=1, stages=4),
                 "b32_t128w2": TUNED_TILES[32],
                 "b64_t128": TUNED_TILES[64],
-                "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3)}
+                "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3),
+                # streaming grid (templates/cuda_bsr_stream.py): CTA (m tile, group) runs the group's rows
+                "b64_t128g6": dict(TUNED_TILES[64], groups=6),
+                "b64_t128g12": dict(TUNED_TILES[64], groups=12),
+                "b64_t64g4": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3, groups=4),
+                "b64_t64g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3, groups=8),
+                "b64_t64s4g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=4, groups=8),
+                "b32_t128g12": dict(TUNED_TILES[32], groups=12),
+                "b32_t128g24": dict(TUNED_TILES[32], groups=24)}
 
 
 # W8A8 (dtype="int8"): bk counts int8 elements, so bk=64 moves the bytes of the fp16 bk=32 tiles
@@ -53,7 +61,9 @@ INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2
               "i8_b32_t128": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
               "i8_b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
               "i8_b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
-              "i8_b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=2, stages=3)}
+              "i8_b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=2, stages=3),
+              "i8_b64_t128g12": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3, groups=12),
+              "i8_b64_t64g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3, groups=8)}
 
 # Hopper wgmma kernels (mma="wgmma", sm_90a): warps_m x warps_n count warpgroups of 128 threads
 WG = dict(mma="wgmma")
@@ -115,6 +125,17 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                   table="const", pattern=_pattern(bench_mask(4, 8, 0.4, "t_const"))),
         "t_b64": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
         "t_dense_tile": BsrSpec(256, 256, 128, **DENSE_TILES["t128x128k32"]),
+        # streaming grid: odd M, ragged N and K, more groups than block rows (empty groups), const table
+        "t_stream_gelu": BsrSpec(257, 192, 320, act="gelu", groups=2, **TUNED_TILES[64]),
+        "t_stream_ragged_relu": BsrSpec(130, 100, 40, bn=32, bk=32, tm=64, warps_m=2, stages=2, act="relu",
+                                        groups=5),
+        "t_stream_const_nobias": BsrSpec(192, 128, 256, bn=32, bk=32, tm=64, warps_m=2, stages=3, bias=False,
+                                         table="const", groups=3, pattern=_pattern(bench_mask(4, 8, 0.4, "t_const"))),
+        "t_stream_odd_n": BsrSpec(77, 99, 64, bn=32, bk=32, tm=32, warps_m=2, stages=3, groups=2),
+        "t_stream_i8_gelu": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
+                                    act="gelu_erf", dtype="int8", groups=2),
+        "t_stream_w4_zero": BsrSpec(200, 96, 200, bn=32, bk=64, tm=64, warps_m=2, stages=3, dtype="w4a16",
+                                    zero=True, groups=2),
         # W8A8: odd M, ragged N, a half-filled last K block; 64-blocks with the exact GELU; no bias
         "t_i8_odd_relu": BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu", dtype="int8"),
         "t_i8_b64_gelu": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,

@@ -64,6 +64,7 @@ class BsrSpec:
     dtype: str = "float16"                            # operands: "float16", "int8" (W8A8) or "w4a16"
     mma: str = "sync"                                 # "sync" (mma.sync, sm_80+) or "wgmma" (sm_90a)
     zero: bool = False                                # w4a16: a uint8 zero point per scale (else code 8)
+    groups: int = 0                                   # > 0: streaming grid, CTA (m tile, group) runs its rows in turn
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -94,6 +95,8 @@ class BsrSpec:
             bad.append(f"w4a16: bk={self.bk} must be a multiple of 32 (a word of 8 nibbles per lane) and mma 'sync'")
         if self.zero and self.dtype != "w4a16":
             bad.append("zero points are for dtype='w4a16'")
+        if self.groups < 0 or (self.groups and self.mma != "sync"):
+            bad.append(f"groups={self.groups} must be >= 0, and > 0 only with mma 'sync'")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":
@@ -151,7 +154,12 @@ class BsrSpec:
     @property
     def shared_bytes(self) -> int:
         stage = self.tm * self.bk // self.elems_per_half + self.w_lanes
-        return max(self.stages * stage, self.tm * (self.bn + 8)) * 2
+        return max(self.stages * stage, 0 if self.groups else self.tm * (self.bn + 8)) * 2   # streaming: no out tile
+
+    @property
+    def table_tail(self) -> int:
+        """int32 entries between the slots and the K indices: (first slot, first packed block) per group + an end mark."""
+        return 2 * (self.groups + 1) if self.groups else 0
 
     def pattern_nnz(self) -> int:
         return len(self.pattern)
@@ -167,6 +175,8 @@ class BsrSpec:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "pattern"}
         if self.dtype != "w4a16":
             del d["zero"]
+        if not self.groups:
+            del d["groups"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d
@@ -193,7 +203,7 @@ def argument_names(spec: BsrSpec) -> list[str]:
 
 
 def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
-    values = build_table(spec.pattern_mask())[0].tolist()
+    values = build_table(spec.pattern_mask(), spec.groups)[0].tolist()
     digest = hashlib.sha256(repr(values).encode()).hexdigest()[:12]
     fn = f"sparta_tab_{digest}"
     src = (f"__constant__ int {fn}_data[{len(values)}] = {{{', '.join(map(str, values))}}};\n"
@@ -220,7 +230,7 @@ class _Movement:
         W4 = spec.dtype == "w4a16"           # a W4A16 block is a record copied as is, not a swizzled tile
         X_CHUNKS, W_CHUNKS = TM * C, W_LANES // 8
         X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
-        self.head = 3 * spec.row_blocks
+        self.head = 3 * spec.row_blocks + spec.table_tail      # where the K indices start
         self.out_ld = OUT_LD = BN + 8        # padded row of the output tile: conflict-free half2 writes
         OUT_CHUNKS = TM * (BN // 8)
         OUT_ITERS = -(-OUT_CHUNKS // NT)
@@ -286,88 +296,110 @@ def epilogue_value(spec: BsrSpec, v, b, xs, ws):
     return tir_epilogue(v, b if spec.bias else None, spec.act)
 
 
+class _WarpMma:
+    """The ``mma.sync`` inner loop shared by the one-tile-per-CTA and the streaming kernels: per stage
+    in shared memory, ``ldmatrix`` fragments (or int4 words dequantised in registers) and the warp's
+    ``m16n8`` MMAs into its accumulators."""
+
+    def __init__(self, spec: BsrSpec, mv: _Movement):
+        from tvm.script import tirx as T
+
+        int8 = spec.dtype == "int8"
+        EL = spec.elems_per_half
+        TM, BN, BK = spec.tm, spec.bn, spec.bk // EL
+        self.wtm, self.wtn = WTM, WTN = TM // spec.warps_m, BN // spec.warps_n       # warp tile
+        self.mi, self.ni = MI, NI = WTM // 16, WTN // 8        # mma tiles per warp: 16 rows x 8 cols each
+        X_ELEMS, swz = mv.x_elems, mv.swz
+        MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" if int8 else \
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+        self.acc = "uint32" if int8 else "float32"          # PTX's int mma takes .u32 registers (int32 bits)
+
+        @T.macro
+        def load_a(smem, af, lane, wr, base, kk):
+            for mi in T.unroll(MI):
+                T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
+                    af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
+                    smem.ptr_to([base + swz(wr * WTM + mi * 16 + lane % 16, kk * 2 + lane // 16)])))
+
+        @T.macro
+        def mma_tiles(acc, af, bf, bs, bo):
+            # every m16 x n8 tile of the warp: A fragments af, B fragment of column tile ni at bf[ni * bs + bo]
+            for mi in T.unroll(MI):
+                for ni in T.unroll(NI):
+                    T.evaluate(T.ptx[MMA](
+                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
+                        af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
+                        bf[ni * bs + bo], bf[ni * bs + bo + 1],
+                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
+                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
+
+        @T.macro
+        def mma_stage(smem, acc, af, bf, lane, wr, wc, base):
+            for kk in T.unroll(BK // 16):
+                load_a(smem, af, lane, wr, base, kk)
+                for nj in T.unroll(NI // 2):
+                    T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
+                        bf[nj * 4], bf[nj * 4 + 1], bf[nj * 4 + 2], bf[nj * 4 + 3],
+                        smem.ptr_to([base + X_ELEMS + swz(wc * WTN + nj * 16 + (lane // 16) * 8 + lane % 8,
+                                                          kk * 2 + (lane // 8) % 2)])))
+                mma_tiles(acc, af, bf, 2, 0)
+
+        KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
+        NW = BN * spec.bk // 8                   # w4a16: words per block; scales follow, then zero points
+        dequant = dequant_word()
+
+        @T.macro
+        def mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, base):
+            # B fragments from the int4 record: KW words per 8 columns, dequantised in registers
+            for ni in T.unroll(NI):
+                for v in T.vectorized(KW):
+                    wq[ni * KW + v] = smw[(base + X_ELEMS) // 2 + ((wc * (WTN // 8) + ni) * 32 + lane) * KW + v]
+            for kw in T.unroll(KW):
+                for ni in T.unroll(NI):
+                    n = T.meta_var(wc * WTN + ni * 8 + lane // 4)
+                    sz[0] = half2_splat(smem[base + X_ELEMS + NW * 2 + kw * BN + n])
+                    if spec.zero:
+                        sz[3] = T.Cast("uint32", smb[(base + X_ELEMS + NW * 2 + KW * BN) * 2 + kw * BN + n])
+                        zt = T.meta_var(zero_terms(sz[3]))
+                        sz[1] = zt[0]                                              # half2(1024 + z)
+                        sz[2] = zt[1]                                              # half2(-(64 + z))
+                        dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], sz[1], sz[2])
+                    else:
+                        dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], zero_terms()[0], zero_terms()[1])
+                for h in T.unroll(2):
+                    load_a(smem, af, lane, wr, base, kw * 2 + h)
+                    mma_tiles(acc, af, bf, 4, 2 * h)
+
+        self.mma_stage, self.mma_stage_w4 = mma_stage, mma_stage_w4
+
+
 def bsr_linear(spec: BsrSpec):
-    """The kernel as an IRModule with one PrimFunc named ``spec.name`` (``mma.sync``, or the
-    Hopper ``wgmma`` kernel of ``templates/cuda_bsr_wgmma.py`` when ``spec.mma == "wgmma"``)."""
+    """The kernel as an IRModule with one PrimFunc named ``spec.name`` (``mma.sync``; the Hopper
+    ``wgmma`` kernel of ``templates/cuda_bsr_wgmma.py`` when ``spec.mma == "wgmma"``, the streaming
+    one of ``templates/cuda_bsr_stream.py`` when ``spec.groups``)."""
     if spec.mma == "wgmma":
         from .cuda_bsr_wgmma import bsr_linear_wgmma
         return bsr_linear_wgmma(spec)
+    if spec.groups:
+        from .cuda_bsr_stream import bsr_linear_stream
+        return bsr_linear_stream(spec)
     import tvm
     from tvm.script import tirx as T
 
-    int8, w4 = spec.dtype == "int8", spec.dtype == "w4a16"
-    EL = spec.elems_per_half
-    M, N, K, TM, BN, BK, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.bk // EL, spec.stages
-    NT, WM, WN = spec.threads, spec.warps_m, spec.warps_n
-    WTM, WTN = TM // WM, BN // WN            # warp tile
-    MI, NI = WTM // 16, WTN // 8             # mma tiles per warp: 16 rows x 8 cols each
-    R = spec.row_blocks
+    w4 = spec.dtype == "w4a16"
+    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
+    NT, WN, R = spec.threads, spec.warps_n, spec.row_blocks
     mv = _Movement(spec, NT)
-    X_ELEMS, STAGE, HEAD, OUT_LD = mv.x_elems, mv.stage, mv.head, mv.out_ld
-    swz, tab, load_stage, store_tile = mv.swz, mv.tab, mv.load_stage, mv.store_tile
-    MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" if int8 else \
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-    ACC = "uint32" if int8 else "float32"          # PTX's int mma takes .u32 registers (int32 bits)
+    STAGE, HEAD, OUT_LD = mv.stage, mv.head, mv.out_ld
+    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
+    wmma = _WarpMma(spec, mv)
+    WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
+    mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
+    KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
 
     def epilogue(v, b, xs, ws):
         return epilogue_value(spec, v, b, xs, ws)
-
-    @T.macro
-    def load_a(smem, af, lane, wr, base, kk):
-        for mi in T.unroll(MI):
-            T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
-                af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
-                smem.ptr_to([base + swz(wr * WTM + mi * 16 + lane % 16, kk * 2 + lane // 16)])))
-
-    @T.macro
-    def mma_tiles(acc, af, bf, bs, bo):
-        # every m16 x n8 tile of the warp: A fragments af, B fragment of column tile ni at bf[ni * bs + bo]
-        for mi in T.unroll(MI):
-            for ni in T.unroll(NI):
-                T.evaluate(T.ptx[MMA](
-                    acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                    acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
-                    af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
-                    bf[ni * bs + bo], bf[ni * bs + bo + 1],
-                    acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                    acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
-
-    @T.macro
-    def mma_stage(smem, acc, af, bf, lane, wr, wc, base):
-        for kk in T.unroll(BK // 16):
-            load_a(smem, af, lane, wr, base, kk)
-            for nj in T.unroll(NI // 2):
-                T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
-                    bf[nj * 4], bf[nj * 4 + 1], bf[nj * 4 + 2], bf[nj * 4 + 3],
-                    smem.ptr_to([base + X_ELEMS + swz(wc * WTN + nj * 16 + (lane // 16) * 8 + lane % 8,
-                                                      kk * 2 + (lane // 8) % 2)])))
-            mma_tiles(acc, af, bf, 2, 0)
-
-    KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
-    NW = BN * spec.bk // 8                   # w4a16: words per block; scales follow, then zero points
-    dequant = dequant_word()
-
-    @T.macro
-    def mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, base):
-        # B fragments from the int4 record: KW words per 8 columns, dequantised in registers
-        for ni in T.unroll(NI):
-            for v in T.vectorized(KW):
-                wq[ni * KW + v] = smw[(base + X_ELEMS) // 2 + ((wc * (WTN // 8) + ni) * 32 + lane) * KW + v]
-        for kw in T.unroll(KW):
-            for ni in T.unroll(NI):
-                n = T.meta_var(wc * WTN + ni * 8 + lane // 4)
-                sz[0] = half2_splat(smem[base + X_ELEMS + NW * 2 + kw * BN + n])
-                if spec.zero:
-                    sz[3] = T.Cast("uint32", smb[(base + X_ELEMS + NW * 2 + KW * BN) * 2 + kw * BN + n])
-                    zt = T.meta_var(zero_terms(sz[3]))
-                    sz[1] = zt[0]                                              # half2(1024 + z)
-                    sz[2] = zt[1]                                              # half2(-(64 + z))
-                    dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], sz[1], sz[2])
-                else:
-                    dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], zero_terms()[0], zero_terms()[1])
-            for h in T.unroll(2):
-                load_a(smem, af, lane, wr, base, kw * 2 + h)
-                mma_tiles(acc, af, bf, 4, 2 * h)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,

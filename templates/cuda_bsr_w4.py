@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cuda_bsr_ref import build_table
+from .cuda_bsr_ref import build_table, table_parts
 from .cuda_w4a16 import ORDER
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def pack_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     n, k = spec.n, spec.k
     if tuple(codes.shape) != (n, k) or tuple(scale.shape) != (n, k) or (zero is not None) != spec.zero:
         raise ValueError(f"{spec.name}: codes/scales must be ({n}, {k}) and zero points given iff spec.zero")
-    table, packed = build_table(block_mask)
+    table, packed = build_table(block_mask, spec.groups)
     rb, kb, bn, bk, kw = spec.row_blocks, spec.k_blocks, spec.bn, spec.bk, spec.bk // KPACK
     dev = codes.device
     q = torch.full((rb * bn, kb * bk), 8, dtype=torch.int64, device=dev)
@@ -120,8 +120,7 @@ def unpack_w4(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Ten
     scale = s32.permute(0, 2, 1).repeat_interleave(KPACK, 2)
     zero = z32.permute(0, 2, 1).repeat_interleave(KPACK, 2) if z32 is not None else None
     blocks = dequantize_w4(q, scale, zero)
-    head = table[: 3 * spec.row_blocks].reshape(-1, 3).tolist()
-    kidx = table[3 * spec.row_blocks:].tolist()
+    head, kidx = table_parts(table, spec)
     pad = torch.zeros(spec.row_blocks * bn, spec.k_blocks * bk, dtype=torch.float16, device=wp.device)
     for row, first, count in head:
         for j in range(first, first + count):

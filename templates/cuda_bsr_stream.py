@@ -1,0 +1,116 @@
+"""The streaming variant of ``bsr_linear`` (``BsrSpec(..., groups=G)``): fewer, longer-lived CTAs.
+
+At high sparsity a one-tile CTA does little more than wait: its first loads, then its output
+store, with one or two kept blocks in between. Here CTA ``(m tile, g)`` runs every block row of
+group ``g`` in turn (``cuda_bsr_ref.build_table`` deals the rows to the groups, heaviest first, so
+their kept blocks plus output tiles balance). The ``cp.async`` pipeline runs over the group's
+kept blocks as one stream, across row boundaries, so the next row's blocks are loading while a
+row's epilogue runs; the epilogue stores each warp's fragments straight from registers (half2
+stores; shared memory is busy with the stages), so the output streams out behind the MMAs
+instead of after a barrier. Rows with no kept block store bias + activation only.
+
+Same packed weights, scales, arguments and epilogue as ``templates/cuda_bsr.py`` (``mma.sync``;
+fp16, int8 and W4A16 operands); the table carries (first slot, first block) per group after the slots.
+"""
+
+from __future__ import annotations
+
+from .cuda_bsr import BsrSpec, _Movement, _WarpMma, epilogue_value
+
+
+def bsr_linear_stream(spec: BsrSpec):
+    """The streaming kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm.script import tirx as T
+
+    w4 = spec.dtype == "w4a16"
+    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
+    NT, WN, G = spec.threads, spec.warps_n, spec.groups
+    mv = _Movement(spec, NT)
+    STAGE, HEAD, tab, load_stage = mv.stage, mv.head, mv.tab, mv.load_stage
+    wmma = _WarpMma(spec, mv)
+    WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
+    mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
+    KW = spec.bk // 32
+    TAIL = 3 * spec.row_blocks
+
+    @T.macro
+    def store_fragments(Y, B, XS, WS, acc, hv, lane, wr, wc, m0, row):
+        for mi in T.unroll(MI):
+            for ni in T.unroll(NI):
+                for h in T.unroll(2):
+                    r = T.meta_var(m0 + wr * WTM + mi * 16 + lane // 4 + h * 8)
+                    c = T.meta_var(row * BN + wc * WTN + ni * 8 + (lane % 4) * 2)
+                    for e in T.unroll(2):
+                        hv[e] = epilogue_value(spec, acc[(mi * NI + ni) * 4 + h * 2 + e], B[T.min(c + e, N - 1)],
+                                               XS[T.min(r, M - 1)], WS[T.min(c + e, N - 1)])
+                    if N % 2 == 0:
+                        if r < M and c < N:
+                            for e in T.vectorized(2):
+                                Y[r, c + e] = hv[e]
+                    else:
+                        for e in T.unroll(2):
+                            if r < M and c + e < N:
+                                Y[r, c + e] = hv[e]
+
+    @T.prim_func
+    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
+               y_h: T.handle):
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        wlen = T.int32()
+        ntab = T.int32()
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Wp = T.match_buffer(wp_h, (wlen,), "float16")
+        XS = T.match_buffer(xs_h, (M,), "float32")      # int8 only: per-row and per-channel scales
+        WS = T.match_buffer(ws_h, (N,), "float32")
+        B = T.match_buffer(b_h, (N,), "float16")
+        Tab = T.match_buffer(tab_h, (ntab,), "int32")
+        Y = T.match_buffer(y_h, (M, N), "float16")
+        bx = T.launch_thread("blockIdx.x", -(-M // TM))
+        g = T.launch_thread("blockIdx.y", G)
+        tx = T.launch_thread("threadIdx.x", NT)
+        smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
+        acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
+        af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
+        bf = T.alloc_buffer((NI * (4 if w4 else 2),), "uint32", scope="local")
+        hv = T.alloc_buffer((2,), "float16", scope="local")
+        step = T.alloc_buffer((1,), "int32", scope="local")
+        smw = T.decl_buffer((S * STAGE // 2,), "uint32", data=smem.data, scope="shared.dyn")   # w4a16 views
+        smb = T.decl_buffer((S * STAGE * 2,), "uint8", data=smem.data, scope="shared.dyn")
+        wq = T.alloc_buffer((NI * KW if w4 else 1,), "uint32", scope="local")
+        sz = T.alloc_buffer((4 if w4 else 1,), "uint32", scope="local")
+        lane = T.meta_var(tx % 32)
+        wr = T.meta_var(tx // 32 // WN)
+        wc = T.meta_var(tx // 32 % WN)
+        m0 = T.meta_var(bx * TM)
+        slot0 = tab(Tab, TAIL + 2 * g)
+        slots = tab(Tab, TAIL + 2 * g + 2) - slot0
+        b0 = tab(Tab, TAIL + 2 * g + 1)
+        total = tab(Tab, TAIL + 2 * g + 3) - b0
+        for s in T.unroll(S - 1):                      # prologue: the group's first S-1 blocks in flight
+            if s < total:
+                load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + b0 + s), b0 + s)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        step[0] = 0
+        for j in T.serial(slots):
+            row = tab(Tab, (slot0 + j) * 3)
+            count = tab(Tab, (slot0 + j) * 3 + 2)
+            for i in T.unroll(MI * NI * 4):
+                acc[i] = T.Cast(ACC, 0)
+            for _b in T.serial(count):
+                t = T.meta_var(step[0])
+                T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+                T.tvm_storage_sync("shared")           # block t landed; the stage of t-1 is free
+                if t + (S - 1) < total:
+                    load_stage(smem, X, Wp, tx, m0, (t + (S - 1)) % S, tab(Tab, HEAD + b0 + t + (S - 1)),
+                               b0 + t + (S - 1))
+                T.evaluate(T.ptx["cp.async.commit_group"]())
+                if w4:
+                    mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, (t % S) * STAGE)
+                else:
+                    mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
+                step[0] = step[0] + 1
+            store_fragments(Y, B, XS, WS, acc, hv, lane, wr, wc, m0, row)
+        T.evaluate(T.ptx["cp.async.wait_group"](0))
+
+    return tvm.IRModule({spec.name: kernel})
