@@ -41,14 +41,14 @@ SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, sta
                 "b32_t128w2": TUNED_TILES[32],
                 "b64_t128": TUNED_TILES[64],
                 "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3),
+                "b64_t64": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3),
+                "b64_t64s2": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2),
                 # streaming grid (templates/cuda_bsr_stream.py): CTA (m tile, group) runs the group's rows
-                "b64_t128g6": dict(TUNED_TILES[64], groups=6),
                 "b64_t128g12": dict(TUNED_TILES[64], groups=12),
-                "b64_t64g4": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3, groups=4),
-                "b64_t64g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3, groups=8),
-                "b64_t64s4g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=4, groups=8),
-                "b32_t128g12": dict(TUNED_TILES[32], groups=12),
-                "b32_t128g24": dict(TUNED_TILES[32], groups=24)}
+                **{f"b64_t64s2g{g}": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=g)
+                   for g in (6, 8, 10, 12)},
+                **{f"b64_t32s2g{g}": dict(bn=64, bk=64, tm=32, warps_m=1, warps_n=2, stages=2, groups=g)
+                   for g in (4, 6)}}
 
 
 # W8A8 (dtype="int8"): bk counts int8 elements, so bk=64 moves the bytes of the fp16 bk=32 tiles
@@ -62,8 +62,8 @@ INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2
               "i8_b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
               "i8_b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
               "i8_b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=2, stages=3),
-              "i8_b64_t128g12": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3, groups=12),
-              "i8_b64_t64g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3, groups=8)}
+              "i8_b64_t64s2g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=8),
+              "i8_b64_t32s2g4": dict(bn=64, bk=64, tm=32, warps_m=1, warps_n=2, stages=2, groups=4)}
 
 # Hopper wgmma kernels (mma="wgmma", sm_90a): warps_m x warps_n count warpgroups of 128 threads
 WG = dict(mma="wgmma")

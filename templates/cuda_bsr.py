@@ -154,7 +154,10 @@ class BsrSpec:
     @property
     def shared_bytes(self) -> int:
         stage = self.tm * self.bk // self.elems_per_half + self.w_lanes
-        return max(self.stages * stage, 0 if self.groups else self.tm * (self.bn + 8)) * 2   # streaming: no out tile
+        out_tile = self.tm * (self.bn + 8)
+        if self.groups:                              # streaming: the output tile beside the stages
+            return (self.stages * stage + out_tile) * 2
+        return max(self.stages * stage, out_tile) * 2
 
     @property
     def table_tail(self) -> int:
@@ -263,8 +266,8 @@ class _Movement:
         self.load_stage = load_stage
 
         @T.macro
-        def store_tile(smem, Y, tx, m0, row):
-            # the fp16 tile (TM x BN, rows OUT_LD apart in shared memory) -> coalesced 16-byte rows of Y
+        def store_tile(smem, Y, tx, m0, row, out0):
+            # the fp16 tile (TM x BN at out0, rows OUT_LD apart in shared memory) -> coalesced 16-byte rows of Y
             for it in T.unroll(OUT_ITERS):
                 c = T.meta_var(tx + it * NT)
                 if OUT_CHUNKS % NT == 0 or c < OUT_CHUNKS:
@@ -273,11 +276,11 @@ class _Movement:
                     if N % 8 == 0:
                         if yr < M and yc < N:
                             for v in T.vectorized(8):
-                                Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+                                Y[yr, yc + v] = smem[out0 + (c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
                     else:
                         for v in T.unroll(8):
                             if yr < M and yc + v < N:
-                                Y[yr, yc + v] = smem[(c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+                                Y[yr, yc + v] = smem[out0 + (c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
         self.store_tile = store_tile
 
     def tab(self, tab_buf, i):
@@ -465,6 +468,6 @@ def bsr_linear(spec: BsrSpec):
                                                           B[T.min(row * BN + lc, N - 1)],
                                                           XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)])
         T.tvm_storage_sync("shared")
-        store_tile(smem, Y, tx, m0, row)
+        store_tile(smem, Y, tx, m0, row, 0)
 
     return tvm.IRModule({spec.name: kernel})

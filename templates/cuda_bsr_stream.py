@@ -5,9 +5,8 @@ store, with one or two kept blocks in between. Here CTA ``(m tile, g)`` runs eve
 group ``g`` in turn (``cuda_bsr_ref.build_table`` deals the rows to the groups, heaviest first, so
 their kept blocks plus output tiles balance). The ``cp.async`` pipeline runs over the group's
 kept blocks as one stream, across row boundaries, so the next row's blocks are loading while a
-row's epilogue runs; the epilogue stores each warp's fragments straight from registers (half2
-stores; shared memory is busy with the stages), so the output streams out behind the MMAs
-instead of after a barrier. Rows with no kept block store bias + activation only.
+row's epilogue runs; the output tile has its own shared memory beside the stages (coalesced
+16-byte stores), so it streams out behind the MMAs. Rows with no kept block store bias + activation only.
 
 Same packed weights, scales, arguments and epilogue as ``templates/cuda_bsr.py`` (``mma.sync``;
 fp16, int8 and W4A16 operands); the table carries (first slot, first block) per group after the slots.
@@ -23,11 +22,12 @@ def bsr_linear_stream(spec: BsrSpec):
     import tvm
     from tvm.script import tirx as T
 
-    w4 = spec.dtype == "w4a16"
+    w4, int8 = spec.dtype == "w4a16", spec.dtype == "int8"
     M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
     NT, WN, G = spec.threads, spec.warps_n, spec.groups
     mv = _Movement(spec, NT)
-    STAGE, HEAD, tab, load_stage = mv.stage, mv.head, mv.tab, mv.load_stage
+    STAGE, HEAD, OUT_LD, tab, load_stage, store_tile = mv.stage, mv.head, mv.out_ld, mv.tab, mv.load_stage, mv.store_tile
+    OUT0 = S * STAGE                                 # the output tile follows the stages
     wmma = _WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
@@ -35,23 +35,27 @@ def bsr_linear_stream(spec: BsrSpec):
     TAIL = 3 * spec.row_blocks
 
     @T.macro
-    def store_fragments(Y, B, XS, WS, acc, hv, lane, wr, wc, m0, row):
+    def stage_fragments(smem, acc, bv, xv, wv, lane, wr, wc):
+        # bias + activation, the fp16 tile into its own shared region (the stages keep loading meanwhile)
         for mi in T.unroll(MI):
             for ni in T.unroll(NI):
                 for h in T.unroll(2):
-                    r = T.meta_var(m0 + wr * WTM + mi * 16 + lane // 4 + h * 8)
-                    c = T.meta_var(row * BN + wc * WTN + ni * 8 + (lane % 4) * 2)
                     for e in T.unroll(2):
-                        hv[e] = epilogue_value(spec, acc[(mi * NI + ni) * 4 + h * 2 + e], B[T.min(c + e, N - 1)],
-                                               XS[T.min(r, M - 1)], WS[T.min(c + e, N - 1)])
-                    if N % 2 == 0:
-                        if r < M and c < N:
-                            for e in T.vectorized(2):
-                                Y[r, c + e] = hv[e]
-                    else:
-                        for e in T.unroll(2):
-                            if r < M and c + e < N:
-                                Y[r, c + e] = hv[e]
+                        lr = T.meta_var(wr * WTM + mi * 16 + lane // 4 + h * 8)
+                        lc = T.meta_var(wc * WTN + ni * 8 + (lane % 4) * 2 + e)
+                        smem[OUT0 + lr * OUT_LD + lc] = epilogue_value(
+                            spec, acc[(mi * NI + ni) * 4 + h * 2 + e], bv[ni * 2 + e], xv[mi * 2 + h], wv[ni * 2 + e])
+
+    @T.macro
+    def load_row_constants(B, WS, bv, wv, lane, wc, row):
+        # the row's bias (and int8 weight scales) into registers before its blocks run: off the critical path
+        for ni in T.unroll(NI):
+            for e in T.unroll(2):
+                c = T.meta_var(T.min(row * BN + wc * WTN + ni * 8 + (lane % 4) * 2 + e, N - 1))
+                if spec.bias:
+                    bv[ni * 2 + e] = B[c]
+                if int8:
+                    wv[ni * 2 + e] = WS[c]
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
@@ -69,12 +73,16 @@ def bsr_linear_stream(spec: BsrSpec):
         bx = T.launch_thread("blockIdx.x", -(-M // TM))
         g = T.launch_thread("blockIdx.y", G)
         tx = T.launch_thread("threadIdx.x", NT)
-        smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
+        smem = T.decl_buffer((S * STAGE + TM * OUT_LD,), "float16", scope="shared.dyn")
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NI * (4 if w4 else 2),), "uint32", scope="local")
-        hv = T.alloc_buffer((2,), "float16", scope="local")
+        bv = T.alloc_buffer((NI * 2,), "float16", scope="local")        # the row's bias,
+        wv = T.alloc_buffer((NI * 2,), "float32", scope="local")        # weight scales (int8)
+        xv = T.alloc_buffer((MI * 2,), "float32", scope="local")        # and the tile's row scales (int8)
         step = T.alloc_buffer((1,), "int32", scope="local")
+        kn = T.alloc_buffer((1,), "int32", scope="local")
+        rc = T.alloc_buffer((4,), "int32", scope="local")               # this slot's (row, count), the next's
         smw = T.decl_buffer((S * STAGE // 2,), "uint32", data=smem.data, scope="shared.dyn")   # w4a16 views
         smb = T.decl_buffer((S * STAGE * 2,), "uint8", data=smem.data, scope="shared.dyn")
         wq = T.alloc_buffer((NI * KW if w4 else 1,), "uint32", scope="local")
@@ -91,26 +99,43 @@ def bsr_linear_stream(spec: BsrSpec):
             if s < total:
                 load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + b0 + s), b0 + s)
             T.evaluate(T.ptx["cp.async.commit_group"]())
+        if S - 1 < total:                              # K index of the next block, read one step early
+            kn[0] = tab(Tab, HEAD + b0 + S - 1)
+        if int8:
+            for mi in T.unroll(MI):
+                for h in T.unroll(2):
+                    xv[mi * 2 + h] = XS[T.min(m0 + wr * WTM + mi * 16 + lane // 4 + h * 8, M - 1)]
+        if slots > 0:
+            rc[2] = tab(Tab, slot0 * 3)
+            rc[3] = tab(Tab, slot0 * 3 + 2)
         step[0] = 0
         for j in T.serial(slots):
-            row = tab(Tab, (slot0 + j) * 3)
-            count = tab(Tab, (slot0 + j) * 3 + 2)
+            rc[0] = rc[2]
+            rc[1] = rc[3]
+            if j + 1 < slots:                          # the next slot's row and count, read a row early
+                rc[2] = tab(Tab, (slot0 + j + 1) * 3)
+                rc[3] = tab(Tab, (slot0 + j + 1) * 3 + 2)
+            load_row_constants(B, WS, bv, wv, lane, wc, rc[0])
             for i in T.unroll(MI * NI * 4):
                 acc[i] = T.Cast(ACC, 0)
-            for _b in T.serial(count):
+            for _b in T.serial(rc[1]):
                 t = T.meta_var(step[0])
                 T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
                 T.tvm_storage_sync("shared")           # block t landed; the stage of t-1 is free
                 if t + (S - 1) < total:
-                    load_stage(smem, X, Wp, tx, m0, (t + (S - 1)) % S, tab(Tab, HEAD + b0 + t + (S - 1)),
-                               b0 + t + (S - 1))
+                    load_stage(smem, X, Wp, tx, m0, (t + (S - 1)) % S, kn[0], b0 + t + (S - 1))
+                    if t + S < total:
+                        kn[0] = tab(Tab, HEAD + b0 + t + S)
                 T.evaluate(T.ptx["cp.async.commit_group"]())
                 if w4:
                     mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, (t % S) * STAGE)
                 else:
                     mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
                 step[0] = step[0] + 1
-            store_fragments(Y, B, XS, WS, acc, hv, lane, wr, wc, m0, row)
+            T.tvm_storage_sync("shared")               # the previous row's tile has been stored
+            stage_fragments(smem, acc, bv, xv, wv, lane, wr, wc)
+            T.tvm_storage_sync("shared")
+            store_tile(smem, Y, tx, m0, rc[0], OUT0)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
 
     return tvm.IRModule({spec.name: kernel})

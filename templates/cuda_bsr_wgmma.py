@@ -142,6 +142,6 @@ def bsr_linear_wgmma(spec: BsrSpec):
                     smem[lr * OUT_LD + lc] = epilogue(acc[j * 4 + h * 2 + e], B[T.min(row * BN + lc, N - 1)],
                                                       XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)])
         T.tvm_storage_sync("shared")
-        store_tile(smem, Y, tx, m0, row)
+        store_tile(smem, Y, tx, m0, row, 0)
 
     return tvm.IRModule({spec.name: kernel})
