@@ -161,7 +161,7 @@ class BsrSpec:
 
     @property
     def table_tail(self) -> int:
-        """int32 entries between the slots and the K indices: (first slot, first packed block) per group + an end mark."""
+        """int32 entries between the slots and the K indices: (first slot, first block) per group + an end mark."""
         return 2 * (self.groups + 1) if self.groups else 0
 
     def pattern_nnz(self) -> int:

@@ -6,7 +6,8 @@ group ``g`` in turn (``cuda_bsr_ref.build_table`` deals the rows to the groups, 
 their kept blocks plus output tiles balance). The ``cp.async`` pipeline runs over the group's
 kept blocks as one stream, across row boundaries, so the next row's blocks are loading while a
 row's epilogue runs; the output tile has its own shared memory beside the stages (coalesced
-16-byte stores), so it streams out behind the MMAs. Rows with no kept block store bias + activation only.
+16-byte stores), so it streams out behind the MMAs. Rows with no kept block store bias + activation
+only.
 
 Same packed weights, scales, arguments and epilogue as ``templates/cuda_bsr.py`` (``mma.sync``;
 fp16, int8 and W4A16 operands); the table carries (first slot, first block) per group after the slots.
@@ -26,13 +27,14 @@ def bsr_linear_stream(spec: BsrSpec):
     M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
     NT, WN, G = spec.threads, spec.warps_n, spec.groups
     mv = _Movement(spec, NT)
-    STAGE, HEAD, OUT_LD, tab, load_stage, store_tile = mv.stage, mv.head, mv.out_ld, mv.tab, mv.load_stage, mv.store_tile
+    STAGE, HEAD, OUT_LD = mv.stage, mv.head, mv.out_ld
+    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
     OUT0 = S * STAGE                                 # the output tile follows the stages
     wmma = _WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32
-    TAIL = 3 * spec.row_blocks
+    MARKS = 3 * spec.row_blocks                     # the groups' (first slot, first block) marks
 
     @T.macro
     def stage_fragments(smem, acc, bv, xv, wv, lane, wr, wc):
@@ -91,10 +93,10 @@ def bsr_linear_stream(spec: BsrSpec):
         wr = T.meta_var(tx // 32 // WN)
         wc = T.meta_var(tx // 32 % WN)
         m0 = T.meta_var(bx * TM)
-        slot0 = tab(Tab, TAIL + 2 * g)
-        slots = tab(Tab, TAIL + 2 * g + 2) - slot0
-        b0 = tab(Tab, TAIL + 2 * g + 1)
-        total = tab(Tab, TAIL + 2 * g + 3) - b0
+        slot0 = tab(Tab, MARKS + 2 * g)
+        slots = tab(Tab, MARKS + 2 * g + 2) - slot0
+        b0 = tab(Tab, MARKS + 2 * g + 1)
+        total = tab(Tab, MARKS + 2 * g + 3) - b0
         for s in T.unroll(S - 1):                      # prologue: the group's first S-1 blocks in flight
             if s < total:
                 load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + b0 + s), b0 + s)
