@@ -136,6 +136,11 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                     act="gelu_erf", dtype="int8", groups=2),
         "t_stream_w4_zero": BsrSpec(200, 96, 200, bn=32, bk=64, tm=64, warps_m=2, stages=3, dtype="w4a16",
                                     zero=True, groups=2),
+        # warps 1x2 on a 32x32 tile (16-column warp tiles), 16-blocks, 4x1 warps on 64-blocks
+        "t_stream_wn2_relu": BsrSpec(150, 160, 96, bn=32, bk=32, tm=32, warps_m=1, warps_n=2, stages=2,
+                                     act="relu", groups=3),
+        "t_stream_b16": BsrSpec(70, 48, 64, bn=16, bk=16, tm=32, warps_m=2, warps_n=1, stages=2, groups=2),
+        "t_stream_4x1_gelu": BsrSpec(200, 192, 128, bn=64, bk=64, tm=64, warps_m=4, stages=2, act="gelu", groups=3),
         # W8A8: odd M, ragged N, a half-filled last K block; 64-blocks with the exact GELU; no bias
         "t_i8_odd_relu": BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu", dtype="int8"),
         "t_i8_b64_gelu": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
@@ -224,14 +229,15 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
 
 def saved_models(out: Path) -> None:
     """Small models compiled for CUDA and saved, for ``tests/runtime/test_saved_cuda.py``: an fp32
-    MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear, ReLU fused; the same
+    MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear (1.4 blocks per block row: the
+    streaming grid), ReLU fused; the same
     MLP calibrated to W8A8; and, in fp16 on 16 tokens, calibrated to 4-bit weights (W4A16)."""
     import sparta
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
                                 torch.nn.GELU()).eval()
     masks = {"0.weight": bench_mask(64, 32, 0.15, "saved-mlp-0").repeat_interleave(32, 0).repeat_interleave(32, 1),
-             "2.weight": bench_mask(16, 32, 0.1, "saved-mlp-2").repeat_interleave(64, 0).repeat_interleave(64, 1)}
+             "2.weight": bench_mask(16, 32, 0.03, "saved-mlp-2").repeat_interleave(64, 0).repeat_interleave(64, 1)}
     compiled = sparta.compile(model, masks, (torch.randn(3, 333, 1024),), target="cuda")
     print(compiled.kernel_report())
     compiled.save(out / "saved_mlp")

@@ -51,6 +51,21 @@ W4_DENSE_TILES = ((16, dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4
                   (None, dict(tm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=4)))
 
 
+STREAM_MAX_ROW_BLOCKS = 2     # kept 64-blocks per block row at or below which the streaming grid runs the op
+
+
+def stream_tiles(m: int, mask: torch.Tensor) -> dict | None:
+    """The streaming grid's tile (``templates/cuda_bsr_stream.py``) for an fp16 op in 64-blocks whose block
+    rows keep few blocks, else None. Measured on the H200 (benchmarks/RESULTS.md, "Streaming grid"): BERT
+    FFN1 at 90% / 95% (1.2 / 0.6 kept blocks per row) runs 10% / 8% faster than one tile per CTA; FFN2
+    (4.8 per row) ties. 64-row tiles, 2 stages, about five CTAs per SM: ``groups`` block rows per m tile."""
+    rows = mask.shape[0]
+    if mask.all() or mask.sum() > STREAM_MAX_ROW_BLOCKS * rows:
+        return None
+    groups = min(rows, max(1, round(5 * HOPPER_SMS / -(-m // 64))))
+    return dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=groups)
+
+
 def int8_dense_tiles(m: int, n: int) -> tuple[dict, dict]:
     """(mma.sync tiles, wgmma tiles) of a dense W8A8 GEMM, over the same blocks. The wgmma tile
     measured best on the H100 (bench_cuda_w8a8): 128x192 where one wave of them covers the output
@@ -165,6 +180,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
             return (f"W4A16 dense GEMM at M={m} is slower than cuBLAS fp16 on the dequantised weights "
                     "(measured, bench_cuda_w4_gemm); runs as a torch op")
         mask = torch.ones_like(block_mask_of(weight, tiles["bn"], tiles["bk"]))
+    if side == 64 and not int8 and w4 is None and (stream := stream_tiles(m, mask)) is not None:
+        tiles = stream
     if int8:
         dense = bool(keep.all())
         tiles, hopper_tiles = int8_dense_tiles(m, n) if dense else (INT8_TILES[side], None)
@@ -175,7 +192,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", dtype=dtype,
                    zero=w4 is not None and w4.zero is not None, **tiles)
     tag = {"int8": "i8_", "w4a16": "w4_", "float16": ""}[dtype]
-    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}_"
+    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
+                                          f"{f'_g{spec.groups}' if spec.groups else ''}_"
                                           f"{act or 'none'}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
     hopper = None
@@ -199,7 +217,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
     _bind(module, graph, op, view, reference=int8 or w4 is not None)
     row = _row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
-               {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype], "tile (table argument)",
+               {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
+               f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
                [art] + ([hopper[0]] if hopper else []))
     if hopper:
         row["note"] = f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"

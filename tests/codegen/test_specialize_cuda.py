@@ -188,3 +188,31 @@ def test_a_layer_norm_feeding_w8a8_linears_emits_their_int8_codes(tmp_path, monk
     again = loaded.module_replacements()
     assert again["layer_norm"].spec == norm.spec and again["layer_norm"].output_names == norm.output_names
     assert again["linear"].input_names == fc1.input_names and again["linear"].out_dtype == torch.float32
+
+
+def test_stream_tiles_take_ops_whose_block_rows_keep_few_blocks():
+    from sparta.codegen.specialize_cuda import HOPPER_SMS, STREAM_MAX_ROW_BLOCKS, stream_tiles
+    few = torch.zeros(48, 12, dtype=torch.bool)
+    few[torch.arange(48), torch.arange(48) % 12] = True                 # one block per row
+    assert stream_tiles(4096, few)["groups"] == round(5 * HOPPER_SMS / 64)
+    assert stream_tiles(128, few)["groups"] == 48, "no more groups than block rows"
+    many = torch.rand(48, 12) < 0.5
+    many[:, : STREAM_MAX_ROW_BLOCKS + 1] = True
+    assert stream_tiles(4096, many) is None
+    assert stream_tiles(4096, torch.ones(48, 2, dtype=torch.bool)) is None, "dense ops keep the one-tile grid"
+
+
+def test_a_linear_with_few_blocks_per_row_compiles_to_the_streaming_grid(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU())
+    grid = torch.rand(2048 // 64, 256 // 64) < 0.3
+    mask = grid.repeat_interleave(64, 0).repeat_interleave(64, 1)
+    compiled = sparta.compile(model, {"0.weight": mask}, (torch.randn(1000, 256),), target="cuda")
+    row = next(k for k in compiled.kernels if k["template"] == "bsr_linear")
+    assert row["blocks"] == f"{int(grid.sum())}x64x64" and "streaming grid of 32 groups" in row["dismantle"]
+    launch = json.loads((Path(row["artifact"]) / "launch.json").read_text())
+    assert launch["grid"][:2] == [16, 32] and "relu" in launch["name"]
+    compiled.save(tmp_path / "saved")
+    loaded = sparta.load(tmp_path / "saved").kernels[0]
+    assert loaded["dismantle"] == row["dismantle"] and loaded["key"] == row["key"]

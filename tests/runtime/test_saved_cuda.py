@@ -26,6 +26,7 @@ def loaded():
 def test_loads_without_tvm_and_verifies(loaded):
     kinds = sorted(type(m).__name__ for m in loaded.module_replacements().values())
     assert kinds.count("SparseLinearCUDA") == 2, kinds
+    assert sum("streaming grid" in k["dismantle"] for k in loaded.kernels) == 1, "the 64-block linear streams"
     if importlib.util.find_spec("tvm") is None:
         import sys
         assert not any(k.startswith("tvm") for k in sys.modules)
