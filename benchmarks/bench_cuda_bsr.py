@@ -30,14 +30,18 @@ SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}
 SETS = 4        # rotating input sets: 4 × (X + Y) ≥ 125 MB for FFN1, beyond the 50-60 MB L2
 
 
-def ceilings() -> tuple[float, float]:
-    """(copy bandwidth GB/s counting read + write, cuBLAS fp16 TFLOP/s at 8192³)."""
+def copy_bandwidth() -> float:
+    """GB/s of a 256 MiB device copy, counting read + write."""
     a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    us = gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10)
+    return 2 * a.numel() / gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10) / 1e3
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy bandwidth GB/s counting read + write, cuBLAS fp16 TFLOP/s at 8192³)."""
     x = torch.randn(8192, 8192, device="cuda").half()
     us_mm = gpu_kernel_us(lambda i: x @ x, 1, per_graph=10)
-    return 2 * a.numel() / us / 1e3, 2 * 8192 ** 3 / us_mm / 1e6
+    return copy_bandwidth(), 2 * 8192 ** 3 / us_mm / 1e6
 
 
 def expand(mask, bn, bk, n, k):

@@ -17,10 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_cuda_bsr import SETS, SHAPES, copy_bandwidth  # noqa: E402
 from common import gpu_kernel_us, save  # noqa: E402
-
-SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}
-SETS = 4
 
 
 def patterns(m: int, n: int, k: int) -> dict:
@@ -40,9 +38,7 @@ def patterns(m: int, n: int, k: int) -> dict:
 
 
 def main():
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    c = torch.empty_like(a)
-    copy_bw = 2 * a.numel() / gpu_kernel_us(lambda i: c.copy_(a), 1, per_graph=10) / 1e3
+    copy_bw = copy_bandwidth()
     print(f"copy 256 MiB: {copy_bw:.0f} GB/s (read + write)")
     rows = []
     for shape, (m, n, k) in SHAPES.items():

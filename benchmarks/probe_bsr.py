@@ -5,19 +5,16 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_cuda_bsr import ROOT, SHAPES  # noqa: E402
 from common import bench_mask  # noqa: E402
 
 from sparta.runtime.bsr_linear import BsrLinearOp, load_spec  # noqa: E402
-
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
-SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}
 
 
 def main():

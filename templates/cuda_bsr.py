@@ -164,6 +164,11 @@ class BsrSpec:
         """int32 entries between the slots and the K indices: (first slot, first block) per group + an end mark."""
         return 2 * (self.groups + 1) if self.groups else 0
 
+    @property
+    def table_head(self) -> int:
+        """int32 entries before the K indices: (row, first block, count) per slot, then the tail."""
+        return 3 * self.row_blocks + self.table_tail
+
     def pattern_nnz(self) -> int:
         return len(self.pattern)
 
@@ -233,7 +238,7 @@ class _Movement:
         W4 = spec.dtype == "w4a16"           # a W4A16 block is a record copied as is, not a swizzled tile
         X_CHUNKS, W_CHUNKS = TM * C, W_LANES // 8
         X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
-        self.head = 3 * spec.row_blocks + spec.table_tail      # where the K indices start
+        self.head = spec.table_head          # where the K indices start
         self.out_ld = OUT_LD = BN + 8        # padded row of the output tile: conflict-free half2 writes
         OUT_CHUNKS = TM * (BN // 8)
         OUT_ITERS = -(-OUT_CHUNKS // NT)

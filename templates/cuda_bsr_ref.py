@@ -44,11 +44,12 @@ def build_table(block_mask: torch.Tensor, groups: int = 0) -> tuple[torch.Tensor
         head += [r, len(packed), len(ks)]
         packed += [(r, kb) for kb in ks]
         kidx += ks
-    tail, slot, first = [], 0, 0
-    for b in (bins if groups else []):
-        tail += [slot, first]
-        slot, first = slot + len(b), first + sum(counts[r] for r in b)
+    tail = []
     if groups:
+        slot, first = 0, 0
+        for b in bins:
+            tail += [slot, first]
+            slot, first = slot + len(b), first + sum(counts[r] for r in b)
         tail += [slot, first]
     return torch.tensor(head + tail + kidx, dtype=torch.int32), packed
 
@@ -56,7 +57,7 @@ def build_table(block_mask: torch.Tensor, groups: int = 0) -> tuple[torch.Tensor
 def table_parts(table: torch.Tensor, spec: BsrSpec) -> tuple[list[list[int]], list[int]]:
     """``(slots, kidx)`` of a table: (row, first packed block, count) per slot, the K index per packed block."""
     head = table[: 3 * spec.row_blocks].reshape(-1, 3).tolist()
-    return head, table[3 * spec.row_blocks + spec.table_tail:].tolist()
+    return head, table[spec.table_head:].tolist()
 
 
 def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

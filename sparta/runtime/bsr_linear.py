@@ -87,7 +87,7 @@ class BsrLinearOp:
         """An op from weights already packed by ``pack_weight`` (what a saved model holds)."""
         op = cls.__new__(cls)
         op.kernel, op.spec, op.quantizer = CudaKernel(folder), spec, None
-        heads = 3 * spec.row_blocks + spec.table_tail
+        heads = spec.table_head
         block = (2 * spec.w_lanes,) if spec.dtype == "w4a16" else (spec.bn, spec.bk)
         if wp.dim() != len(block) + 1 or tuple(wp.shape[1:]) != block or table.dtype != torch.int32 \
                 or table.numel() < heads or table.numel() - heads > wp.shape[0]:
@@ -113,7 +113,7 @@ class BsrLinearOp:
         self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
         self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
         self._prepared = None
-        nnz = self.table.numel() - 3 * self.spec.row_blocks - self.spec.table_tail
+        nnz = self.table.numel() - self.spec.table_head
         self.density = nnz / max(self.spec.row_blocks * self.spec.k_blocks, 1)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
