@@ -24,6 +24,8 @@ BENCH_TILINGS = {"nt1w4u2": dict(ntile=1, warps=4, unroll=2), "nt2w4u2": dict(nt
                  "nt1w4u4": dict(ntile=1, warps=4, unroll=4), "nt1w16u2": dict(ntile=1, warps=16, unroll=2),
                  "nt1w8u4": dict(ntile=1, warps=8, unroll=4), "nt2w8u2": dict(ntile=2, warps=8, unroll=2),
                  "nt4w8u1": dict(ntile=4, warps=8, unroll=1), "nt2w16u1": dict(ntile=2, warps=16, unroll=1)}
+# the same tilings with the scale folded into the fp32 sum per chunk (``fold``; name ends in "f")
+BENCH_TILINGS.update({f"{name}f": {**kw, "fold": True} for name, kw in list(BENCH_TILINGS.items())})
 
 
 PROBE_CONFIGS = [(528, 512, 2), (1056, 256, 2), (264, 1024, 2), (264, 512, 4), (528, 256, 4)]
@@ -40,6 +42,10 @@ def kernels() -> dict:
         "t_m16_asym_g128_f16acc": W4A16Spec(16, 517, 2048, group=128, sym=False, acc="float16"),
         "t_m16_sym_g32": W4A16Spec(16, 100, 800, group=32),
         "t_m9_asym_g32_nt3w1u1": W4A16Spec(9, 61, 416, group=32, sym=False, ntile=3, warps=1, unroll=1),
+        "t_m1_sym_g128_fold": W4A16Spec(1, 333, 1024, group=128, fold=True),
+        "t_m16_asym_g128_bias_fold": W4A16Spec(16, 517, 2048, group=128, sym=False, bias=True, fold=True),
+        "t_m9_asym_g128_nt3w2u2_fold": W4A16Spec(9, 61, 640, group=128, sym=False, ntile=3, warps=2, unroll=2,
+                                                  fold=True),
     }
     for shape, (n, k) in BENCH_SHAPES.items():
         for m in (1, 16):

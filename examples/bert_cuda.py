@@ -5,7 +5,10 @@
 
 The model is BERT-base from its config (12 layers, 768 hidden, 3072 FFN), fp16, run on
 ``--batch × --seq`` tokens. Each encoder linear keeps the ``--density`` fraction of its
-``--block``-square blocks with the largest L2 norm (magnitude block pruning).
+``--block``-square blocks with the largest L2 norm (magnitude block pruning). With ``--w8a8``,
+calibration on ``--calib`` random batches fits int8 weights (per channel) and per-token int8
+activations for the linears the tolerance allows: they run sparta's W8A8 tensor-core kernels, and
+each LayerNorm that feeds them emits their int8 codes.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ def magnitude_block_mask(weight: torch.Tensor, block: int, density: float) -> to
     return keep.reshape(norms.shape).repeat_interleave(block, 0).repeat_interleave(block, 1)
 
 
-def pruned_bert(layers: int, block: int, density: float, parts=LINEARS, seed: int = 0):
+def pruned_bert(layers: int, block: int, density: float, parts=LINEARS, seed: int = 0, vocab: int = 30522):
     """BERT-base (fp16) from config and a TeSA pruning each chosen encoder linear in blocks."""
     torch.manual_seed(seed)
-    model = transformers.BertModel(transformers.BertConfig(num_hidden_layers=layers)).eval().half()
+    config = transformers.BertConfig(num_hidden_layers=layers, vocab_size=vocab)
+    model = transformers.BertModel(config).eval().half()
     params = dict(model.named_parameters())
     tesa = {}
     for i in range(layers):
@@ -52,14 +56,25 @@ def main():
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=30522,
+                    help="embedding rows (fewer: a smaller save; the encoder's work is the same)")
+    ap.add_argument("--w8a8", action="store_true", help="calibrate to int8 weights and activations")
+    ap.add_argument("--calib", type=int, default=2, help="calibration batches (with --w8a8)")
+    ap.add_argument("--tolerance", type=float, default=1e-2, help="relative output MSE one op may add (--w8a8)")
     args = ap.parse_args()
 
-    model, tesa = pruned_bert(args.layers, args.block, args.density)
+    model, tesa = pruned_bert(args.layers, args.block, args.density, vocab=args.vocab)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     print(f"BERT-base, {args.layers} layers, fp16, {args.batch}x{args.seq} tokens; {len(tesa)} encoder linears keep "
           f"{args.density:.0%} of their {args.block}x{args.block} blocks")
     t0 = time.perf_counter()
-    compiled = sparta.compile(model, tesa, (ids,), target="cuda")
+    quant = {}
+    if args.w8a8:
+        gen = torch.Generator().manual_seed(1)
+        quant = dict(calibration=[(torch.randint(0, model.config.vocab_size, ids.shape, generator=gen),)
+                                  for _ in range(args.calib)],
+                     quant_tolerance={"tolerance": args.tolerance, "widths": (8,), "activations": True})
+    compiled = sparta.compile(model, tesa, (ids,), target="cuda", **quant)
     print(f"compiled for CUDA in {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in compiled.timings.items())})")
     print(compiled.kernel_report())

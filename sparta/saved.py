@@ -88,9 +88,13 @@ def save(compiled, path) -> Path:
             tensors.update({f"module/{op_name}/{k}": v for k, v in mtensors.items()})
             if getattr(module, "weight_name", None) in restorable:
                 entry["restores"] = module.weight_name
-            if getattr(module, "reference_weight", None) is not None:
+            ref = getattr(module, "reference_weight", None)
+            if ref is not None:
                 entry["weight_name"] = module.weight_name
-                tensors[f"module/{op_name}/reference_weight"] = module.reference_weight
+                if _derivable(module, ref):                # the packed weights give it back: not stored twice
+                    entry["reference_dtype"] = str(ref.dtype).split(".")[-1]
+                else:
+                    tensors[f"module/{op_name}/reference_weight"] = ref
             for key, folder in folders.items():
                 _copy_kernel(Path(folder), tmp / "kernels" / key)
             modules[op_name] = entry
@@ -118,6 +122,18 @@ def _restorable_weights(compiled) -> set[str]:
     read |= set(compiled.graph.outputs)
     return {m.weight_name for m in replaced.values()
             if hasattr(m, "graph_weight") and m.weight_name is not None and m.weight_name not in read}
+
+
+def _derivable(module, ref: torch.Tensor) -> bool:
+    """Whether a kernel module's reference weight is exactly its own ``graph_weight()`` in ``ref``'s dtype."""
+    return hasattr(module, "graph_weight") and torch.equal(module.graph_weight().to(ref.dtype), ref.cpu())
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SavedModelError(f"saved model names an unknown dtype {name!r}")
+    return dtype
 
 
 def _copy_kernel(src: Path, dest: Path) -> None:
@@ -170,7 +186,10 @@ def _load_modules(root: Path, manifest: dict, tensors: dict) -> dict:
             module = cls.from_saved(entry["config"], mtensors, folders)
         if "weight_name" in entry:
             module.weight_name = entry["weight_name"]
-            module.reference_weight = tensors[prefix + "reference_weight"]
+            if "reference_dtype" in entry:
+                module.reference_weight = module.graph_weight().to(_dtype(entry["reference_dtype"]))
+            else:
+                module.reference_weight = tensors[prefix + "reference_weight"]
         if "restores" in entry:
             tensors["graph/" + entry["restores"]] = module.graph_weight()
         replacements[op_name] = module

@@ -18,7 +18,10 @@ exactly an A fragment (tile ``2p`` rows 0..7, tile ``2p+1`` rows 8..15; K permut
 B: lane ``t`` takes K ``32t + 4s .. +4`` of k16-step ``s``) and B is 8 rows of X (zero past ``M``, a second
 MMA for rows 8..15) from four 16-byte loads per row and chunk, in registers — the operands sit where the
 MMA wants them, with no register moves, and one MMA covers 16 weight rows. Accumulation in fp32
-(``acc="float32"``) or fp16 (``acc="float16"``). A CTA owns ``ntile`` 8-row tiles; its ``warps`` split K
+(``acc="float32"``) or fp16 (``acc="float16"``). ``fold=True`` (groups of 128, fp32 accumulation) leaves the
+scale out of the dequantisation: each chunk's MMAs run on the integer codes minus the zero point (exact in
+fp16) into fresh accumulators, folded into the sum with one fp32 ``fma`` by the row's scale — 4 fewer
+``mul.f16x2`` per word of 8 weights (the kernel is instruction-bound, not byte-bound). A CTA owns ``ntile`` 8-row tiles; its ``warps`` split K
 (chunks round-robin) and reduce through shared memory; bias is fused into the fp16 store.
 """
 
@@ -45,6 +48,7 @@ class W4A16Spec:
     ntile: int = 2                   # 8-row tiles of W per CTA (each warp does all of them)
     warps: int = 4                   # warps per CTA, splitting K
     unroll: int = 2                  # K chunks in flight per warp
+    fold: bool = False               # scale folded into the fp32 sum per chunk (group 128 only)
     name: str = "w4a16_gemv"
 
     def __post_init__(self):
@@ -59,6 +63,8 @@ class W4A16Spec:
             bad.append(f"K={self.k} must be a multiple of the group {self.group}")
         if self.acc not in ("float32", "float16"):
             bad.append(f"acc {self.acc!r} must be 'float32' or 'float16'")
+        if self.fold and (self.group != 128 or self.acc != "float32"):
+            bad.append("fold needs group 128 (one scale per lane and chunk) and fp32 accumulation")
         if self.ntile < 1 or self.warps not in (1, 2, 4, 8, 16) or self.unroll < 1:
             bad.append("ntile >= 1, warps in 1..16 (power of two), unroll >= 1")
         if bad:
@@ -175,12 +181,13 @@ def zero_terms(z=None):
     return lo | (lo << T.uint32(16)), hi | (hi << T.uint32(16))
 
 
-def dequant_word():
+def dequant_word(scaled: bool = True):
     """TIR macro ``dequant(b, o, w, s2, zl, zh)``: the 8 nibbles of uint32 ``w`` (in ``ORDER``) to four
     half2 ``b[o .. o+3]`` = elements (0, 1), (2, 3), (4, 5), (6, 7), each ``(q - zero) · scale``: one
     ``lop3`` per pair into the mantissa of fp16 1024, one exact ``sub``/``fma`` removing 1024 + zero
     (``zl`` = half2(1024 + z), ``zh`` = half2(-(64 + z)) for the high nibbles, taken ×1/16), one ``mul``
-    by ``s2`` = half2(scale). Shared by the W4A16 GEMV and the ``bsr_linear`` W4A16 kernel."""
+    by ``s2`` = half2(scale) (none if not ``scaled``: ``q - zero``, ``s2`` unused). Shared by the W4A16
+    GEMV and the ``bsr_linear`` W4A16 kernel."""
     from tvm.script import tirx as T
 
     MAGIC, LO, HI = T.uint32(0x64006400), T.uint32(0x000F000F), T.uint32(0x00F000F0)
@@ -195,8 +202,9 @@ def dequant_word():
         for h in T.unroll(2):
             T.evaluate(T.ptx["sub.f16x2"](b[o + 2 * h], b[o + 2 * h], zl))            # 1024+q - (1024+z)
             T.evaluate(T.ptx["fma.rn.f16x2"](b[o + 2 * h + 1], b[o + 2 * h + 1], SIXTEENTH, zh))  # (1024+16q)/16 - (64+z)
-            T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h], b[o + 2 * h], s2))
-            T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h + 1], b[o + 2 * h + 1], s2))
+            if scaled:
+                T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h], b[o + 2 * h], s2))
+                T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h + 1], b[o + 2 * h + 1], s2))
     return dequant
 
 
@@ -219,7 +227,7 @@ def w4a16_gemv(spec: W4A16Spec):
     ACC = "uint32" if f16acc else "float32"
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
-    sym, use_bias = spec.sym, spec.bias
+    sym, use_bias, fold = spec.sym, spec.bias, spec.fold
 
     def acc_value(acc, i, r):                  # the fp32 value of C element r (0..3) of accumulator set i
         if f16acc:
@@ -233,7 +241,7 @@ def w4a16_gemv(spec: W4A16Spec):
     def zero_hi(zh, i):                        # half2(-(64 + zero))
         return zero_terms()[1] if sym else zh[i]
 
-    dequant = dequant_word()
+    dequant = dequant_word(scaled=not fold)
 
     @T.macro
     def mma_pair(acc, b, xa, xo, p, j, paired):
@@ -273,6 +281,8 @@ def w4a16_gemv(spec: W4A16Spec):
         xa = T.alloc_buffer((U * RH * 16,), "uint32", scope="local")
         xh = T.decl_buffer((U * RH * 32,), "float16", data=xa.data, scope="local")
         sc = T.alloc_buffer((U * NT,), "uint32", scope="local")
+        sf = T.alloc_buffer((U * NT if fold else 1,), "float32", scope="local")       # fold: fp32 scales
+        cacc = T.alloc_buffer((NACC if fold else 1,), "float32", scope="local")       # fold: a chunk's sums
         zl = T.alloc_buffer((U * NT,), "uint32", scope="local")
         zh = T.alloc_buffer((U * NT,), "uint32", scope="local")
         b = T.alloc_buffer((8,), "uint32", scope="local")
@@ -294,7 +304,10 @@ def w4a16_gemv(spec: W4A16Spec):
                             o = T.meta_var((u * NT + tile) * 4)
                             T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                                 wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
-                            sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
+                            if fold:
+                                sf[u * NT + tile] = T.Cast("float32", S[tl, kb // G, g])
+                            else:
+                                sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
                             if not sym:
                                 zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g])))
                                 zl[u * NT + tile] = zt[0]
@@ -314,6 +327,10 @@ def w4a16_gemv(spec: W4A16Spec):
                     for p in T.unroll(NP):
                         t0 = T.meta_var(u * NT + 2 * p)
                         if TILES % NT == 0 or bx * NT + 2 * p < TILES:
+                            if fold:
+                                for rh in T.unroll(RH):
+                                    for r in T.unroll(4):
+                                        cacc[(rh * NP + p) * 4 + r] = T.float32(0)
                             for j in T.unroll(4):
                                 dequant(b, 0, wq[t0 * 4 + j], sc[t0], zero_lo(zl, t0), zero_hi(zh, t0))
                                 if 2 * p + 1 < NT:
@@ -323,7 +340,12 @@ def w4a16_gemv(spec: W4A16Spec):
                                     else:
                                         for e in T.unroll(4):
                                             b[4 + e] = T.uint32(0)
-                                mma_pair(acc, b, xa, u * RH * 16, p, j, 2 * p + 1 < NT)
+                                mma_pair(cacc if fold else acc, b, xa, u * RH * 16, p, j, 2 * p + 1 < NT)
+                            if fold:                   # C rows 0..7 are tile 2p's row g, rows 8..15 tile 2p+1's
+                                for rh in T.unroll(RH):
+                                    for r in T.unroll(4):
+                                        i = T.meta_var((rh * NP + p) * 4 + r)
+                                        acc[i] = acc[i] + cacc[i] * sf[t0 + (r // 2 if 2 * p + 1 < NT else 0)]
         for rh in T.unroll(RH):                        # split-K partials of every warp into shared memory
             for p in T.unroll(NP):
                 for r in T.unroll(4):

@@ -93,20 +93,26 @@ def test_bad_specs_are_refused():
         W4A16Spec(1, 64, 96, group=16)
     with pytest.raises(ValueError, match="acc"):
         W4A16Spec(1, 64, 128, acc="bfloat16")
+    with pytest.raises(ValueError, match="fold"):
+        W4A16Spec(1, 64, 128, group=64, fold=True)
+    with pytest.raises(ValueError, match="fold"):
+        W4A16Spec(1, 64, 128, acc="float16", fold=True)
 
 
 @needs_nvcc
 @pytest.mark.parametrize("spec", [W4A16Spec(5, 203, 544, group=32, sym=False, bias=True, name="probe_w4_asym"),
                                   W4A16Spec(16, 100, 800, group=32, ntile=3, warps=2, unroll=3, name="probe_w4_m16"),
-                                  W4A16Spec(1, 333, 4096, acc="float16", name="probe_w4_f16acc")])
+                                  W4A16Spec(1, 333, 4096, acc="float16", name="probe_w4_f16acc"),
+                                  W4A16Spec(9, 61, 640, sym=False, ntile=3, warps=2, fold=True, name="probe_w4_fold")])
 def test_w4a16_kernel_builds_with_lop3_dequant_and_mma(tmp_path, monkeypatch, spec):
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     art = build_cuda(w4a16_gemv, spec)
     src = (art.path / "kernel.cu").read_text()
     mma = "m16n8k16.row.col.f16.f16.f16.f16" if spec.acc == "float16" else "m16n8k16.row.col.f32.f16.f16.f32"
     for instr in ("lop3.b32", "0x64006400" if "0x64006400" in src else "1677747200", "sub.f16x2",
-                  "fma.rn.f16x2", "mul.f16x2", mma, "ld.global.nc.L1::no_allocate.v4.b32", "uint4"):
+                  "fma.rn.f16x2", mma, "ld.global.nc.L1::no_allocate.v4.b32", "uint4"):
         assert instr in src, f"{instr} is emitted"
+    assert ("mul.f16x2" in src) != spec.fold, "the scale is folded into the fp32 sum instead of each weight"
     launch = json.loads((art.path / "launch.json").read_text())
     assert sorted(launch["cubins"]) == sorted(ARCHS)
     assert all((art.path / c["file"]).read_bytes()[:4] == b"\x7fELF" for c in launch["cubins"].values())

@@ -90,6 +90,11 @@ def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, 
     again = loaded.module_replacements()["linear"]
     assert torch.equal(again.wp, module.wp) and torch.equal(again.weight_scale, module.weight_scale)
     assert again.quant_folder and (Path(again.quant_folder) / "launch.json").is_file()
+    # the reference weight comes back from the packed codes and scales, bit for bit, and is not stored twice
+    assert torch.equal(again.reference_weight, module.reference_weight)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "w8a8" / "tensors.safetensors"), "pt") as f:
+        assert not any(k.endswith("reference_weight") for k in f.keys())
     dense_again = loaded.module_replacements()["linear_1"]
     assert dense_again.hopper[1] == spec and (Path(dense_again.hopper[0]) / "kernel.sm_90a.cubin").is_file()
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from models import tiny_bert
 
 import sparta
-from sparta.passes.simplify import drop_trivial_masks
+from sparta.passes.simplify import drop_copies, drop_trivial_masks
 
 
 class Attention(torch.nn.Module):
@@ -54,3 +54,38 @@ def test_bert_mask_from_constants_is_dropped_a_real_padding_mask_is_not(padding)
         want = model(ids, **kwargs).last_hidden_state
         got = compiled(ids, **kwargs)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class CopyChain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 6)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(x)).clone()
+        return self.fc(h), h.detach() * 2
+
+
+def test_copies_are_dropped_their_readers_read_the_source():
+    model, x = CopyChain().eval(), torch.randn(3, 12)
+    graph = sparta.capture(model, (x,))
+    assert any(op.op in ("clone", "detach", "alias") for op in graph.ops()), "the capture keeps the copies"
+    simple = drop_copies(graph)
+    assert not any(op.op in ("clone", "detach", "alias") for op in simple.ops())
+    relu = next(simple.ops("relu")).outputs[0]
+    assert next(simple.ops("linear")).input_of("input") == relu
+    assert simple.meta["simplified"]["dropped_copies"]
+    compiled = sparta.compile(model, {}, (x,))
+    y = torch.randn(3, 12)
+    for got, want in zip(compiled(y), model(y)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_copy_with_its_own_tesa_stays():
+    model, x = CopyChain().eval(), torch.randn(3, 12)
+    graph = sparta.capture(model, (x,))
+    clone = next(op for op in graph.ops() if op.op in ("clone", "alias", "detach"))
+    mask = torch.rand(graph.tensor(clone.outputs[0]).shape) < 0.5
+    graph.set_tesa(clone.outputs[0], sparta.TeSA.from_mask(mask))
+    assert clone.name in {op.name for op in drop_copies(graph).ops()}
