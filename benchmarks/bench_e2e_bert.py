@@ -108,7 +108,7 @@ def main():
                "verify_worst_rel_err": worst, "outputs_vs_dense": outputs,
                "diff_with_one_kernel_negated": sensitivity, "gpu_time_by_kind_us": breakdown(peers), "inputs": [list(x.shape) for x in inputs],
                "sparta_kernels": len(kernels), "torch_fallbacks": len(model.kernels) - len(kernels),
-               "blocks": sorted({k["blocks"].split("x", 1)[1] for k in kernels}), "results": results}
+               "blocks": sorted({k["blocks"].split("x", 1)[1] for k in kernels if "x" in k["blocks"]}), "results": results}
     out = save(args.name, payload)
     print(f"loaded in {load_s:.1f} s (TVM importable: {tvm_present}); verified: worst relative error "
           f"{max(worst.values()):.2e}; {len(kernels)} sparta kernels")

@@ -195,7 +195,9 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         for m, tiles in W4_GEMM_MS.items():
             for tile in tiles:
                 specs[f"w4g_{shape}_m{m}_{tile}"] = BsrSpec(m, n, k, bias=False, dtype="w4a16", **W4_TILES[tile])
-    specs["t_q_odd"] = QuantRowsSpec(37, 200, threads=32)              # W8A8 activation quantiser
+    specs["t_q_odd"] = QuantRowsSpec(37, 200, threads=32)              # W8A8 activation quantiser: warp per row
+    specs["t_q_cta"] = QuantRowsSpec(45, 1000, threads=128)            # CTA per row, ragged last chunk
+    specs["t_q_wide"] = QuantRowsSpec(6, 4104, threads=32)             # 17 chunks per lane, M not a multiple of 4
     # fine-grained (CSR) sparse: odd shapes, both row tilings; FFN kernels for bench_cuda_fine.py
     specs["t_fine_odd_relu"] = FineSpec(200, 100, 72, tm=32, npb=64, act="relu")
     specs["t_fine_k3072_gelu"] = FineSpec(130, 700, 3072, tm=16, npb=128, act="gelu_erf")

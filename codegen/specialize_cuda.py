@@ -33,6 +33,7 @@ from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from ..templates.cuda_bsr_ref import block_mask_of
 from ..templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
 from ..templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
+from ..templates.cuda_quant import pick_threads as pick_quant_threads
 from ..templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
@@ -205,7 +206,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     if int8:
         params = graph.meta.get("quant_params", {}).get(view[1], {}).get(8)
         scale = params.scale[:, 0] if params is not None and params.group >= k else None   # calibrated, per channel
-        quant = build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, name=f"quantize_rows_{m}x{k}")).path
+        quant = build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, threads=pick_quant_threads(k),
+                                                               name=f"quantize_rows_{m}x{k}")).path
     if w4 is not None:                 # calibration's codes, scales and zero points
         scale, zero = w4.expand(k)
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, _w4_codes(w4, weight), scale, zero,

@@ -2,8 +2,11 @@
 
 ``XQ[m, :] = clamp(round(X[m, :] / s[m]), ±127)``, ``s[m] = max|X[m, :]| · (1/127)`` — bit for bit what
 ``sparta.templates.cuda_bsr_ref.quantize_rows`` computes in torch (fp32 division, round half to even).
-One CTA per row: 16-byte loads, a shared-memory max reduction, 8-byte int8 stores. Memory-bound:
-it reads 2 and writes 1 byte per element.
+``threads=32``: a warp per row, four rows per CTA; more: a CTA per row. Every 16-byte load of a thread
+is in flight before the first use, the row maximum is a butterfly of warp shuffles (plus one shared-memory
+step across warps), 8-byte int8 stores. Memory-bound: it reads 2 and writes 1 byte per element. (The
+first version, a CTA of 128 threads per row with a shared-memory tree reduction, ran at half the copy
+bandwidth: 24.7 µs for 4096×3072 on an H100, BERT-base's FFN2 input.)
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import asdict, dataclass
 class QuantRowsSpec:
     m: int
     k: int                      # a multiple of 8 (16-byte rows)
-    threads: int = 128
+    threads: int = 32           # threads per row: 32 = a warp per row (4 rows per CTA), 64..512 = a CTA per row
     name: str = "quantize_rows"
 
     def __post_init__(self):
@@ -23,9 +26,23 @@ class QuantRowsSpec:
             raise ValueError(f"spec {self.name}: M and K must be positive and K={self.k} a multiple of 8")
         if self.threads not in (32, 64, 128, 256, 512):
             raise ValueError(f"spec {self.name}: threads must be a power of two from 32 to 512")
+        if -(-self.k // 8 // self.threads) > 32:
+            raise ValueError(f"spec {self.name}: K={self.k} needs more than 32 chunks per thread; use more threads")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 4 if self.threads == 32 else 1
 
     def key(self) -> dict:
         return asdict(self)
+
+
+def pick_threads(k: int) -> int:
+    """A warp per row up to 16 chunks (4096 columns) per lane, else a CTA per row with at most 16 per thread."""
+    chunks, threads = -(-k // 8), 32
+    while threads < 512 and -(-chunks // threads) > 16:
+        threads *= 2
+    return threads
 
 
 def argument_names(spec: QuantRowsSpec) -> list[str]:
@@ -38,8 +55,12 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
     from tvm.script import tirx as T
 
     M, K, NT = spec.m, spec.k, spec.threads
+    R = spec.rows_per_cta
     CH = K // 8                                   # 16-byte chunks per row
-    ITERS = -(-CH // NT)
+    IT = -(-CH // NT)
+    WARPS = NT // 32
+    full = CH % NT == 0
+    FULL = T.uint32(0xFFFFFFFF)
 
     @T.prim_func
     def kernel(x_h: T.handle, xq_h: T.handle, xs_h: T.handle):
@@ -47,38 +68,43 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
         X = T.match_buffer(x_h, (M, K), "float16")
         XQ = T.match_buffer(xq_h, (M, K), "int8")
         XS = T.match_buffer(xs_h, (M,), "float32")
-        row = T.launch_thread("blockIdx.x", M)
-        tx = T.launch_thread("threadIdx.x", NT)
-        red = T.alloc_buffer((NT,), "float32", scope="shared")
-        vals = T.alloc_buffer((ITERS * 8,), "float16", scope="local")
-        amax = T.alloc_buffer((1,), "float32", scope="local")
-        scale = T.alloc_buffer((1,), "float32", scope="local")
+        bx = T.launch_thread("blockIdx.x", -(-M // R))
+        tx = T.launch_thread("threadIdx.x", NT * R)
+        red = T.alloc_buffer((WARPS,), "float32", scope="shared")
+        raw = T.alloc_buffer((IT * 8,), "float16", scope="local")
+        mx = T.alloc_buffer((2,), "float32", scope="local")        # |x| max, a partner's; then the scale
         codes = T.alloc_buffer((8,), "int8", scope="local")
-        amax[0] = T.float32(0)
-        for it in T.unroll(ITERS):
-            c = T.meta_var(tx + it * NT)
-            if CH % NT == 0 or c < CH:
-                for v in T.vectorized(8):
-                    vals[it * 8 + v] = X[row, c * 8 + v]
-                for v in T.unroll(8):
-                    amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", vals[it * 8 + v])))
-        red[tx] = amax[0]
-        T.tvm_storage_sync("shared")
-        for step in T.unroll(NT.bit_length() - 1):  # tree reduction: NT/2, NT/4, ..., 1
-            half = T.meta_var(NT >> (step + 1))
-            if tx < half:
-                red[tx] = T.max(red[tx], red[tx + half])
-            T.tvm_storage_sync("shared")
-        scale[0] = T.max(red[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
-        if tx == 0:
-            XS[row] = scale[0]
-        for it in T.unroll(ITERS):
-            c = T.meta_var(tx + it * NT)
-            if CH % NT == 0 or c < CH:
-                for v in T.unroll(8):
-                    codes[v] = T.Cast("int8", T.max(T.min(T.nearbyint(T.Cast("float32", vals[it * 8 + v]) / scale[0]),
-                                                          T.float32(127)), T.float32(-127)))
-                for v in T.vectorized(8):
-                    XQ[row, c * 8 + v] = codes[v]
+        row = T.meta_var(bx * R + tx // NT)
+        t = T.meta_var(tx % NT)
+        lane = T.meta_var(tx % 32)
+        if R == 1 or M % R == 0 or row < M:     # a warp per row: the guard is warp-uniform
+            for it in T.unroll(IT):            # every load in flight before the first use
+                if full or t + it * NT < CH:
+                    for v in T.vectorized(8):
+                        raw[it * 8 + v] = X[row, (t + it * NT) * 8 + v]
+            mx[0] = T.float32(0)
+            for it in T.unroll(IT):
+                if full or t + it * NT < CH:
+                    for v in T.unroll(8):
+                        mx[0] = T.max(mx[0], T.fabs(T.Cast("float32", raw[it * 8 + v])))
+            for s in T.unroll(5):              # butterfly: every lane ends with the warp's maximum
+                T.evaluate(T.ptx["shfl_sync.bfly.b32"](mx[1], mx[0], T.uint32(16 >> s), T.uint32(31), FULL))
+                mx[0] = T.max(mx[0], mx[1])
+            if WARPS > 1:
+                if lane == 0:
+                    red[t // 32] = mx[0]
+                T.tvm_storage_sync("shared")
+                for w in T.unroll(WARPS):
+                    mx[0] = T.max(mx[0], red[w])
+            mx[0] = T.max(mx[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
+            if t == 0:
+                XS[row] = mx[0]
+            for it in T.unroll(IT):
+                if full or t + it * NT < CH:
+                    for v in T.unroll(8):
+                        codes[v] = T.Cast("int8", T.max(T.min(T.nearbyint(T.Cast("float32", raw[it * 8 + v]) / mx[0]),
+                                                              T.float32(127)), T.float32(-127)))
+                    for v in T.vectorized(8):
+                        XQ[row, (t + it * NT) * 8 + v] = codes[v]
 
     return tvm.IRModule({spec.name: kernel})

@@ -189,9 +189,15 @@ def test_row_quantizer_builds_with_vector_loads_and_half_even_rounding(tmp_path,
     art = build_cuda(quantize_rows_kernel, QuantRowsSpec(37, 200, threads=32, name="probe_q"))
     src = (art.path / "kernel.cu").read_text()
     assert "*(uint4*)" in src and "nearbyintf" in src          # 16-byte loads; round half to even like torch
-    assert art.launch["grid"][0] == 37 and {a["name"] for a in art.launch["args"]} == {"X", "XQ", "XS"}
+    assert "shfl.sync.bfly" in src and "__syncthreads" not in src   # a warp per row: shuffles only
+    assert art.launch["grid"][0] == 10 and art.launch["block"][0] == 128    # four rows per CTA
+    assert {a["name"] for a in art.launch["args"]} == {"X", "XQ", "XS"}
+    cta = build_cuda(quantize_rows_kernel, QuantRowsSpec(37, 1000, threads=128, name="probe_q_cta"))
+    assert cta.launch["grid"][0] == 37 and "__syncthreads" in (cta.path / "kernel.cu").read_text()
     with pytest.raises(ValueError, match="multiple of 8"):
         QuantRowsSpec(4, 12)
+    with pytest.raises(ValueError, match="more threads"):
+        QuantRowsSpec(4, 8200)
 
 
 @needs_nvcc
