@@ -95,7 +95,7 @@ def main():
         probe.wp.neg_()
         flipped = model.module(*inputs)
         probe.wp.neg_()
-    sensitivity = max(float((a.float() - b.float()).abs().max()) for a, b in zip(flipped, ref))
+    sensitivity = max(float((a.float() - b.float()).abs().max()) for a, b in zip(flipped, got))
     results = {}
     with torch.no_grad():
         for name, fn in peers.items():

@@ -221,3 +221,21 @@ def test_a_linear_with_few_blocks_per_row_compiles_to_the_streaming_grid(tmp_pat
     compiled.save(tmp_path / "saved")
     loaded = sparta.load(tmp_path / "saved").kernels[0]
     assert loaded["dismantle"] == row["dismantle"] and loaded["key"] == row["key"]
+
+
+def test_decode_sized_4bit_linear_folds_group128_scales_into_the_fp32_sum(tmp_path, monkeypatch):
+    """Up to 8 rows with calibration's groups of 128, the W4A16 GEMV applies the scale once per chunk
+    (measured faster at batch 1); the reference weight is still the dequantised one the kernel applies."""
+    from sparta.templates.cuda_w4a16 import dequantize
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, mask = _mlp_and_mask(3)
+    model = model.half()
+    batches = [(torch.randn(1, 4, 1024).half(),) for _ in range(2)]
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1.0, "widths": (4,), "progress": False})
+    gemv = compiled.module_replacements()["linear_1"]
+    assert type(gemv).__name__ == "W4A16GemvCUDA" and gemv.spec.fold and gemv.spec.group == 128
+    src = (Path(gemv.folder) / "kernel.cu").read_text()
+    assert "lop3.b32" in src and "mul.f16x2" not in src
+    torch.testing.assert_close(gemv.reference_weight, dequantize(gemv.wq, gemv.scale, None, gemv.spec).half(),
+                               rtol=0, atol=0)
