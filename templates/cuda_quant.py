@@ -4,7 +4,8 @@
 ``sparta.templates.cuda_bsr_ref.quantize_rows`` computes in torch (fp32 division, round half to even).
 ``threads=32``: a warp per row, four rows per CTA; more: a CTA per row. Every 16-byte load of a thread
 is in flight before the first use, the row maximum is a butterfly of warp shuffles (plus one shared-memory
-step across warps), 8-byte int8 stores. Memory-bound: it reads 2 and writes 1 byte per element. (The
+step across warps), each quotient is the row's reciprocal times x corrected by one ``fma`` (correctly
+rounded like torch's division, 3 instructions), 8-byte int8 stores. Memory-bound: it reads 2 and writes 1 byte per element. (The
 first version, a CTA of 128 threads per row with a shared-memory tree reduction, ran at half the copy
 bandwidth: 24.7 µs for 4096×3072 on an H100, BERT-base's FFN2 input.)
 """
@@ -62,6 +63,14 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
     full = CH % NT == 0
     FULL = T.uint32(0xFFFFFFFF)
 
+    def quotient(x, d, r):
+        # x / d correctly rounded from r = RN(1/d) (Markstein: q = RN(x·r) is within an ulp, one fma with the
+        # exact remainder x - q·d corrects it): 3 instructions instead of IEEE division's subroutine, bit for
+        # bit torch's fp32 division (|x / d| <= 127: no overflow or underflow)
+        q = T.call_pure_extern("float32", "__fmul_rn", x, r)
+        rem = T.call_pure_extern("float32", "__fmaf_rn", q, T.float32(0) - d, x)
+        return T.call_pure_extern("float32", "__fmaf_rn", rem, r, q)
+
     @T.prim_func
     def kernel(x_h: T.handle, xq_h: T.handle, xs_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
@@ -72,7 +81,7 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
         tx = T.launch_thread("threadIdx.x", NT * R)
         red = T.alloc_buffer((WARPS,), "float32", scope="shared")
         raw = T.alloc_buffer((IT * 8,), "float16", scope="local")
-        mx = T.alloc_buffer((2,), "float32", scope="local")        # |x| max, a partner's; then the scale
+        mx = T.alloc_buffer((2,), "float32", scope="local")        # |x| max, a partner's; then scale, 1 / scale
         codes = T.alloc_buffer((8,), "int8", scope="local")
         row = T.meta_var(bx * R + tx // NT)
         t = T.meta_var(tx % NT)
@@ -97,12 +106,14 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
                 for w in T.unroll(WARPS):
                     mx[0] = T.max(mx[0], red[w])
             mx[0] = T.max(mx[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
+            mx[1] = T.float32(1) / mx[0]
             if t == 0:
                 XS[row] = mx[0]
             for it in T.unroll(IT):
                 if full or t + it * NT < CH:
                     for v in T.unroll(8):
-                        codes[v] = T.Cast("int8", T.max(T.min(T.nearbyint(T.Cast("float32", raw[it * 8 + v]) / mx[0]),
+                        codes[v] = T.Cast("int8", T.max(T.min(T.nearbyint(quotient(T.Cast("float32", raw[it * 8 + v]),
+                                                                                    mx[0], mx[1])),
                                                               T.float32(127)), T.float32(-127)))
                     for v in T.vectorized(8):
                         XQ[row, (t + it * NT) * 8 + v] = codes[v]
