@@ -4,10 +4,10 @@
 ``sparta.templates.cuda_bsr_ref.quantize_rows`` computes in torch (fp32 division, round half to even).
 ``threads=32``: a warp per row, four rows per CTA; more: a CTA per row. Every 16-byte load of a thread
 is in flight before the first use, the row maximum is a butterfly of warp shuffles (plus one shared-memory
-step across warps), each quotient is the row's reciprocal times x corrected by one ``fma`` (correctly
-rounded like torch's division, 3 instructions), 8-byte int8 stores. Memory-bound: it reads 2 and writes 1 byte per element. (The
-first version, a CTA of 128 threads per row with a shared-memory tree reduction, ran at half the copy
-bandwidth: 24.7 µs for 4096×3072 on an H100, BERT-base's FFN2 input.)
+step across warps), each quotient is x times the row's reciprocal corrected by one ``fma`` (correctly
+rounded like torch's division, 3 instructions), 8-byte int8 stores. Memory-bound: it reads 2 and writes 1
+byte per element. (The first version, a CTA of 128 threads per row with a shared-memory tree reduction and
+IEEE division, ran at half the copy bandwidth: 25 µs for 4096×3072 on an H100, BERT-base's FFN2 input.)
 """
 
 from __future__ import annotations
@@ -38,6 +38,16 @@ class QuantRowsSpec:
         return asdict(self)
 
 
+def quotient(x, d, r):
+    """TIR: ``x / d`` correctly rounded, from ``r`` = RN(1/d) (Markstein: q = RN(x·r) is within an ulp; one
+    ``fma`` with the exact remainder x - q·d corrects it) — 3 instructions instead of IEEE division's
+    subroutine, bit for bit torch's fp32 division where the quotient neither overflows nor underflows."""
+    from tvm.script import tirx as T
+    q = T.call_pure_extern("float32", "__fmul_rn", x, r)
+    rem = T.call_pure_extern("float32", "__fmaf_rn", q, T.float32(0) - d, x)
+    return T.call_pure_extern("float32", "__fmaf_rn", rem, r, q)
+
+
 def pick_threads(k: int) -> int:
     """A warp per row up to 16 chunks (4096 columns) per lane, else a CTA per row with at most 16 per thread."""
     chunks, threads = -(-k // 8), 32
@@ -62,14 +72,6 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
     WARPS = NT // 32
     full = CH % NT == 0
     FULL = T.uint32(0xFFFFFFFF)
-
-    def quotient(x, d, r):
-        # x / d correctly rounded from r = RN(1/d) (Markstein: q = RN(x·r) is within an ulp, one fma with the
-        # exact remainder x - q·d corrects it): 3 instructions instead of IEEE division's subroutine, bit for
-        # bit torch's fp32 division (|x / d| <= 127: no overflow or underflow)
-        q = T.call_pure_extern("float32", "__fmul_rn", x, r)
-        rem = T.call_pure_extern("float32", "__fmaf_rn", q, T.float32(0) - d, x)
-        return T.call_pure_extern("float32", "__fmaf_rn", rem, r, q)
 
     @T.prim_func
     def kernel(x_h: T.handle, xq_h: T.handle, xs_h: T.handle):

@@ -21,8 +21,9 @@ MMA wants them, with no register moves, and one MMA covers 16 weight rows. Accum
 (``acc="float32"``) or fp16 (``acc="float16"``). ``fold=True`` (groups of 128, fp32 accumulation) leaves the
 scale out of the dequantisation: each chunk's MMAs run on the integer codes minus the zero point (exact in
 fp16) into fresh accumulators, folded into the sum with one fp32 ``fma`` by the row's scale — 4 fewer
-``mul.f16x2`` per word of 8 weights (the kernel is instruction-bound, not byte-bound). A CTA owns ``ntile`` 8-row tiles; its ``warps`` split K
-(chunks round-robin) and reduce through shared memory; bias is fused into the fp16 store.
+``mul.f16x2`` per word of 8 weights (the kernel is instruction-bound, not byte-bound). A CTA owns ``ntile``
+8-row tiles; its ``warps`` split K (chunks round-robin) and reduce through shared memory; bias is fused into
+the fp16 store.
 """
 
 from __future__ import annotations
