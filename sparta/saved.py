@@ -184,14 +184,15 @@ def _load_modules(root: Path, manifest: dict, tensors: dict) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             module = cls.from_saved(entry["config"], mtensors, folders)
+        rebuilt = module.graph_weight() if "reference_dtype" in entry or "restores" in entry else None
         if "weight_name" in entry:
             module.weight_name = entry["weight_name"]
             if "reference_dtype" in entry:
-                module.reference_weight = module.graph_weight().to(_dtype(entry["reference_dtype"]))
+                module.reference_weight = rebuilt.to(_dtype(entry["reference_dtype"]), copy=True)
             else:
                 module.reference_weight = tensors[prefix + "reference_weight"]
         if "restores" in entry:
-            tensors["graph/" + entry["restores"]] = module.graph_weight()
+            tensors["graph/" + entry["restores"]] = rebuilt
         replacements[op_name] = module
     return replacements
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cuda_quant import quotient
+from .cuda_quant import quotient, row_max
 
 OUTPUTS = ("fp16", "int8", "both")
 
@@ -95,6 +95,7 @@ def layer_norm_kernel(spec: LayerNormSpec):
     emit_y, emit_q = spec.out != "int8", spec.out != "fp16"
     affine, use_bias = spec.affine, spec.bias
     FULL = T.uint32(0xFFFFFFFF)
+    reduce_max = row_max(WARPS)
 
     def normalised(v, mean, rstd, gw, bw, i):
         y = (v - mean) * rstd
@@ -129,18 +130,6 @@ def layer_norm_kernel(spec: LayerNormSpec):
             for w in T.unroll(WARPS - 1):
                 combine(st, red[(w + 1) * 3], red[(w + 1) * 3 + 1], red[(w + 1) * 3 + 2])
             T.tvm_storage_sync("shared")      # red is reused by the |y| maximum
-
-    @T.macro
-    def row_max(mx, red, lane, t):
-        for s in T.unroll(5):
-            T.evaluate(T.ptx["shfl_sync.bfly.b32"](mx[1], mx[0], T.uint32(16 >> s), T.uint32(31), FULL))
-            mx[0] = T.max(mx[0], mx[1])
-        if WARPS > 1:
-            if lane == 0:
-                red[t // 32] = mx[0]
-            T.tvm_storage_sync("shared")
-            for w in T.unroll(WARPS):
-                mx[0] = T.max(mx[0], red[w])
 
     @T.prim_func
     def kernel(x_h: T.handle, g_h: T.handle, b_h: T.handle, y_h: T.handle, xq_h: T.handle, xs_h: T.handle):
@@ -200,7 +189,7 @@ def layer_norm_kernel(spec: LayerNormSpec):
                         for v in T.vectorized(8):
                             Y[row, (t + it * NT) * 8 + v] = raw[v]
             if emit_q:
-                row_max(mx, red, lane, t)
+                reduce_max(mx, red, lane, t)
                 st[0] = T.max(mx[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
                 st[1] = T.float32(1) / st[0]
                 if t == 0:

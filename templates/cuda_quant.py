@@ -48,6 +48,27 @@ def quotient(x, d, r):
     return T.call_pure_extern("float32", "__fmaf_rn", rem, r, q)
 
 
+def row_max(warps: int):
+    """TIR macro ``row_max(mx, red, lane, t)``: every thread of a row of ``warps`` warps ends with the row's
+    maximum of ``mx[0]`` (``mx[1]`` is scratch): a butterfly of warp shuffles, then, across warps, one step
+    through the shared ``red[warps]``. Shared by the quantiser and the LayerNorm kernel's |y| maximum."""
+    from tvm.script import tirx as T
+    FULL = T.uint32(0xFFFFFFFF)
+
+    @T.macro
+    def reduce(mx, red, lane, t):
+        for s in T.unroll(5):
+            T.evaluate(T.ptx["shfl_sync.bfly.b32"](mx[1], mx[0], T.uint32(16 >> s), T.uint32(31), FULL))
+            mx[0] = T.max(mx[0], mx[1])
+        if warps > 1:
+            if lane == 0:
+                red[t // 32] = mx[0]
+            T.tvm_storage_sync("shared")
+            for w in T.unroll(warps):
+                mx[0] = T.max(mx[0], red[w])
+    return reduce
+
+
 def pick_threads(k: int) -> int:
     """A warp per row up to 16 chunks (4096 columns) per lane, else a CTA per row with at most 16 per thread."""
     chunks, threads = -(-k // 8), 32
@@ -71,7 +92,7 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
     IT = -(-CH // NT)
     WARPS = NT // 32
     full = CH % NT == 0
-    FULL = T.uint32(0xFFFFFFFF)
+    reduce_max = row_max(WARPS)
 
     @T.prim_func
     def kernel(x_h: T.handle, xq_h: T.handle, xs_h: T.handle):
@@ -98,15 +119,7 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
                 if full or t + it * NT < CH:
                     for v in T.unroll(8):
                         mx[0] = T.max(mx[0], T.fabs(T.Cast("float32", raw[it * 8 + v])))
-            for s in T.unroll(5):              # butterfly: every lane ends with the warp's maximum
-                T.evaluate(T.ptx["shfl_sync.bfly.b32"](mx[1], mx[0], T.uint32(16 >> s), T.uint32(31), FULL))
-                mx[0] = T.max(mx[0], mx[1])
-            if WARPS > 1:
-                if lane == 0:
-                    red[t // 32] = mx[0]
-                T.tvm_storage_sync("shared")
-                for w in T.unroll(WARPS):
-                    mx[0] = T.max(mx[0], red[w])
+            reduce_max(mx, red, lane, t)
             mx[0] = T.max(mx[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
             mx[1] = T.float32(1) / mx[0]
             if t == 0:
