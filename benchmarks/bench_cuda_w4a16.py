@@ -29,7 +29,8 @@ from common import gpu_kernel_us, save  # noqa: E402
 from sparta.runtime.cuda import CudaKernel  # noqa: E402
 from sparta.runtime.q4_gemv import Q4GemvOp  # noqa: E402
 from sparta.templates import cuda_q4_gemv  # noqa: E402
-from sparta.templates.cuda_w4a16 import W4A16Spec, codes_of, pack_codes, quantize, reference  # noqa: E402
+from sparta.templates.cuda_w4a16 import (W4A16Spec, codes_of, pack_codes, quantize, reference,  # noqa: E402
+                                         split_buffers)
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 W4 = ROOT / "w4a16"
@@ -79,33 +80,38 @@ def bench_shape(shape, n, k, m, bw):
     ys = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(sets)]
     res, floor_us = {}, (wbytes + sbytes) / bw / 1e3
     folders = sorted(W4.glob(f"b_{shape}_m{m}_*"))
-    packed = None
+    packed, refs = {}, {}                    # per zero-point mode: rotated (Wq, S, Z) sets; the fp32 reference
     for folder in folders:
         spec = W4A16Spec(**json.loads((folder / "spec.json").read_text()))
-        if packed is None:
-            wq, s, z = pack_codes(codes, scale, zero, spec)
-            packed = [(wq.clone(), s.clone(), z.clone()) for _ in range(sets)]
-            ref = reference(xs[0], wq, s, z, None, spec)
+        if spec.sym not in packed:
+            sc, zr = (quantize(w, GROUP, sym=True)[0], None) if spec.sym else (scale, zero)
+            wq, s, z = pack_codes(codes if zr is not None else codes_of(w, sc, None, GROUP), sc, zr, spec)
+            packed[spec.sym] = [{"Wq": wq.clone(), "S": s.clone(), **({} if z is None else {"Z": z.clone()})}
+                                for _ in range(sets)]
+            refs[spec.sym] = reference(xs[0], wq, s, z, None, spec)
+        ws, key = packed[spec.sym], f"sparta_{folder.name.split('_', 3)[-1]}"
         try:
             kern = CudaKernel(folder)
-            prep = kern.prepare(X=xs[0], Wq=packed[0][0], S=packed[0][1], Z=packed[0][2], Y=ys[0])
+            prep = kern.prepare(X=xs[0], Y=ys[0], **ws[0], **split_buffers(spec, "cuda"))
             torch.cuda.synchronize()
-            r = {"sqnr_db": sqnr_db(ys[0], ref)}
-            r["kernel_us"] = gpu_kernel_us(lambda i: prep.launch(X=xs[i], Wq=packed[i][0], S=packed[i][1],
-                                                                 Z=packed[i][2], Y=ys[i]), sets)
-            res[f"sparta_{folder.name.split('_')[-1]}"] = r
+            r = {"sqnr_db": sqnr_db(ys[0], refs[spec.sym]), "sym": spec.sym}
+            r["kernel_us"] = gpu_kernel_us(lambda i: prep.launch(X=xs[i], Y=ys[i], **ws[i]), sets)
+            res[key] = r
         except Exception as exc:  # noqa: BLE001 - report, keep going
-            res[f"sparta_{folder.name.split('_')[-1]}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            res[key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    ref = refs.get(False)
     try:
         fn, y, dt = tinygemm(codes, scale, zero, xs, sets)
         res["tinygemm"] = {"dtype": dt, "kernel_us": gpu_kernel_us(fn, sets),
-                           "sqnr_db": sqnr_db(y, ref) if packed else None}
+                           "sqnr_db": sqnr_db(y, ref) if ref is not None else None}
     except Exception as exc:  # noqa: BLE001
         res["tinygemm"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     res.update(dp4a_q4(w, xs, ys, shape, m, sets, bw))
     wf = [w.half() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
     res["cublas_fp16"] = {"kernel_us": gpu_kernel_us(lambda i: F.linear(xs[i % sets], wf[i]), len(wf))}
-    best = min((v["kernel_us"], kk) for kk, v in res.items() if kk.startswith("sparta") and "kernel_us" in v)
+    timed = [(v["kernel_us"], kk) for kk, v in res.items() if kk.startswith("sparta") and "kernel_us" in v]
+    best = min(t for t in timed if not res[t[1]]["sym"])                 # with zero points, like tinygemm
+    best_sym = min((t for t in timed if res[t[1]]["sym"]), default=None)   # symmetric: no zero points to read
     read_us = read_probe_us(shape, wbytes + sbytes + zbytes, sets)
     for v in res.values():
         if "kernel_us" in v:
@@ -113,7 +119,7 @@ def bench_shape(shape, n, k, m, bw):
             v["eff_GBps"] = (wbytes + sbytes) / v["kernel_us"] / 1e3
     row = {"shape": shape, "n": n, "k": k, "m": m, "group": GROUP, "weight_bytes": wbytes, "scale_bytes": sbytes,
            "zero_bytes": zbytes, "sets": sets, "floor_us": floor_us, "read_probe_us": read_us,
-           "best_sparta": best[1], "results": res}
+           "best_sparta": best[1], "best_sparta_sym": best_sym and best_sym[1], "results": res}
     tg = res["tinygemm"].get("kernel_us")
     row["best_vs_tinygemm"] = tg / best[0] if tg else None
     row["best_vs_cublas"] = res["cublas_fp16"]["kernel_us"] / best[0]
@@ -121,7 +127,9 @@ def bench_shape(shape, n, k, m, bw):
           f"({best[0] / floor_us:.2f}x floor, SQNR {res[best[1]]['sqnr_db']:.1f} dB) | tinygemm "
           f"{f'{tg:.2f} us ({tg / floor_us:.2f}x floor)' if tg else res['tinygemm'].get('error')} | cuBLAS fp16 "
           f"{res['cublas_fp16']['kernel_us']:.2f} us | plain read of its bytes "
-          f"{f'{read_us:.2f} us ({read_us / floor_us:.2f}x floor)' if read_us else '-'}", flush=True)
+          f"{f'{read_us:.2f} us ({read_us / floor_us:.2f}x floor)' if read_us else '-'}"
+          f"{f' | symmetric {best_sym[1]} {best_sym[0]:.2f} us ({best_sym[0] / floor_us:.2f}x floor)' if best_sym else ''}",
+          flush=True)
     print("   " + " ".join(f"{kk}={v['kernel_us']:.2f}" for kk, v in res.items() if "kernel_us" in v), flush=True)
     return row
 

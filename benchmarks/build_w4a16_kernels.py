@@ -10,6 +10,7 @@ of the same bytes (``read_probe.py``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,14 +19,15 @@ from read_probe import ReadProbeSpec, read_probe
 from sparta.templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 
 BENCH_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}   # N x K
-BENCH_TILINGS = {"nt1w4u2": dict(ntile=1, warps=4, unroll=2), "nt2w4u2": dict(ntile=2, warps=4, unroll=2),
-                 "nt2w8u1": dict(ntile=2, warps=8, unroll=1), "nt4w4u1": dict(ntile=4, warps=4, unroll=1),
-                 "nt1w8u2": dict(ntile=1, warps=8, unroll=2), "nt1w8u1": dict(ntile=1, warps=8, unroll=1),
-                 "nt1w4u4": dict(ntile=1, warps=4, unroll=4), "nt1w16u2": dict(ntile=1, warps=16, unroll=2),
-                 "nt1w8u4": dict(ntile=1, warps=8, unroll=4), "nt2w8u2": dict(ntile=2, warps=8, unroll=2),
-                 "nt4w8u1": dict(ntile=4, warps=8, unroll=1), "nt2w16u1": dict(ntile=2, warps=16, unroll=1)}
-# the same tilings with the scale folded into the fp32 sum per chunk (``fold``; name ends in "f")
-BENCH_TILINGS.update({f"{name}f": {**kw, "fold": True} for name, kw in list(BENCH_TILINGS.items())})
+# tilings by name: nt<tiles per CTA>w<warps>u<chunks in flight>[_ks<K splits>][f: fold]; the fastest of earlier runs
+# (RESULTS.md, incl. register prefetch and more split-K shapes, which lost everywhere), with zero points and without
+TILING = re.compile(r"nt(\d+)w(\d+)u(\d+)(?:_ks(\d+))?(f?)")
+BENCH_TILINGS = ["nt2w8u1", "nt4w8u1", "nt2w16u1", "nt4w8u1_ks2", "nt2w16u1f", "nt4w8u1f", "nt4w8u1_ks4f"]
+
+
+def tiling(name: str) -> dict:
+    nt, w, u, ks, fold = TILING.fullmatch(name).groups()
+    return dict(ntile=int(nt), warps=int(w), unroll=int(u), ksplit=int(ks or 1), fold=bool(fold))
 
 
 PROBE_CONFIGS = [(528, 512, 2), (1056, 256, 2), (264, 1024, 2), (264, 512, 4), (528, 256, 4)]
@@ -46,11 +48,20 @@ def kernels() -> dict:
         "t_m16_asym_g128_bias_fold": W4A16Spec(16, 517, 2048, group=128, sym=False, bias=True, fold=True),
         "t_m9_asym_g128_nt3w2u2_fold": W4A16Spec(9, 61, 640, group=128, sym=False, ntile=3, warps=2, unroll=2,
                                                   fold=True),
+        # K split over CTAs: 13 chunks in 3 uneven splits (5, 5, 3); 16 chunks in 4; folded; an unpaired tile
+        "t_m5_asym_g32_bias_ks3": W4A16Spec(5, 203, 1632, group=32, sym=False, bias=True, warps=2, ksplit=3),
+        "t_m16_sym_g128_nt8w4_ks4": W4A16Spec(16, 517, 2048, group=128, ntile=8, warps=4, unroll=1, ksplit=4),
+        "t_m1_asym_g128_fold_nt3_ks5": W4A16Spec(1, 333, 2560, group=128, sym=False, ntile=3, warps=2, fold=True,
+                                                  ksplit=5, bias=True),
     }
     for shape, (n, k) in BENCH_SHAPES.items():
         for m in (1, 16):
-            for tiling, kw in BENCH_TILINGS.items():
-                specs[f"b_{shape}_m{m}_{tiling}"] = W4A16Spec(m, n, k, group=128, sym=False, **kw)
+            for name in BENCH_TILINGS:
+                if m > 8 and name.endswith("f"):          # folding is slower at 16 rows (RESULTS.md)
+                    continue
+                for sym in (False, True):
+                    specs[f"b_{shape}_m{m}_{name}{'_sym' if sym else ''}"] = W4A16Spec(m, n, k, group=128, sym=sym,
+                                                                                      **tiling(name))
     for shape, (n, k) in BENCH_SHAPES.items():       # plain reads of the same bytes (weights, scales, zeros)
         words = -(-(n * k // 2 + 3 * n * (k // 128)) // 16)
         for ctas, threads, unroll in PROBE_CONFIGS:

@@ -245,12 +245,16 @@ def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, 
     # rows <= 8: two 8-row tiles per CTA over 16 warps; more rows: four tiles over 8 warps (X is re-read per CTA):
     # the fastest tilings measured by bench_cuda_w4a16
     tiling = dict(ntile=2, warps=16, unroll=1) if m <= 8 else dict(ntile=4, warps=8, unroll=1)
+    if m > 8 and k >= 2 * n:
+        # few 8-row tiles, long rows: two CTAs split K (4096x11008 at 16 rows: 16.4 -> 14.6 us on the H100;
+        # slower where N is large or at batch 1)
+        tiling["ksplit"] = 2
     # up to 8 rows, group 128: the scale folded into the fp32 sum per chunk (1-7% faster at batch 1 on the H100;
     # slower at 16 rows, where each chunk folds twice the accumulators)
     tiling["fold"] = group == 128 and m <= 8
     spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, **tiling,
                      name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}"
-                          f"{'_fold' if tiling['fold'] else ''}")
+                          f"{'_fold' if tiling['fold'] else ''}{'_ks2' if tiling.get('ksplit') else ''}")
     art = build_cuda(w4a16_gemv, spec)
     scale_el, zero_el = params.expand(k)
     zero = None if sym else zero_el[:, ::group].to(torch.uint8)

@@ -30,7 +30,8 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 2   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype)
+VERSION = 3   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+#               3: W4A16 GEMV specs may split K over CTAs (ksplit)
 MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from_saved()
     "passthrough": "sparta.backend.fx:Passthrough",
     "bsr_linear_cuda": "sparta.runtime.bsr_linear:SparseLinearCUDA",

@@ -23,7 +23,10 @@ scale out of the dequantisation: each chunk's MMAs run on the integer codes minu
 fp16) into fresh accumulators, folded into the sum with one fp32 ``fma`` by the row's scale — 4 fewer
 ``mul.f16x2`` per word of 8 weights (the kernel is instruction-bound, not byte-bound). A CTA owns ``ntile``
 8-row tiles; its ``warps`` split K (chunks round-robin) and reduce through shared memory; bias is fused into
-the fp16 store.
+the fp16 store. ``ksplit > 1`` also splits K across CTAs: each leaves its fp32 partials in the workspace ``P``
+and counts itself in ``C`` (after a fence); the last of a row block's CTAs to arrive sums the partials in split
+order (deterministic), writes ``Y`` and resets its counter, so ``C`` (zeroed once, :func:`split_buffers`) is
+zero again after every call and CUDA-graph replays need nothing else.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class W4A16Spec:
     warps: int = 4                   # warps per CTA, splitting K
     unroll: int = 2                  # K chunks in flight per warp
     fold: bool = False               # scale folded into the fp32 sum per chunk (group 128 only)
+    ksplit: int = 1                  # CTAs splitting K per row block (the last to finish sums their partials)
     name: str = "w4a16_gemv"
 
     def __post_init__(self):
@@ -68,6 +72,11 @@ class W4A16Spec:
             bad.append("fold needs group 128 (one scale per lane and chunk) and fp32 accumulation")
         if self.ntile < 1 or self.warps not in (1, 2, 4, 8, 16) or self.unroll < 1:
             bad.append("ntile >= 1, warps in 1..16 (power of two), unroll >= 1")
+        if self.warps * self.m * self.ntile * 8 * 4 > 48 * 1024:
+            bad.append(f"the reduction across warps needs warps*M*ntile*32 = {self.warps * self.m * self.ntile * 32} "
+                       "bytes of shared memory (48 KiB at most): fewer warps or tiles")
+        if not 1 <= self.ksplit <= -(-self.k // KCHUNK):
+            bad.append(f"ksplit {self.ksplit} must be 1..{-(-self.k // KCHUNK)} (the K chunks of 128)")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -80,6 +89,11 @@ class W4A16Spec:
         return -(-self.k // KCHUNK)
 
     @property
+    def grid(self) -> int:
+        """CTAs along N (each owns ``ntile`` 8-row tiles); ``ksplit`` of them along K."""
+        return -(-self.tiles // self.ntile)
+
+    @property
     def groups(self) -> int:
         """Scale groups per row, K padded to whole chunks."""
         return self.chunks * KCHUNK // self.group
@@ -89,7 +103,17 @@ class W4A16Spec:
 
 
 def argument_names(spec: W4A16Spec) -> list[str]:
-    return ["X", "Wq", "S", *([] if spec.sym else ["Z"]), *(["B"] if spec.bias else []), "Y"]
+    return ["X", "Wq", "S", *([] if spec.sym else ["Z"]), *(["B"] if spec.bias else []),
+            *(["P", "C"] if spec.ksplit > 1 else []), "Y"]
+
+
+def split_buffers(spec: W4A16Spec, device) -> dict[str, torch.Tensor]:
+    """The workspace of a ``ksplit > 1`` kernel: fp32 partials ``P`` and the zeroed arrival counters ``C``
+    (the kernel leaves them zero again); empty for ``ksplit == 1``."""
+    if spec.ksplit == 1:
+        return {}
+    return {"P": torch.empty(spec.ksplit, spec.m, spec.grid * spec.ntile * 8, dtype=torch.float32, device=device),
+            "C": torch.zeros(spec.grid, dtype=torch.int32, device=device)}
 
 
 def quantize(w: torch.Tensor, group: int, sym: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -219,8 +243,11 @@ def w4a16_gemv(spec: W4A16Spec):
     NT, W, U = spec.ntile, spec.warps, spec.unroll
     NP = -(-NT // 2)                          # pairs of 8-row tiles: the 16 rows of one MMA's A
     RH = 1 if M <= 8 else 2                   # 8-column halves of X rows (the MMA's B, N = 8)
-    ITERS = -(-KC // (W * U))
-    GRID = -(-TILES // NT)
+    KS = spec.ksplit
+    CPS = -(-KC // KS)                        # K chunks per split
+    ITERS = -(-CPS // (W * U))
+    EVEN = CPS % (W * U) == 0                 # every (iteration, chunk) in range: no guard
+    GRID = spec.grid
     f16acc = spec.acc == "float16"
     NACC = RH * NP * (2 if f16acc else 4)
     MMA = ("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16" if f16acc
@@ -245,6 +272,13 @@ def w4a16_gemv(spec: W4A16Spec):
     dequant = dequant_word(scaled=not fold)
 
     @T.macro
+    def store(Y, B, m, n, v):
+        if use_bias:
+            Y[m, n] = T.Cast("float16", v + T.Cast("float32", B[n]))
+        else:
+            Y[m, n] = T.Cast("float16", v)
+
+    @T.macro
     def mma_pair(acc, b, xa, xo, p, j, paired):
         # Y^T = W X^T: A = 16 weight rows (tile 2p: b[0..3], tile 2p+1: b[4..7]) in registers straight from
         # the dequantisation, B = 8 rows of X (two of the lane's xa words): no register shuffling per MMA.
@@ -265,16 +299,82 @@ def w4a16_gemv(spec: W4A16Spec):
                                           b[2 * h], a1, b[2 * h + 1], a3, x0, x1,
                                           acc[i * 4], acc[i * 4 + 1], acc[i * 4 + 2], acc[i * 4 + 3]))
 
+    @T.macro
+    def load_stage(it, ctx, X, Wq, S, Z, wq, sc, sf, zl, zh, xh, xa):   # issue every load of U chunks first
+        bx, by, warp, lane, g, t = T.meta_var(ctx)       # CTA along N and K, warp, lane, its row and K quarter
+        for u in T.unroll(U):
+            cl = T.meta_var((it * U + u) * W + warp)
+            c = T.meta_var(by * CPS + cl)
+            kb = T.meta_var(c * 128 + t * 32)
+            if (EVEN or cl < CPS) and (KC % CPS == 0 or c < KC):
+                for tile in T.unroll(NT):
+                    tl = T.meta_var(bx * NT + tile)
+                    if TILES % NT == 0 or tl < TILES:
+                        o = T.meta_var((u * NT + tile) * 4)
+                        T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
+                            wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
+                        if fold:
+                            sf[u * NT + tile] = T.Cast("float32", S[tl, kb // G, g])
+                        else:
+                            sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
+                        if not sym:
+                            zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g])))
+                            zl[u * NT + tile] = zt[0]
+                            zh[u * NT + tile] = zt[1]
+                for rh in T.unroll(RH):
+                    if g + rh * 8 < M and kb < K:
+                        for q in T.unroll(4):
+                            for v in T.vectorized(8):
+                                xh[(u * RH + rh) * 32 + q * 8 + v] = X[g + rh * 8, kb + q * 8 + v]
+                    else:
+                        for q in T.unroll(4):
+                            for v in T.vectorized(4):
+                                xa[(u * RH + rh) * 16 + q * 4 + v] = T.uint32(0)
+
+    @T.macro
+    def compute_stage(it, ctx, wq, sc, sf, zl, zh, xa, b, acc, cacc):    # dequantise and multiply them
+        bx, by, warp, lane, g, t = T.meta_var(ctx)       # CTA along N and K, warp, lane, its row and K quarter
+        for u in T.unroll(U):
+            cl = T.meta_var((it * U + u) * W + warp)
+            c = T.meta_var(by * CPS + cl)
+            if (EVEN or cl < CPS) and (KC % CPS == 0 or c < KC):
+                for p in T.unroll(NP):
+                    t0 = T.meta_var(u * NT + 2 * p)
+                    if TILES % NT == 0 or bx * NT + 2 * p < TILES:
+                        if fold:
+                            for rh in T.unroll(RH):
+                                for r in T.unroll(4):
+                                    cacc[(rh * NP + p) * 4 + r] = T.float32(0)
+                        for j in T.unroll(4):
+                            dequant(b, 0, wq[t0 * 4 + j], sc[t0], zero_lo(zl, t0), zero_hi(zh, t0))
+                            if 2 * p + 1 < NT:
+                                if TILES % NT == 0 or bx * NT + 2 * p + 1 < TILES:
+                                    dequant(b, 4, wq[(t0 + 1) * 4 + j], sc[t0 + 1], zero_lo(zl, t0 + 1),
+                                            zero_hi(zh, t0 + 1))
+                                else:
+                                    for e in T.unroll(4):
+                                        b[4 + e] = T.uint32(0)
+                            mma_pair(cacc if fold else acc, b, xa, u * RH * 16, p, j, 2 * p + 1 < NT)
+                        if fold:                       # C rows 0..7 are tile 2p's row g, rows 8..15 tile 2p+1's
+                            for rh in T.unroll(RH):
+                                for r in T.unroll(4):
+                                    i = T.meta_var((rh * NP + p) * 4 + r)
+                                    acc[i] = acc[i] + cacc[i] * sf[t0 + (r // 2 if 2 * p + 1 < NT else 0)]
+
     @T.prim_func
-    def kernel(x_h: T.handle, wq_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, y_h: T.handle):
+    def kernel(x_h: T.handle, wq_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, p_h: T.handle,
+               c_h: T.handle, y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         X = T.match_buffer(x_h, (M, K), "float16")
         Wq = T.match_buffer(wq_h, (TILES, KC, 32, 4), "int32")
         S = T.match_buffer(s_h, (TILES, NG, 8), "float16")
         Z = T.match_buffer(z_h, (TILES, NG, 8), "uint8")
         B = T.match_buffer(b_h, (N,), "float16")
+        P = T.match_buffer(p_h, (KS, M, GRID * NT * 8), "float32")
+        C = T.match_buffer(c_h, (GRID,), "int32")
         Y = T.match_buffer(y_h, (M, N), "float16")
         bx = T.launch_thread("blockIdx.x", GRID)
+        by = T.launch_thread("blockIdx.y", KS)
         tx = T.launch_thread("threadIdx.x", W * 32)
         red = T.alloc_buffer((W * OUTS,), "float32", scope="shared")     # [warp][row of X][column of the CTA]
         acc = T.alloc_buffer((NACC,), ACC, scope="local")
@@ -282,71 +382,26 @@ def w4a16_gemv(spec: W4A16Spec):
         xa = T.alloc_buffer((U * RH * 16,), "uint32", scope="local")
         xh = T.decl_buffer((U * RH * 32,), "float16", data=xa.data, scope="local")
         sc = T.alloc_buffer((U * NT,), "uint32", scope="local")
-        sf = T.alloc_buffer((U * NT if fold else 1,), "float32", scope="local")       # fold: fp32 scales
+        sf = T.alloc_buffer((U * NT if fold else 1,), "float32", scope="local")      # fold: fp32 scales
         cacc = T.alloc_buffer((NACC if fold else 1,), "float32", scope="local")       # fold: a chunk's sums
         zl = T.alloc_buffer((U * NT,), "uint32", scope="local")
         zh = T.alloc_buffer((U * NT,), "uint32", scope="local")
         b = T.alloc_buffer((8,), "uint32", scope="local")
         tot = T.alloc_buffer((1,), "float32", scope="local")
+        arrived = T.alloc_buffer((1,), "int32", scope="shared")
+        last = T.alloc_buffer((1,), "bool", scope="local")
         warp = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
         g = T.meta_var(tx % 32 // 4)
         t = T.meta_var(tx % 4)
         for i in T.unroll(NACC):
             acc[i] = T.Cast(ACC, 0)
+        ctx = T.meta_var((bx, by, warp, lane, g, t))
+        ld = T.meta_var((X, Wq, S, Z, wq, sc, sf, zl, zh, xh, xa))
+        mm = T.meta_var((wq, sc, sf, zl, zh, xa, b, acc, cacc))
         for it in T.serial(ITERS):
-            for u in T.unroll(U):                      # issue every load of U chunks first
-                c = T.meta_var((it * U + u) * W + warp)
-                kb = T.meta_var(c * 128 + t * 32)
-                if KC % (W * U) == 0 or c < KC:
-                    for tile in T.unroll(NT):
-                        tl = T.meta_var(bx * NT + tile)
-                        if TILES % NT == 0 or tl < TILES:
-                            o = T.meta_var((u * NT + tile) * 4)
-                            T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
-                                wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
-                            if fold:
-                                sf[u * NT + tile] = T.Cast("float32", S[tl, kb // G, g])
-                            else:
-                                sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
-                            if not sym:
-                                zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g])))
-                                zl[u * NT + tile] = zt[0]
-                                zh[u * NT + tile] = zt[1]
-                    for rh in T.unroll(RH):
-                        if g + rh * 8 < M and kb < K:
-                            for q in T.unroll(4):
-                                for v in T.vectorized(8):
-                                    xh[(u * RH + rh) * 32 + q * 8 + v] = X[g + rh * 8, kb + q * 8 + v]
-                        else:
-                            for q in T.unroll(4):
-                                for v in T.vectorized(4):
-                                    xa[(u * RH + rh) * 16 + q * 4 + v] = T.uint32(0)
-            for u in T.unroll(U):
-                c = T.meta_var((it * U + u) * W + warp)
-                if KC % (W * U) == 0 or c < KC:
-                    for p in T.unroll(NP):
-                        t0 = T.meta_var(u * NT + 2 * p)
-                        if TILES % NT == 0 or bx * NT + 2 * p < TILES:
-                            if fold:
-                                for rh in T.unroll(RH):
-                                    for r in T.unroll(4):
-                                        cacc[(rh * NP + p) * 4 + r] = T.float32(0)
-                            for j in T.unroll(4):
-                                dequant(b, 0, wq[t0 * 4 + j], sc[t0], zero_lo(zl, t0), zero_hi(zh, t0))
-                                if 2 * p + 1 < NT:
-                                    if TILES % NT == 0 or bx * NT + 2 * p + 1 < TILES:
-                                        dequant(b, 4, wq[(t0 + 1) * 4 + j], sc[t0 + 1], zero_lo(zl, t0 + 1),
-                                                zero_hi(zh, t0 + 1))
-                                    else:
-                                        for e in T.unroll(4):
-                                            b[4 + e] = T.uint32(0)
-                                mma_pair(cacc if fold else acc, b, xa, u * RH * 16, p, j, 2 * p + 1 < NT)
-                            if fold:                   # C rows 0..7 are tile 2p's row g, rows 8..15 tile 2p+1's
-                                for rh in T.unroll(RH):
-                                    for r in T.unroll(4):
-                                        i = T.meta_var((rh * NP + p) * 4 + r)
-                                        acc[i] = acc[i] + cacc[i] * sf[t0 + (r // 2 if 2 * p + 1 < NT else 0)]
+            load_stage(it, ctx, *ld)
+            compute_stage(it, ctx, *mm)
         for rh in T.unroll(RH):                        # split-K partials of every warp into shared memory
             for p in T.unroll(NP):
                 for r in T.unroll(4):
@@ -355,18 +410,45 @@ def w4a16_gemv(spec: W4A16Spec):
                     if (M % 8 == 0 or m < M) and (NT % 2 == 0 or 2 * p + r // 2 < NT):
                         red[(warp * M + m) * NT * 8 + nl] = acc_value(acc, rh * NP + p, r)
         T.tvm_storage_sync("shared")
-        for it in T.unroll(OUT_ITERS):
-            o = T.meta_var(tx + it * W * 32)
-            if OUTS % (W * 32) == 0 or o < OUTS:
-                m = T.meta_var(o // (NT * 8))
-                n = T.meta_var(bx * NT * 8 + o % (NT * 8))
-                if N % (NT * 8) == 0 or n < N:
+        if KS == 1:
+            for it in T.unroll(OUT_ITERS):
+                o = T.meta_var(tx + it * W * 32)
+                if OUTS % (W * 32) == 0 or o < OUTS:
+                    m = T.meta_var(o // (NT * 8))
+                    n = T.meta_var(bx * NT * 8 + o % (NT * 8))
+                    if N % (NT * 8) == 0 or n < N:
+                        tot[0] = red[o]
+                        for w in T.unroll(1, W):
+                            tot[0] = tot[0] + red[w * OUTS + o]
+                        store(Y, B, m, n, tot[0])
+        else:
+            # split K: every CTA leaves its partials in P; the last of the row block's KS CTAs to arrive
+            # (counted in C after a fence) sums them in split order -- deterministic -- and resets C
+            for it in T.unroll(OUT_ITERS):
+                o = T.meta_var(tx + it * W * 32)
+                if OUTS % (W * 32) == 0 or o < OUTS:
                     tot[0] = red[o]
                     for w in T.unroll(1, W):
                         tot[0] = tot[0] + red[w * OUTS + o]
-                    if use_bias:
-                        Y[m, n] = T.Cast("float16", tot[0] + T.Cast("float32", B[n]))
-                    else:
-                        Y[m, n] = T.Cast("float16", tot[0])
+                    P[by, o // (NT * 8), bx * NT * 8 + o % (NT * 8)] = tot[0]
+            T.cuda.thread_fence()
+            T.tvm_storage_sync("shared")
+            if tx == 0:
+                arrived[0] = T.cuda.atomic_add(C.ptr_to([bx]), 1)
+            T.tvm_storage_sync("shared")
+            last[0] = arrived[0] == KS - 1
+            if last[0]:
+                for it in T.unroll(OUT_ITERS):
+                    o = T.meta_var(tx + it * W * 32)
+                    if OUTS % (W * 32) == 0 or o < OUTS:
+                        m = T.meta_var(o // (NT * 8))
+                        n = T.meta_var(bx * NT * 8 + o % (NT * 8))
+                        if N % (NT * 8) == 0 or n < N:
+                            tot[0] = P[0, m, n]
+                            for ks in T.unroll(1, KS):
+                                tot[0] = tot[0] + P[ks, m, n]
+                            store(Y, B, m, n, tot[0])
+                if tx == 0:
+                    C[bx] = 0
 
     return tvm.IRModule({spec.name: kernel})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_w4a16 import W4A16Spec, dequantize, pack_codes
+from ..templates.cuda_w4a16 import W4A16Spec, dequantize, pack_codes, split_buffers
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
 
 
@@ -34,6 +34,8 @@ class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
         self.register_buffer("scale", scale.half())
         self.register_buffer("zero", zero)
         self.register_buffer("bias", bias.half() if bias is not None else None)
+        for key, buf in split_buffers(spec, wq.device).items():     # split-K workspace: not saved
+            self.register_buffer(f"split_{key}", buf, persistent=False)
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False
         self._kernel, self._prepared, self._prepared_for = None, None, None
@@ -54,7 +56,8 @@ class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
         check_fp16_input(s.name, xh, s.m, s.k)
         y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device)
         args = dict(X=xh, Wq=self.wq, S=self.scale, Y=y, **({} if s.sym else {"Z": self.zero}),
-                    **({"B": self.bias} if s.bias else {}))
+                    **({"B": self.bias} if s.bias else {}),
+                    **({"P": self.split_P, "C": self.split_C} if s.ksplit > 1 else {}))
         if self._prepared is None or self._prepared_for != self.wq.data_ptr():
             self._kernel = self._kernel or CudaKernel(self.folder)
             self._prepared, self._prepared_for = self._kernel.prepare(**args), self.wq.data_ptr()

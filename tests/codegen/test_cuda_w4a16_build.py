@@ -9,7 +9,8 @@ import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
 from sparta.templates.cuda_w4a16 import (ORDER, W4A16Spec, argument_names, codes_of, dequantize, pack_codes,
-                                         pack_weight, quantize, reference, unpack, w4a16_gemv)
+                                         pack_weight, quantize, reference, split_buffers, unpack,
+                                         w4a16_gemv)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -97,13 +98,27 @@ def test_bad_specs_are_refused():
         W4A16Spec(1, 64, 128, group=64, fold=True)
     with pytest.raises(ValueError, match="fold"):
         W4A16Spec(1, 64, 128, acc="float16", fold=True)
+    with pytest.raises(ValueError, match="ksplit"):
+        W4A16Spec(1, 64, 384, ksplit=4)                     # 3 chunks of 128 cannot split 4 ways
+    with pytest.raises(ValueError, match="shared memory"):
+        W4A16Spec(16, 64, 128, ntile=16, warps=8)
+
+
+def test_split_k_workspace_matches_the_kernel_arguments():
+    spec = W4A16Spec(16, 517, 2048, ntile=8, warps=4, ksplit=4)
+    bufs = split_buffers(spec, "cpu")
+    assert set(bufs) == {"P", "C"} and set(bufs) < set(argument_names(spec))
+    assert tuple(bufs["P"].shape) == (4, 16, spec.grid * 64) and bufs["P"].dtype == torch.float32
+    assert tuple(bufs["C"].shape) == (spec.grid,) and not bufs["C"].any()
+    assert split_buffers(W4A16Spec(16, 517, 2048), "cpu") == {}
 
 
 @needs_nvcc
 @pytest.mark.parametrize("spec", [W4A16Spec(5, 203, 544, group=32, sym=False, bias=True, name="probe_w4_asym"),
                                   W4A16Spec(16, 100, 800, group=32, ntile=3, warps=2, unroll=3, name="probe_w4_m16"),
                                   W4A16Spec(1, 333, 4096, acc="float16", name="probe_w4_f16acc"),
-                                  W4A16Spec(9, 61, 640, sym=False, ntile=3, warps=2, fold=True, name="probe_w4_fold")])
+                                  W4A16Spec(9, 61, 640, sym=False, ntile=3, warps=2, fold=True, name="probe_w4_fold"),
+                                  W4A16Spec(5, 203, 1632, group=32, warps=2, ksplit=3, name="probe_w4_ks3")])
 def test_w4a16_kernel_builds_with_lop3_dequant_and_mma(tmp_path, monkeypatch, spec):
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     art = build_cuda(w4a16_gemv, spec)
@@ -119,4 +134,5 @@ def test_w4a16_kernel_builds_with_lop3_dequant_and_mma(tmp_path, monkeypatch, sp
     args = {a["name"]: a for a in launch["args"]}
     assert set(args) == set(argument_names(spec))
     assert args["Wq"]["shape"] == [spec.tiles, spec.chunks, 32, 4] and args["X"]["shape"] == [spec.m, spec.k]
-    assert launch["grid"][0] == -(-spec.tiles // spec.ntile) and launch["block"][0] == 32 * spec.warps
+    assert launch["grid"][:2] == [-(-spec.tiles // spec.ntile), spec.ksplit] and launch["block"][0] == 32 * spec.warps
+    assert ("atomicAdd" in src) == (spec.ksplit > 1), "split K counts arrivals; one CTA per row block does not"

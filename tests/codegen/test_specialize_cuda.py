@@ -120,6 +120,9 @@ def test_calibrated_4bit_weights_build_w4a16_kernels_that_save_and_reload(tmp_pa
     assert (mods["linear"].spec.bn, mods["linear"].spec.bk) == (32, 32)
     assert rows["linear_1"]["template"] == "w4a16_gemv" and type(mods["linear_1"]).__name__ == "W4A16GemvCUDA"
     assert (mods["linear_1"].spec.group, mods["linear_1"].spec.sym, mods["linear_1"].spec.bias) == (64, symmetric, True)
+    # 16 rows, K = 2N: two CTAs split K; the workspace is allocated, not saved
+    assert mods["linear_1"].spec.ksplit == 2 and not mods["linear_1"].split_C.any()
+    assert not any(k.startswith("split_") for k in mods["linear_1"].state_dict())
     for op in ("linear", "linear_1"):
         assert "lop3.b32" in (Path(rows[op]["artifact"]) / "kernel.cu").read_text()
     expected = fake_quantized_weights(compiled.graph)
