@@ -222,6 +222,8 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     specs["t_ln_plain"] = LayerNormSpec(5, 24, affine=False, bias=False)
     specs["t_ln_cta_int8"] = LayerNormSpec(33, 4104, out="int8", threads=pick_threads(4104))
     specs["t_ln_cta2_weight_only"] = LayerNormSpec(16, 768, bias=False, out="both", threads=64)
+    specs["t_ln_res_warp_both"] = LayerNormSpec(37, 1000, out="both", residual=True)
+    specs["t_ln_res_cta_fp16"] = LayerNormSpec(33, 4104, residual=True, threads=pick_threads(4104))
     for m, n in LN_SHAPES:                         # bench_cuda_layernorm.py
         for out in ("fp16", "int8", "both"):
             specs[f"ln_{m}x{n}_{out}"] = LayerNormSpec(m, n, out=out, threads=pick_threads(n))
@@ -266,6 +268,12 @@ def saved_models(out: Path) -> None:
                          quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
     print(ln8.kernel_report())
     ln8.save(out / "saved_norm_w8a8")
+    # fp16 post-LN sublayer (BERT width, 4x96 tokens): the residual add fused into sparta's LayerNorm
+    post = _PostLNBlock().half().eval()
+    fp16 = sparta.compile(post, {"fc.weight": masks["0.weight"][:768, :768]}, (torch.randn(4, 96, 768).half(),),
+                          target="cuda")
+    print(fp16.kernel_report())
+    fp16.save(out / "saved_postln_fp16")
 
 
 class _NormBlock(torch.nn.Module):
@@ -278,6 +286,21 @@ class _NormBlock(torch.nn.Module):
     def forward(self, x):
         h = self.ln(x)
         return self.fc2(torch.relu(self.fc1(h))) + h
+
+
+class _PostLNBlock(torch.nn.Module):
+    """``ln2(ln(x + fc(x)))``: a residual add read only by a LayerNorm (as ``tests/models.PostLNBlock``)."""
+
+    def __init__(self, d=768):
+        super().__init__()
+        self.fc, self.ln, self.ln2 = torch.nn.Linear(d, d), torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        with torch.no_grad():
+            for ln in (self.ln, self.ln2):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.ln2(self.ln(self.fc(x) + x))
 
 
 TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear, Q4GemvSpec: q4_gemv,

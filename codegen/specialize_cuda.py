@@ -2,8 +2,9 @@
 (fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
 W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights;
 a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``).
-A LayerNorm read by W8A8 linears becomes sparta's LayerNorm kernel, which hands them their per-token
-int8 codes (``templates/cuda_layernorm.py``), so they skip the quantiser.
+fp16 LayerNorms become sparta's LayerNorm kernel (``templates/cuda_layernorm.py``): one read by W8A8
+linears hands them their per-token int8 codes, so they skip the quantiser; one fed by a residual add
+that nothing else reads adds the two inputs itself.
 
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
@@ -22,7 +23,7 @@ import math
 
 import torch
 
-from ..backend.fx import Passthrough
+from ..backend.fx import Fused, Passthrough
 from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
@@ -92,24 +93,30 @@ def specialize_cuda(graph: Graph, plan: Plan):
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report.append(row)
-    report += _quantizing_norms(graph, replacements)
+    report += _cuda_norms(graph, replacements)
     return replacements, report
 
 
-def _quantizing_norms(graph: Graph, replacements: dict) -> list[dict]:
-    """LayerNorms whose output W8A8 linears read become sparta's LayerNorm kernel, which hands those
-    linears per-token int8 codes and scales (bit for bit their own quantiser's on its fp16 output),
-    so they skip a pass over the activations. Returns the kernel report rows."""
+def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
+    """fp16 LayerNorms become sparta's LayerNorm kernel (OneFlow-style Welford, 1.3-2x torch's): one whose
+    output W8A8 linears read hands them per-token int8 codes and scales (bit for bit their own quantiser's
+    on its fp16 output), so they skip a pass over the activations; one fed by a residual add that nothing
+    else reads normalises the add's two inputs itself (the add becomes :class:`Fused`). fp32 LayerNorms
+    stay torch's. Returns the kernel report rows."""
     rows = []
-    for op in graph.ops("layer_norm"):
-        y = op.outputs[0]
+    for op in list(graph.ops("layer_norm")):
+        if op.name in replacements:
+            continue
+        y, x = op.outputs[0], graph.tensor(op.input_of("input"))
         readers = graph.consumers(y)
         int8 = [r for r in readers if isinstance(replacements.get(r), SparseLinearCUDA)
                 and replacements[r].spec.dtype == "int8" and replacements[r].input_names == [y]]
-        if not int8 or op.name in replacements:
+        if not int8 and x.dtype != torch.float16:
             continue
-        fp16_too = len(int8) < len(readers) or y in graph.outputs
-        built = _build_norm(graph, op, "both" if fp16_too else "int8", replacements[int8[0]].spec.m)
+        fp16_too = not int8 or len(int8) < len(readers) or y in graph.outputs
+        out = "int8" if not fp16_too else "both" if int8 else "fp16"
+        add = _residual_add(graph, op, replacements)
+        built = _build_norm(graph, op, out, replacements[int8[0]].spec.m if int8 else math.prod(x.shape[:-1]), add)
         if isinstance(built, str):
             rows.append(_torch_row(op, "-", built))
             continue
@@ -117,12 +124,34 @@ def _quantizing_norms(graph: Graph, replacements: dict) -> list[dict]:
         for r in int8:
             replacements[r].use_quantized_input(quantized_names(y), graph.tensor(graph.op(r).outputs[0]).dtype)
         replacements[op.name] = module
-        row["note"] = f"emits per-token int8 codes for {', '.join(int8)}"
+        notes = ([f"emits per-token int8 codes for {', '.join(int8)}"] if int8 else []) + \
+            ([f"adds the residual ({add.name} fused)"] if add is not None else [])
+        if notes:
+            row["note"] = "; ".join(notes)
+        if add is not None:
+            replacements[add.name] = Fused(op.name)
         rows.append(row)
     return rows
 
 
-def _build_norm(graph: Graph, op: Op, out: str, rows: int):
+def _residual_add(graph: Graph, op: Op, replacements: dict) -> Op | None:
+    """The ``add`` producing LayerNorm ``op``'s input, if the LayerNorm kernel can do it instead: two fp16
+    activations of the output's shape (no broadcast, no alpha), read by nothing else."""
+    name = graph.producer(op.input_of("input"))
+    if name is None or name in replacements:
+        return None
+    add = graph.op(name)
+    if add.op != "add" or add.attrs.get("alpha", 1) != 1 or len(add.inputs) != 2 or len(set(add.inputs)) != 2:
+        return None
+    s = add.outputs[0]
+    shape = graph.tensor(s).shape
+    if any(graph.tensor(t).dtype != torch.float16 or graph.tensor(t).shape != shape or graph.tensor(t).data is not None
+           for t in add.inputs):
+        return None
+    return add if graph.consumers(s) == [op.name] and s not in graph.outputs else None
+
+
+def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None):
     x = graph.tensor(op.input_of("input"))
     n = x.shape[-1] if x.shape else 0
     if list(op.attrs.get("normalized_shape", [])) != [n]:
@@ -137,15 +166,18 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int):
         params[role] = None if name is None else graph.tensor(name).data.float() * graph.tesa(name).mask.float()
     if params["bias"] is not None and params["weight"] is None:
         return "a bias without a weight"
+    res = "_res" if add is not None else ""
     spec = LayerNormSpec(rows, n, eps=float(op.attrs.get("eps", 1e-5)), affine=params["weight"] is not None,
-                         bias=params["bias"] is not None, out=out, threads=pick_threads(n),
-                         name=f"layer_norm_{rows}x{n}_{out}")
+                         bias=params["bias"] is not None, out=out, threads=pick_threads(n), residual=add is not None,
+                         name=f"layer_norm_{rows}x{n}_{out}{res}")
     art = build_cuda(layer_norm_kernel, spec)
     y = op.outputs[0]
-    outputs = ([y] if out == "both" else []) + quantized_names(y)
-    module = LayerNormCUDA(op.name, x.name, outputs, art.path, spec, params["weight"], params["bias"],
-                           graph.tensor(y).shape)
-    return module, _row(op, "layer_norm", "-", "A16->A8" if out == "int8" else "A16->A16+A8", "-", [art])
+    outputs = ([y] if out != "int8" else []) + (quantized_names(y) if out != "fp16" else [])
+    x_name, r_name = (add.inputs[0], add.inputs[1]) if add is not None else (x.name, None)
+    module = LayerNormCUDA(op.name, x_name, outputs, art.path, spec, params["weight"], params["bias"],
+                           graph.tensor(y).shape, r_name)
+    bits = {"fp16": "A16->A16", "int8": "A16->A8", "both": "A16->A16+A8"}[out]
+    return module, _row(op, "layer_norm", "-", bits, "-", [art])
 
 
 def _build_op(graph: Graph, op: Op, op_plan: OpPlan):

@@ -31,9 +31,10 @@ from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
 VERSION = 3   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
-#               3: W4A16 GEMV specs may split K over CTAs (ksplit)
+#               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add
 MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from_saved()
     "passthrough": "sparta.backend.fx:Passthrough",
+    "fused": "sparta.backend.fx:Fused",
     "bsr_linear_cuda": "sparta.runtime.bsr_linear:SparseLinearCUDA",
     "w4a16_gemv_cuda": "sparta.runtime.w4a16_gemv:W4A16GemvCUDA",
     "layer_norm_cuda": "sparta.runtime.layernorm:LayerNormCUDA",

@@ -12,6 +12,9 @@ is read once (OneFlow's "warp" kernel for ``threads=32``: one warp per row, four
 ``|y|`` maximum is reduced the same way and ``XQ = round(y / s)``, ``XS = s = max|y| · (1/127)`` —
 bit for bit ``cuda_bsr_ref.quantize_rows`` applied to the fp16 ``Y``, so a LayerNorm that feeds
 int8 linears spares them the separate quantisation pass (2 bytes read + 1 written per element).
+
+``residual=True`` normalises ``X + R`` (summed in fp16, as torch's ``add`` rounds it): a transformer's
+residual add fused into the LayerNorm that reads it, sparing the add's pass (two reads and a write).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class LayerNormSpec:
     affine: bool = True         # G (fp16 weight)
     bias: bool = True           # B (fp16 bias)
     out: str = "fp16"           # "fp16": Y; "int8": XQ, XS; "both"
+    residual: bool = False      # normalise X + R (the fp16 sum, as torch's add): the residual add fused
     threads: int = 32           # threads per row: 32 = a warp per row, 64..1024 = a CTA per row
     name: str = "layer_norm"
 
@@ -65,7 +69,7 @@ class LayerNormSpec:
 
 
 def argument_names(spec: LayerNormSpec) -> list[str]:
-    names = ["X"] + ["G"] * spec.affine + ["B"] * spec.bias
+    names = ["X"] + ["R"] * spec.residual + ["G"] * spec.affine + ["B"] * spec.bias
     return names + ["Y"] * (spec.out != "int8") + ["XQ", "XS"] * (spec.out != "fp16")
 
 
@@ -88,12 +92,12 @@ def layer_norm_kernel(spec: LayerNormSpec):
     import tvm
     from tvm.script import tirx as T
 
-    M, N, NT, R = spec.m, spec.n, spec.threads, spec.rows_per_cta
+    M, N, NT, ROWS = spec.m, spec.n, spec.threads, spec.rows_per_cta
     CH, IT = N // 8, spec.per_thread
     WARPS = NT // 32
     full = CH % NT == 0                       # every thread's chunks all inside the row
     emit_y, emit_q = spec.out != "int8", spec.out != "fp16"
-    affine, use_bias = spec.affine, spec.bias
+    affine, use_bias, residual = spec.affine, spec.bias, spec.residual
     FULL = T.uint32(0xFFFFFFFF)
     reduce_max = row_max(WARPS)
 
@@ -132,29 +136,32 @@ def layer_norm_kernel(spec: LayerNormSpec):
             T.tvm_storage_sync("shared")      # red is reused by the |y| maximum
 
     @T.prim_func
-    def kernel(x_h: T.handle, g_h: T.handle, b_h: T.handle, y_h: T.handle, xq_h: T.handle, xs_h: T.handle):
+    def kernel(x_h: T.handle, r_h: T.handle, g_h: T.handle, b_h: T.handle, y_h: T.handle, xq_h: T.handle,
+               xs_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         X = T.match_buffer(x_h, (M, N), "float16")
+        R = T.match_buffer(r_h, (M, N), "float16")
         G = T.match_buffer(g_h, (N,), "float16")
         B = T.match_buffer(b_h, (N,), "float16")
         Y = T.match_buffer(y_h, (M, N), "float16")
         XQ = T.match_buffer(xq_h, (M, N), "int8")
         XS = T.match_buffer(xs_h, (M,), "float32")
-        bx = T.launch_thread("blockIdx.x", -(-M // R))
-        tx = T.launch_thread("threadIdx.x", NT * R)
+        bx = T.launch_thread("blockIdx.x", -(-M // ROWS))
+        tx = T.launch_thread("threadIdx.x", NT * ROWS)
         red = T.alloc_buffer((3 * WARPS,), "float32", scope="shared")
         vals = T.alloc_buffer((IT * 8,), "float32", scope="local")
         raw = T.alloc_buffer((IT * 8,), "float16", scope="local")
+        rraw = T.alloc_buffer((IT * 8 if residual else 1,), "float16", scope="local")
         codes = T.alloc_buffer((8,), "int8", scope="local")
         gw = T.alloc_buffer((8,), "float16", scope="local")
         bw = T.alloc_buffer((8,), "float16", scope="local")
         st = T.alloc_buffer((3,), "float32", scope="local")        # count, mean, M2 of this thread
         ot = T.alloc_buffer((3,), "float32", scope="local")        # a partner's, during the merge
         mx = T.alloc_buffer((2,), "float32", scope="local")        # |y| max, a partner's
-        row = T.meta_var(bx * R + tx // NT)
+        row = T.meta_var(bx * ROWS + tx // NT)
         t = T.meta_var(tx % NT)
         lane = T.meta_var(tx % 32)
-        if R == 1 or M % R == 0 or row < M:     # a warp per row: the guard is warp-uniform
+        if ROWS == 1 or M % ROWS == 0 or row < M:     # a warp per row: the guard is warp-uniform
             st[0] = T.float32(0)
             st[1] = T.float32(0)
             st[2] = T.float32(0)
@@ -162,8 +169,14 @@ def layer_norm_kernel(spec: LayerNormSpec):
                 if full or t + it * NT < CH:
                     for v in T.vectorized(8):
                         raw[it * 8 + v] = X[row, (t + it * NT) * 8 + v]
+                    if residual:
+                        for v in T.vectorized(8):
+                            rraw[it * 8 + v] = R[row, (t + it * NT) * 8 + v]
             for it in T.unroll(IT):
                 if full or t + it * NT < CH:
+                    if residual:               # torch's fp16 add: the correctly rounded sum
+                        for v in T.unroll(8):
+                            raw[it * 8 + v] = raw[it * 8 + v] + rraw[it * 8 + v]
                     for v in T.unroll(8):      # Welford: the count of value (it, v) is 8·it + v + 1
                         vals[it * 8 + v] = T.Cast("float32", raw[it * 8 + v])
                         ot[0] = vals[it * 8 + v] - st[1]

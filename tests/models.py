@@ -73,3 +73,15 @@ class NormBlock(nn.Module):
         h = self.ln(x)
         y = self.fc2(F.relu(self.fc1(h)))
         return y + h if self.residual else y
+
+
+class PostLNBlock(nn.Module):
+    """BERT's post-LN sublayer: ``ln(x + fc(x))`` (the residual add read only by the LayerNorm), then a
+    second LayerNorm on its own input (no add before it)."""
+
+    def __init__(self, d=256):
+        super().__init__()
+        self.fc, self.ln, self.ln2 = nn.Linear(d, d), nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.ln2(self.ln(self.fc(x) + x))

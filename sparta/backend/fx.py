@@ -61,6 +61,28 @@ class Passthrough(torch.nn.Module):
         return cls(config["input_name"])
 
 
+class Fused(torch.nn.Module):
+    """Stands in for an op whose work the kernel of a later op does (a residual add inside the LayerNorm
+    kernel that was its only reader): runs nothing and produces no tensor."""
+
+    def __init__(self, into: str):
+        super().__init__()
+        self.into, self.output_names = into, []
+
+    def forward(self, *inputs):
+        return ()
+
+    def saved_state(self):
+        return {"into": self.into}, {}, {}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict, folders: dict) -> Fused:
+        return cls(config["into"])
+
+    def extra_repr(self) -> str:
+        return f"done by {self.into}"
+
+
 def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = None,
                     replacements: Mapping[str, torch.nn.Module] | None = None) -> fx.GraphModule:
     """Build a GraphModule computing ``graph.outputs`` (a flat tuple) from ``graph.inputs``.
@@ -141,4 +163,4 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
     return gm
 
 
-__all__ = ["to_graph_module", "Passthrough", "TensorRef"]
+__all__ = ["to_graph_module", "Fused", "Passthrough", "TensorRef"]

@@ -42,9 +42,15 @@ class LayerNormOp:
         self.bias = None if bias is None else bias.detach().half().contiguous()
         self._prepared = None
 
-    def __call__(self, x: torch.Tensor):
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         s = self.spec
         check_fp16_input(s.name, x, s.m, s.n)
+        if s.residual != (residual is not None):
+            raise CudaRuntimeError(f"{s.name}: the kernel {'adds' if s.residual else 'takes no'} a residual")
+        res = {}
+        if residual is not None:
+            check_fp16_input(s.name, residual, s.m, s.n)
+            res["R"] = residual
         if self.weight is not None and self.weight.device != x.device:
             self.weight = self.weight.to(x.device)
             self.bias = None if self.bias is None else self.bias.to(x.device)
@@ -57,19 +63,21 @@ class LayerNormOp:
             outs["XS"] = torch.empty(s.m, dtype=torch.float32, device=x.device)
         if self._prepared is None:
             params = {k: v for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
-            self._prepared = self.kernel.prepare(X=x, **params, **outs)
+            self._prepared = self.kernel.prepare(X=x, **res, **params, **outs)
         else:
-            self._prepared.launch(X=x, **outs)
+            self._prepared.launch(X=x, **res, **outs)
         vals = tuple(outs.values())
         return vals[0] if len(vals) == 1 else vals
 
 
 class LayerNormCUDA(torch.nn.Module):
     """A ``layer_norm`` op run by sparta's kernel; ``output_names`` are the graph tensors it returns, in
-    order: its output (if anything but the W8A8 linears reads it) and/or ``quantized_names(output)``."""
+    order: its output (if anything but the W8A8 linears reads it) and/or ``quantized_names(output)``.
+    With ``residual_name`` (``spec.residual``) it normalises ``x + residual``: the add that fed it, fused."""
 
     def __init__(self, op_name: str, x_name: str, output_names: list[str], folder, spec: LayerNormSpec,
-                 weight: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple):
+                 weight: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple,
+                 residual_name: str | None = None):
         super().__init__()
         want = (["y"] if spec.out != "int8" else []) + (["q", "s"] if spec.out != "fp16" else [])
         if len(output_names) != len(want):
@@ -77,19 +85,24 @@ class LayerNormCUDA(torch.nn.Module):
                                    f"not {len(output_names)}")
         if math.prod(out_shape) != spec.m * spec.n or out_shape[-1] != spec.n:
             raise CudaRuntimeError(f"op {op_name!r}: output shape {tuple(out_shape)} is not {spec.m} rows of {spec.n}")
-        self.op_name, self.input_names, self.output_names = op_name, [x_name], list(output_names)
+        if spec.residual != (residual_name is not None):
+            raise CudaRuntimeError(f"op {op_name!r}: the kernel {'adds' if spec.residual else 'takes no'} a residual")
+        self.op_name, self.output_names = op_name, list(output_names)
+        self.input_names = [x_name] + ([residual_name] if residual_name is not None else [])
         self.folder, self.spec, self.out_shape = str(folder), spec, tuple(out_shape)
         self.register_buffer("weight", None if weight is None else weight.detach().half())
         self.register_buffer("bias", None if bias is None else bias.detach().half())
         self._op = None
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if not x.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
         if self._op is None or (self.weight is not None and self._op.weight.data_ptr() != self.weight.data_ptr()):
             self._op = LayerNormOp(self.folder, self.spec, self.weight, self.bias)
-        outs = self._op(x.reshape(self.spec.m, self.spec.n).to(torch.float16).contiguous())
+        rows = (self.spec.m, self.spec.n)
+        outs = self._op(x.reshape(rows).to(torch.float16).contiguous(),
+                        None if residual is None else residual.reshape(rows).to(torch.float16).contiguous())
         outs = outs if isinstance(outs, tuple) else (outs,)
         if self.spec.out != "int8":
             outs = (outs[0].reshape(self.out_shape).to(x.dtype), *outs[1:])
@@ -98,7 +111,8 @@ class LayerNormCUDA(torch.nn.Module):
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "x_name": self.input_names[0], "output_names": self.output_names,
-                  "spec": dataclasses.asdict(self.spec), "kernel": folder.name, "out_shape": list(self.out_shape)}
+                  "spec": dataclasses.asdict(self.spec), "kernel": folder.name, "out_shape": list(self.out_shape),
+                  "residual_name": self.input_names[1] if self.spec.residual else None}
         tensors = {k: v for k, v in (("weight", self.weight), ("bias", self.bias)) if v is not None}
         return config, tensors, {folder.name: folder}
 
@@ -108,10 +122,10 @@ class LayerNormCUDA(torch.nn.Module):
         folder = folders[config["kernel"]]
         check_saved_spec(config["op_name"], folder, spec)
         return cls(config["op_name"], config["x_name"], config["output_names"], folder, spec,
-                   tensors.get("weight"), tensors.get("bias"), tuple(config["out_shape"]))
+                   tensors.get("weight"), tensors.get("bias"), tuple(config["out_shape"]), config.get("residual_name"))
 
     def extra_repr(self) -> str:
-        return f"{self.op_name}: {self.spec.m}x{self.spec.n}, emits {self.spec.out}"
+        return f"{self.op_name}: {self.spec.m}x{self.spec.n}{' + residual' if self.spec.residual else ''}, emits {self.spec.out}"
 
 
 __all__ = ["LayerNormCUDA", "LayerNormOp", "quantized_names", "QUANT_SUFFIXES"]

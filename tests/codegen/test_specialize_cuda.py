@@ -242,3 +242,40 @@ def test_decode_sized_4bit_linear_folds_group128_scales_into_the_fp32_sum(tmp_pa
     assert "lop3.b32" in src and "mul.f16x2" not in src
     torch.testing.assert_close(gemv.reference_weight, dequantize(gemv.wq, gemv.scale, None, gemv.spec).half(),
                                rtol=0, atol=0)
+
+
+def test_fp16_layer_norms_run_sparta_kernel_with_the_residual_add_fused(tmp_path, monkeypatch):
+    """In an fp16 model every LayerNorm becomes sparta's kernel; one whose input is a residual add read by
+    nothing else normalises the add's two inputs itself and the add runs nothing; a save keeps both."""
+    from models import PostLNBlock
+    from sparta.backend.fx import Fused
+    from sparta.runtime.layernorm import LayerNormCUDA
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = PostLNBlock(256).half().eval()
+    mask = (torch.rand(256 // 32, 256 // 32) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    compiled = sparta.compile(model, {"fc.weight": mask}, (torch.randn(3, 7, 256).half(),), target="cuda")
+    mods = compiled.module_replacements()
+    first, second = mods["layer_norm"], mods["layer_norm_1"]
+    assert isinstance(first, LayerNormCUDA) and isinstance(second, LayerNormCUDA), compiled.kernel_report()
+    assert first.spec.residual and first.input_names == ["linear", "x"] and first.spec.out == "fp16"
+    assert not second.spec.residual and second.input_names == ["layer_norm"] and second.spec.m == 21
+    assert isinstance(mods["add"], Fused) and mods["add"].into == "layer_norm"
+    row = next(r for r in compiled.kernels if r["op"] == "layer_norm")
+    assert "add fused" in row["note"] and row["bits"] == "A16->A16"
+    src = (Path(row["artifact"]) / "kernel.cu").read_text()
+    assert "R_ptr" in src and "shfl_sync" in src
+    code = compiled.module.code
+    assert "kernel_layer_norm(linear, x)" in code.replace("kernel_layer_norm = self.kernel_layer_norm", "")
+    again = sparta.load(compiled.save(tmp_path / "saved")).module_replacements()
+    assert again["layer_norm"].spec == first.spec and again["layer_norm"].input_names == first.input_names
+    assert isinstance(again["add"], Fused)
+
+
+def test_fp32_layer_norms_stay_torch_ops(tmp_path, monkeypatch):
+    from models import PostLNBlock
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model = PostLNBlock(256).eval()
+    mask = (torch.rand(256 // 32, 256 // 32) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    compiled = sparta.compile(model, {"fc.weight": mask}, (torch.randn(3, 7, 256),), target="cuda")
+    assert not {"layer_norm", "layer_norm_1", "add"} & set(compiled.module_replacements())

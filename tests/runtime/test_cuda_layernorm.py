@@ -14,7 +14,8 @@ from sparta.templates.cuda_layernorm import LayerNormSpec, layer_norm_ref
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-CASES = ["t_ln_warp_both", "t_ln_plain", "t_ln_cta_int8", "t_ln_cta2_weight_only"]
+CASES = ["t_ln_warp_both", "t_ln_plain", "t_ln_cta_int8", "t_ln_cta2_weight_only", "t_ln_res_warp_both",
+         "t_ln_res_cta_fp16"]
 
 
 def _op(name, seed=0):
@@ -40,8 +41,9 @@ def _outputs(spec, outs):
 def test_matches_torch_layer_norm_and_its_int8_codes(name):
     spec, op, w, b, g = _op(name)
     x = (torch.randn(spec.m, spec.n, device="cuda", generator=g) * 4 + 3).half()   # an offset mean stresses the variance
-    ref = layer_norm_ref(x, w, b, spec.eps)
-    y, q = _outputs(spec, op(x))
+    r = (torch.randn(spec.m, spec.n, device="cuda", generator=g) * 2).half() if spec.residual else None
+    ref = layer_norm_ref(x if r is None else x + r, w, b, spec.eps)     # torch's fp16 add, then the norm
+    y, q = _outputs(spec, op(x, r))
     if y is not None:
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-3, atol=4e-3)
     if q is not None:
@@ -83,6 +85,37 @@ def test_captures_in_a_cuda_graph_and_refuses_bad_input():
         op(x.float())
     with pytest.raises(CudaRuntimeError, match="weight"):
         LayerNormOp(ROOT / "t_ln_cta_int8", spec, None, b)
+    with pytest.raises(CudaRuntimeError, match="residual"):
+        op(x, x)
+
+
+SAVED_FP16 = ROOT / "saved_postln_fp16"
+
+
+@pytest.mark.skipif(not (SAVED_FP16 / "sparta.json").is_file(), reason=f"no saved model in {SAVED_FP16}")
+def test_saved_fp16_post_ln_block_fuses_the_residual_add_into_its_layer_norm():
+    import sparta
+    model = sparta.load(SAVED_FP16).to("cuda")
+    mods = model.module_replacements()
+    assert mods["layer_norm"].spec.residual and type(mods["add"]).__name__ == "Fused"
+    assert not mods["layer_norm_1"].spec.residual
+    g = model.graph
+    x = torch.randn(4, 96, 768, device="cuda").half()
+
+    def weight(name):
+        return g.tensor(name).data.cuda().half()
+    w = (g.tensor("fc.weight").data.float() * g.tesa("fc.weight").mask.float()).cuda().half()   # pruned as compiled
+    fc = torch.nn.functional.linear(x, w, weight("fc.bias"))
+    h = torch.nn.functional.layer_norm(fc + x, (768,), weight("ln.weight"), weight("ln.bias"))
+    ref = torch.nn.functional.layer_norm(h, (768,), weight("ln2.weight"), weight("ln2.bias"))
+    out = model(x)
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = model(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(captured, model(x), rtol=0, atol=0)
 
 
 SAVED = ROOT / "saved_norm_w8a8"
