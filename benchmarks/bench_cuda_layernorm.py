@@ -8,7 +8,9 @@ Rows (kernel-only: CUDA graphs over enough input sets to defeat L2; eager: host 
 feeds W8A8 linears, ``torch+quant_torch`` / ``torch+quant_sparta`` = torch's LayerNorm then the per-token
 quantiser in torch ops / sparta's one-pass kernel (what compile ran before the fusion), against
 ``sparta_int8`` (codes + scales only: a pre-LN block) and ``sparta_both`` (fp16 too: post-LN, the residual
-reads it). Floor: bytes moved (fp16 in; fp16 and/or int8 out) at the measured copy bandwidth.
+reads it). Post-LN residual: ``torch_add+torch`` = ``F.layer_norm(x + r)`` (the add a pass of its own) against
+``sparta_fp16_res``, the kernel reading ``x`` and ``r`` (its floor: two fp16 reads and one write).
+Floor: bytes moved (fp16 in; fp16 and/or int8 out) at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ LN_SHAPES = ((4096, 768), (16384, 1024), (4096, 4096))  # BERT-base, BERT-large 
 
 
 def run(m: int, n: int, bw: float) -> dict:
-    sets = max(2, math.ceil(200e6 / (m * n * 5)))      # every set's input and outputs: > 3x the L2
+    sets = max(2, math.ceil(200e6 / (m * n * 7)))      # every set's inputs and outputs: > 3x the L2
     xs = [(torch.randn(m, n, device="cuda") * 2 + 0.5).half() for _ in range(sets)]
     w = (torch.rand(n, device="cuda") + 0.5).half()
     b = torch.randn(n, device="cuda").half()
@@ -63,8 +65,18 @@ def run(m: int, n: int, bw: float) -> dict:
             check["codes_differing"] = float((got[-2] != rq).float().mean())
             check["scale_max_rel_err"] = ((got[-1] - rs).abs() / rs).max().item()
         checks[out] = check
+    res = [(torch.randn(m, n, device="cuda")).half() for _ in range(sets)]
+    fns["torch_add+torch"] = lambda i: F.layer_norm(xs[i] + res[i], (n,), w, b)
+    folder = ROOT / f"ln_{m}x{n}_fp16_res"
+    if folder.is_dir():
+        op = LayerNormOp(folder, LayerNormSpec(**json.loads((folder / "spec.json").read_text())), w, b)
+        fns["sparta_fp16_res"] = lambda i, op=op: op(xs[i], res[i])
+        got = op(xs[0], res[0])
+        checks["fp16_res"] = {"max_abs_err": (got.float() - layer_norm_ref(xs[0] + res[0], w, b, 1e-5).float())
+                              .abs().max().item()}
     times = measure(fns, sets)
     floors = {out: m * n * (2 + ob) / bw / 1e3 for out, ob in OUT_BYTES.items()}
+    floors["fp16_res"] = m * n * 6 / bw / 1e3
     row = {"m": m, "n": n, "sets": sets, "times": times, "checks": checks, "floor_us": floors}
     t = {k: v.get("kernel_us") for k, v in times.items()}
     print(f"{m}x{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items() if v) +

@@ -227,6 +227,7 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     for m, n in LN_SHAPES:                         # bench_cuda_layernorm.py
         for out in ("fp16", "int8", "both"):
             specs[f"ln_{m}x{n}_{out}"] = LayerNormSpec(m, n, out=out, threads=pick_threads(n))
+        specs[f"ln_{m}x{n}_fp16_res"] = LayerNormSpec(m, n, residual=True, threads=pick_threads(n))
         specs[f"q_ln_{m}x{n}"] = QuantRowsSpec(m, n)
     return {name: type(s)(**{**asdict(s), "name": name}) for name, s in specs.items()}
 
