@@ -145,8 +145,7 @@ def _residual_add(graph: Graph, op: Op, replacements: dict) -> Op | None:
         return None
     s = add.outputs[0]
     shape = graph.tensor(s).shape
-    if any(graph.tensor(t).dtype != torch.float16 or graph.tensor(t).shape != shape or graph.tensor(t).data is not None
-           for t in add.inputs):
+    if any(v.dtype != torch.float16 or v.shape != shape or v.data is not None for v in map(graph.tensor, add.inputs)):
         return None
     return add if graph.consumers(s) == [op.name] and s not in graph.outputs else None
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cuda_quant import quotient, row_max
+from .cuda_quant import int8_code, int8_scale, quotient, row_max
 
 OUTPUTS = ("fp16", "int8", "both")
 
@@ -203,15 +203,14 @@ def layer_norm_kernel(spec: LayerNormSpec):
                             Y[row, (t + it * NT) * 8 + v] = raw[v]
             if emit_q:
                 reduce_max(mx, red, lane, t)
-                st[0] = T.max(mx[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
+                st[0] = int8_scale(mx[0])
                 st[1] = T.float32(1) / st[0]
                 if t == 0:
                     XS[row] = st[0]
                 for it in T.unroll(IT):
                     if full or t + it * NT < CH:
                         for v in T.unroll(8):
-                            codes[v] = T.Cast("int8", T.max(T.min(T.nearbyint(quotient(vals[it * 8 + v], st[0], st[1])),
-                                                                  T.float32(127)), T.float32(-127)))
+                            codes[v] = int8_code(quotient(vals[it * 8 + v], st[0], st[1]))
                         for v in T.vectorized(8):
                             XQ[row, (t + it * NT) * 8 + v] = codes[v]
 

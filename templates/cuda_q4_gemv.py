@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .cuda_quant import int8_code, int8_scale
+
 BLOCK = 32
 
 
@@ -142,11 +144,10 @@ def quantize_q8_kernel(spec: Q8QuantSpec):
             st[0] = T.float32(0)
             for v in T.unroll(BLOCK):
                 st[0] = T.max(st[0], T.abs(T.Cast("float32", vals[v])))
-            st[1] = T.max(st[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
+            st[1] = int8_scale(st[0])
             st[2] = T.float32(0)
             for v in T.unroll(BLOCK):
-                codes[v] = T.Cast("int8", T.max(T.min(T.nearbyint(T.Cast("float32", vals[v]) / st[1]),
-                                                      T.float32(127)), T.float32(-127)))
+                codes[v] = int8_code(T.Cast("float32", vals[v]) / st[1])
                 st[2] = st[2] + T.Cast("float32", codes[v])
             for c in T.unroll(2):
                 for v in T.vectorized(16):

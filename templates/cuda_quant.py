@@ -48,6 +48,18 @@ def quotient(x, d, r):
     return T.call_pure_extern("float32", "__fmaf_rn", rem, r, q)
 
 
+def int8_scale(absmax):
+    """TIR: the per-token scale of a row whose ``max |x|`` is ``absmax`` (``quantize_rows``: max·(1/127))."""
+    from tvm.script import tirx as T
+    return T.max(absmax, T.float32(1e-12)) * T.float32(1.0 / 127.0)
+
+
+def int8_code(q):
+    """TIR: the int8 code of the fp32 quotient ``q`` = x / scale: rounded half to even, clamped to ±127."""
+    from tvm.script import tirx as T
+    return T.Cast("int8", T.max(T.min(T.nearbyint(q), T.float32(127)), T.float32(-127)))
+
+
 def row_max(warps: int):
     """TIR macro ``row_max(mx, red, lane, t)``: every thread of a row of ``warps`` warps ends with the row's
     maximum of ``mx[0]`` (``mx[1]`` is scratch): a butterfly of warp shuffles, then, across warps, one step
@@ -120,16 +132,14 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
                     for v in T.unroll(8):
                         mx[0] = T.max(mx[0], T.fabs(T.Cast("float32", raw[it * 8 + v])))
             reduce_max(mx, red, lane, t)
-            mx[0] = T.max(mx[0], T.float32(1e-12)) * T.float32(1.0 / 127.0)
+            mx[0] = int8_scale(mx[0])
             mx[1] = T.float32(1) / mx[0]
             if t == 0:
                 XS[row] = mx[0]
             for it in T.unroll(IT):
                 if full or t + it * NT < CH:
                     for v in T.unroll(8):
-                        codes[v] = T.Cast("int8", T.max(T.min(T.nearbyint(quotient(T.Cast("float32", raw[it * 8 + v]),
-                                                                                    mx[0], mx[1])),
-                                                              T.float32(127)), T.float32(-127)))
+                        codes[v] = int8_code(quotient(T.Cast("float32", raw[it * 8 + v]), mx[0], mx[1]))
                     for v in T.vectorized(8):
                         XQ[row, (t + it * NT) * 8 + v] = codes[v]
 

@@ -272,6 +272,12 @@ def w4a16_gemv(spec: W4A16Spec):
     dequant = dequant_word(scaled=not fold)
 
     @T.macro
+    def sum_warps(tot, red, o):                # output o's partial sums of the CTA's W warps, in warp order
+        tot[0] = red[o]
+        for w in T.unroll(1, W):
+            tot[0] = tot[0] + red[w * OUTS + o]
+
+    @T.macro
     def store(Y, B, m, n, v):
         if use_bias:
             Y[m, n] = T.Cast("float16", v + T.Cast("float32", B[n]))
@@ -402,7 +408,7 @@ def w4a16_gemv(spec: W4A16Spec):
         for it in T.serial(ITERS):
             load_stage(it, ctx, *ld)
             compute_stage(it, ctx, *mm)
-        for rh in T.unroll(RH):                        # split-K partials of every warp into shared memory
+        for rh in T.unroll(RH):                        # every warp's partial sums into shared memory
             for p in T.unroll(NP):
                 for r in T.unroll(4):
                     m = T.meta_var(rh * 8 + t * 2 + r % 2)
@@ -417,9 +423,7 @@ def w4a16_gemv(spec: W4A16Spec):
                     m = T.meta_var(o // (NT * 8))
                     n = T.meta_var(bx * NT * 8 + o % (NT * 8))
                     if N % (NT * 8) == 0 or n < N:
-                        tot[0] = red[o]
-                        for w in T.unroll(1, W):
-                            tot[0] = tot[0] + red[w * OUTS + o]
+                        sum_warps(tot, red, o)
                         store(Y, B, m, n, tot[0])
         else:
             # split K: every CTA leaves its partials in P; the last of the row block's KS CTAs to arrive
@@ -427,9 +431,7 @@ def w4a16_gemv(spec: W4A16Spec):
             for it in T.unroll(OUT_ITERS):
                 o = T.meta_var(tx + it * W * 32)
                 if OUTS % (W * 32) == 0 or o < OUTS:
-                    tot[0] = red[o]
-                    for w in T.unroll(1, W):
-                        tot[0] = tot[0] + red[w * OUTS + o]
+                    sum_warps(tot, red, o)
                     P[by, o // (NT * 8), bx * NT * 8 + o % (NT * 8)] = tot[0]
             T.cuda.thread_fence()
             T.tvm_storage_sync("shared")
