@@ -164,6 +164,16 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         # the dense W8A8 pair compile() builds (mma.sync fallback + wgmma, same 192x128 blocks)
         "t_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[0]),
         "t_wg_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[1]),
+        # out="int8": requantised to the codes of one static scale; vectorised (N % 16 == 0) and ragged stores
+        "t_i8_b64_gelu_q8": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
+                                    act="gelu_erf", dtype="int8", out="int8"),
+        "t_i8_odd_relu_q8": BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu", dtype="int8",
+                                    out="int8"),
+        "t_wg_i8_dense_192_q8": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", out="int8",
+                                        **int8_dense_tiles(300, 384)[1]),
+        "t_stream_i8_gelu_q8": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
+                                       act="gelu_erf", dtype="int8", groups=2, out="int8"),
+        "t_odd_gelu_q8": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", out="int8"),
         # W4A16 (int4 records, lop3 dequantisation): odd M, ragged N/K, zero points, const table, M of 16
         "t_w4_odd_gelu": BsrSpec(200, 96, 200, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", dtype="w4a16"),
         "t_w4_ragged_zero_relu": BsrSpec(130, 100, 200, bn=32, bk=64, tm=64, warps_m=2, stages=2, act="relu",

@@ -24,6 +24,10 @@ scales ``WS``), ``mma.sync.m16n8k32`` with int32 accumulation and ``y = acc · X
 the int8 operands are handed over as fp16 views of half the width (``x.view(torch.float16)``),
 and the m16n8k32 s8 fragments hold the same bytes per thread as the m16n8k16 f16 ones.
 
+``out="int8"`` requantises the output: ``Y`` holds int8 codes ``clamp(round(y / s), ±127)`` of one static
+scale ``s`` (argument ``OS = [s, 1/s]``, e.g. fitted by calibration), computed from the fp32 epilogue
+value — what a W8A8 linear behind this one reads, without a quantisation pass over an fp16 ``Y``.
+
 ``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
 scales (and zero points, ``zero=True``; ``templates/cuda_bsr_w4.py``), copied to shared memory as
 is; each warp turns its words into ``mma.sync`` B fragments in registers (``lop3`` dequantisation).
@@ -38,9 +42,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .cuda_bsr_ref import build_table
+from .cuda_quant import int8_code, quotient
 from .cuda_w4a16 import dequant_word, half2_splat, zero_terms
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
+OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
 # measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
 TUNED_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
                64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
@@ -65,6 +71,7 @@ class BsrSpec:
     mma: str = "sync"                                 # "sync" (mma.sync, sm_80+) or "wgmma" (sm_90a)
     zero: bool = False                                # w4a16: a uint8 zero point per scale (else code 8)
     groups: int = 0                                   # > 0: streaming grid, CTA (m tile, group) runs its rows in turn
+    out: str = "float16"                              # Y: fp16, or "int8" codes of one static scale
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -93,6 +100,8 @@ class BsrSpec:
             bad.append(f"int8: K={self.k} must be a multiple of 16 and bk={self.bk} of 32")
         elif self.dtype == "w4a16" and (self.bk % 32 or self.bn % 16 or self.mma != "sync"):
             bad.append(f"w4a16: bk={self.bk} must be a multiple of 32 (a word of 8 nibbles per lane) and mma 'sync'")
+        if self.out not in OUTPUTS:
+            bad.append(f"out {self.out!r} must be one of {OUTPUTS}")
         if self.zero and self.dtype != "w4a16":
             bad.append("zero points are for dtype='w4a16'")
         if self.groups < 0 or (self.groups and self.mma != "sync"):
@@ -152,9 +161,20 @@ class BsrSpec:
         return self.bn * self.bk // self.elems_per_half
 
     @property
+    def out_ld(self) -> int:
+        """Row pitch of the staged output tile, in its elements (fp16 lanes or int8 bytes): 16 bytes of
+        padding, so the fragments' writes do not conflict."""
+        return self.bn + (16 if self.out == "int8" else 8)
+
+    @property
+    def out_lanes(self) -> int:
+        """16-bit lanes of shared memory the staged output tile takes."""
+        return self.tm * self.out_ld // (2 if self.out == "int8" else 1)
+
+    @property
     def shared_bytes(self) -> int:
         stage = self.tm * self.bk // self.elems_per_half + self.w_lanes
-        out_tile = self.tm * (self.bn + 8)
+        out_tile = self.out_lanes
         if self.groups:                              # streaming: the output tile beside the stages
             return (self.stages * stage + out_tile) * 2
         return max(self.stages * stage, out_tile) * 2
@@ -185,6 +205,8 @@ class BsrSpec:
             del d["zero"]
         if not self.groups:
             del d["groups"]
+        if self.out == "float16":
+            del d["out"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d
@@ -192,6 +214,12 @@ class BsrSpec:
 
 def tir_epilogue(v, bias, act: str):
     """fp32 ``v`` (+ fp16 ``bias`` if given), activation, cast to fp16 — as TIR (shared by the CUDA templates)."""
+    from tvm.script import tirx as T
+    return T.Cast("float16", tir_activate(v, bias, act))
+
+
+def tir_activate(v, bias, act: str):
+    """fp32 ``v`` (+ fp16 ``bias`` if given), activation — the fp32 value of the epilogue, as TIR."""
     from tvm.script import tirx as T
     if bias is not None:
         v = v + T.Cast("float32", bias)
@@ -202,12 +230,13 @@ def tir_epilogue(v, bias, act: str):
                                                         (v + T.float32(0.044715) * v * v * v)))
     elif act == "gelu_erf":
         v = T.float32(0.5) * v * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
-    return T.Cast("float16", v)
+    return v
 
 
 def argument_names(spec: BsrSpec) -> list[str]:
     scales = ["XS", "WS"] if spec.dtype == "int8" else []
-    return ["X", "Wp", *scales, *(["B"] if spec.bias else []), *(["Tab"] if spec.table == "arg" else []), "Y"]
+    return ["X", "Wp", *scales, *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []),
+            *(["Tab"] if spec.table == "arg" else []), "Y"]
 
 
 def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
@@ -219,11 +248,19 @@ def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
     return fn, src
 
 
+def requantize(v, s, r):
+    """TIR: the int8 code of fp32 ``v`` at scale ``s`` (``r`` = RN(1/s)): round(v / s) clamped to ±127, the
+    quotient correctly rounded (``cuda_quant.quotient``); ``v`` bound once, as the quotient reads it thrice."""
+    from tvm import tirx
+    x = tirx.Var("yv", "float32")
+    return tirx.Let(x, v, int8_code(quotient(x, s, r)))
+
+
 class _Movement:
     """What the ``mma.sync`` and ``wgmma`` kernels share: the table lookup, the ``cp.async`` stage
     loader into XOR-swizzled shared memory (for ``bk`` of 16/32/64 lanes this is exactly the
-    32/64/128-byte swizzle that wgmma's shared-memory descriptors read) and the coalesced store of
-    the fp16 output tile staged in shared memory."""
+    32/64/128-byte swizzle that wgmma's shared-memory descriptors read), the write of one epilogue value
+    into the output tile staged in shared memory (fp16, or an int8 code) and the tile's coalesced store."""
 
     def __init__(self, spec: BsrSpec, threads: int):
         from tvm.script import tirx as T
@@ -239,8 +276,10 @@ class _Movement:
         X_CHUNKS, W_CHUNKS = TM * C, W_LANES // 8
         X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
         self.head = spec.table_head          # where the K indices start
-        self.out_ld = OUT_LD = BN + 8        # padded row of the output tile: conflict-free half2 writes
-        OUT_CHUNKS = TM * (BN // 8)
+        OUT8 = spec.out == "int8"
+        self.out_ld = OUT_LD = spec.out_ld   # padded row of the output tile (fp16 lanes or int8 bytes)
+        EPC = 16 if OUT8 else 8              # output elements per 16-byte chunk
+        OUT_CHUNKS = TM * (BN // EPC)
         OUT_ITERS = -(-OUT_CHUNKS // NT)
         self.const_tab = spec.table == "const"
         if self.const_tab:
@@ -271,21 +310,37 @@ class _Movement:
         self.load_stage = load_stage
 
         @T.macro
-        def store_tile(smem, Y, tx, m0, row, out0):
-            # the fp16 tile (TM x BN at out0, rows OUT_LD apart in shared memory) -> coalesced 16-byte rows of Y
+        def put(smem, smo, OS, out0, lr, lc, v):
+            # fp32 epilogue value v -> element (lr, lc) of the tile at out0 (fp16 lanes): fp16, or its int8 code
+            if OUT8:
+                smo[out0 * 2 + lr * OUT_LD + lc] = requantize(v, OS[0], OS[1])
+            else:
+                smem[out0 + lr * OUT_LD + lc] = T.Cast("float16", v)
+        self.put = put
+
+        @T.macro
+        def store_tile(smem, smo, Y, tx, m0, row, out0):
+            # the tile (TM x BN at out0 fp16 lanes, rows OUT_LD elements apart) -> coalesced 16-byte rows of Y
             for it in T.unroll(OUT_ITERS):
                 c = T.meta_var(tx + it * NT)
                 if OUT_CHUNKS % NT == 0 or c < OUT_CHUNKS:
-                    yr = T.meta_var(m0 + c // (BN // 8))
-                    yc = T.meta_var(row * BN + (c % (BN // 8)) * 8)
-                    if N % 8 == 0:
+                    yr = T.meta_var(m0 + c // (BN // EPC))
+                    yc = T.meta_var(row * BN + (c % (BN // EPC)) * EPC)
+                    src = T.meta_var((c // (BN // EPC)) * OUT_LD + (c % (BN // EPC)) * EPC)
+                    if N % EPC == 0:
                         if yr < M and yc < N:
-                            for v in T.vectorized(8):
-                                Y[yr, yc + v] = smem[out0 + (c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+                            for v in T.vectorized(EPC):
+                                if OUT8:
+                                    Y[yr, yc + v] = smo[out0 * 2 + src + v]
+                                else:
+                                    Y[yr, yc + v] = smem[out0 + src + v]
                     else:
-                        for v in T.unroll(8):
+                        for v in T.unroll(EPC):
                             if yr < M and yc + v < N:
-                                Y[yr, yc + v] = smem[out0 + (c // (BN // 8)) * OUT_LD + (c % (BN // 8)) * 8 + v]
+                                if OUT8:
+                                    Y[yr, yc + v] = smo[out0 * 2 + src + v]
+                                else:
+                                    Y[yr, yc + v] = smem[out0 + src + v]
         self.store_tile = store_tile
 
     def tab(self, tab_buf, i):
@@ -297,11 +352,11 @@ class _Movement:
 
 
 def epilogue_value(spec: BsrSpec, v, b, xs, ws):
-    """One accumulator (fp32, or int32 bits for int8) → the fp16 output element."""
+    """One accumulator (fp32, or int32 bits for int8) → the fp32 output value (scaled, bias, activation)."""
     from tvm.script import tirx as T
     if spec.dtype == "int8":
         v = T.Cast("float32", T.reinterpret("int32", v)) * xs * ws
-    return tir_epilogue(v, b if spec.bias else None, spec.act)
+    return tir_activate(v, b if spec.bias else None, spec.act)
 
 
 class _WarpMma:
@@ -399,8 +454,8 @@ def bsr_linear(spec: BsrSpec):
     M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
     NT, WN, R = spec.threads, spec.warps_n, spec.row_blocks
     mv = _Movement(spec, NT)
-    STAGE, HEAD, OUT_LD = mv.stage, mv.head, mv.out_ld
-    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
+    STAGE, HEAD = mv.stage, mv.head
+    tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
     wmma = _WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
@@ -410,8 +465,8 @@ def bsr_linear(spec: BsrSpec):
         return epilogue_value(spec, v, b, xs, ws)
 
     @T.prim_func
-    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
-               y_h: T.handle):
+    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
+               tab_h: T.handle, y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         wlen = T.int32()
         ntab = T.int32()
@@ -420,12 +475,14 @@ def bsr_linear(spec: BsrSpec):
         XS = T.match_buffer(xs_h, (M,), "float32")      # int8 only: per-row and per-channel scales
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
+        OS = T.match_buffer(os_h, (2,), "float32")       # out="int8" only: the output scale and its reciprocal
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
-        Y = T.match_buffer(y_h, (M, N), "float16")
+        Y = T.match_buffer(y_h, (M, N), spec.out)
         bx = T.launch_thread("blockIdx.x", -(-M // TM))
         by = T.launch_thread("blockIdx.y", R)
         tx = T.launch_thread("threadIdx.x", NT)
-        smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
+        smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
+        smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NI * (4 if w4 else 2),), "uint32", scope="local")
@@ -463,16 +520,16 @@ def bsr_linear(spec: BsrSpec):
                 mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                   # every warp is done with the stages
-        for mi in T.unroll(MI):                        # bias + activation, fp16 tile into shared
+        for mi in T.unroll(MI):                        # bias + activation, the output tile into shared
             for ni in T.unroll(NI):
                 for h in T.unroll(2):
                     for e in T.unroll(2):
                         lr = T.meta_var(wr * WTM + mi * 16 + lane // 4 + h * 8)
                         lc = T.meta_var(wc * WTN + ni * 8 + (lane % 4) * 2 + e)
-                        smem[lr * OUT_LD + lc] = epilogue(acc[(mi * NI + ni) * 4 + h * 2 + e],
-                                                          B[T.min(row * BN + lc, N - 1)],
-                                                          XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)])
+                        put(smem, smo, OS, 0, lr, lc, epilogue(acc[(mi * NI + ni) * 4 + h * 2 + e],
+                                                               B[T.min(row * BN + lc, N - 1)], XS[T.min(m0 + lr, M - 1)],
+                                                               WS[T.min(row * BN + lc, N - 1)]))
         T.tvm_storage_sync("shared")
-        store_tile(smem, Y, tx, m0, row, 0)
+        store_tile(smem, smo, Y, tx, m0, row, 0)
 
     return tvm.IRModule({spec.name: kernel})

@@ -91,8 +91,9 @@ def unpack_weight(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None, bias: torch.Tensor | None,
-              act: str, bn: int, bk: int) -> torch.Tensor:
-    """What the kernel computes, in fp32 from the fp16 operands, rounded to fp16 at the end."""
+              act: str, bn: int, bk: int, out_scale: float | None = None) -> torch.Tensor:
+    """What the kernel computes, in fp32 from the fp16 operands, rounded to fp16 at the end (or, with
+    ``out_scale``, requantised to int8 codes: ``out="int8"``)."""
     w = w.float()
     if block_mask is not None:
         keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
@@ -100,7 +101,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None,
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
-    return _activate(y, act).half()
+    return _output(_activate(y, act), out_scale)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +110,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int) -> torch.Tensor:
-    """What the W8A8 kernel computes: exact int32 dot products, scaled in fp32, fp16 out."""
+def requantize(y: torch.Tensor, scale: float) -> torch.Tensor:
+    """int8 codes of ``y`` at one static scale: round(y / scale) (fp32 division, half to even), clamped to ±127."""
+    return torch.round(y.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-127, 127).to(torch.int8)
+
+
+def out_scale_arg(scale: float) -> torch.Tensor:
+    """The ``OS`` argument of an ``out="int8"`` kernel: fp32 [scale, RN(1 / scale)]."""
+    s = torch.tensor([scale], dtype=torch.float32)
+    if not (torch.isfinite(s).all() and s.item() > 0):
+        raise ValueError(f"an output scale must be a positive finite number, got {scale!r}")
+    return torch.cat([s, 1.0 / s])
+
+
+def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int,
+                   out_scale: float | None = None) -> torch.Tensor:
+    """What the W8A8 kernel computes: exact int32 dot products, scaled in fp32, fp16 out (or, with
+    ``out_scale``, int8 codes)."""
     w = wq.double()
     if block_mask is not None:
         keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
@@ -118,7 +134,11 @@ def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int)
     y = (xq.double() @ w.t()).float() * xs.float()[:, None] * ws.float()[None, :]
     if bias is not None:
         y = y + bias.float()
-    return _activate(y, act).half()
+    return _output(_activate(y, act), out_scale)
+
+
+def _output(y: torch.Tensor, out_scale: float | None) -> torch.Tensor:
+    return y.half() if out_scale is None else requantize(y, out_scale)
 
 
 def _activate(y: torch.Tensor, act: str) -> torch.Tensor:

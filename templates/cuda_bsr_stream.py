@@ -27,8 +27,8 @@ def bsr_linear_stream(spec: BsrSpec):
     M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
     NT, WN, G = spec.threads, spec.warps_n, spec.groups
     mv = _Movement(spec, NT)
-    STAGE, HEAD, OUT_LD = mv.stage, mv.head, mv.out_ld
-    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
+    STAGE, HEAD = mv.stage, mv.head
+    tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
     OUT0 = S * STAGE                                 # the output tile follows the stages
     wmma = _WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
@@ -37,16 +37,16 @@ def bsr_linear_stream(spec: BsrSpec):
     MARKS = 3 * spec.row_blocks                     # the groups' (first slot, first block) marks
 
     @T.macro
-    def stage_fragments(smem, acc, bv, xv, wv, lane, wr, wc):
-        # bias + activation, the fp16 tile into its own shared region (the stages keep loading meanwhile)
+    def stage_fragments(smem, smo, OS, acc, bv, xv, wv, lane, wr, wc):
+        # bias + activation, the output tile into its own shared region (the stages keep loading meanwhile)
         for mi in T.unroll(MI):
             for ni in T.unroll(NI):
                 for h in T.unroll(2):
                     for e in T.unroll(2):
                         lr = T.meta_var(wr * WTM + mi * 16 + lane // 4 + h * 8)
                         lc = T.meta_var(wc * WTN + ni * 8 + (lane % 4) * 2 + e)
-                        smem[OUT0 + lr * OUT_LD + lc] = epilogue_value(
-                            spec, acc[(mi * NI + ni) * 4 + h * 2 + e], bv[ni * 2 + e], xv[mi * 2 + h], wv[ni * 2 + e])
+                        put(smem, smo, OS, OUT0, lr, lc, epilogue_value(
+                            spec, acc[(mi * NI + ni) * 4 + h * 2 + e], bv[ni * 2 + e], xv[mi * 2 + h], wv[ni * 2 + e]))
 
     @T.macro
     def load_row_constants(B, WS, bv, wv, lane, wc, row):
@@ -60,8 +60,8 @@ def bsr_linear_stream(spec: BsrSpec):
                     wv[ni * 2 + e] = WS[c]
 
     @T.prim_func
-    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
-               y_h: T.handle):
+    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
+               tab_h: T.handle, y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         wlen = T.int32()
         ntab = T.int32()
@@ -70,12 +70,14 @@ def bsr_linear_stream(spec: BsrSpec):
         XS = T.match_buffer(xs_h, (M,), "float32")      # int8 only: per-row and per-channel scales
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
+        OS = T.match_buffer(os_h, (2,), "float32")       # out="int8" only: the output scale and its reciprocal
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
-        Y = T.match_buffer(y_h, (M, N), "float16")
+        Y = T.match_buffer(y_h, (M, N), spec.out)
         bx = T.launch_thread("blockIdx.x", -(-M // TM))
         g = T.launch_thread("blockIdx.y", G)
         tx = T.launch_thread("threadIdx.x", NT)
-        smem = T.decl_buffer((S * STAGE + TM * OUT_LD,), "float16", scope="shared.dyn")
+        smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
+        smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NI * (4 if w4 else 2),), "uint32", scope="local")
@@ -135,9 +137,9 @@ def bsr_linear_stream(spec: BsrSpec):
                     mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
                 step[0] = step[0] + 1
             T.tvm_storage_sync("shared")               # the previous row's tile has been stored
-            stage_fragments(smem, acc, bv, xv, wv, lane, wr, wc)
+            stage_fragments(smem, smo, OS, acc, bv, xv, wv, lane, wr, wc)
             T.tvm_storage_sync("shared")
-            store_tile(smem, Y, tx, m0, rc[0], OUT0)
+            store_tile(smem, smo, Y, tx, m0, rc[0], OUT0)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
 
     return tvm.IRModule({spec.name: kernel})

@@ -49,8 +49,8 @@ def bsr_linear_wgmma(spec: BsrSpec):
     NACC = WTN // 2                          # accumulator registers per thread
     R = spec.row_blocks
     mv = _Movement(spec, NT)
-    X_ELEMS, STAGE, HEAD, OUT_LD = mv.x_elems, mv.stage, mv.head, mv.out_ld
-    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
+    X_ELEMS, STAGE, HEAD = mv.x_elems, mv.stage, mv.head
+    tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
     ROW_BYTES = BK * 2
     SWIZZLE, SBO = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16     # 8-row core-matrix groups apart
     KSTEPS = BK // 16                        # one wgmma per 32 bytes of K
@@ -79,8 +79,8 @@ def bsr_linear_wgmma(spec: BsrSpec):
         T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
 
     @T.prim_func
-    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, tab_h: T.handle,
-               y_h: T.handle):
+    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
+               tab_h: T.handle, y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         wlen = T.int32()
         ntab = T.int32()
@@ -89,12 +89,14 @@ def bsr_linear_wgmma(spec: BsrSpec):
         XS = T.match_buffer(xs_h, (M,), "float32")      # int8 only: per-row and per-channel scales
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
+        OS = T.match_buffer(os_h, (2,), "float32")       # out="int8" only: the output scale and its reciprocal
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
-        Y = T.match_buffer(y_h, (M, N), "float16")
+        Y = T.match_buffer(y_h, (M, N), spec.out)
         bx = T.launch_thread("blockIdx.x", -(-M // TM))
         by = T.launch_thread("blockIdx.y", R)
         tx = T.launch_thread("threadIdx.x", NT)
-        smem = T.decl_buffer((S * STAGE,), "float16", scope="shared.dyn")
+        smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
+        smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
         acc = T.alloc_buffer((NACC,), ACC, scope="local")
         desc = T.alloc_buffer((1,), "uint64", scope="local")
         kn = T.alloc_buffer((1,), "int32", scope="local")
@@ -134,14 +136,14 @@ def bsr_linear_wgmma(spec: BsrSpec):
         T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                    # every warpgroup is done with the stages
-        for j in T.unroll(WTN // 8):                    # bias + activation, fp16 tile into shared
+        for j in T.unroll(WTN // 8):                    # bias + activation, the output tile into shared
             for h in T.unroll(2):
                 for e in T.unroll(2):
                     lr = T.meta_var(gm * 64 + wq * 16 + lane // 4 + h * 8)
                     lc = T.meta_var(gn * WTN + j * 8 + (lane % 4) * 2 + e)
-                    smem[lr * OUT_LD + lc] = epilogue(acc[j * 4 + h * 2 + e], B[T.min(row * BN + lc, N - 1)],
-                                                      XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)])
+                    put(smem, smo, OS, 0, lr, lc, epilogue(acc[j * 4 + h * 2 + e], B[T.min(row * BN + lc, N - 1)],
+                                                           XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)]))
         T.tvm_storage_sync("shared")
-        store_tile(smem, Y, tx, m0, row, 0)
+        store_tile(smem, smo, Y, tx, m0, row, 0)
 
     return tvm.IRModule({spec.name: kernel})

@@ -4,7 +4,8 @@
 (``sparta.templates.cuda_bsr_ref.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
 then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream. For an
 int8 (W8A8) kernel the weight is quantised per channel at construction and ``op(x)``
-quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised. A W4A16 kernel
+quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised. A kernel built with
+``out="int8"`` returns int8 codes of the static ``out_scale`` instead of fp16. A W4A16 kernel
 (``dtype="w4a16"``) holds int4 block records (``templates/cuda_bsr_w4.py``) and takes fp16 ``x``.
 :class:`SparseLinearCUDA` is the graph module ``compile(target="cuda")`` puts in place of
 a sparse linear; it holds the packed weights and saves/loads without TVM.
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..templates.cuda_bsr import BsrSpec
-from ..templates.cuda_bsr_ref import block_mask_of, pack_weight, quantize_rows, unpack_weight
+from ..templates.cuda_bsr_ref import block_mask_of, out_scale_arg, pack_weight, quantize_rows, unpack_weight
 from ..templates.cuda_bsr_w4 import expand_groups, pack_w4, quantize_w4, unpack_w4
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec, device_arch
 
@@ -61,7 +62,7 @@ class BsrLinearOp:
     """One sparse linear: packed weights + table on the GPU, the kernel loaded from ``folder``."""
 
     def __init__(self, folder, spec: BsrSpec, weight: torch.Tensor, block_mask: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, quantizer=None, group: int = 128):
+                 bias: torch.Tensor | None = None, quantizer=None, group: int = 128, out_scale: float | None = None):
         self.kernel, self.spec = CudaKernel(folder), spec
         self.quantizer = quantizer          # int8: x -> (codes, scales); default: torch ops
         if tuple(weight.shape) != (spec.n, spec.k):
@@ -79,11 +80,12 @@ class BsrLinearOp:
             if spec.dtype == "int8":
                 weight, scale = quantize_rows(weight)
             wp, table = pack_weight(weight if scale is not None else weight.half(), spec, block_mask)
-        self._setup(wp, table, bias, scale)
+        self._setup(wp, table, bias, scale, out_scale)
 
     @classmethod
     def packed(cls, folder, spec: BsrSpec, wp: torch.Tensor, table: torch.Tensor,
-               bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> BsrLinearOp:
+               bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+               out_scale: float | None = None) -> BsrLinearOp:
         """An op from weights already packed by ``pack_weight`` (what a saved model holds)."""
         op = cls.__new__(cls)
         op.kernel, op.spec, op.quantizer = CudaKernel(folder), spec, None
@@ -93,13 +95,16 @@ class BsrLinearOp:
                 or table.numel() < heads or table.numel() - heads > wp.shape[0]:
             raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
                                    f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.row_blocks} rows")
-        op._setup(wp, table, bias, weight_scale)
+        op._setup(wp, table, bias, weight_scale, out_scale)
         return op
 
     def _setup(self, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None,
-               weight_scale: torch.Tensor | None = None) -> None:
+               weight_scale: torch.Tensor | None = None, out_scale: float | None = None) -> None:
         if self.spec.bias and bias is None:
             raise CudaRuntimeError(f"{self.spec.name}: the kernel adds a bias; pass one")
+        if (self.spec.out == "int8") != (out_scale is not None):
+            raise CudaRuntimeError(f"{self.spec.name}: " + ("the kernel requantises its output; pass out_scale"
+                                                            if out_scale is None else "out_scale is for out='int8' kernels"))
         int8 = self.spec.dtype == "int8"
         if int8 and (wp.dtype != torch.int8 or weight_scale is None or weight_scale.numel() != self.spec.n):
             raise CudaRuntimeError(f"{self.spec.name}: the W8A8 kernel takes int8 blocks and {self.spec.n} "
@@ -112,6 +117,7 @@ class BsrLinearOp:
         self.wp, self.table = (wp if int8 or w4 else wp.half()).contiguous(), table.to(dev).contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
         self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
+        self.out_scale = None if out_scale is None else out_scale_arg(out_scale).to(dev)
         self._prepared = None
         nnz = self.table.numel() - self.spec.table_head
         self.density = nnz / max(self.spec.row_blocks * self.spec.k_blocks, 1)
@@ -121,10 +127,10 @@ class BsrLinearOp:
         check_fp16_input(s.name, x, s.m, s.k)
         if s.dtype == "int8":
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
-        y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device) if out is None else out
+        y = self._output(x.device) if out is None else out
         if self._prepared is None:
             self._prepared = self.kernel.prepare(X=x, Wp=self.wp.view(-1).view(torch.float16), B=self.bias,
-                                                 Tab=self.table, Y=y)
+                                                 Tab=self.table, Y=y, **self._os())
         else:
             self._prepared.launch(X=x, Y=y)
         return y
@@ -134,14 +140,22 @@ class BsrLinearOp:
         s = self.spec
         if s.dtype != "int8" or xq.shape != (s.m, s.k) or xq.dtype != torch.int8 or not xq.is_contiguous():
             raise CudaRuntimeError(f"{s.name}: int8() takes contiguous int8 ({s.m}, {s.k}) codes for a W8A8 kernel")
-        y = torch.empty(s.m, s.n, dtype=torch.float16, device=xq.device) if out is None else out
+        y = self._output(xq.device) if out is None else out
         x16, xs = xq.view(torch.float16), xs.float().contiguous()
         if self._prepared is None:
             self._prepared = self.kernel.prepare(X=x16, XS=xs, Wp=self.wp.view(-1).view(torch.float16),
-                                                 WS=self.weight_scale, B=self.bias, Tab=self.table, Y=y)
+                                                 WS=self.weight_scale, B=self.bias, Tab=self.table, Y=y, **self._os())
         else:
             self._prepared.launch(X=x16, XS=xs, Y=y)
         return y
+
+
+    def _output(self, device) -> torch.Tensor:
+        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
+        return torch.empty(self.spec.m, self.spec.n, dtype=dtype, device=device)
+
+    def _os(self) -> dict:
+        return {} if self.out_scale is None else {"OS": self.out_scale}
 
 
 def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):

@@ -8,8 +8,8 @@ import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
 from sparta.templates.cuda_bsr import BsrSpec, argument_names, bsr_linear
-from sparta.templates.cuda_bsr_ref import (block_mask_of, build_table, pack_weight, quantize_rows, reference,
-                                           reference_int8, unpack_weight)
+from sparta.templates.cuda_bsr_ref import (block_mask_of, build_table, out_scale_arg, pack_weight, quantize_rows,
+                                           reference, reference_int8, requantize, unpack_weight)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -162,6 +162,45 @@ def test_w8a8_kernel_builds_with_int_mma_and_scale_arguments(tmp_path, monkeypat
     fp16 = build_cuda(bsr_linear, BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu",
                                           name="probe_f16"))
     assert "XS" not in {a["name"] for a in fp16.launch["args"]}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kw", [dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
+                                dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3, groups=2),
+                                dict(bn=192, bk=128, tm=128, warps_m=2, stages=4, mma="wgmma")])
+def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
+    """``out="int8"``: Y is int8, an ``OS`` [scale, 1/scale] argument appears, the code is the correctly
+    rounded quotient (one ``fma`` correction, half-to-even), the fp32 value bound once, and the tile leaves in
+    16-byte rows (N % 16 == 0); the fp16-output kernel of the same spec has neither."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = BsrSpec(257, 384, 320, act="gelu_erf", dtype="int8", out="int8", name="probe_q8", **kw)
+    art = build_cuda(bsr_linear, spec)
+    src = (art.path / "kernel.cu").read_text()
+    args = {a["name"]: (a["dtype"], a["shape"]) for a in art.launch["args"]}
+    assert set(args) == set(argument_names(spec)) and "OS" in args
+    assert args["Y"] == ("int8", [257, 384]) and args["OS"] == ("float32", [2])
+    assert "nearbyintf(__fmaf_rn(__fmaf_rn(__fmul_rn(yv" in src and src.count("erff(") <= src.count("float yv")
+    assert "*(int4*)(Y_ptr" in src
+    assert art.launch["shared_bytes"] == spec.shared_bytes
+    fp16 = BsrSpec(257, 384, 320, act="gelu_erf", dtype="int8", name="probe_f16out", **kw)
+    assert "out" not in fp16.key() and spec.key()["out"] == "int8"
+    assert spec.out_lanes == spec.tm * (spec.bn + 16) // 2 and fp16.out_lanes == spec.tm * (spec.bn + 8)
+    with pytest.raises(ValueError, match="out"):
+        BsrSpec(64, 64, 64, out="int4")
+
+
+def test_requantize_reference_rounds_half_to_even_and_clamps():
+    y = torch.tensor([[0.25, 0.75, -0.25, 1000.0, -1000.0, 0.0]])
+    assert requantize(y, 0.5).tolist() == [[0, 2, 0, 127, -127, 0]]
+    os_arg = out_scale_arg(0.1)
+    assert os_arg.dtype == torch.float32 and os_arg[1] == 1 / torch.tensor(0.1)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive finite"):
+            out_scale_arg(bad)
+    x, w = torch.randn(5, 32), torch.randn(16, 32)
+    fp = reference(x.half(), w.half(), None, None, "relu", 16, 16)
+    codes = reference(x.half(), w.half(), None, None, "relu", 16, 16, out_scale=0.05)
+    assert codes.dtype == torch.int8 and (codes.float() * 0.05 - fp.float().clamp(max=127 * 0.05)).abs().max() < 0.03
 
 
 def test_w8a8_pack_and_reference():

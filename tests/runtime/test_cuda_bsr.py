@@ -43,6 +43,8 @@ def _check(name, density):
     w = torch.randn(spec.n, spec.k, device="cuda").half()
     bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
     w4 = spec.dtype == "w4a16"
+    if spec.out == "int8":
+        return _check_requantized(name, spec, mask, x, w, bias)
     op = BsrLinearOp(ROOT / name, spec, w, mask, bias, group=64 if spec.zero else 128)
     y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
     op(x, out=y)
@@ -63,6 +65,35 @@ def _check(name, density):
         sqnr = 10 * torch.log10(exact.float().pow(2).mean() / (y.float() - exact.float()).pow(2).mean()).item()
         assert sqnr > (15 if w4 else 30), f"{name}: SQNR {sqnr:.1f} dB against the fp16 product"
     return err
+
+
+def _check_requantized(name, spec, mask, x, w, bias):
+    """An ``out="int8"`` kernel: its codes against the reference's (fp32 value / the static scale, rounded half
+    to even, clamped) — equal but where the fp32 epilogue rounds differently (at most one code apart, rarely);
+    the scale clips the largest outputs, so the clamp is exercised too."""
+    from sparta.runtime.bsr_linear import BsrLinearOp
+    from sparta.templates.cuda_bsr_ref import quantize_rows, reference, reference_int8
+    exact = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk).float()
+    scale = float(exact.abs().max().clamp_min(1e-3)) * 0.8 / 127
+    op = BsrLinearOp(ROOT / name, spec, w, mask, bias, out_scale=scale)
+    y = torch.full((spec.m, spec.n), -128, dtype=torch.int8, device="cuda")   # -128: a code never written
+    op(x, out=y)
+    torch.cuda.synchronize()
+    assert not (y == -128).any(), "some outputs were not written"
+    if spec.dtype == "int8":
+        ref = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk, scale)
+    else:
+        ref = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk, scale)
+    diff = (y.int() - ref.int()).abs()
+    assert diff.max() <= 1 and diff.float().mean() < 1e-3, f"{name}: codes off by {diff.max()} ({diff.float().mean():.2e})"
+    assert (ref.abs() == 127).any() or exact.abs().max() == 0, "the scale did not clip (test setup)"
+    if exact.abs().max() > 0:
+        sqnr = 10 * torch.log10(exact.pow(2).mean() / (y.float() * scale - exact.clamp(-127 * scale, 127 * scale))
+                                .pow(2).mean()).item()
+        assert sqnr > 25, f"{name}: SQNR {sqnr:.1f} dB of the dequantised codes against the fp16 product"
+    with pytest.raises(Exception, match="out_scale"):
+        BsrLinearOp(ROOT / name, spec, w, mask, bias)
+    return diff.float().mean().item()
 
 
 def _fp16_blocks_for_first(dtype):
