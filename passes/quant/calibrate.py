@@ -9,7 +9,11 @@ width the target runs is tried: its scales are fitted (clip-ratio search) to min
 output error against the full-precision output, and the width is kept if the relative output
 MSE it *adds* stays within ``tolerance``. Activations (``activations=True``) are tried in a
 second walk the same way, jointly for every GEMM reading the tensor, at the kernel the lower
-activation width selects (e.g. W8A8). With ``model_tolerance`` (or a ``metric``) the final
+activation width selects (e.g. W8A8). An 8-bit activation that only GEMMs read and a GEMM produces
+(directly or through a ReLU/GELU its epilogue applies) is then tried at one static scale (clip ratio
+searched on the calibration data), kept if it too adds at most ``tolerance``: the producing kernel
+then writes int8 codes itself instead of an fp16 tensor quantised per token by another pass
+(``static_activations``; default on for the CUDA target). With ``model_tolerance`` (or a ``metric``) the final
 model outputs are checked and the costliest decisions are undone until they pass.
 """
 
@@ -27,7 +31,8 @@ from ...errors import QuantizationError
 from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
 from .report import Decision, QuantReport
-from .scheme import FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows, fit_weight
+from .scheme import (CLIPS, FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows,
+                     fake_quant_static, fit_weight)
 from .sites import WeightSite, parse_batches, weight_sites
 from .walk import LockstepWalk, relative_mse
 
@@ -46,6 +51,7 @@ class QuantConfig:
     metric: Callable | None = None        # metric(reference_outputs, quantized_outputs) -> float
     widths: tuple[int, ...] | None = None  # weight widths to try; default: what the target runs
     activations: bool = False
+    static_activations: bool | None = None   # None: where the target's kernels requantise (CUDA)
     symmetric: bool = True
     granularity: str = "group"
     group_size: int = 128
@@ -70,8 +76,9 @@ class QuantConfig:
 # ---- the search ------------------------------------------------------------------------------------
 
 class _Calibration:
-    def __init__(self, graph: Graph, batches, config: QuantConfig, profile, weights):
-        self.g, self.cfg, self.profile = graph, config, profile
+    def __init__(self, graph: Graph, batches, config: QuantConfig, profile, weights, static: bool = False):
+        self.g, self.cfg, self.profile, self.static_on = graph, config, profile, static
+        self.static: dict[str, float] = {}        # 8-bit activations at one static scale
         self.batches = [[t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in b] for b in batches]
         self.weights = {v.name: weights.get(v.name, v.data) for v in graph.tensors("weight") if v.data is not None}
         sites = weight_sites(graph)
@@ -146,8 +153,14 @@ class _Calibration:
             override = {site.weight: self.dequantized(site, rb)}
         ab = self.run_act_bits(site.x)
         lowered = site.gemm and ab < bits_of_dtype(self.g.tensor(site.x).dtype)
-        act = (site.x, lambda v, b=ab: fake_quant_rows(v, b)) if lowered else None
+        act = (site.x, self.act_fn(site.x, ab)) if lowered else None
         return override, act
+
+    def act_fn(self, x: str, bits: int):
+        """How the kernels quantise activation ``x`` at ``bits``: one static scale, or per token."""
+        if x in self.static:
+            return lambda v, b=bits, s=self.static[x]: fake_quant_static(v, b, s)
+        return lambda v, b=bits: fake_quant_rows(v, b)
 
     # ---- the op's output error as a function of its weight ---------------------------------------------
     def objective(self, site: WeightSite, walk, xs, ys, act_fn=None):
@@ -266,12 +279,48 @@ class _Calibration:
                     self.wbits[w] = rb
                     self.lowered_by[w] = name
             self._undo[id(d)] = lambda n=name, o=old: self._restore_act(n, *o)
+        if d.bits == 8 and self.static_on and self._requantizable(name, readers):
+            self._try_static(name, d, readers, targets, walk)
         self.decisions.append(d)
+
+    def _requantizable(self, name: str, readers: list[WeightSite]) -> bool:
+        """Whether a kernel could write ``name`` as int8 codes: GEMMs read nothing but it, and a GEMM's
+        epilogue makes it (the GEMM itself, or a ReLU/GELU that is the GEMM output's only reader)."""
+        if len(readers) != len(self.g.consumers(name)) or name in self.g.outputs:
+            return False
+        p = self.g.producer(name)
+        op = self.g.op(p) if p is not None else None
+        if op is not None and op.op in ("relu", "gelu") and len(op.inputs) == 1 \
+                and self.g.consumers(op.inputs[0]) == [op.name]:
+            p = self.g.producer(op.inputs[0])
+        return p is not None and p in self.sites and self.sites[p].gemm
+
+    def _try_static(self, name: str, d: Decision, readers: list[WeightSite], targets: dict, walk) -> None:
+        """One static scale for 8-bit activation ``name``: the clip of its calibration range that adds the least
+        output error at its readers (weights as decided); kept if that is within the tolerance."""
+        amax = max(float(v.detach().float().abs().max()) for v in walk.q[name])
+        if not amax > 0 or not math.isfinite(amax):
+            return
+        best = (math.inf, None)
+        for c in CLIPS:
+            scale = c * amax / 127
+            worst = -math.inf
+            for s in readers:
+                ys, ref, base = targets[s.op]
+                fn = (lambda v, sc=scale: fake_quant_static(v, 8, sc))
+                sse = self.objective(s, walk, walk.q[name], ys, fn)(self.current_nk(s))
+                worst = max(worst, (float(sse.sum()) - base) / ref)
+            best = min(best, (worst, scale), key=lambda t: t[0])
+        d.static_error = best[0]
+        if best[0] <= self.cfg.tolerance:              # what runs: its error is the decision's (trials: per token)
+            self.static[name] = d.scale = best[1]
+            d.error = best[0]
 
     def dequantized_nk(self, site: WeightSite, bits: int) -> torch.Tensor:
         return site.to_nk(self.dequantized(site, bits)).float()
 
     def _restore_act(self, name: str, act_bits: int | None, wbits: dict[str, int]):
+        self.static.pop(name, None)
         if act_bits is None:
             self.abits.pop(name, None)
         else:
@@ -317,6 +366,7 @@ class _Calibration:
             if bits < self.model_bits[w] and w not in self.fixed:
                 v = self.g.tensor(w)
                 self.g.set_tesa(w, v.tesa.meet(TeSA.dense(v.shape, bits)))
+        self.g.meta["act_scales"] = dict(self.static)      # codegen: kernels that write these as int8 codes
         for x, bits in self.abits.items():
             v = self.g.tensor(x)
             self.g.set_tesa(x, v.tesa.meet(TeSA.dense(v.shape, bits)))
@@ -359,8 +409,9 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     if weights is None:
         weights = {v.name: v.data * v.tesa.mask.to(v.data.dtype) for v in graph.tensors("weight")
                    if v.data is not None and v.data.dtype.is_floating_point and not v.tesa.is_dense}
+    static = config.static_activations if config.static_activations is not None else target == "cuda"
     with torch.no_grad():
-        cal = _Calibration(graph, batches, config, profile, weights)
+        cal = _Calibration(graph, batches, config, profile, weights, static=static and config.activations)
         report = cal.run()
         cal.commit(report)
     return report

@@ -21,6 +21,8 @@ class Decision:
     reverted: bool = False
     runs: str = ""                     # the kernel widths the target runs it at, e.g. "W8A8"
     by: str = ""                       # a weight lowered by the activation decision on this tensor
+    scale: float | None = None         # an 8-bit activation at one static scale (else per token at run time)
+    static_error: float | None = None  # added relative MSE at the best static scale tried
 
 
 @dataclass
@@ -41,7 +43,8 @@ class QuantReport:
         for d in self.decisions:
             tried = ", ".join(f"{b}: {e:.2e}" for b, e in sorted(d.trials.items(), reverse=True))
             bits = f"{d.bits_before} → {d.bits}" + (" (undone)" if d.reverted else "") + \
-                (f" (with activation {d.by})" if d.by else "")
+                (f" (with activation {d.by})" if d.by else "") + \
+                (f", static scale {d.scale:.3g}" if d.scale is not None and not d.reverted else "")
             err = "—" if d.by else f"{d.error:.2e}"      # the activation's row holds the error of that step
             rows.append(f"| {d.tensor} | {d.kind} | {', '.join(d.ops)} | {bits} | {d.runs} | {err} | {tried} |")
         return "\n".join(rows)

@@ -181,6 +181,45 @@ def test_convolutions_including_depthwise_are_calibrated():
     assert rel_mse(model, with_weights(model, graph), batches) == pytest.approx(report.model_error, rel=1e-3)
 
 
+def test_gemm_outputs_get_a_static_scale_where_it_is_accurate_enough():
+    """CUDA target: an 8-bit activation a GEMM (+ ReLU/GELU) makes and only GEMMs read is tried at one static
+    scale; the graph input (no producing kernel) stays per token. The model error the report states is what
+    the static scales and per-token codes really give; static_activations=False keeps every one per token."""
+    from sparta.passes.quant.scheme import fake_quant_rows, fake_quant_static
+    torch.manual_seed(0)
+    model = MLP(64, 128, 32).eval()
+    batches = batches_of((48, 64))
+    graph = sparta.capture(model, batches[0])
+    report = calibrate(graph, batches, 1e-2, activations=True, target="cuda", progress=False)
+    acts = {d.tensor: d for d in report.decisions if d.kind == "activation"}
+    static = graph.meta["act_scales"]
+    assert set(static) and set(static) <= {t for t, d in acts.items() if d.bits == 8}
+    for t, scale in static.items():
+        d = acts[t]
+        assert d.scale == scale > 0 and d.error == d.static_error <= 1e-2 and f"static scale {scale:.3g}" in report.table()
+        assert graph.producer(t) is not None
+    assert not any(graph.producer(t) is None for t in static), "graph inputs stay per token"
+    w = fake_quantized_weights(graph)
+    names = list(acts)
+    assert names[0] not in static and all(t in static for t in names[1:] if acts[t].bits == 8)
+
+    def forward(x):
+        quant = (lambda t, v: fake_quant_static(v, 8, static[t]) if t in static else
+                 fake_quant_rows(v, acts[t].bits) if acts[t].bits < 32 else v)
+        h = torch.relu(quant(names[0], x) @ w["fc1.weight"].t() + model.fc1.bias)
+        h = torch.nn.functional.gelu(quant(names[1], h) @ w["fc2.weight"].t() + model.fc2.bias)
+        return quant(names[2], h) @ w["fc3.weight"].t() + model.fc3.bias
+    with torch.no_grad():
+        ref = [[model(*b) for b in batches]]
+        assert relative_mse(ref, [[forward(*b) for b in batches]]) == pytest.approx(report.model_error, rel=1e-3)
+    again = sparta.capture(model, batches[0])
+    calibrate(again, batches, 1e-2, activations=True, target="cuda", static_activations=False, progress=False)
+    assert again.meta["act_scales"] == {}
+    cpu = sparta.capture(model, batches[0])
+    calibrate(cpu, batches, 1e-2, activations=True, progress=False)       # the CPU kernels quantise per token
+    assert cpu.meta["act_scales"] == {}
+
+
 def test_report_table_and_plot(tmp_path):
     torch.manual_seed(0)
     model = MLP(64, 128, 32).eval()
