@@ -8,9 +8,11 @@ Kernel-only times replay CUDA graphs over 4 input/weight sets (defeats L2); "eag
 time per call. sparta's rows time the GEMM on activations already quantised per token (the
 epilogue applies both scales, bias and writes fp16); ``quant_sparta`` (sparta's one-pass kernel,
 ``templates/cuda_quant.py``) and ``quant_torch`` time the standalone per-token quantisation a
-model without a fused producer pays on top ("with quant" adds the faster one). ``_int_mm`` returns raw
+model without a fused producer pays on top ("with quant" adds the faster one). ``*_q8`` rows are the same
+tiles with the requantising epilogue (``out="int8"``: int8 codes of one static scale, what a W8A8 linear
+reading this one takes, so neither the fp16 write nor the next quantiser pass is paid). ``_int_mm`` returns raw
 int32 (no scales, no bias): it is the peer the issue names, and a lower bound on a cuBLAS W8A8.
-Floors: bytes moved (int8 X and kept W, fp16 Y) at the measured copy bandwidth, and the int8
+Floors: bytes moved (int8 X and kept W, fp16 Y; int8 Y for ``_q8``) at the measured copy bandwidth, and the int8
 dense tensor-core rate taken as twice the measured fp16 cuBLAS peak.
 """
 
@@ -38,6 +40,7 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
     ws = [torch.randn(n, k, device="cuda").half() for _ in range(SETS)]
     b = torch.randn(n, device="cuda").half()
     ys = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(SETS)]
+    y8 = [torch.empty(m, n, dtype=torch.int8, device="cuda") for _ in range(SETS)]
     if blk is None:
         folders, masks = sorted(f for f in ROOT.glob(f"{shape}_i8_t*")), None
     else:
@@ -55,30 +58,45 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
     for f in folders:
         spec = load_spec(f)
         full = torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
-        ops = [BsrLinearOp(f, spec, ws[i], full if masks is None else masks[i], b) for i in range(SETS)]
-        ops[0].int8(*xq[0], out=ys[0])
         ref = reference_int8(*xq[0], *quantize_rows(ws[0]), None if masks is None else masks[0], b, "none",
                              spec.bn, spec.bk).float()
+        q8 = spec.out == "int8"
+        scale = float(ref.abs().max()) / 127 if q8 else None
+        ops = [BsrLinearOp(f, spec, ws[i], full if masks is None else masks[i], b, out_scale=scale)
+               for i in range(SETS)]
+        outs = y8 if q8 else ys
+        ops[0].int8(*xq[0], out=outs[0])
         key = "sparta_" + f.name.split("_i8_", 1)[1]
-        errs[key] = ((ys[0].float() - ref).abs().max() / ref.abs().max()).item()
-        fns[key] = (lambda ops: lambda i: ops[i].int8(*xq[i], out=ys[i]))(ops)
+        if q8:     # codes against the reference's: the largest difference, in codes
+            codes = reference_int8(*xq[0], *quantize_rows(ws[0]), None if masks is None else masks[0], b, "none",
+                                   spec.bn, spec.bk, scale)
+            errs[key] = (outs[0].int() - codes.int()).abs().max().item()
+        else:
+            errs[key] = ((outs[0].float() - ref).abs().max() / ref.abs().max()).item()
+        fns[key] = (lambda ops, outs: lambda i: ops[i].int8(*xq[i], out=outs[i]))(ops, outs)
     res = measure(fns, SETS)
     kept = k * n if masks is None else sum(int(mk.sum()) for mk in masks) / SETS * blk * blk
     floor = max((m * k + kept + 2 * m * n) / bw / 1e3, 2 * m * kept / (2 * peak) / 1e6)
+    floor_q8 = max((m * k + kept + m * n) / bw / 1e3, 2 * m * kept / (2 * peak) / 1e6)
     base = res["cublas_fp16"]["kernel_us"]
     for name, r in res.items():
         if "kernel_us" in r:
             r["vs_cublas_fp16"] = base / r["kernel_us"]
             r["tops"] = None if name.startswith("quant") else 2 * m * n * k / r["kernel_us"] / 1e6
-        r["max_rel_err"] = errs.get(name)
-    best = min((v["kernel_us"], k_) for k_, v in res.items() if k_.startswith("sparta") and "kernel_us" in v)
+        r["max_code_diff" if name.endswith("_q8") else "max_rel_err"] = errs.get(name)
+    timed = {k_: v["kernel_us"] for k_, v in res.items() if k_.startswith("sparta") and "kernel_us" in v}
+    best = min((t, k_) for k_, t in timed.items() if not k_.endswith("_q8"))
+    best_q8 = min(((t, k_) for k_, t in timed.items() if k_.endswith("_q8")), default=None)
     label = "dense" if blk is None else f"{blk}x{blk} {sparsity}%"
     quant = min(v["kernel_us"] for k_, v in res.items() if k_.startswith("quant") and "kernel_us" in v)
     print(f"{shape} W8A8 {label}: fp16 cuBLAS {base:.1f} us | _int_mm x{res['torch_int_mm']['vs_cublas_fp16']:.2f} | "
           f"{best[1]} {best[0]:.1f} us x{base / best[0]:.2f} (with quant x{base / (best[0] + quant):.2f})"
-          f" | floor x{base / floor:.2f}", flush=True)
+          f" | floor x{base / floor:.2f}" +
+          (f" || int8 out: {best_q8[1]} {best_q8[0]:.1f} us x{base / best_q8[0]:.2f} | floor x{base / floor_q8:.2f}"
+           if best_q8 else ""), flush=True)
     return {"shape": shape, "m": m, "n": n, "k": k, "block": blk, "sparsity": sparsity if blk else 0,
-            "floor_us": floor, "floor_speedup": base / floor, "results": res}
+            "floor_us": floor, "floor_speedup": base / floor, "floor_q8_us": floor_q8,
+            "floor_q8_speedup": base / floor_q8, "results": res}
 
 
 def main():

@@ -4,7 +4,9 @@ W4A16, int4 weights with calibration's scales dequantised in registers, where it
 a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``).
 fp16 LayerNorms become sparta's LayerNorm kernel (``templates/cuda_layernorm.py``): one read by W8A8
 linears hands them their per-token int8 codes, so they skip the quantiser; one fed by a residual add
-that nothing else reads adds the two inputs itself.
+that nothing else reads adds the two inputs itself. A linear whose output (after its fused activation)
+calibration gave a static int8 scale and only W8A8 linears read writes int8 codes itself (``out="int8"``),
+so they skip the quantiser too.
 
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
@@ -93,8 +95,43 @@ def specialize_cuda(graph: Graph, plan: Plan):
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report.append(row)
+    _requantized_outputs(graph, replacements, {r["op"]: r for r in report})
     report += _cuda_norms(graph, replacements)
     return replacements, report
+
+
+def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
+    """Linears whose output (or fused activation's output) has a static int8 scale from calibration and is
+    read only by W8A8 linears: rebuilt with the requantising epilogue (``out="int8"``), they hand their
+    readers int8 codes and the scale, and the per-token quantiser pass over an fp16 tensor is gone."""
+    for t, scale in graph.meta.get("act_scales", {}).items():
+        readers = graph.consumers(t)
+        if not readers or t in graph.outputs or not all(
+                isinstance(replacements.get(r), SparseLinearCUDA) and replacements[r].spec.dtype == "int8"
+                and replacements[r].input_names == [t] for r in readers):
+            continue
+        name = graph.producer(t)
+        fused = replacements.get(name) if isinstance(replacements.get(name), Passthrough) else None
+        if fused is not None:
+            name = graph.producer(fused.input_names[0])
+        module = replacements.get(name)
+        if not isinstance(module, SparseLinearCUDA) or module.output_names is not None or module.spec.dtype == "w4a16":
+            continue
+        q8 = (lambda spec: dataclasses.replace(spec, out="int8", name=spec.name + "_q8"))
+        kernel = build_cuda(bsr_linear, q8(module.spec))
+        hopper = build_cuda(bsr_linear, q8(module.hopper[1])) if module.hopper else None
+        module.requantize_output(quantized_names(t), scale, (kernel.path, q8(module.spec)),
+                                 (hopper.path, q8(module.hopper[1])) if hopper else None)
+        if fused is not None:
+            replacements[graph.producer(t)] = Fused(name)
+        for r in readers:
+            replacements[r].use_quantized_input(quantized_names(t), graph.tensor(graph.op(r).outputs[0]).dtype)
+        row = rows[name]
+        arts = [kernel] + ([hopper] if hopper else [])
+        row.update(key=kernel.path.name, artifact=str(kernel.path), cached=kernel.cached,
+                   code_bytes=sum((a.path / c["file"]).stat().st_size for a in arts for c in a.launch["cubins"].values()))
+        note = f"writes int8 codes of {t} (static scale {scale:.3g}) for {', '.join(readers)}"
+        row["note"] = f"{row['note']}; {note}" if row.get("note") else note
 
 
 def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:

@@ -62,12 +62,13 @@ class Passthrough(torch.nn.Module):
 
 
 class Fused(torch.nn.Module):
-    """Stands in for an op whose work the kernel of a later op does (a residual add inside the LayerNorm
-    kernel that was its only reader): runs nothing and produces no tensor."""
+    """Stands in for an op whose work another op's kernel does (a residual add inside the LayerNorm kernel
+    that was its only reader; an activation inside a linear that writes its int8 codes): reads and
+    produces no tensor."""
 
     def __init__(self, into: str):
         super().__init__()
-        self.into, self.output_names = into, []
+        self.into, self.input_names, self.output_names = into, [], []
 
     def forward(self, *inputs):
         return ()
@@ -133,7 +134,8 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
         if op.name in replacements:
             mod_name = "kernel_" + _fx_name(op.name)
             root.add_module(mod_name, replacements[op.name])
-            names = getattr(replacements[op.name], "input_names", None) or op.inputs
+            names = getattr(replacements[op.name], "input_names", None)
+            names = op.inputs if names is None else names
             result = fg.create_node("call_module", mod_name, tuple(lookup(t) for t in names),
                                     name=_fx_name(op.name))
             produced = getattr(replacements[op.name], "output_names", None)

@@ -172,7 +172,9 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
     kernel (``spec.dtype == "int8"``) holds int8 blocks and per-channel ``weight_scale``; its
     input is quantised per token by the kernel in ``quant_folder`` (torch ops without one).
     ``hopper`` = (folder, spec): a ``wgmma`` kernel over the same blocks, run instead on sm_90 GPUs.
-    A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``).
+    A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
+    :meth:`requantize_output` it returns the int8 codes of its output at one static scale and that scale
+    per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``.
     """
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
@@ -202,6 +204,7 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
+        self.output_names, self.out_scale = None, None     # set by requantize_output
         self._op = None
 
     def use_quantized_input(self, names: list[str], out_dtype: torch.dtype) -> None:
@@ -210,6 +213,24 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
         if self.spec.dtype != "int8" or len(names) != 2:
             raise CudaRuntimeError(f"op {self.op_name!r}: only a W8A8 kernel reads (codes, scales) inputs")
         self.input_names, self.out_dtype, self.quant_folder = list(names), out_dtype, None
+
+    def requantize_output(self, names: list[str], scale: float, kernel: tuple | None = None,
+                          hopper: tuple | None = None) -> None:
+        """Return the int8 codes of the output at the static ``scale`` and that scale per row, as the graph
+        tensors ``names`` (codes, scales), instead of the output. ``kernel`` / ``hopper`` = (folder, spec):
+        the same kernels built with ``out="int8"`` (default: the current ones already are)."""
+        if kernel is not None:
+            self.folder, self.spec = str(kernel[0]), kernel[1]
+        if hopper is not None:
+            self.hopper = (str(hopper[0]), hopper[1])
+        specs = [self.spec] + ([self.hopper[1]] if self.hopper else [])
+        if any(s.out != "int8" for s in specs) or len(names) != 2:
+            raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8' "
+                                   "and two names (codes, scales)")
+        out_scale_arg(scale)                             # refuses a scale that is not positive and finite
+        self.output_names, self.out_scale, self._op = list(names), float(scale), None
+        self.register_buffer("code_scale", torch.full((self.spec.m,), float(scale), dtype=torch.float32,
+                                                      device=self.wp.device))
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
@@ -259,14 +280,16 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
                 raise CudaRuntimeError(f"op {self.op_name!r}: its weights are on the CPU; call compiled.to('cuda')")
             folder, spec = self.kernel_for(x.device)
             self._op = BsrLinearOp.packed(folder, spec, self.wp, self.table,
-                                          self.bias if self.spec.bias else None, self.weight_scale)
+                                          self.bias if self.spec.bias else None, self.weight_scale, self.out_scale)
             if self.quant_folder:
                 self._op.quantizer = RowQuantizer(self.quant_folder)
         if x_scale is not None:
             y = self._op.int8(x.reshape(self.spec.m, self.spec.k), x_scale.reshape(self.spec.m))
-            return y.reshape(self.out_shape).to(self.out_dtype)
-        y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
-        return y.reshape(self.out_shape).to(x.dtype)
+        else:
+            y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
+        if self.out_scale is not None:
+            return y.reshape(self.out_shape), self.code_scale
+        return y.reshape(self.out_shape).to(self.out_dtype or x.dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""
@@ -295,6 +318,8 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
             h_folder = Path(self.hopper[0])
             config["hopper"] = {"kernel": h_folder.name, "spec": spec_to_json(self.hopper[1])}
             folders[h_folder.name] = h_folder
+        if self.out_scale is not None:
+            config["requantized_output"] = {"names": self.output_names, "scale": self.out_scale}
         return config, tensors, folders
 
     @classmethod
@@ -315,12 +340,16 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                 raise CudaRuntimeError(f"op {config['op_name']!r}: unknown output dtype {quantized['dtype']!r}")
             module.use_quantized_input(quantized["names"], dtype)
+        requantized = config.get("requantized_output")
+        if requantized is not None:
+            module.requantize_output(requantized["names"], requantized["scale"])
         return module
 
     def extra_repr(self) -> str:
         return (f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, "
                 f"{ {'int8': 'W8A8', 'w4a16': 'W4A16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
-                f"{', wgmma on sm_90' if self.hopper else ''}")
+                f"{', wgmma on sm_90' if self.hopper else ''}"
+                f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 
 __all__ = ["BsrLinearOp", "RowQuantizer", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]

@@ -279,3 +279,39 @@ def test_fp32_layer_norms_stay_torch_ops(tmp_path, monkeypatch):
     mask = (torch.rand(256 // 32, 256 // 32) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
     compiled = sparta.compile(model, {"fc.weight": mask}, (torch.randn(3, 7, 256),), target="cuda")
     assert not {"layer_norm", "layer_norm_1", "add"} & set(compiled.module_replacements())
+
+
+def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, monkeypatch):
+    """Calibration gives the GELU output between two W8A8 linears one static scale: the first linear is rebuilt
+    with the requantising epilogue (out="int8", GELU fused), the GELU op runs nothing, the second reads the
+    codes and the scale without a quantiser; the graph module, the report and a save keep it."""
+    from sparta.backend.fx import Fused
+    from sparta.runtime.layernorm import quantized_names
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, mask = _mlp_and_mask(3)
+    model = torch.nn.Sequential(model[0], torch.nn.GELU(), model[2]).eval()
+    batches = [(torch.randn(2, 64, 1024),) for _ in range(2)]
+    quant = {"tolerance": 1e-2, "activations": True, "progress": False}
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance=quant)
+    scale = compiled.graph.meta["act_scales"]["gelu"]
+    mods = compiled.module_replacements()
+    fc1, fc2 = mods["linear"], mods["linear_1"]
+    assert fc1.spec.out == "int8" and fc1.spec.act == "gelu_erf" and fc1.output_names == quantized_names("gelu")
+    assert fc1.out_scale == scale and torch.equal(fc1.code_scale, torch.full((128,), scale, dtype=torch.float32))
+    assert isinstance(mods["gelu"], Fused) and mods["gelu"].into == "linear"
+    assert fc2.input_names == quantized_names("gelu") and fc2.quant_folder is None and fc2.spec.out == "float16"
+    row = next(k for k in compiled.kernels if k["op"] == "linear")
+    assert "writes int8 codes of gelu" in row["note"] and row["artifact"] == fc1.folder
+    launch = json.loads((Path(fc1.folder) / "launch.json").read_text())
+    assert {a["name"]: a["dtype"] for a in launch["args"]}["Y"] == "int8"
+    assert "kernel_linear" in compiled.module.code and "kernel_gelu" in compiled.module.code
+    loaded = sparta.load(compiled.save(tmp_path / "saved"))
+    again = loaded.module_replacements()
+    assert again["linear"].spec == fc1.spec and again["linear"].output_names == fc1.output_names
+    assert again["linear"].out_scale == scale and isinstance(again["gelu"], Fused)
+    assert again["linear_1"].input_names == fc2.input_names
+    per_token = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                               quant_tolerance={**quant, "static_activations": False})
+    assert per_token.module_replacements()["linear"].output_names is None
+    assert per_token.module_replacements()["linear_1"].quant_folder
