@@ -251,7 +251,7 @@ def saved_models(out: Path) -> None:
     """Small models compiled for CUDA and saved, for ``tests/runtime/test_saved_cuda.py``: an fp32
     MLP on 3×333 tokens (odd M) with a 32- and a 64-block sparse linear (1.4 blocks per block row: the
     streaming grid), ReLU fused; the same
-    MLP calibrated to W8A8; and, in fp16 on 16 tokens, calibrated to 4-bit weights (W4A16)."""
+    MLP calibrated to W8A8 (activations per token; and with a static scale between the linears); and, in fp16 on 16 tokens, calibrated to 4-bit weights (W4A16)."""
     import sparta
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
@@ -264,10 +264,16 @@ def saved_models(out: Path) -> None:
     # the same model calibrated to W8A8 (int8 kernels + the per-token quantiser), first linear 85% sparse
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(3, 333, 1024, generator=g),) for _ in range(2)]
+    per_token = {"tolerance": 1e-2, "activations": True, "static_activations": False, "progress": False}
     w8 = sparta.compile(model, {"0.weight": masks["0.weight"]}, batches[0], target="cuda", calibration=batches,
-                        quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+                        quant_tolerance=per_token)
     print(w8.kernel_report())
     w8.save(out / "saved_mlp_w8a8")
+    # and with the ReLU output at a static scale: the first linear writes the second's int8 codes
+    w8s = sparta.compile(model, {"0.weight": masks["0.weight"]}, batches[0], target="cuda", calibration=batches,
+                         quant_tolerance={**per_token, "static_activations": True})
+    print(w8s.kernel_report())
+    w8s.save(out / "saved_mlp_w8a8_static")
     # an fp16 MLP on 16 tokens (decode-like) with 4-bit weights (groups of 128, asymmetric): W4A16 kernels
     half = [(torch.randn(2, 8, 1024, generator=g).half(),) for _ in range(2)]
     w4 = sparta.compile(model.half(), {"0.weight": masks["0.weight"]}, half[0], target="cuda", calibration=half,
@@ -281,7 +287,7 @@ def saved_models(out: Path) -> None:
         block.ln.bias.uniform_(-0.5, 0.5, generator=g)
     batches = [(torch.randn(3, 333, 1024, generator=g) * 3 + 1,) for _ in range(2)]
     ln8 = sparta.compile(block, {"fc1.weight": masks["0.weight"]}, batches[0], target="cuda", calibration=batches,
-                         quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+                         quant_tolerance=per_token)
     print(ln8.kernel_report())
     ln8.save(out / "saved_norm_w8a8")
     # fp16 post-LN sublayer (BERT width, 4x96 tokens): the residual add fused into sparta's LayerNorm

@@ -105,6 +105,37 @@ def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math
         torch.testing.assert_close(dense._op(xh), sync(xh), rtol=2e-3, atol=2e-3)
 
 
+W8A8_STATIC = ROOT / "saved_mlp_w8a8_static"
+
+
+@pytest.mark.skipif(not (W8A8_STATIC / "sparta.json").is_file(), reason=f"no saved model in {W8A8_STATIC}")
+def test_w8a8_model_with_a_static_scale_hands_int8_codes_between_linears():
+    """The first linear's epilogue (ReLU) writes int8 codes at calibration's static scale, which the second
+    (dense, wgmma on Hopper) reads with no quantiser in between: against the fake-quantised math."""
+    import sparta
+    from sparta.templates.cuda_bsr_ref import quantize_rows
+    model = sparta.load(W8A8_STATIC).to("cuda")
+    mods = model.module_replacements()
+    fc1, fc2 = mods["linear"], mods["linear_1"]
+    assert fc1.spec.out == "int8" and fc1.output_names == ["relu:int8", "relu:scale"] and fc1.quant_folder
+    assert fc2.input_names == fc1.output_names and fc2.quant_folder is None and type(mods["relu"]).__name__ == "Fused"
+    assert fc1.out_scale > 0 and torch.all(fc1.code_scale == fc1.out_scale)
+    assert max(model.verify(trials=2).values()) < 5e-2
+    g = model.graph
+    w0, w2 = g.tensor("0.weight").data.cuda().float(), g.tensor("2.weight").data.cuda().float()   # dequantised
+    b0, b2 = g.tensor("0.bias").data.cuda().float(), g.tensor("2.bias").data.cuda().float()
+    x = torch.randn(3, 333, 1024, device="cuda")
+    q, s = quantize_rows(x.half().reshape(-1, 1024))
+    h = torch.relu(torch.nn.functional.linear(q.float() * s[:, None], w0, b0))
+    s32 = torch.tensor(fc1.out_scale, dtype=torch.float32)
+    hq = torch.round(h / s32).clamp(-127, 127) * s32
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(hq, w2, b2)).reshape(3, 333, 1024)
+    out = model(x)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, err
+    replay_on_new_input(model, x)
+
+
 W4A16 = ROOT / "saved_mlp_w4a16"
 
 
