@@ -79,7 +79,7 @@ def measure(target: str, m: int | None = None, iters: int = 20, size: int | None
             torch.nn.functional.linear(tiny, tiny)
     fixed = timed(launches, iters) / 100
     big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    copy_us = timed(lambda: big.clone(), iters)
+    copy_us = timed(big.clone, iters)
     bandwidth = 2 * big.numel() / (copy_us * 1e3)
     del big
 

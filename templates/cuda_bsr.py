@@ -41,9 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cuda_bsr_ref import build_table
-from .cuda_quant import int8_code, quotient
-from .cuda_w4a16 import dequant_word, half2_splat, zero_terms
+from .cuda_bsr_parts import Movement, WarpMma, epilogue_value
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
 OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
@@ -212,229 +210,10 @@ class BsrSpec:
         return d
 
 
-def tir_epilogue(v, bias, act: str):
-    """fp32 ``v`` (+ fp16 ``bias`` if given), activation, cast to fp16 — as TIR (shared by the CUDA templates)."""
-    from tvm.script import tirx as T
-    return T.Cast("float16", tir_activate(v, bias, act))
-
-
-def tir_activate(v, bias, act: str):
-    """fp32 ``v`` (+ fp16 ``bias`` if given), activation — the fp32 value of the epilogue, as TIR."""
-    from tvm.script import tirx as T
-    if bias is not None:
-        v = v + T.Cast("float32", bias)
-    if act == "relu":
-        v = T.max(v, T.float32(0))
-    elif act == "gelu":
-        v = T.float32(0.5) * v * (T.float32(1) + T.tanh(T.float32(0.7978845608028654) *
-                                                        (v + T.float32(0.044715) * v * v * v)))
-    elif act == "gelu_erf":
-        v = T.float32(0.5) * v * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
-    return v
-
-
 def argument_names(spec: BsrSpec) -> list[str]:
     scales = ["XS", "WS"] if spec.dtype == "int8" else []
     return ["X", "Wp", *scales, *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []),
             *(["Tab"] if spec.table == "arg" else []), "Y"]
-
-
-def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
-    values = build_table(spec.pattern_mask(), spec.groups)[0].tolist()
-    digest = hashlib.sha256(repr(values).encode()).hexdigest()[:12]
-    fn = f"sparta_tab_{digest}"
-    src = (f"__constant__ int {fn}_data[{len(values)}] = {{{', '.join(map(str, values))}}};\n"
-           f"__device__ __forceinline__ int {fn}(int i) {{ return {fn}_data[i]; }}\n")
-    return fn, src
-
-
-def requantize(v, s, r):
-    """TIR: the int8 code of fp32 ``v`` at scale ``s`` (``r`` = RN(1/s)): round(v / s) clamped to ±127, the
-    quotient correctly rounded (``cuda_quant.quotient``); ``v`` bound once, as the quotient reads it thrice."""
-    from tvm import tirx
-    x = tirx.Var("yv", "float32")
-    return tirx.Let(x, v, int8_code(quotient(x, s, r)))
-
-
-class _Movement:
-    """What the ``mma.sync`` and ``wgmma`` kernels share: the table lookup, the ``cp.async`` stage
-    loader into XOR-swizzled shared memory (for ``bk`` of 16/32/64 lanes this is exactly the
-    32/64/128-byte swizzle that wgmma's shared-memory descriptors read), the write of one epilogue value
-    into the output tile staged in shared memory (fp16, or an int8 code) and the tile's coalesced store."""
-
-    def __init__(self, spec: BsrSpec, threads: int):
-        from tvm.script import tirx as T
-
-        EL = spec.elems_per_half             # the data movement counts 16-bit lanes: K and BK in lanes
-        M, N, K, BN, BK, TM = spec.m, spec.n, spec.k // EL, spec.bn, spec.bk // EL, spec.tm
-        NT = threads
-        C = BK // 8                          # 16-byte chunks per shared row
-        RPL = max(1, 8 // C)                 # rows per 128-byte bank line
-        self.x_elems, self.stage = TM * BK, TM * BK + spec.w_lanes
-        X_ELEMS, STAGE, W_LANES = self.x_elems, self.stage, spec.w_lanes
-        W4 = spec.dtype == "w4a16"           # a W4A16 block is a record copied as is, not a swizzled tile
-        X_CHUNKS, W_CHUNKS = TM * C, W_LANES // 8
-        X_ITERS, W_ITERS = -(-X_CHUNKS // NT), -(-W_CHUNKS // NT)
-        self.head = spec.table_head          # where the K indices start
-        OUT8 = spec.out == "int8"
-        self.out_ld = OUT_LD = spec.out_ld   # padded row of the output tile (fp16 lanes or int8 bytes)
-        EPC = 16 if OUT8 else 8              # output elements per 16-byte chunk
-        OUT_CHUNKS = TM * (BN // EPC)
-        OUT_ITERS = -(-OUT_CHUNKS // NT)
-        self.const_tab = spec.table == "const"
-        if self.const_tab:
-            self.tab_fn, self.tab_src = _const_table_source(spec)
-
-        def swz(row, chunk):                 # shared offset of a 16-byte chunk, XOR-swizzled
-            return row * BK + T.bitwise_xor(chunk, T.truncmod(T.truncdiv(row, RPL), C)) * 8
-        self.swz = swz
-
-        @T.macro
-        def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):
-            # X[m0 : m0+TM, kb*BK : +BK] and packed block ``blk`` into ``stage``, 16 bytes per cp.async
-            for it in T.unroll(X_ITERS):
-                c = T.meta_var(tx + it * NT)
-                if X_CHUNKS % NT == 0 or c < X_CHUNKS:
-                    r = T.meta_var(c // C)
-                    kc = T.meta_var(kb * BK + (c % C) * 8)
-                    ok = T.meta_var(T.Cast("uint32", T.if_then_else(T.And(m0 + r < M, kc < K), 16, 0)))
-                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                        smem.ptr_to([stage * STAGE + swz(r, c % C)]),
-                        X.ptr_to([T.min(m0 + r, M - 1), T.min(kc, K - 8)]), 16, ok))
-            for it in T.unroll(W_ITERS):
-                c = T.meta_var(tx + it * NT)
-                if W_CHUNKS % NT == 0 or c < W_CHUNKS:
-                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                        smem.ptr_to([stage * STAGE + X_ELEMS + (c * 8 if W4 else swz(c // C, c % C))]),
-                        Wp.ptr_to([blk * W_LANES + c * 8]), 16))
-        self.load_stage = load_stage
-
-        @T.macro
-        def put(smem, smo, OS, out0, lr, lc, v):
-            # fp32 epilogue value v -> element (lr, lc) of the tile at out0 (fp16 lanes): fp16, or its int8 code
-            if OUT8:
-                smo[out0 * 2 + lr * OUT_LD + lc] = requantize(v, OS[0], OS[1])
-            else:
-                smem[out0 + lr * OUT_LD + lc] = T.Cast("float16", v)
-        self.put = put
-
-        @T.macro
-        def store_tile(smem, smo, Y, tx, m0, row, out0):
-            # the tile (TM x BN at out0 fp16 lanes, rows OUT_LD elements apart) -> coalesced 16-byte rows of Y
-            for it in T.unroll(OUT_ITERS):
-                c = T.meta_var(tx + it * NT)
-                if OUT_CHUNKS % NT == 0 or c < OUT_CHUNKS:
-                    yr = T.meta_var(m0 + c // (BN // EPC))
-                    yc = T.meta_var(row * BN + (c % (BN // EPC)) * EPC)
-                    src = T.meta_var((c // (BN // EPC)) * OUT_LD + (c % (BN // EPC)) * EPC)
-                    if N % EPC == 0:
-                        if yr < M and yc < N:
-                            for v in T.vectorized(EPC):
-                                if OUT8:
-                                    Y[yr, yc + v] = smo[out0 * 2 + src + v]
-                                else:
-                                    Y[yr, yc + v] = smem[out0 + src + v]
-                    else:
-                        for v in T.unroll(EPC):
-                            if yr < M and yc + v < N:
-                                if OUT8:
-                                    Y[yr, yc + v] = smo[out0 * 2 + src + v]
-                                else:
-                                    Y[yr, yc + v] = smem[out0 + src + v]
-        self.store_tile = store_tile
-
-    def tab(self, tab_buf, i):
-        """Entry ``i`` of the block table: the baked constant array, or the ``Tab`` argument."""
-        from tvm.script import tirx as T
-        if self.const_tab:
-            return T.cuda.func_call(self.tab_fn, i, source_code=self.tab_src, return_type="int32")
-        return tab_buf[i]
-
-
-def epilogue_value(spec: BsrSpec, v, b, xs, ws):
-    """One accumulator (fp32, or int32 bits for int8) → the fp32 output value (scaled, bias, activation)."""
-    from tvm.script import tirx as T
-    if spec.dtype == "int8":
-        v = T.Cast("float32", T.reinterpret("int32", v)) * xs * ws
-    return tir_activate(v, b if spec.bias else None, spec.act)
-
-
-class _WarpMma:
-    """The ``mma.sync`` inner loop shared by the one-tile-per-CTA and the streaming kernels: per stage
-    in shared memory, ``ldmatrix`` fragments (or int4 words dequantised in registers) and the warp's
-    ``m16n8`` MMAs into its accumulators."""
-
-    def __init__(self, spec: BsrSpec, mv: _Movement):
-        from tvm.script import tirx as T
-
-        int8 = spec.dtype == "int8"
-        EL = spec.elems_per_half
-        TM, BN, BK = spec.tm, spec.bn, spec.bk // EL
-        self.wtm, self.wtn = WTM, WTN = TM // spec.warps_m, BN // spec.warps_n       # warp tile
-        self.mi, self.ni = MI, NI = WTM // 16, WTN // 8        # mma tiles per warp: 16 rows x 8 cols each
-        X_ELEMS, swz = mv.x_elems, mv.swz
-        MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" if int8 else \
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-        self.acc = "uint32" if int8 else "float32"          # PTX's int mma takes .u32 registers (int32 bits)
-
-        @T.macro
-        def load_a(smem, af, lane, wr, base, kk):
-            for mi in T.unroll(MI):
-                T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
-                    af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
-                    smem.ptr_to([base + swz(wr * WTM + mi * 16 + lane % 16, kk * 2 + lane // 16)])))
-
-        @T.macro
-        def mma_tiles(acc, af, bf, bs, bo):
-            # every m16 x n8 tile of the warp: A fragments af, B fragment of column tile ni at bf[ni * bs + bo]
-            for mi in T.unroll(MI):
-                for ni in T.unroll(NI):
-                    T.evaluate(T.ptx[MMA](
-                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3],
-                        af[mi * 4], af[mi * 4 + 1], af[mi * 4 + 2], af[mi * 4 + 3],
-                        bf[ni * bs + bo], bf[ni * bs + bo + 1],
-                        acc[(mi * NI + ni) * 4], acc[(mi * NI + ni) * 4 + 1],
-                        acc[(mi * NI + ni) * 4 + 2], acc[(mi * NI + ni) * 4 + 3]))
-
-        @T.macro
-        def mma_stage(smem, acc, af, bf, lane, wr, wc, base):
-            for kk in T.unroll(BK // 16):
-                load_a(smem, af, lane, wr, base, kk)
-                for nj in T.unroll(NI // 2):
-                    T.evaluate(T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
-                        bf[nj * 4], bf[nj * 4 + 1], bf[nj * 4 + 2], bf[nj * 4 + 3],
-                        smem.ptr_to([base + X_ELEMS + swz(wc * WTN + nj * 16 + (lane // 16) * 8 + lane % 8,
-                                                          kk * 2 + (lane // 8) % 2)])))
-                mma_tiles(acc, af, bf, 2, 0)
-
-        KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
-        NW = BN * spec.bk // 8                   # w4a16: words per block; scales follow, then zero points
-        dequant = dequant_word()
-
-        @T.macro
-        def mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, base):
-            # B fragments from the int4 record: KW words per 8 columns, dequantised in registers
-            for ni in T.unroll(NI):
-                for v in T.vectorized(KW):
-                    wq[ni * KW + v] = smw[(base + X_ELEMS) // 2 + ((wc * (WTN // 8) + ni) * 32 + lane) * KW + v]
-            for kw in T.unroll(KW):
-                for ni in T.unroll(NI):
-                    n = T.meta_var(wc * WTN + ni * 8 + lane // 4)
-                    sz[0] = half2_splat(smem[base + X_ELEMS + NW * 2 + kw * BN + n])
-                    if spec.zero:
-                        sz[3] = T.Cast("uint32", smb[(base + X_ELEMS + NW * 2 + KW * BN) * 2 + kw * BN + n])
-                        zt = T.meta_var(zero_terms(sz[3]))
-                        sz[1] = zt[0]                                              # half2(1024 + z)
-                        sz[2] = zt[1]                                              # half2(-(64 + z))
-                        dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], sz[1], sz[2])
-                    else:
-                        dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], zero_terms()[0], zero_terms()[1])
-                for h in T.unroll(2):
-                    load_a(smem, af, lane, wr, base, kw * 2 + h)
-                    mma_tiles(acc, af, bf, 4, 2 * h)
-
-        self.mma_stage, self.mma_stage_w4 = mma_stage, mma_stage_w4
 
 
 def bsr_linear(spec: BsrSpec):
@@ -453,10 +232,10 @@ def bsr_linear(spec: BsrSpec):
     w4 = spec.dtype == "w4a16"
     M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
     NT, WN, R = spec.threads, spec.warps_n, spec.row_blocks
-    mv = _Movement(spec, NT)
+    mv = Movement(spec, NT)
     STAGE, HEAD = mv.stage, mv.head
     tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
-    wmma = _WarpMma(spec, mv)
+    wmma = WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block

@@ -15,7 +15,8 @@ fp16, int8 and W4A16 operands); the table carries (first slot, first block) per 
 
 from __future__ import annotations
 
-from .cuda_bsr import BsrSpec, _Movement, _WarpMma, epilogue_value
+from .cuda_bsr import BsrSpec
+from .cuda_bsr_parts import Movement, WarpMma, epilogue_value
 
 
 def bsr_linear_stream(spec: BsrSpec):
@@ -26,11 +27,11 @@ def bsr_linear_stream(spec: BsrSpec):
     w4, int8 = spec.dtype == "w4a16", spec.dtype == "int8"
     M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
     NT, WN, G = spec.threads, spec.warps_n, spec.groups
-    mv = _Movement(spec, NT)
+    mv = Movement(spec, NT)
     STAGE, HEAD = mv.stage, mv.head
     tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
     OUT0 = S * STAGE                                 # the output tile follows the stages
-    wmma = _WarpMma(spec, mv)
+    wmma = WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32

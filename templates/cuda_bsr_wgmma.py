@@ -22,7 +22,8 @@ width against the torch reference.
 
 from __future__ import annotations
 
-from .cuda_bsr import BsrSpec, _Movement, epilogue_value
+from .cuda_bsr import BsrSpec
+from .cuda_bsr_parts import Movement, epilogue_value
 
 SWIZZLE_MODE = {32: 1, 64: 2, 128: 3}     # row bytes -> the descriptor helper's swizzle code
 
@@ -48,7 +49,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
     WTN = BN // GN                           # columns per warpgroup = the wgmma's N
     NACC = WTN // 2                          # accumulator registers per thread
     R = spec.row_blocks
-    mv = _Movement(spec, NT)
+    mv = Movement(spec, NT)
     X_ELEMS, STAGE, HEAD = mv.x_elems, mv.stage, mv.head
     tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
     ROW_BYTES = BK * 2

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cuda_bsr import ACTIVATIONS, tir_epilogue
+from .cuda_bsr import ACTIVATIONS
+from .cuda_bsr_parts import tir_epilogue
 from .cuda_bsr_ref import _activate
 
 
