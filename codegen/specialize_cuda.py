@@ -129,8 +129,9 @@ def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
         row = rows[name]
         arts = [kernel] + ([hopper] if hopper else [])
         row.update(key=kernel.path.name, artifact=str(kernel.path), cached=kernel.cached,
-                   build_s=round(row["build_s"] + sum(a.build_s for a in [kernel] + ([hopper] if hopper else [])), 3),
-                   code_bytes=sum((a.path / c["file"]).stat().st_size for a in arts for c in a.launch["cubins"].values()))
+                   build_s=round(row["build_s"] + sum(a.build_s for a in arts), 3),
+                   code_bytes=sum((a.path / c["file"]).stat().st_size for a in arts
+                                  for c in a.launch["cubins"].values()))
         note = f"writes int8 codes of {t} (static scale {scale:.3g}) for {', '.join(readers)}"
         row["note"] = f"{row['note']}; {note}" if row.get("note") else note
 

@@ -103,8 +103,9 @@ class BsrLinearOp:
         if self.spec.bias and bias is None:
             raise CudaRuntimeError(f"{self.spec.name}: the kernel adds a bias; pass one")
         if (self.spec.out == "int8") != (out_scale is not None):
-            raise CudaRuntimeError(f"{self.spec.name}: " + ("the kernel requantises its output; pass out_scale"
-                                                            if out_scale is None else "out_scale is for out='int8' kernels"))
+            why = "the kernel requantises its output; pass out_scale" if out_scale is None else \
+                "out_scale is for out='int8' kernels"
+            raise CudaRuntimeError(f"{self.spec.name}: {why}")
         int8 = self.spec.dtype == "int8"
         if int8 and (wp.dtype != torch.int8 or weight_scale is None or weight_scale.numel() != self.spec.n):
             raise CudaRuntimeError(f"{self.spec.name}: the W8A8 kernel takes int8 blocks and {self.spec.n} "
@@ -148,7 +149,6 @@ class BsrLinearOp:
         else:
             self._prepared.launch(X=x16, XS=xs, Y=y)
         return y
-
 
     def _output(self, device) -> torch.Tensor:
         dtype = torch.int8 if self.spec.out == "int8" else torch.float16

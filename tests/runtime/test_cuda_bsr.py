@@ -85,7 +85,8 @@ def _check_requantized(name, spec, mask, x, w, bias):
     else:
         ref = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk, scale)
     diff = (y.int() - ref.int()).abs()
-    assert diff.max() <= 1 and diff.float().mean() < 1e-3, f"{name}: codes off by {diff.max()} ({diff.float().mean():.2e})"
+    assert diff.max() <= 1 and diff.float().mean() < 1e-3, \
+        f"{name}: codes off by {diff.max()} ({diff.float().mean():.2e} on average)"
     assert (ref.abs() == 127).any() or exact.abs().max() == 0, "the scale did not clip (test setup)"
     if exact.abs().max() > 0:
         sqnr = 10 * torch.log10(exact.pow(2).mean() / (y.float() * scale - exact.clamp(-127 * scale, 127 * scale))
