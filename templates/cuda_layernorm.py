@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cuda_quant import int8_code, int8_scale, quotient, row_max
+from .cuda_quant import row_max, store_codes
 
 OUTPUTS = ("fp16", "int8", "both")
 
@@ -100,6 +100,7 @@ def layer_norm_kernel(spec: LayerNormSpec):
     affine, use_bias, residual = spec.affine, spec.bias, spec.residual
     FULL = T.uint32(0xFFFFFFFF)
     reduce_max = row_max(WARPS)
+    emit_codes = store_codes(CH, NT)
 
     def normalised(v, mean, rstd, gw, bw, i):
         y = (v - mean) * rstd
@@ -203,16 +204,7 @@ def layer_norm_kernel(spec: LayerNormSpec):
                             Y[row, (t + it * NT) * 8 + v] = raw[v]
             if emit_q:
                 reduce_max(mx, red, lane, t)
-                st[0] = int8_scale(mx[0])
-                st[1] = T.float32(1) / st[0]
-                if t == 0:
-                    XS[row] = st[0]
-                for it in T.unroll(IT):
-                    if full or t + it * NT < CH:
-                        for v in T.unroll(8):
-                            codes[v] = int8_code(quotient(vals[it * 8 + v], st[0], st[1]))
-                        for v in T.vectorized(8):
-                            XQ[row, (t + it * NT) * 8 + v] = codes[v]
+                emit_codes(st, mx[0], vals, codes, XS, XQ, row, t)
 
     return tvm.IRModule({spec.name: kernel})     # unused buffers drop out of the device signature
 

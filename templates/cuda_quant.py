@@ -60,6 +60,29 @@ def int8_code(q):
     return T.Cast("int8", T.max(T.min(T.nearbyint(q), T.float32(127)), T.float32(-127)))
 
 
+def store_codes(chunks: int, threads: int):
+    """TIR macro ``store_codes(sc, absmax, src, codes, XS, XQ, row, t)`` for a row of ``chunks`` 16-byte chunks over
+    ``threads`` threads: the per-token scale of the row's ``absmax`` into ``sc[0]`` (its reciprocal into ``sc[1]``),
+    written to ``XS[row]`` by thread 0, and the int8 codes of thread ``t``'s chunks of values (chunk ``it`` at
+    ``src[it * 8]``) into ``XQ[row]``, 8 bytes per store. Shared by the quantiser and the LayerNorm kernel."""
+    from tvm.script import tirx as T
+    IT, full = -(-chunks // threads), chunks % threads == 0
+
+    @T.macro
+    def store(sc, absmax, src, codes, XS, XQ, row, t):
+        sc[0] = int8_scale(absmax)
+        sc[1] = T.float32(1) / sc[0]
+        if t == 0:
+            XS[row] = sc[0]
+        for it in T.unroll(IT):
+            if full or t + it * threads < chunks:
+                for v in T.unroll(8):
+                    codes[v] = int8_code(quotient(T.Cast("float32", src[it * 8 + v]), sc[0], sc[1]))
+                for v in T.vectorized(8):
+                    XQ[row, (t + it * threads) * 8 + v] = codes[v]
+    return store
+
+
 def row_max(warps: int):
     """TIR macro ``row_max(mx, red, lane, t)``: every thread of a row of ``warps`` warps ends with the row's
     maximum of ``mx[0]`` (``mx[1]`` is scratch): a butterfly of warp shuffles, then, across warps, one step
@@ -105,6 +128,7 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
     WARPS = NT // 32
     full = CH % NT == 0
     reduce_max = row_max(WARPS)
+    emit_codes = store_codes(CH, NT)
 
     @T.prim_func
     def kernel(x_h: T.handle, xq_h: T.handle, xs_h: T.handle):
@@ -132,15 +156,6 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
                     for v in T.unroll(8):
                         mx[0] = T.max(mx[0], T.fabs(T.Cast("float32", raw[it * 8 + v])))
             reduce_max(mx, red, lane, t)
-            mx[0] = int8_scale(mx[0])
-            mx[1] = T.float32(1) / mx[0]
-            if t == 0:
-                XS[row] = mx[0]
-            for it in T.unroll(IT):
-                if full or t + it * NT < CH:
-                    for v in T.unroll(8):
-                        codes[v] = int8_code(quotient(T.Cast("float32", raw[it * 8 + v]), mx[0], mx[1]))
-                    for v in T.vectorized(8):
-                        XQ[row, (t + it * NT) * 8 + v] = codes[v]
+            emit_codes(mx, mx[0], raw, codes, XS, XQ, row, t)
 
     return tvm.IRModule({spec.name: kernel})

@@ -285,6 +285,23 @@ def w4a16_gemv(spec: W4A16Spec):
             Y[m, n] = T.Cast("float16", v)
 
     @T.macro
+    def store_outputs(Y, B, P, red, tot, tx, bx):
+        # each of the CTA's outputs: the sum of its warps' partials (KS == 1) or of the KS splits' partials in P
+        for it in T.unroll(OUT_ITERS):
+            o = T.meta_var(tx + it * W * 32)
+            if OUTS % (W * 32) == 0 or o < OUTS:
+                m = T.meta_var(o // (NT * 8))
+                n = T.meta_var(bx * NT * 8 + o % (NT * 8))
+                if N % (NT * 8) == 0 or n < N:
+                    if KS == 1:
+                        sum_warps(tot, red, o)
+                    else:
+                        tot[0] = P[0, m, n]
+                        for ks in T.unroll(1, KS):
+                            tot[0] = tot[0] + P[ks, m, n]
+                    store(Y, B, m, n, tot[0])
+
+    @T.macro
     def mma_pair(acc, b, xa, xo, p, j, paired):
         # Y^T = W X^T: A = 16 weight rows (tile 2p: b[0..3], tile 2p+1: b[4..7]) in registers straight from
         # the dequantisation, B = 8 rows of X (two of the lane's xa words): no register shuffling per MMA.
@@ -417,14 +434,7 @@ def w4a16_gemv(spec: W4A16Spec):
                         red[(warp * M + m) * NT * 8 + nl] = acc_value(acc, rh * NP + p, r)
         T.tvm_storage_sync("shared")
         if KS == 1:
-            for it in T.unroll(OUT_ITERS):
-                o = T.meta_var(tx + it * W * 32)
-                if OUTS % (W * 32) == 0 or o < OUTS:
-                    m = T.meta_var(o // (NT * 8))
-                    n = T.meta_var(bx * NT * 8 + o % (NT * 8))
-                    if N % (NT * 8) == 0 or n < N:
-                        sum_warps(tot, red, o)
-                        store(Y, B, m, n, tot[0])
+            store_outputs(Y, B, P, red, tot, tx, bx)
         else:
             # split K: every CTA leaves its partials in P; the last of the row block's KS CTAs to arrive
             # (counted in C after a fence) sums them in split order -- deterministic -- and resets C
@@ -440,16 +450,7 @@ def w4a16_gemv(spec: W4A16Spec):
             T.tvm_storage_sync("shared")
             last[0] = arrived[0] == KS - 1
             if last[0]:
-                for it in T.unroll(OUT_ITERS):
-                    o = T.meta_var(tx + it * W * 32)
-                    if OUTS % (W * 32) == 0 or o < OUTS:
-                        m = T.meta_var(o // (NT * 8))
-                        n = T.meta_var(bx * NT * 8 + o % (NT * 8))
-                        if N % (NT * 8) == 0 or n < N:
-                            tot[0] = P[0, m, n]
-                            for ks in T.unroll(1, KS):
-                                tot[0] = tot[0] + P[ks, m, n]
-                            store(Y, B, m, n, tot[0])
+                store_outputs(Y, B, P, red, tot, tx, bx)
                 if tx == 0:
                     C[bx] = 0
 
