@@ -301,14 +301,15 @@ class _Calibration:
         amax = max(float(v.detach().float().abs().max()) for v in walk.q[name])
         if not amax > 0 or not math.isfinite(amax):
             return
+        weights = {s.op: self.current_nk(s) for s in readers}
         best = (math.inf, None)
         for c in CLIPS:
             scale = c * amax / 127
+            fn = (lambda v, sc=scale: fake_quant_static(v, 8, sc))
             worst = -math.inf
             for s in readers:
                 ys, ref, base = targets[s.op]
-                fn = (lambda v, sc=scale: fake_quant_static(v, 8, sc))
-                sse = self.objective(s, walk, walk.q[name], ys, fn)(self.current_nk(s))
+                sse = self.objective(s, walk, walk.q[name], ys, fn)(weights[s.op])
                 worst = max(worst, (float(sse.sum()) - base) / ref)
             best = min(best, (worst, scale), key=lambda t: t[0])
         d.static_error = best[0]
