@@ -24,7 +24,7 @@ scales ``WS``), ``mma.sync.m16n8k32`` with int32 accumulation and ``y = acc · X
 the int8 operands are handed over as fp16 views of half the width (``x.view(torch.float16)``),
 and the m16n8k32 s8 fragments hold the same bytes per thread as the m16n8k16 f16 ones.
 
-``out="int8"`` requantises the output: ``Y`` holds int8 codes ``clamp(round(y / s), ±127)`` of one static
+``out="int8"`` requantises the output: ``Y`` holds int8 codes ``clamp(round(y · RN(1/s)), ±127)`` of one static
 scale ``s`` (argument ``OS = [s, 1/s]``, e.g. fitted by calibration), computed from the fp32 epilogue
 value — what a W8A8 linear behind this one reads, without a quantisation pass over an fp16 ``Y``.
 

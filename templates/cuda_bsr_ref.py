@@ -4,6 +4,7 @@ blocks (fp16 or int8 codes) and the references the kernels are tested against.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,8 +112,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def requantize(y: torch.Tensor, scale: float) -> torch.Tensor:
-    """int8 codes of ``y`` at one static scale: round(y / scale) (fp32 division, half to even), clamped to ±127."""
-    return torch.round(y.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-127, 127).to(torch.int8)
+    """int8 codes of ``y`` at one static scale, as the ``out="int8"`` epilogue computes them: round(y · RN(1/scale))
+    in fp32 (half to even), clamped to ±127."""
+    r = out_scale_arg(scale)[1].to(y.device)
+    return torch.round(y.float() * r).clamp(-127, 127).to(torch.int8)
 
 
 def out_scale_arg(scale: float) -> torch.Tensor:
@@ -139,6 +142,30 @@ def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int,
 
 def _output(y: torch.Tensor, out_scale: float | None) -> torch.Tensor:
     return y.half() if out_scale is None else requantize(y, out_scale)
+
+
+# The epilogue's GELUs (``cuda_bsr_parts.gelu_erf`` / ``gelu_tanh``) and their fp32 twins here. Exact GELU: h = ½·erfc(|x|/√2)
+# by Abramowitz & Stegun 7.1.26 (erf(a) = 1 - t·P(t)·exp(-a²), t = 1/(1 + p·a), |error| <= 1.5e-7).
+AS_P = 0.3275911
+AS_COEFFS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+GELU_TANH_K = (-2 / math.log(2) * math.sqrt(2 / math.pi), -2 / math.log(2) * math.sqrt(2 / math.pi) * 0.044715)
+
+
+def gelu_erf_fast(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' exact GELU in fp32 (torch's exp2 and division for the SFU's ``ex2`` / ``rcp``): relu(x) - |x|·h."""
+    x = x.float()
+    t = 1 / (1 + torch.tensor(AS_P / math.sqrt(2)) * x.abs())
+    poly = torch.full_like(x, AS_COEFFS[0] / 2)
+    for c in AS_COEFFS[1:]:
+        poly = poly * t + c / 2
+    h = t * poly * torch.exp2(x * torch.tensor(-0.5 / math.log(2)) * x)
+    return x.clamp_min(0) - x.abs() * h
+
+
+def gelu_tanh_fast(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' tanh-form GELU in fp32: x·σ(2u) = x / (1 + 2^w), w = -2·log2(e)·√(2/π)(x + 0.044715x³)."""
+    x = x.float()
+    return x / (1 + torch.exp2(x * (GELU_TANH_K[0] + GELU_TANH_K[1] * (x * x))))
 
 
 def _activate(y: torch.Tensor, act: str) -> torch.Tensor:

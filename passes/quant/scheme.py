@@ -125,10 +125,10 @@ def fake_quant_float(t: torch.Tensor, bits: int, dtype: torch.dtype | None = Non
 
 def fake_quant_static(x: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
     """Symmetric quantisation at one static (calibrated) scale, as a kernel whose epilogue requantises its
-    output applies it: ``round(x / scale)`` clamped to ±(2^(b-1) - 1), times ``scale``."""
+    output applies it: ``round(x · RN(1/scale))`` in fp32 clamped to ±(2^(b-1) - 1), times ``scale``."""
     top = 2 ** (bits - 1) - 1
     s = torch.tensor(scale, dtype=torch.float32)
-    return (torch.round(x.float() / s).clamp(-top, top) * s).to(x.dtype)
+    return (torch.round(x.float() * (1 / s)).clamp(-top, top) * s).to(x.dtype)
 
 
 def fake_quant_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
