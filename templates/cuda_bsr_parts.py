@@ -38,7 +38,7 @@ def tir_activate(v, bias, act: str):
 
 
 def _mufu(fn: str, x):
-    """TIR: ``fn``.approx.ftz.f32 of ``x`` (one SFU instruction: ``rcp`` or ``ex2``) through an inline-asm device function."""
+    """TIR: ``fn``.approx.ftz.f32 of ``x`` (one SFU instruction: ``rcp`` or ``ex2``), an inline-asm device function."""
     from tvm.script import tirx as T
     src = (f"__device__ __forceinline__ float sparta_{fn}_approx(float x) "
            f"{{ float r; asm(\"{fn}.approx.ftz.f32 %0, %1;\" : \"=f\"(r) : \"f\"(x)); return r; }}\n")

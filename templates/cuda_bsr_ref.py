@@ -144,8 +144,8 @@ def _output(y: torch.Tensor, out_scale: float | None) -> torch.Tensor:
     return y.half() if out_scale is None else requantize(y, out_scale)
 
 
-# The epilogue's GELUs (``cuda_bsr_parts.gelu_erf`` / ``gelu_tanh``) and their fp32 twins here. Exact GELU: h = ½·erfc(|x|/√2)
-# by Abramowitz & Stegun 7.1.26 (erf(a) = 1 - t·P(t)·exp(-a²), t = 1/(1 + p·a), |error| <= 1.5e-7).
+# The epilogue's GELUs (``cuda_bsr_parts.gelu_erf`` / ``gelu_tanh``) and their fp32 twins here. Exact GELU:
+# h = ½·erfc(|x|/√2) by Abramowitz & Stegun 7.1.26 (erf(a) = 1 - t·P(t)·exp(-a²), t = 1/(1 + p·a), |error| <= 1.5e-7).
 AS_P = 0.3275911
 AS_COEFFS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
 GELU_TANH_K = (-2 / math.log(2) * math.sqrt(2 / math.pi), -2 / math.log(2) * math.sqrt(2 / math.pi) * 0.044715)
