@@ -7,10 +7,9 @@ coalesced store) and the warp-level ``mma.sync`` inner loop (fp16, int8, int4 de
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import TYPE_CHECKING
 
-from .cuda_bsr_ref import AS_COEFFS, AS_P, GELU_TANH_K, build_table
+from .cuda_bsr_ref import GELU_ERF_EX2, GELU_ERF_POLY, GELU_ERF_T, GELU_TANH_K, build_table
 from .cuda_w4a16 import dequant_word, half2_splat, zero_terms
 
 if TYPE_CHECKING:
@@ -64,11 +63,11 @@ def gelu_erf(v):
     from tvm import tirx
     from tvm.script import tirx as T
     x, t = tirx.Var("gx", "float32"), tirx.Var("gt", "float32")
-    poly = T.float32(AS_COEFFS[0] / 2)
-    for c in AS_COEFFS[1:]:
-        poly = poly * t + T.float32(c / 2)
-    h = t * poly * _mufu("ex2", x * T.float32(-0.5 / math.log(2)) * x)
-    return tirx.Let(x, v, tirx.Let(t, _mufu("rcp", T.float32(1) + T.float32(AS_P / math.sqrt(2)) * T.fabs(x)),
+    poly = T.float32(GELU_ERF_POLY[0])
+    for c in GELU_ERF_POLY[1:]:
+        poly = poly * t + T.float32(c)
+    h = t * poly * _mufu("ex2", x * T.float32(GELU_ERF_EX2) * x)
+    return tirx.Let(x, v, tirx.Let(t, _mufu("rcp", T.float32(1) + T.float32(GELU_ERF_T) * T.fabs(x)),
                                    T.max(x, T.float32(0)) - T.fabs(x) * h))
 
 

@@ -148,17 +148,20 @@ def _output(y: torch.Tensor, out_scale: float | None) -> torch.Tensor:
 # h = ½·erfc(|x|/√2) by Abramowitz & Stegun 7.1.26 (erf(a) = 1 - t·P(t)·exp(-a²), t = 1/(1 + p·a), |error| <= 1.5e-7).
 AS_P = 0.3275911
 AS_COEFFS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+# folded for GELU: t = 1/(1 + GELU_ERF_T·|x|), h = t·P(t)·2^(GELU_ERF_EX2·x²) with P's coefficients halved (the ½)
+GELU_ERF_T, GELU_ERF_EX2 = AS_P / math.sqrt(2), -0.5 / math.log(2)
+GELU_ERF_POLY = tuple(c / 2 for c in AS_COEFFS)
 GELU_TANH_K = (-2 / math.log(2) * math.sqrt(2 / math.pi), -2 / math.log(2) * math.sqrt(2 / math.pi) * 0.044715)
 
 
 def gelu_erf_fast(x: torch.Tensor) -> torch.Tensor:
     """The kernels' exact GELU in fp32 (torch's exp2 and division for the SFU's ``ex2`` / ``rcp``): relu(x) - |x|·h."""
     x = x.float()
-    t = 1 / (1 + torch.tensor(AS_P / math.sqrt(2)) * x.abs())
-    poly = torch.full_like(x, AS_COEFFS[0] / 2)
-    for c in AS_COEFFS[1:]:
-        poly = poly * t + c / 2
-    h = t * poly * torch.exp2(x * torch.tensor(-0.5 / math.log(2)) * x)
+    t = 1 / (1 + torch.tensor(GELU_ERF_T) * x.abs())
+    poly = torch.full_like(x, GELU_ERF_POLY[0])
+    for c in GELU_ERF_POLY[1:]:
+        poly = poly * t + c
+    h = t * poly * torch.exp2(x * torch.tensor(GELU_ERF_EX2) * x)
     return x.clamp_min(0) - x.abs() * h
 
 
