@@ -67,6 +67,7 @@ INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2
 
 # Hopper wgmma kernels (mma="wgmma", sm_90a): warps_m x warps_n count warpgroups of 128 threads
 WG = dict(mma="wgmma")
+WGP = dict(mma="wgmma", producer=True)
 WGMMA_TILES = {"t128x128k64wg": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
                "t128x256k64wg": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
                "t128x192k64wg": dict(bn=192, bk=64, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
@@ -100,7 +101,21 @@ INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2,
                     "i8_b64_t128wgs3": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=3, **WG),
                     "i8_b32_t128wg": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
                     "i8_b64_t128wg": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
-                    "i8_b64_t256wg": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=6, **WG)}
+                    "i8_b64_t256wg": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=6, **WG),
+                    # deep pipelines: stages - 2 loads in flight (the kernel is latency-bound at 4 stages)
+                    "i8_t128x192k64wgs10": dict(bn=192, bk=64, tm=128, warps_m=2, warps_n=1, stages=10, **WG),
+                    "i8_t128x192k128wgs5": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=5, **WG),
+                    "i8_t128x256k64wg2s8": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=8, **WG),
+                    "i8_t128x128k64wgs6": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
+                    # a producer warpgroup (mbarrier rings); "pp": persistent, 132 CTAs (one per H100/H200 SM)
+                    "i8_t128x192k128p": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WGP),
+                    "i8_t128x192k128ps5": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=5, **WGP),
+                    "i8_t128x256k128p": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WGP),
+                    "i8_t128x256k128pp": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=3, ctas=132,
+                                              **WGP),
+                    "i8_t128x256k64pp": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=6, ctas=132, **WGP),
+                    "i8_t128x192k128pp": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=3, ctas=132,
+                                              **WGP)}
 
 # W4A16 GEMM (int4 weights dequantised in registers), by M: bench_cuda_w4_gemm.py
 W4_TILES = {"t16x32k128": dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4),
@@ -164,6 +179,15 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                     dtype="int8", **WG),
         "t_wg_i8_dense_nobias": BsrSpec(256, 256, 256, bias=False, dtype="int8",
                                         **INT8_WGMMA_TILES["i8_t128x256k128wg"]),
+        # warp-specialised wgmma (a producer warpgroup; ctas > 0: persistent, several tiles per CTA)
+        "t_ws_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=128, warps_m=2, stages=3, act="gelu", **WGP),
+        "t_ws_dense_2x2": BsrSpec(256, 512, 192, bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=3, **WGP),
+        "t_ws_const_nobias": BsrSpec(192, 128, 256, bn=32, bk=32, tm=64, warps_m=1, stages=4, bias=False, ctas=4,
+                                     table="const", pattern=_pattern(bench_mask(4, 8, 0.4, "t_const")), **WGP),
+        "t_ws_i8_ragged_relu": BsrSpec(300, 100, 320, bn=32, bk=64, tm=64, warps_m=1, stages=3, act="relu",
+                                       dtype="int8", ctas=3, **WGP),
+        "t_ws_i8_b64_gelu_q8": BsrSpec(257, 192, 320, bn=64, bk=128, tm=128, warps_m=2, stages=4, act="gelu_erf",
+                                       dtype="int8", out="int8", ctas=2, **WGP),
         # the dense W8A8 pair compile() builds (mma.sync fallback + wgmma, same 192x128 blocks)
         "t_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[0]),
         "t_wg_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[1]),

@@ -70,6 +70,8 @@ class BsrSpec:
     zero: bool = False                                # w4a16: a uint8 zero point per scale (else code 8)
     groups: int = 0                                   # > 0: streaming grid, CTA (m tile, group) runs its rows in turn
     out: str = "float16"                              # Y: fp16, or "int8" codes of one static scale
+    producer: bool = False                            # wgmma: a producer warpgroup loads, mbarrier rings
+    ctas: int = 0                                     # producer: > 0 = a persistent grid of that many CTAs
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -104,6 +106,9 @@ class BsrSpec:
             bad.append("zero points are for dtype='w4a16'")
         if self.groups < 0 or (self.groups and self.mma != "sync"):
             bad.append(f"groups={self.groups} must be >= 0, and > 0 only with mma 'sync'")
+        if (self.producer or self.ctas) and (self.mma != "wgmma" or not self.producer or self.ctas < 0):
+            bad.append(f"producer={self.producer}, ctas={self.ctas}: a producer warpgroup is for mma 'wgmma', "
+                       "and a persistent grid (ctas > 0) for a producer kernel")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":
@@ -123,7 +128,7 @@ class BsrSpec:
             bad.append(f"wgmma: bk={self.bk} must span 32, 64 or 128 bytes (one swizzle atom)")
         if self.stages < 3:
             bad.append("wgmma: stages must be >= 3 (one stage drains while two load)")
-        if wtn // 2 + 40 > min(255, 65536 // self.threads):
+        if wtn // 2 + (32 if self.producer else 40) > min(255, 65536 // self.threads):   # consumers do no loads
             bad.append(f"wgmma: {wtn // 2} accumulator registers per thread do not fit beside the rest with "
                        f"{self.threads} threads (65536 registers per SM): fewer warpgroups or a narrower bn")
         return bad
@@ -143,7 +148,7 @@ class BsrSpec:
 
     @property
     def threads(self) -> int:
-        return (128 if self.mma == "wgmma" else 32) * self.warps_m * self.warps_n
+        return (128 if self.mma == "wgmma" else 32) * self.warps_m * self.warps_n + 128 * self.producer
 
     @property
     def elems_per_half(self) -> int:
@@ -175,6 +180,11 @@ class BsrSpec:
         out_tile = self.out_lanes
         if self.groups:                              # streaming: the output tile beside the stages
             return (self.stages * stage + out_tile) * 2
+        if self.mma == "wgmma" and not self.producer:  # + fp32 (ws, ws', b, b') per column pair
+            return max(self.stages * stage, out_tile) * 2 + self.bn * 8
+        if self.producer:                            # + the mbarrier rings (full, empty), 8 bytes each
+            body = self.stages * stage + out_tile if self.ctas else max(self.stages * stage, out_tile)
+            return -(-body * 2 // 16) * 16 + 16 * self.stages
         return max(self.stages * stage, out_tile) * 2
 
     @property
@@ -205,6 +215,8 @@ class BsrSpec:
             del d["groups"]
         if self.out == "float16":
             del d["out"]
+        if not self.producer:
+            del d["producer"], d["ctas"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d
@@ -220,6 +232,9 @@ def bsr_linear(spec: BsrSpec):
     """The kernel as an IRModule with one PrimFunc named ``spec.name`` (``mma.sync``; the Hopper
     ``wgmma`` kernel of ``templates/cuda_bsr_wgmma.py`` when ``spec.mma == "wgmma"``, the streaming
     one of ``templates/cuda_bsr_stream.py`` when ``spec.groups``)."""
+    if spec.producer:
+        from .cuda_bsr_wgmma_ws import bsr_linear_wgmma_ws
+        return bsr_linear_wgmma_ws(spec)
     if spec.mma == "wgmma":
         from .cuda_bsr_wgmma import bsr_linear_wgmma
         return bsr_linear_wgmma(spec)

@@ -84,8 +84,35 @@ def requantize(v, r):
     """TIR: the int8 code of fp32 ``v`` at a static scale ``s``, ``r`` = RN(1/s): round(v·r) half to even, clamped
     to ±127 (one multiply, two clamps, one ``cvt.rni``; ``cuda_bsr_ref.requantize`` is the same arithmetic)."""
     from tvm.script import tirx as T
+    return T.Cast("int8", requantize_int(v, r))
+
+
+def requantize_int(v, r):
+    """:func:`requantize` as an int32 (the code, before its narrowing to int8)."""
+    from tvm.script import tirx as T
     q = T.max(T.min(v * r, T.float32(127)), T.float32(-127))
-    return T.Cast("int8", T.call_pure_extern("int32", "__float2int_rn", q))
+    return T.call_pure_extern("int32", "__float2int_rn", q)
+
+
+_SHARED_IO = {             # one source per device function: TVM keeps one source per called name
+    "st_f16": ("void", "void* p, half v", "*(half*)p = v;"),
+    "st_s8": ("void", "void* p, signed char v", "*(signed char*)p = v;"),
+    "ld_f16": ("float16", "const void* p", "return *(const half*)p;"),
+    "ld_s8": ("int8", "const void* p", "return *(const signed char*)p;"),
+    "copy16": ("void", "void* dst, const void* src", "*(uint4*)dst = *(const uint4*)src;"),
+    "ld_f32x4": ("void", "const void* p, float* out", "*(float4*)out = *(const float4*)p;"),
+    "st_h2": ("void", "void* p, float a, float b", "*(half2*)p = __floats2half2_rn(a, b);"),   # one cvt for two
+    "st_s8x2": ("void", "void* p, int a, int b", "*(char2*)p = make_char2((signed char)a, (signed char)b);"),
+}
+_C_TYPES = {"void": "void", "float16": "half", "int8": "signed char"}
+
+
+def shared_io(fn: str, *args):
+    """TIR: a plain shared-memory access through a device function (invisible to TVM's barrier insertion)."""
+    from tvm.script import tirx as T
+    ret, params, body = _SHARED_IO[fn]
+    src = f"__device__ __forceinline__ {_C_TYPES[ret]} sparta_{fn}({params}) {{ {body} }}\n"
+    return T.cuda.func_call(f"sparta_{fn}", *args, source_code=src, return_type=ret)
 
 
 class Movement:
@@ -94,7 +121,9 @@ class Movement:
     32/64/128-byte swizzle that wgmma's shared-memory descriptors read), the write of one epilogue value
     into the output tile staged in shared memory (fp16, or an int8 code) and the tile's coalesced store."""
 
-    def __init__(self, spec: BsrSpec, threads: int):
+    def __init__(self, spec: BsrSpec, threads: int, opaque: bool = False):
+        """``opaque``: the output tile is written and read through device functions, out of sight of TVM's
+        barrier insertion (a warp-specialised kernel stages it under its own named barriers)."""
         from tvm.script import tirx as T
 
         EL = spec.elems_per_half             # the data movement counts 16-bit lanes: K and BK in lanes
@@ -144,7 +173,12 @@ class Movement:
         @T.macro
         def put(smem, smo, OS, out0, lr, lc, v):
             # fp32 epilogue value v -> element (lr, lc) of the tile at out0 (fp16 lanes): fp16, or its int8 code
-            if OUT8:
+            if opaque:
+                T.evaluate(shared_io("st_s8" if OUT8 else "st_f16",
+                                      smo.ptr_to([out0 * 2 + lr * OUT_LD + lc]) if OUT8 else
+                                      smem.ptr_to([out0 + lr * OUT_LD + lc]),
+                                      requantize(v, OS[1]) if OUT8 else T.Cast("float16", v)))
+            elif OUT8:
                 smo[out0 * 2 + lr * OUT_LD + lc] = requantize(v, OS[1])
             else:
                 smem[out0 + lr * OUT_LD + lc] = T.Cast("float16", v)
@@ -159,7 +193,17 @@ class Movement:
                     yr = T.meta_var(m0 + c // (BN // EPC))
                     yc = T.meta_var(row * BN + (c % (BN // EPC)) * EPC)
                     src = T.meta_var((c // (BN // EPC)) * OUT_LD + (c % (BN // EPC)) * EPC)
-                    if N % EPC == 0:
+                    if opaque:
+                        if N % EPC == 0:
+                            if yr < M and yc < N:
+                                T.evaluate(shared_io("copy16", Y.ptr_to([yr, yc]), smo.ptr_to([out0 * 2 + src])
+                                                      if OUT8 else smem.ptr_to([out0 + src])))
+                        else:
+                            for v in T.unroll(EPC):
+                                if yr < M and yc + v < N:
+                                    Y[yr, yc + v] = shared_io("ld_s8" if OUT8 else "ld_f16", smo.ptr_to(
+                                        [out0 * 2 + src + v]) if OUT8 else smem.ptr_to([out0 + src + v]))
+                    elif N % EPC == 0:
                         if yr < M and yc < N:
                             for v in T.vectorized(EPC):
                                 if OUT8:

@@ -23,7 +23,7 @@ width against the torch reference.
 from __future__ import annotations
 
 from .cuda_bsr import BsrSpec
-from .cuda_bsr_parts import Movement, epilogue_value
+from .cuda_bsr_parts import Movement, requantize_int, shared_io, tir_activate
 
 SWIZZLE_MODE = {32: 1, 64: 2, 128: 3}     # row bytes -> the descriptor helper's swizzle code
 
@@ -51,7 +51,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
     R = spec.row_blocks
     mv = Movement(spec, NT)
     X_ELEMS, STAGE, HEAD = mv.x_elems, mv.stage, mv.head
-    tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
+    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
     ROW_BYTES = BK * 2
     SWIZZLE, SBO = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16     # 8-row core-matrix groups apart
     KSTEPS = BK // 16                        # one wgmma per 32 bytes of K
@@ -61,8 +61,26 @@ def bsr_linear_wgmma(spec: BsrSpec):
     fence_fn, fence_src = _acc_fence_source(NACC, "unsigned int" if int8 else "float")
     LOOK = S - 2                             # loads in flight ahead of the block being multiplied
 
-    def epilogue(v, b, xs, ws):
-        return epilogue_value(spec, v, b, xs, ws)
+    CONST0 = spec.shared_bytes // 4 - BN * 2            # float index of the column constants (ws, ws', b, b')
+    PAIRS = BN // 2
+
+    @T.macro
+    def load_constants(cst, WS, B, tx, row):
+        # per column pair (ws0, ws1, b0, b1) as fp32 into shared, once per CTA: the epilogue reads one float4
+        for it in T.unroll(-(-PAIRS // NT)):
+            p = T.meta_var(tx + it * NT)
+            if PAIRS % NT == 0 or p < PAIRS:
+                for e in T.unroll(2):
+                    c = T.meta_var(T.min(row * BN + p * 2 + e, N - 1))
+                    if int8:
+                        cst[CONST0 + p * 4 + e] = WS[c]
+                    if spec.bias:
+                        cst[CONST0 + p * 4 + 2 + e] = T.Cast("float32", B[c])
+
+    def value(a, xs, kc, e):
+        # accumulator -> the fp32 output value: (acc * xs) * ws + b, then the activation (as the reference)
+        v = T.Cast("float32", T.reinterpret("int32", a)) * xs * kc[e] if int8 else a
+        return tir_activate(v, kc[2 + e] if spec.bias else None, spec.act)
 
     def wgmma(acc, da, db):
         regs = [acc[i] for i in range(NACC)]
@@ -98,7 +116,11 @@ def bsr_linear_wgmma(spec: BsrSpec):
         tx = T.launch_thread("threadIdx.x", NT)
         smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
+        cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((NACC,), ACC, scope="local")
+        kc = T.alloc_buffer((4,), "float32", scope="local")
+        xsr = T.alloc_buffer((2,), "float32", scope="local")
+        yv = T.alloc_buffer((2,), "float32", scope="local")
         desc = T.alloc_buffer((1,), "uint64", scope="local")
         kn = T.alloc_buffer((1,), "int32", scope="local")
         lane = T.meta_var(tx % 32)
@@ -112,6 +134,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
         count = tab(Tab, by * 3 + 2)
         # one descriptor for the start of shared memory; every operand tile is an offset from it
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, SBO, SWIZZLE)
+        load_constants(cst, WS, B, tx, row)
         for i in T.unroll(NACC):
             acc[i] = T.Cast(ACC, 0)
         # pin the accumulators around the asynchronous span only (a "+" asm while a wgmma group is
@@ -137,13 +160,23 @@ def bsr_linear_wgmma(spec: BsrSpec):
         T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                    # every warpgroup is done with the stages
-        for j in T.unroll(WTN // 8):                    # bias + activation, the output tile into shared
+        if int8:
             for h in T.unroll(2):
+                xsr[h] = XS[T.min(m0 + gm * 64 + wq * 16 + lane // 4 + h * 8, M - 1)]
+        for j in T.unroll(WTN // 8):                    # scales, bias, activation: the tile into shared
+            # through a device function: TVM's barrier insertion would fence every read against the tile's writes
+            T.evaluate(shared_io("ld_f32x4", cst.ptr_to([CONST0 + (gn * WTN + j * 8) * 2 + (lane % 4) * 4]),
+                                 kc.ptr_to([0])))
+            for h in T.unroll(2):
+                lr = T.meta_var(gm * 64 + wq * 16 + lane // 4 + h * 8)
+                lc = T.meta_var(gn * WTN + j * 8 + (lane % 4) * 2)
                 for e in T.unroll(2):
-                    lr = T.meta_var(gm * 64 + wq * 16 + lane // 4 + h * 8)
-                    lc = T.meta_var(gn * WTN + j * 8 + (lane % 4) * 2 + e)
-                    put(smem, smo, OS, 0, lr, lc, epilogue(acc[j * 4 + h * 2 + e], B[T.min(row * BN + lc, N - 1)],
-                                                           XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)]))
+                    yv[e] = value(acc[j * 4 + h * 2 + e], xsr[h], kc, e)
+                if spec.out == "int8":                  # two codes, or two fp16 values, in one store
+                    T.evaluate(shared_io("st_s8x2", smo.ptr_to([lr * mv.out_ld + lc]),
+                                         requantize_int(yv[0], OS[1]), requantize_int(yv[1], OS[1])))
+                else:
+                    T.evaluate(shared_io("st_h2", smem.ptr_to([lr * mv.out_ld + lc]), yv[0], yv[1]))
         T.tvm_storage_sync("shared")
         store_tile(smem, smo, Y, tx, m0, row, 0)
 

@@ -1,0 +1,183 @@
+"""The warp-specialised Hopper variant of ``bsr_linear`` (``BsrSpec(mma="wgmma", producer=True)``).
+
+The plain wgmma kernel (``templates/cuda_bsr_wgmma.py``) has every thread load and multiply, with a CTA
+barrier per kept block; Nsight Compute finds it latency-bound (tensor pipe about half busy at one CTA per SM).
+Here warpgroup 0 is a *producer*: its 128 threads only issue the ``cp.async`` stage loads; the other
+``warps_m × warps_n`` warpgroups only wait for stages and issue wgmmas. Two ``mbarrier`` rings replace the
+barrier: ``full[s]`` (128 producer arrivals: every producer thread's copies of stage ``s`` have landed and been
+fenced for the async proxy) and ``empty[s]`` (one arrival per consumer thread: the wgmmas reading ``s`` are
+complete). The producer signals a stage once ``cp.async.wait_group`` says its copies landed, ``LAG`` stages
+behind its newest load, after ``fence.proxy.async`` — the fence the plain kernel runs before its barrier.
+
+With ``ctas > 0`` the grid is persistent: CTA ``c`` runs tiles ``c, c + ctas, …`` (M tile fastest), the
+pipeline streams across tile boundaries, and the output tile has its own shared memory beside the stages, so
+the next tile's loads proceed while the consumers run the epilogue and store the tile. The consumer threads
+alone run the epilogue, between two named barriers (``bar.sync 1``). Same spec, table, packed weights,
+arguments, epilogue and output staging as the other kernels.
+"""
+
+from __future__ import annotations
+
+from .cuda_bsr import BsrSpec
+from .cuda_bsr_parts import Movement, epilogue_value
+from .cuda_bsr_wgmma import SWIZZLE_MODE, _acc_fence_source
+
+_SMEM = "(unsigned)__cvta_generic_to_shared(bar)"
+_SYNC_SOURCES = {          # one source per device function: TVM keeps one source per called name
+    "mbar_init": ("void* bar, int count",
+                  f'asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"({_SMEM}), "r"(count) : "memory");'),
+    "mbar_arrive": ("void* bar", f'asm volatile("{{\\n .reg .b64 st;\\n mbarrier.arrive.shared::cta.b64 st, [%0];'
+                                 f'\\n}}" :: "r"({_SMEM}) : "memory");'),
+    "mbar_wait": ("void* bar, int parity",
+                  'asm volatile("{\\n .reg .pred done;\\n WAIT_%=:\\n mbarrier.try_wait.parity.shared::cta.b64 '
+                  f'done, [%0], %1;\\n @!done bra WAIT_%=;\\n}}" :: "r"({_SMEM}), "r"(parity) : "memory");'),
+    "named_sync": ("int id, int threads", 'asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");'),
+    "fence_mbar_init": ("", 'asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");'),
+}
+
+
+def _sync(fn: str, *args):
+    """TIR: a call of one of the mbarrier / named-barrier device functions (inline PTX)."""
+    from tvm.script import tirx as T
+    params, body = _SYNC_SOURCES[fn]
+    src = f"__device__ __forceinline__ void sparta_{fn}({params}) {{ {body} }}\n"
+    return T.evaluate(T.cuda.func_call(f"sparta_{fn}", *args, source_code=src, return_type="void"))
+
+
+def bsr_linear_wgmma_ws(spec: BsrSpec):
+    """The warp-specialised wgmma kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm.script import tirx as T
+
+    int8 = spec.dtype == "int8"
+    EL = spec.elems_per_half
+    M, N, K, TM, BN, BK, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.bk // EL, spec.stages
+    NT, GN = spec.threads, spec.warps_n
+    NC = NT - 128                            # consumer threads
+    WTN = BN // GN
+    NACC = WTN // 2
+    R, MT = spec.row_blocks, -(-M // TM)
+    TILES = MT * R
+    P = min(spec.ctas, TILES) if spec.ctas else TILES
+    prod, cons = Movement(spec, 128), Movement(spec, NC, opaque=True)
+    X_ELEMS, STAGE, HEAD = prod.x_elems, prod.stage, prod.head
+    tab = prod.tab
+    OUT0 = S * STAGE if spec.ctas else 0     # persistent: the output tile beside the stages
+    BAR0 = spec.shared_bytes - 16 * S        # byte offset of full[S], then empty[S] (8 bytes each)
+    ROW_BYTES = BK * 2
+    SWIZZLE, SBO = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16
+    KSTEPS = BK // 16
+    WGMMA = (f"wgmma.mma_async.sync.aligned.m64n{WTN}k32.s32.s8.s8" if int8 else
+             f"wgmma.mma_async.sync.aligned.m64n{WTN}k16.f32.f16.f16")
+    ACC = "uint32" if int8 else "float32"
+    fence_fn, fence_src = _acc_fence_source(NACC, "unsigned int" if int8 else "float")
+    LAG = S - 2                              # stages a producer thread keeps loading before it signals one
+
+    def wgmma(acc, da, db):
+        regs = [acc[i] for i in range(NACC)]
+        if int8:
+            return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1))
+        return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1), 1, 1, 0, 0)
+
+    def bar(smb, i):                         # the i-th mbarrier (full: 0 .. S-1, empty: S .. 2S-1)
+        return smb.ptr_to([BAR0 + 8 * i])
+
+    @T.macro
+    def acc_fence(acc):
+        T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
+
+    @T.prim_func
+    def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
+               tab_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        wlen = T.int32()
+        ntab = T.int32()
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Wp = T.match_buffer(wp_h, (wlen,), "float16")
+        XS = T.match_buffer(xs_h, (M,), "float32")
+        WS = T.match_buffer(ws_h, (N,), "float32")
+        B = T.match_buffer(b_h, (N,), "float16")
+        OS = T.match_buffer(os_h, (2,), "float32")
+        Tab = T.match_buffer(tab_h, (ntab,), "int32")
+        Y = T.match_buffer(y_h, (M, N), spec.out)
+        bx = T.launch_thread("blockIdx.x", P)
+        tx = T.launch_thread("threadIdx.x", NT)
+        smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
+        smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")
+        acc = T.alloc_buffer((NACC,), ACC, scope="local")
+        desc = T.alloc_buffer((1,), "uint64", scope="local")
+        cnt = T.alloc_buffer((1,), "int32", scope="local")   # stages issued (producer) / consumed (consumer)
+        lane = T.meta_var(tx % 32)
+        cg = T.meta_var(tx // 128 - 1)                  # consumer warpgroup
+        gm = T.meta_var(cg // GN)
+        gn = T.meta_var(cg % GN)
+        wq = T.meta_var(tx % 128 // 32)
+        ntiles = T.meta_var((TILES - bx + P - 1) // P)
+        if tx == 0:
+            for s in T.serial(S):
+                _sync("mbar_init", bar(smo, s), 128)
+                _sync("mbar_init", bar(smo, S + s), NC)
+            _sync("fence_mbar_init")
+        T.tvm_storage_sync("shared")
+        cnt[0] = 0
+        if tx < 128:                                    # the producer warpgroup
+            for i in T.serial(ntiles):
+                tile = T.meta_var(bx + i * P)
+                slot = T.meta_var(tile // MT)
+                first = T.meta_var(tab(Tab, slot * 3 + 1))
+                for t in T.serial(tab(Tab, slot * 3 + 2)):
+                    _sync("mbar_wait", bar(smo, S + cnt[0] % S), (cnt[0] // S) % 2 ^ 1)
+                    prod.load_stage(smem, X, Wp, tx, (tile % MT) * TM, cnt[0] % S,
+                                    tab(Tab, HEAD + first + t), first + t)
+                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                    if cnt[0] >= LAG:
+                        T.evaluate(T.ptx["cp.async.wait_group"](LAG))
+                        T.evaluate(T.ptx["fence.proxy.async.shared::cta"]())
+                        _sync("mbar_arrive", bar(smo, (cnt[0] - LAG) % S))
+                    cnt[0] = cnt[0] + 1
+            T.evaluate(T.ptx["cp.async.wait_group"](0))
+            T.evaluate(T.ptx["fence.proxy.async.shared::cta"]())
+            for j in T.serial(LAG):                     # the last stages, once landed
+                if cnt[0] - LAG + j >= 0:
+                    _sync("mbar_arrive", bar(smo, (cnt[0] - LAG + j) % S))
+        else:                                           # the consumer warpgroups
+            ct = T.meta_var(tx - 128)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, SBO, SWIZZLE)
+            for i in T.serial(ntiles):
+                tile = T.meta_var(bx + i * P)
+                slot = T.meta_var(tile // MT)
+                m0 = T.meta_var((tile % MT) * TM)
+                row = T.meta_var(tab(Tab, slot * 3))
+                count = T.meta_var(tab(Tab, slot * 3 + 2))
+                for a in T.unroll(NACC):
+                    acc[a] = T.Cast(ACC, 0)
+                acc_fence(acc)
+                for t in T.serial(count):
+                    _sync("mbar_wait", bar(smo, cnt[0] % S), (cnt[0] // S) % 2)
+                    T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+                    for kk in T.unroll(KSTEPS):
+                        st = T.meta_var(cnt[0] % S * STAGE)
+                        T.evaluate(wgmma(acc, desc[0] + T.Cast("uint64", (st + gm * 64 * BK) // 8 + kk * 2),
+                                         desc[0] + T.Cast("uint64", (st + X_ELEMS + gn * WTN * BK) // 8 + kk * 2)))
+                    T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
+                    T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
+                    if t > 0:                           # the previous stage's wgmmas are complete
+                        _sync("mbar_arrive", bar(smo, S + (cnt[0] - 1) % S))
+                    cnt[0] = cnt[0] + 1
+                T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
+                acc_fence(acc)
+                if count > 0:
+                    _sync("mbar_arrive", bar(smo, S + (cnt[0] - 1) % S))
+                _sync("named_sync", 1, NC)              # the previous tile's store has read the staged tile
+                for j in T.unroll(WTN // 8):
+                    for h in T.unroll(2):
+                        for e in T.unroll(2):
+                            lr = T.meta_var(gm * 64 + wq * 16 + lane // 4 + h * 8)
+                            lc = T.meta_var(gn * WTN + j * 8 + (lane % 4) * 2 + e)
+                            cons.put(smem, smo, OS, OUT0, lr, lc, epilogue_value(
+                                spec, acc[j * 4 + h * 2 + e], B[T.min(row * BN + lc, N - 1)],
+                                XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)]))
+                _sync("named_sync", 1, NC)
+                cons.store_tile(smem, smo, Y, ct, m0, row, OUT0)
+
+    return tvm.IRModule({spec.name: kernel})
