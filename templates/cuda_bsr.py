@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cuda_bsr_parts import Movement, WarpMma, epilogue_value
+from .cuda_bsr_parts import FragmentEpilogue, Movement, WarpMma
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
 OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
@@ -180,11 +180,11 @@ class BsrSpec:
         out_tile = self.out_lanes
         if self.groups:                              # streaming: the output tile beside the stages
             return (self.stages * stage + out_tile) * 2
-        if self.mma == "wgmma" and not self.producer:  # + fp32 (ws, ws', b, b') per column pair
+        if not self.producer:                        # + fp32 (ws, ws', b, b') per column pair
             return max(self.stages * stage, out_tile) * 2 + self.bn * 8
-        if self.producer:                            # + the mbarrier rings (full, empty), 8 bytes each
+        if self.producer:        # + two buffers of column constants, the mbarrier rings (full, empty: 8 bytes each)
             body = self.stages * stage + out_tile if self.ctas else max(self.stages * stage, out_tile)
-            return -(-body * 2 // 16) * 16 + 16 * self.stages
+            return -(-body * 2 // 16) * 16 + 2 * self.bn * 8 + 16 * self.stages
         return max(self.stages * stage, out_tile) * 2
 
     @property
@@ -249,14 +249,13 @@ def bsr_linear(spec: BsrSpec):
     NT, WN, R = spec.threads, spec.warps_n, spec.row_blocks
     mv = Movement(spec, NT)
     STAGE, HEAD = mv.stage, mv.head
-    tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
+    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
     wmma = WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
 
-    def epilogue(v, b, xs, ws):
-        return epilogue_value(spec, v, b, xs, ws)
+    epi = FragmentEpilogue(spec, NT, spec.shared_bytes // 4 - BN * 2, MI, NI)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
@@ -277,7 +276,11 @@ def bsr_linear(spec: BsrSpec):
         tx = T.launch_thread("threadIdx.x", NT)
         smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
+        cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
+        kc = T.alloc_buffer((4,), "float32", scope="local")
+        xsr = T.alloc_buffer((2 * MI,), "float32", scope="local")
+        yv = T.alloc_buffer((2,), "float32", scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NI * (4 if w4 else 2),), "uint32", scope="local")
         kn = T.alloc_buffer((1,), "int32", scope="local")
@@ -292,6 +295,7 @@ def bsr_linear(spec: BsrSpec):
         row = tab(Tab, by * 3)
         first = tab(Tab, by * 3 + 1)
         count = tab(Tab, by * 3 + 2)
+        epi.load_constants(cst, WS, B, tx, row, 0)
         for i in T.unroll(MI * NI * 4):
             acc[i] = T.Cast(ACC, 0)
         for s in T.unroll(S - 1):                      # prologue: stages 0 .. S-2 in flight
@@ -314,15 +318,7 @@ def bsr_linear(spec: BsrSpec):
                 mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                   # every warp is done with the stages
-        for mi in T.unroll(MI):                        # bias + activation, the output tile into shared
-            for ni in T.unroll(NI):
-                for h in T.unroll(2):
-                    for e in T.unroll(2):
-                        lr = T.meta_var(wr * WTM + mi * 16 + lane // 4 + h * 8)
-                        lc = T.meta_var(wc * WTN + ni * 8 + (lane % 4) * 2 + e)
-                        put(smem, smo, OS, 0, lr, lc, epilogue(acc[(mi * NI + ni) * 4 + h * 2 + e],
-                                                               B[T.min(row * BN + lc, N - 1)], XS[T.min(m0 + lr, M - 1)],
-                                                               WS[T.min(row * BN + lc, N - 1)]))
+        epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, wr * WTM, wc * WTN, lane, 0, 0)
         T.tvm_storage_sync("shared")
         store_tile(smem, smo, Y, tx, m0, row, 0)
 

@@ -95,12 +95,11 @@ def requantize_int(v, r):
 
 
 _SHARED_IO = {             # one source per device function: TVM keeps one source per called name
-    "st_f16": ("void", "void* p, half v", "*(half*)p = v;"),
-    "st_s8": ("void", "void* p, signed char v", "*(signed char*)p = v;"),
     "ld_f16": ("float16", "const void* p", "return *(const half*)p;"),
     "ld_s8": ("int8", "const void* p", "return *(const signed char*)p;"),
     "copy16": ("void", "void* dst, const void* src", "*(uint4*)dst = *(const uint4*)src;"),
     "ld_f32x4": ("void", "const void* p, float* out", "*(float4*)out = *(const float4*)p;"),
+    "st_f32x4": ("void", "void* p, float a, float b, float c, float d", "*(float4*)p = make_float4(a, b, c, d);"),
     "st_h2": ("void", "void* p, float a, float b", "*(half2*)p = __floats2half2_rn(a, b);"),   # one cvt for two
     "st_s8x2": ("void", "void* p, int a, int b", "*(char2*)p = make_char2((signed char)a, (signed char)b);"),
 }
@@ -122,7 +121,7 @@ class Movement:
     into the output tile staged in shared memory (fp16, or an int8 code) and the tile's coalesced store."""
 
     def __init__(self, spec: BsrSpec, threads: int, opaque: bool = False):
-        """``opaque``: the output tile is written and read through device functions, out of sight of TVM's
+        """``opaque``: ``store_tile`` reads the staged tile through device functions, out of sight of TVM's
         barrier insertion (a warp-specialised kernel stages it under its own named barriers)."""
         from tvm.script import tirx as T
 
@@ -173,12 +172,7 @@ class Movement:
         @T.macro
         def put(smem, smo, OS, out0, lr, lc, v):
             # fp32 epilogue value v -> element (lr, lc) of the tile at out0 (fp16 lanes): fp16, or its int8 code
-            if opaque:
-                T.evaluate(shared_io("st_s8" if OUT8 else "st_f16",
-                                      smo.ptr_to([out0 * 2 + lr * OUT_LD + lc]) if OUT8 else
-                                      smem.ptr_to([out0 + lr * OUT_LD + lc]),
-                                      requantize(v, OS[1]) if OUT8 else T.Cast("float16", v)))
-            elif OUT8:
+            if OUT8:
                 smo[out0 * 2 + lr * OUT_LD + lc] = requantize(v, OS[1])
             else:
                 smem[out0 + lr * OUT_LD + lc] = T.Cast("float16", v)
@@ -225,6 +219,60 @@ class Movement:
         if self.const_tab:
             return T.cuda.func_call(self.tab_fn, i, source_code=self.tab_src, return_type="int32")
         return tab_buf[i]
+
+
+class FragmentEpilogue:
+    """The epilogue of the one-tile ``mma.sync`` and the wgmma kernels, over a thread's accumulator fragments:
+    ``mi`` × ``nj`` tiles of m16n8 (accumulator ``(i·nj + j)·4 + 2h + e`` at row ``r0 + 16i + lane/4 + 8h``,
+    column ``c0 + 8j + 2·(lane%4) + e``). Per column pair, (ws, ws', b, b') as fp32 are staged in shared memory
+    once per tile (``load_constants``, into buffer ``buf`` of those at float index ``const0``); then per pair of
+    accumulators one float4 read, ``(acc · xs) · ws + b`` (the reference's order), the activation, and one half2
+    (or two int8 codes) store into the output tile staged at ``out0``. Shared accesses go through device
+    functions: TVM's barrier insertion would otherwise fence each constant read against the tile's writes."""
+
+    def __init__(self, spec: BsrSpec, threads: int, const0: int, mi: int, nj: int):
+        from tvm.script import tirx as T
+
+        int8, BN, N, M, OUT_LD, PAIRS = spec.dtype == "int8", spec.bn, spec.n, spec.m, spec.out_ld, spec.bn // 2
+        one, zero = T.float32(1), T.float32(0)
+
+        def value(a, xs, kc, e):
+            v = T.Cast("float32", T.reinterpret("int32", a)) * xs * kc[e] if int8 else a
+            return tir_activate(v, kc[2 + e] if spec.bias else None, spec.act)
+
+        @T.macro
+        def load_constants(cst, WS, B, t, row, buf):
+            for it in T.unroll(-(-PAIRS // threads)):
+                p = T.meta_var(t + it * threads)
+                if PAIRS % threads == 0 or p < PAIRS:
+                    c0 = T.meta_var(T.min(row * BN + p * 2, N - 1))
+                    c1 = T.meta_var(T.min(row * BN + p * 2 + 1, N - 1))
+                    T.evaluate(shared_io("st_f32x4", cst.ptr_to([const0 + buf * BN * 2 + p * 4]),
+                                         WS[c0] if int8 else one, WS[c1] if int8 else one,
+                                         T.Cast("float32", B[c0]) if spec.bias else zero,
+                                         T.Cast("float32", B[c1]) if spec.bias else zero))
+        self.load_constants = load_constants
+
+        @T.macro
+        def stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, r0, c0, lane, out0, buf):
+            if int8:
+                for r in T.unroll(2 * mi):
+                    xsr[r] = XS[T.min(m0 + r0 + r // 2 * 16 + lane // 4 + r % 2 * 8, M - 1)]
+            for j in T.unroll(nj):
+                T.evaluate(shared_io("ld_f32x4", cst.ptr_to([const0 + buf * BN * 2 + (c0 + j * 8) * 2 +
+                                                             (lane % 4) * 4]), kc.ptr_to([0])))
+                for i in T.unroll(mi):
+                    for h in T.unroll(2):
+                        lr = T.meta_var(r0 + i * 16 + lane // 4 + h * 8)
+                        lc = T.meta_var(c0 + j * 8 + (lane % 4) * 2)
+                        for e in T.unroll(2):
+                            yv[e] = value(acc[(i * nj + j) * 4 + h * 2 + e], xsr[i * 2 + h], kc, e)
+                        if spec.out == "int8":
+                            T.evaluate(shared_io("st_s8x2", smo.ptr_to([out0 * 2 + lr * OUT_LD + lc]),
+                                                 requantize_int(yv[0], OS[1]), requantize_int(yv[1], OS[1])))
+                        else:
+                            T.evaluate(shared_io("st_h2", smem.ptr_to([out0 + lr * OUT_LD + lc]), yv[0], yv[1]))
+        self.stage_tile = stage_tile
 
 
 def epilogue_value(spec: BsrSpec, v, b, xs, ws):

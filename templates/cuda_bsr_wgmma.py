@@ -23,7 +23,7 @@ width against the torch reference.
 from __future__ import annotations
 
 from .cuda_bsr import BsrSpec
-from .cuda_bsr_parts import Movement, requantize_int, shared_io, tir_activate
+from .cuda_bsr_parts import FragmentEpilogue, Movement
 
 SWIZZLE_MODE = {32: 1, 64: 2, 128: 3}     # row bytes -> the descriptor helper's swizzle code
 
@@ -61,26 +61,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
     fence_fn, fence_src = _acc_fence_source(NACC, "unsigned int" if int8 else "float")
     LOOK = S - 2                             # loads in flight ahead of the block being multiplied
 
-    CONST0 = spec.shared_bytes // 4 - BN * 2            # float index of the column constants (ws, ws', b, b')
-    PAIRS = BN // 2
-
-    @T.macro
-    def load_constants(cst, WS, B, tx, row):
-        # per column pair (ws0, ws1, b0, b1) as fp32 into shared, once per CTA: the epilogue reads one float4
-        for it in T.unroll(-(-PAIRS // NT)):
-            p = T.meta_var(tx + it * NT)
-            if PAIRS % NT == 0 or p < PAIRS:
-                for e in T.unroll(2):
-                    c = T.meta_var(T.min(row * BN + p * 2 + e, N - 1))
-                    if int8:
-                        cst[CONST0 + p * 4 + e] = WS[c]
-                    if spec.bias:
-                        cst[CONST0 + p * 4 + 2 + e] = T.Cast("float32", B[c])
-
-    def value(a, xs, kc, e):
-        # accumulator -> the fp32 output value: (acc * xs) * ws + b, then the activation (as the reference)
-        v = T.Cast("float32", T.reinterpret("int32", a)) * xs * kc[e] if int8 else a
-        return tir_activate(v, kc[2 + e] if spec.bias else None, spec.act)
+    epi = FragmentEpilogue(spec, NT, spec.shared_bytes // 4 - BN * 2, 1, BN // GN // 8)
 
     def wgmma(acc, da, db):
         regs = [acc[i] for i in range(NACC)]
@@ -134,7 +115,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
         count = tab(Tab, by * 3 + 2)
         # one descriptor for the start of shared memory; every operand tile is an offset from it
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, SBO, SWIZZLE)
-        load_constants(cst, WS, B, tx, row)
+        epi.load_constants(cst, WS, B, tx, row, 0)
         for i in T.unroll(NACC):
             acc[i] = T.Cast(ACC, 0)
         # pin the accumulators around the asynchronous span only (a "+" asm while a wgmma group is
@@ -160,23 +141,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
         T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                    # every warpgroup is done with the stages
-        if int8:
-            for h in T.unroll(2):
-                xsr[h] = XS[T.min(m0 + gm * 64 + wq * 16 + lane // 4 + h * 8, M - 1)]
-        for j in T.unroll(WTN // 8):                    # scales, bias, activation: the tile into shared
-            # through a device function: TVM's barrier insertion would fence every read against the tile's writes
-            T.evaluate(shared_io("ld_f32x4", cst.ptr_to([CONST0 + (gn * WTN + j * 8) * 2 + (lane % 4) * 4]),
-                                 kc.ptr_to([0])))
-            for h in T.unroll(2):
-                lr = T.meta_var(gm * 64 + wq * 16 + lane // 4 + h * 8)
-                lc = T.meta_var(gn * WTN + j * 8 + (lane % 4) * 2)
-                for e in T.unroll(2):
-                    yv[e] = value(acc[j * 4 + h * 2 + e], xsr[h], kc, e)
-                if spec.out == "int8":                  # two codes, or two fp16 values, in one store
-                    T.evaluate(shared_io("st_s8x2", smo.ptr_to([lr * mv.out_ld + lc]),
-                                         requantize_int(yv[0], OS[1]), requantize_int(yv[1], OS[1])))
-                else:
-                    T.evaluate(shared_io("st_h2", smem.ptr_to([lr * mv.out_ld + lc]), yv[0], yv[1]))
+        epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, gm * 64 + wq * 16, gn * WTN, lane, 0, 0)
         T.tvm_storage_sync("shared")
         store_tile(smem, smo, Y, tx, m0, row, 0)
 

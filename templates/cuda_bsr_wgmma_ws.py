@@ -19,7 +19,7 @@ arguments, epilogue and output staging as the other kernels.
 from __future__ import annotations
 
 from .cuda_bsr import BsrSpec
-from .cuda_bsr_parts import Movement, epilogue_value
+from .cuda_bsr_parts import FragmentEpilogue, Movement
 from .cuda_bsr_wgmma import SWIZZLE_MODE, _acc_fence_source
 
 _SMEM = "(unsigned)__cvta_generic_to_shared(bar)"
@@ -64,6 +64,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
     tab = prod.tab
     OUT0 = S * STAGE if spec.ctas else 0     # persistent: the output tile beside the stages
     BAR0 = spec.shared_bytes - 16 * S        # byte offset of full[S], then empty[S] (8 bytes each)
+    epi = FragmentEpilogue(spec, NC, (BAR0 - 16 * BN) // 4, 1, WTN // 8)   # 2 constant buffers before them
     ROW_BYTES = BK * 2
     SWIZZLE, SBO = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16
     KSTEPS = BK // 16
@@ -104,7 +105,11 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
         tx = T.launch_thread("threadIdx.x", NT)
         smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")
+        cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((NACC,), ACC, scope="local")
+        kc = T.alloc_buffer((4,), "float32", scope="local")
+        xsr = T.alloc_buffer((2,), "float32", scope="local")
+        yv = T.alloc_buffer((2,), "float32", scope="local")
         desc = T.alloc_buffer((1,), "uint64", scope="local")
         cnt = T.alloc_buffer((1,), "int32", scope="local")   # stages issued (producer) / consumed (consumer)
         lane = T.meta_var(tx % 32)
@@ -149,6 +154,8 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                 m0 = T.meta_var((tile % MT) * TM)
                 row = T.meta_var(tab(Tab, slot * 3))
                 count = T.meta_var(tab(Tab, slot * 3 + 2))
+                # this tile's column constants (the other buffer may still be read by the previous epilogue)
+                epi.load_constants(cst, WS, B, ct, row, i % 2)
                 for a in T.unroll(NACC):
                     acc[a] = T.Cast(ACC, 0)
                 acc_fence(acc)
@@ -169,14 +176,8 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                 if count > 0:
                     _sync("mbar_arrive", bar(smo, S + (cnt[0] - 1) % S))
                 _sync("named_sync", 1, NC)              # the previous tile's store has read the staged tile
-                for j in T.unroll(WTN // 8):
-                    for h in T.unroll(2):
-                        for e in T.unroll(2):
-                            lr = T.meta_var(gm * 64 + wq * 16 + lane // 4 + h * 8)
-                            lc = T.meta_var(gn * WTN + j * 8 + (lane % 4) * 2 + e)
-                            cons.put(smem, smo, OS, OUT0, lr, lc, epilogue_value(
-                                spec, acc[j * 4 + h * 2 + e], B[T.min(row * BN + lc, N - 1)],
-                                XS[T.min(m0 + lr, M - 1)], WS[T.min(row * BN + lc, N - 1)]))
+                epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, gm * 64 + wq * 16, gn * WTN, lane,
+                               OUT0, i % 2)
                 _sync("named_sync", 1, NC)
                 cons.store_tile(smem, smo, Y, ct, m0, row, OUT0)
 

@@ -138,6 +138,54 @@ def test_bad_specs_are_refused():
         BsrSpec(64, 256, 64, bn=256, bk=64, tm=64, warps_m=1, dtype="int8", mma="wgmma")
     with pytest.raises(ValueError, match="mma"):
         BsrSpec(64, 64, 64, mma="tcgen05")
+    with pytest.raises(ValueError, match="producer warpgroup is for mma 'wgmma'"):
+        BsrSpec(64, 64, 64, producer=True)
+    with pytest.raises(ValueError, match="persistent grid"):
+        BsrSpec(64, 64, 64, bn=32, bk=32, tm=64, warps_m=1, mma="wgmma", ctas=4)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kw,pairs", [(dict(), 32), (dict(dtype="int8", out="int8"), 32),
+                                      (dict(mma="wgmma", bk=64), 32), (dict(mma="wgmma", dtype="int8"), 32)])
+def test_epilogue_reads_column_constants_once_per_tile(tmp_path, monkeypatch, kw, pairs):
+    """Bias and weight scales are loaded once per CTA into shared memory (fp32, a float4 per column pair), not per
+    output element; two outputs leave per shared store (half2, or two int8 codes)."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    base = dict(bn=64, bk=32, tm=128, warps_m=2, stages=3, act="gelu_erf")
+    spec = BsrSpec(257, 192, 320, name="probe_epi", **{**base, **kw})
+    assert spec.shared_bytes % 16 == 0 and spec.shared_bytes >= max(
+        spec.stages * (spec.tm * spec.bk // spec.elems_per_half + spec.w_lanes), spec.out_lanes) * 2 + pairs * 16
+    src = (build_cuda(bsr_linear, spec).path / "kernel.cu").read_text()
+    body = src[src.index("__global__"):]
+    assert body.count("B_ptr[") == 2 and "sparta_st_f32x4(" in body and "sparta_ld_f32x4(" in body
+    if spec.dtype == "int8":
+        assert body.count("WS_ptr[") == 2
+    assert ("sparta_st_s8x2(" if spec.out == "int8" else "sparta_st_h2(") in body
+    assert body.count("__syncthreads()") <= 3, "no barrier between the constant reads and the tile's writes"
+
+
+@needs_nvcc
+def test_warp_specialised_wgmma_kernel_builds(tmp_path, monkeypatch):
+    """A producer warpgroup loads, the consumers wait on mbarriers; the persistent grid has ``ctas`` CTAs and
+    shared memory for the stages, the output tile, two constant buffers and the barrier rings."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = BsrSpec(257, 192, 320, bn=64, bk=128, tm=128, warps_m=2, stages=4, act="gelu_erf", dtype="int8",
+                   out="int8", mma="wgmma", producer=True, ctas=2, name="probe_ws")
+    stage = spec.tm * spec.bk // 2 + spec.w_lanes
+    assert spec.threads == 384 and spec.shared_bytes == -(-(4 * stage + spec.out_lanes) * 2 // 16) * 16 + \
+        2 * 64 * 8 + 16 * 4
+    art = build_cuda(bsr_linear, spec)
+    src = (art.path / "kernel.cu").read_text()
+    for needle in ("mbarrier.init.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
+                   "mbarrier.arrive.shared::cta.b64", "fence.mbarrier_init.release.cluster", "bar.sync %0, %1",
+                   "cp.async.wait_group 2", "fence.proxy.async.shared::cta", "wgmma.mma_async.sync.aligned.m64n64k32"):
+        assert needle in src, f"{needle} is emitted"
+    assert art.launch["grid"] == [2, 1, 1] and art.launch["block"] == [384, 1, 1]
+    assert art.launch["shared_bytes"] == spec.shared_bytes
+    from sparta.codegen.build import _relative_imports
+    from sparta.templates import cuda_bsr
+    assert {"sparta.templates.cuda_bsr_wgmma_ws", "sparta.templates.cuda_bsr_wgmma"} <= \
+        _relative_imports(cuda_bsr.__name__), "editing the variants changes the cache key"
 
 
 @needs_nvcc
