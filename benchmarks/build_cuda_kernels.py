@@ -103,19 +103,13 @@ INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2,
                     "i8_b32_t128wg": dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
                     "i8_b64_t128wg": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
                     "i8_b64_t256wg": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=6, **WG),
-                    # deep pipelines: stages - 2 loads in flight (the kernel is latency-bound at 4 stages)
-                    "i8_t128x192k64wgs10": dict(bn=192, bk=64, tm=128, warps_m=2, warps_n=1, stages=10, **WG),
+                    # 5 stages (3 blocks in flight; best FFN2), 2 CTAs per SM (96 KiB; best FFN1)
                     "i8_t128x192k128wgs5": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=5, **WG),
-                    "i8_t128x256k64wg2s8": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=8, **WG),
                     "i8_t128x128k64wgs6": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1, stages=6, **WG),
                     # a producer warpgroup (mbarrier rings); "pp": persistent, 132 CTAs (one per H100/H200 SM)
                     "i8_t128x192k128p": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WGP),
-                    "i8_t128x192k128ps5": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=5, **WGP),
                     "i8_t128x256k128p": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WGP),
                     "i8_t128x256k128pp": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=3, ctas=132,
-                                              **WGP),
-                    "i8_t128x256k64pp": dict(bn=256, bk=64, tm=128, warps_m=2, warps_n=2, stages=6, ctas=132, **WGP),
-                    "i8_t128x192k128pp": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=3, ctas=132,
                                               **WGP)}
 
 # W4A16 GEMM (int4 weights dequantised in registers), by M: bench_cuda_w4_gemm.py
