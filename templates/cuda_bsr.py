@@ -176,16 +176,29 @@ class BsrSpec:
 
     @property
     def shared_bytes(self) -> int:
-        stage = self.tm * self.bk // self.elems_per_half + self.w_lanes
-        out_tile = self.out_lanes
         if self.groups:                              # streaming: the output tile beside the stages
-            return (self.stages * stage + out_tile) * 2
-        if not self.producer:                        # + fp32 (ws, ws', b, b') per column pair
-            return max(self.stages * stage, out_tile) * 2 + self.bn * 8
-        if self.producer:        # + two buffers of column constants, the mbarrier rings (full, empty: 8 bytes each)
-            body = self.stages * stage + out_tile if self.ctas else max(self.stages * stage, out_tile)
-            return -(-body * 2 // 16) * 16 + 2 * self.bn * 8 + 16 * self.stages
-        return max(self.stages * stage, out_tile) * 2
+            return (self.stages * self._stage_lanes + self.out_lanes) * 2
+        if self.producer:                            # + the mbarrier rings (full, empty: 8 bytes each)
+            return self.barrier_offset + 16 * self.stages
+        return self.const_offset + self.bn * 8
+
+    @property
+    def _stage_lanes(self) -> int:
+        return self.tm * self.bk // self.elems_per_half + self.w_lanes
+
+    @property
+    def const_offset(self) -> int:
+        """Byte offset in shared memory of the epilogue's fp32 column constants (``FragmentEpilogue``; two buffers
+        in a producer kernel): after the stages and the staged output tile, which overlays the stages unless the
+        grid is persistent."""
+        stages = self.stages * self._stage_lanes
+        body = stages + self.out_lanes if self.ctas else max(stages, self.out_lanes)
+        return -(-body * 2 // 16) * 16
+
+    @property
+    def barrier_offset(self) -> int:
+        """Byte offset of a producer kernel's mbarrier rings: after its two buffers of column constants."""
+        return self.const_offset + 2 * self.bn * 8
 
     @property
     def table_tail(self) -> int:
@@ -245,7 +258,7 @@ def bsr_linear(spec: BsrSpec):
     from tvm.script import tirx as T
 
     w4 = spec.dtype == "w4a16"
-    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
+    M, N, K, TM, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
     NT, WN, R = spec.threads, spec.warps_n, spec.row_blocks
     mv = Movement(spec, NT)
     STAGE, HEAD = mv.stage, mv.head
@@ -255,7 +268,7 @@ def bsr_linear(spec: BsrSpec):
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
 
-    epi = FragmentEpilogue(spec, NT, spec.shared_bytes // 4 - BN * 2, MI, NI)
+    epi = FragmentEpilogue(spec, NT, MI, NI)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,

@@ -225,16 +225,17 @@ class FragmentEpilogue:
     """The epilogue of the one-tile ``mma.sync`` and the wgmma kernels, over a thread's accumulator fragments:
     ``mi`` × ``nj`` tiles of m16n8 (accumulator ``(i·nj + j)·4 + 2h + e`` at row ``r0 + 16i + lane/4 + 8h``,
     column ``c0 + 8j + 2·(lane%4) + e``). Per column pair, (ws, ws', b, b') as fp32 are staged in shared memory
-    once per tile (``load_constants``, into buffer ``buf`` of those at float index ``const0``); then per pair of
+    once per tile (``load_constants``, into buffer ``buf`` of those at ``spec.const_offset``); then per pair of
     accumulators one float4 read, ``(acc · xs) · ws + b`` (the reference's order), the activation, and one half2
     (or two int8 codes) store into the output tile staged at ``out0``. Shared accesses go through device
     functions: TVM's barrier insertion would otherwise fence each constant read against the tile's writes."""
 
-    def __init__(self, spec: BsrSpec, threads: int, const0: int, mi: int, nj: int):
+    def __init__(self, spec: BsrSpec, threads: int, mi: int, nj: int):
         from tvm.script import tirx as T
 
         int8, BN, N, M, OUT_LD, PAIRS = spec.dtype == "int8", spec.bn, spec.n, spec.m, spec.out_ld, spec.bn // 2
         one, zero = T.float32(1), T.float32(0)
+        const0 = spec.const_offset // 4          # float index
 
         def value(a, xs, kc, e):
             v = T.Cast("float32", T.reinterpret("int32", a)) * xs * kc[e] if int8 else a

@@ -37,46 +37,66 @@ def _acc_fence_source(n: int, ctype: str) -> tuple[str, str]:
                 f"  for (int i = 0; i < {n}; ++i) asm volatile(\"\" : \"+{cons}\"(a[i]) :: \"memory\");\n}}\n")
 
 
+class WgmmaIssue:
+    """What both wgmma kernels issue per stage: the accumulator type and count, the descriptor's swizzle and
+    stride, the accumulator fence (``fence``) and ``mma_stage`` — fence, one wgmma per 32 bytes of K from the
+    stage's X rows of warpgroup ``gm`` and W columns of ``gn``, commit, wait until this group alone is pending."""
+
+    def __init__(self, spec: BsrSpec, mv: Movement):
+        from tvm.script import tirx as T
+
+        int8 = spec.dtype == "int8"
+        BK = spec.bk // spec.elems_per_half
+        WTN = spec.bn // spec.warps_n            # columns per warpgroup = the wgmma's N
+        self.nacc = NACC = WTN // 2              # accumulator registers per thread
+        self.acc = "uint32" if int8 else "float32"
+        ROW_BYTES = BK * 2
+        self.swizzle, self.sbo = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16     # 8-row core-matrix groups apart
+        KSTEPS = BK // 16                        # one wgmma per 32 bytes of K
+        X_ELEMS, STAGE = mv.x_elems, mv.stage
+        WGMMA = (f"wgmma.mma_async.sync.aligned.m64n{WTN}k32.s32.s8.s8" if int8 else
+                 f"wgmma.mma_async.sync.aligned.m64n{WTN}k16.f32.f16.f16")
+        fence_fn, fence_src = _acc_fence_source(NACC, "unsigned int" if int8 else "float")
+
+        def wgmma(acc, da, db):
+            regs = [acc[i] for i in range(NACC)]
+            if int8:
+                return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1))
+            return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1), 1, 1, 0, 0)
+
+        @T.macro
+        def fence(acc):
+            T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
+        self.fence = fence
+
+        @T.macro
+        def mma_stage(acc, desc, gm, gn, stage):
+            T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+            for kk in T.unroll(KSTEPS):          # descriptors advance in 16-byte units: 32 bytes of K per step
+                T.evaluate(wgmma(acc, desc[0] + T.Cast("uint64", (stage * STAGE + gm * 64 * BK) // 8 + kk * 2),
+                                 desc[0] + T.Cast("uint64", (stage * STAGE + X_ELEMS + gn * WTN * BK) // 8 + kk * 2)))
+            T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
+            T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
+        self.mma_stage = mma_stage
+
+
 def bsr_linear_wgmma(spec: BsrSpec):
     """The wgmma kernel as an IRModule with one PrimFunc named ``spec.name``."""
     import tvm
     from tvm.script import tirx as T
 
-    int8 = spec.dtype == "int8"
     EL = spec.elems_per_half
-    M, N, K, TM, BN, BK, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.bk // EL, spec.stages
+    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.stages
     NT, GN = spec.threads, spec.warps_n
-    WTN = BN // GN                           # columns per warpgroup = the wgmma's N
-    NACC = WTN // 2                          # accumulator registers per thread
+    WTN = BN // GN
     R = spec.row_blocks
     mv = Movement(spec, NT)
-    X_ELEMS, STAGE, HEAD = mv.x_elems, mv.stage, mv.head
+    HEAD = mv.head
     tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
-    ROW_BYTES = BK * 2
-    SWIZZLE, SBO = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16     # 8-row core-matrix groups apart
-    KSTEPS = BK // 16                        # one wgmma per 32 bytes of K
-    WGMMA = (f"wgmma.mma_async.sync.aligned.m64n{WTN}k32.s32.s8.s8" if int8 else
-             f"wgmma.mma_async.sync.aligned.m64n{WTN}k16.f32.f16.f16")
-    ACC = "uint32" if int8 else "float32"
-    fence_fn, fence_src = _acc_fence_source(NACC, "unsigned int" if int8 else "float")
+    issue = WgmmaIssue(spec, mv)
+    NACC, ACC, fence, mma_stage = issue.nacc, issue.acc, issue.fence, issue.mma_stage
     LOOK = S - 2                             # loads in flight ahead of the block being multiplied
-
-    epi = FragmentEpilogue(spec, NT, spec.shared_bytes // 4 - BN * 2, 1, BN // GN // 8)
-
-    def wgmma(acc, da, db):
-        regs = [acc[i] for i in range(NACC)]
-        if int8:
-            return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1))
-        return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1), 1, 1, 0, 0)
-
-    @T.macro
-    def mma_stage(acc, desc, gm, gn, stage):
-        T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
-        for kk in T.unroll(KSTEPS):          # descriptors advance in 16-byte units: 32 bytes of K per step
-            T.evaluate(wgmma(acc, desc[0] + T.Cast("uint64", (stage * STAGE + gm * 64 * BK) // 8 + kk * 2),
-                             desc[0] + T.Cast("uint64", (stage * STAGE + X_ELEMS + gn * WTN * BK) // 8 + kk * 2)))
-        T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
-        T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
+    epi = FragmentEpilogue(spec, NT, 1, WTN // 8)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
@@ -114,13 +134,13 @@ def bsr_linear_wgmma(spec: BsrSpec):
         first = tab(Tab, by * 3 + 1)
         count = tab(Tab, by * 3 + 2)
         # one descriptor for the start of shared memory; every operand tile is an offset from it
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, SBO, SWIZZLE)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, issue.sbo, issue.swizzle)
         epi.load_constants(cst, WS, B, tx, row, 0)
         for i in T.unroll(NACC):
             acc[i] = T.Cast(ACC, 0)
         # pin the accumulators around the asynchronous span only (a "+" asm while a wgmma group is
         # pending would serialise every wgmma: ptxas C7515)
-        T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
+        fence(acc)
         for s in T.unroll(LOOK):                        # prologue: stages 0 .. S-3 in flight
             if s < count:
                 load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + first + s), first + s)
@@ -138,7 +158,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
             T.evaluate(T.ptx["cp.async.commit_group"]())
             mma_stage(acc, desc, gm, gn, t % S)
         T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
-        T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
+        fence(acc)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                    # every warpgroup is done with the stages
         epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, gm * 64 + wq * 16, gn * WTN, lane, 0, 0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .cuda_bsr import BsrSpec
 from .cuda_bsr_parts import FragmentEpilogue, Movement
-from .cuda_bsr_wgmma import SWIZZLE_MODE, _acc_fence_source
+from .cuda_bsr_wgmma import WgmmaIssue
 
 _SMEM = "(unsigned)__cvta_generic_to_shared(bar)"
 _SYNC_SOURCES = {          # one source per device function: TVM keeps one source per called name
@@ -49,43 +49,26 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
     import tvm
     from tvm.script import tirx as T
 
-    int8 = spec.dtype == "int8"
     EL = spec.elems_per_half
-    M, N, K, TM, BN, BK, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.bk // EL, spec.stages
+    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.stages
     NT, GN = spec.threads, spec.warps_n
     NC = NT - 128                            # consumer threads
     WTN = BN // GN
-    NACC = WTN // 2
     R, MT = spec.row_blocks, -(-M // TM)
     TILES = MT * R
     P = min(spec.ctas, TILES) if spec.ctas else TILES
     prod, cons = Movement(spec, 128), Movement(spec, NC, opaque=True)
-    X_ELEMS, STAGE, HEAD = prod.x_elems, prod.stage, prod.head
+    STAGE, HEAD = prod.stage, prod.head
     tab = prod.tab
     OUT0 = S * STAGE if spec.ctas else 0     # persistent: the output tile beside the stages
-    BAR0 = spec.shared_bytes - 16 * S        # byte offset of full[S], then empty[S] (8 bytes each)
-    epi = FragmentEpilogue(spec, NC, (BAR0 - 16 * BN) // 4, 1, WTN // 8)   # 2 constant buffers before them
-    ROW_BYTES = BK * 2
-    SWIZZLE, SBO = SWIZZLE_MODE[ROW_BYTES], 8 * ROW_BYTES // 16
-    KSTEPS = BK // 16
-    WGMMA = (f"wgmma.mma_async.sync.aligned.m64n{WTN}k32.s32.s8.s8" if int8 else
-             f"wgmma.mma_async.sync.aligned.m64n{WTN}k16.f32.f16.f16")
-    ACC = "uint32" if int8 else "float32"
-    fence_fn, fence_src = _acc_fence_source(NACC, "unsigned int" if int8 else "float")
+    BAR0 = spec.barrier_offset               # byte offset of full[S], then empty[S] (8 bytes each)
+    epi = FragmentEpilogue(spec, NC, 1, WTN // 8)
+    issue = WgmmaIssue(spec, prod)
+    NACC, ACC, acc_fence, mma_stage = issue.nacc, issue.acc, issue.fence, issue.mma_stage
     LAG = S - 2                              # stages a producer thread keeps loading before it signals one
-
-    def wgmma(acc, da, db):
-        regs = [acc[i] for i in range(NACC)]
-        if int8:
-            return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1))
-        return T.ptx[WGMMA](*regs, da, db, T.ptx.pred(1), 1, 1, 0, 0)
 
     def bar(smb, i):                         # the i-th mbarrier (full: 0 .. S-1, empty: S .. 2S-1)
         return smb.ptr_to([BAR0 + 8 * i])
-
-    @T.macro
-    def acc_fence(acc):
-        T.evaluate(T.cuda.func_call(fence_fn, acc.ptr_to([0]), source_code=fence_src, return_type="void"))
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
@@ -147,7 +130,8 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                     _sync("mbar_arrive", bar(smo, (cnt[0] - LAG + j) % S))
         else:                                           # the consumer warpgroups
             ct = T.meta_var(tx - 128)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, SBO, SWIZZLE)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, issue.sbo,
+                                                  issue.swizzle)
             for i in T.serial(ntiles):
                 tile = T.meta_var(bx + i * P)
                 slot = T.meta_var(tile // MT)
@@ -161,13 +145,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                 acc_fence(acc)
                 for t in T.serial(count):
                     _sync("mbar_wait", bar(smo, cnt[0] % S), (cnt[0] // S) % 2)
-                    T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
-                    for kk in T.unroll(KSTEPS):
-                        st = T.meta_var(cnt[0] % S * STAGE)
-                        T.evaluate(wgmma(acc, desc[0] + T.Cast("uint64", (st + gm * 64 * BK) // 8 + kk * 2),
-                                         desc[0] + T.Cast("uint64", (st + X_ELEMS + gn * WTN * BK) // 8 + kk * 2)))
-                    T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
-                    T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
+                    mma_stage(acc, desc, gm, gn, cnt[0] % S)
                     if t > 0:                           # the previous stage's wgmmas are complete
                         _sync("mbar_arrive", bar(smo, S + (cnt[0] - 1) % S))
                     cnt[0] = cnt[0] + 1
