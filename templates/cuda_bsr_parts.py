@@ -95,23 +95,19 @@ def requantize_int(v, r):
 
 
 _SHARED_IO = {             # one source per device function: TVM keeps one source per called name
-    "ld_f16": ("float16", "const void* p", "return *(const half*)p;"),
-    "ld_s8": ("int8", "const void* p", "return *(const signed char*)p;"),
-    "copy16": ("void", "void* dst, const void* src", "*(uint4*)dst = *(const uint4*)src;"),
-    "ld_f32x4": ("void", "const void* p, float* out", "*(float4*)out = *(const float4*)p;"),
-    "st_f32x4": ("void", "void* p, float a, float b, float c, float d", "*(float4*)p = make_float4(a, b, c, d);"),
-    "st_h2": ("void", "void* p, float a, float b", "*(half2*)p = __floats2half2_rn(a, b);"),   # one cvt for two
-    "st_s8x2": ("void", "void* p, int a, int b", "*(char2*)p = make_char2((signed char)a, (signed char)b);"),
+    "ld_f32x4": ("const void* p, float* out", "*(float4*)out = *(const float4*)p;"),
+    "st_f32x4": ("void* p, float a, float b, float c, float d", "*(float4*)p = make_float4(a, b, c, d);"),
+    "st_h2": ("void* p, float a, float b", "*(half2*)p = __floats2half2_rn(a, b);"),   # one cvt for two
+    "st_s8x2": ("void* p, int a, int b", "*(char2*)p = make_char2((signed char)a, (signed char)b);"),
 }
-_C_TYPES = {"void": "void", "float16": "half", "int8": "signed char"}
 
 
 def shared_io(fn: str, *args):
     """TIR: a plain shared-memory access through a device function (invisible to TVM's barrier insertion)."""
     from tvm.script import tirx as T
-    ret, params, body = _SHARED_IO[fn]
-    src = f"__device__ __forceinline__ {_C_TYPES[ret]} sparta_{fn}({params}) {{ {body} }}\n"
-    return T.cuda.func_call(f"sparta_{fn}", *args, source_code=src, return_type=ret)
+    params, body = _SHARED_IO[fn]
+    src = f"__device__ __forceinline__ void sparta_{fn}({params}) {{ {body} }}\n"
+    return T.cuda.func_call(f"sparta_{fn}", *args, source_code=src, return_type="void")
 
 
 class Movement:
@@ -120,9 +116,7 @@ class Movement:
     32/64/128-byte swizzle that wgmma's shared-memory descriptors read), the write of one epilogue value
     into the output tile staged in shared memory (fp16, or an int8 code) and the tile's coalesced store."""
 
-    def __init__(self, spec: BsrSpec, threads: int, opaque: bool = False):
-        """``opaque``: ``store_tile`` reads the staged tile through device functions, out of sight of TVM's
-        barrier insertion (a warp-specialised kernel stages it under its own named barriers)."""
+    def __init__(self, spec: BsrSpec, threads: int):
         from tvm.script import tirx as T
 
         EL = spec.elems_per_half             # the data movement counts 16-bit lanes: K and BK in lanes
@@ -187,17 +181,7 @@ class Movement:
                     yr = T.meta_var(m0 + c // (BN // EPC))
                     yc = T.meta_var(row * BN + (c % (BN // EPC)) * EPC)
                     src = T.meta_var((c // (BN // EPC)) * OUT_LD + (c % (BN // EPC)) * EPC)
-                    if opaque:
-                        if N % EPC == 0:
-                            if yr < M and yc < N:
-                                T.evaluate(shared_io("copy16", Y.ptr_to([yr, yc]), smo.ptr_to([out0 * 2 + src])
-                                                      if OUT8 else smem.ptr_to([out0 + src])))
-                        else:
-                            for v in T.unroll(EPC):
-                                if yr < M and yc + v < N:
-                                    Y[yr, yc + v] = shared_io("ld_s8" if OUT8 else "ld_f16", smo.ptr_to(
-                                        [out0 * 2 + src + v]) if OUT8 else smem.ptr_to([out0 + src + v]))
-                    elif N % EPC == 0:
+                    if N % EPC == 0:
                         if yr < M and yc < N:
                             for v in T.vectorized(EPC):
                                 if OUT8:

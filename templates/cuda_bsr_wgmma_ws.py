@@ -57,7 +57,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
     R, MT = spec.row_blocks, -(-M // TM)
     TILES = MT * R
     P = min(spec.ctas, TILES) if spec.ctas else TILES
-    prod, cons = Movement(spec, 128), Movement(spec, NC, opaque=True)
+    prod, cons = Movement(spec, 128), Movement(spec, NC)
     STAGE, HEAD = prod.stage, prod.head
     tab = prod.tab
     OUT0 = S * STAGE if spec.ctas else 0     # persistent: the output tile beside the stages
