@@ -63,7 +63,8 @@ INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2
               "i8_b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
               "i8_b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=2, stages=3),
               "i8_b64_t64s2g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=8),
-              "i8_b64_t32s2g4": dict(bn=64, bk=64, tm=32, warps_m=1, warps_n=2, stages=2, groups=4)}
+              "i8_b64_t32s2g4": dict(bn=64, bk=64, tm=32, warps_m=1, warps_n=2, stages=2, groups=4),
+              "i8_b64_t64": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3)}
 
 # Hopper wgmma kernels (mma="wgmma", sm_90a): warps_m x warps_n count warpgroups of 128 threads
 WG = dict(mma="wgmma")
@@ -88,7 +89,7 @@ WGMMA_TILES = {"t128x128k64wg": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1
 # W8A8 tiles also built with the requantising epilogue (out="int8": the codes a W8A8 reader takes), "<tile>_q8"
 INT8_Q8_TILES = ("i8_t128x128k64", "i8_t128x256k128wg", "i8_t128x192k128wg", "i8_t128x128k128wg", "i8_b32_t128",
                  "i8_b64_t128", "i8_b64_t64s2g8", "i8_t128x192k128wgs5", "i8_t128x256k128pp", "i8_t128x192k128p",
-                 "i8_t128x128k64wgs6")
+                 "i8_t128x128k64wgs6", "i8_b64_t64", "i8_b64_t128wg")
 INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
                     "i8_t128x256k128wg": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
                     "i8_t128x192k128wg": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),

@@ -235,8 +235,8 @@ def test_w8a8_kernel_builds_with_int_mma_and_scale_arguments(tmp_path, monkeypat
                                 dict(bn=192, bk=128, tm=128, warps_m=2, stages=4, mma="wgmma")])
 def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
     """``out="int8"``: Y is int8, an ``OS`` [scale, 1/scale] argument appears, the code is the fp32 value times
-    RN(1/scale), clamped and rounded half to even by one ``cvt.rni`` (``__float2int_rn``), and the tile leaves in
-    16-byte rows (N % 16 == 0); the fp16-output kernel of the same spec has neither."""
+    RN(1/scale) plus 1.5·2²³ (rounded half to even by that addition, clamped on the sum; no float→int conversion),
+    and the tile leaves in 16-byte rows (N % 16 == 0); the fp16-output kernel of the same spec has neither."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     spec = BsrSpec(257, 384, 320, act="gelu_erf", dtype="int8", out="int8", name="probe_q8", **kw)
     art = build_cuda(bsr_linear, spec)
@@ -244,7 +244,8 @@ def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
     args = {a["name"]: (a["dtype"], a["shape"]) for a in art.launch["args"]}
     assert set(args) == set(argument_names(spec)) and "OS" in args
     assert args["Y"] == ("int8", [257, 384]) and args["OS"] == ("float32", [2])
-    assert "__float2int_rn(max(min(" in src and "nearbyintf" not in src
+    assert "max(min(__fadd_rn(__fmul_rn(" in src and "0x1.8p+23f" in src
+    assert "__float2int_rn" not in src and "nearbyintf" not in src
     assert "*(int4*)(Y_ptr" in src
     assert art.launch["shared_bytes"] == spec.shared_bytes
     fp16 = BsrSpec(257, 384, 320, act="gelu_erf", dtype="int8", name="probe_f16out", **kw)
