@@ -41,10 +41,11 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
     b = torch.randn(n, device="cuda").half()
     ys = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(SETS)]
     y8 = [torch.empty(m, n, dtype=torch.int8, device="cuda") for _ in range(SETS)]
+    tiles = "t" if blk is None else f"b{blk}_t"
+    folders = sorted(ROOT.glob(f"{shape}_i8_{tiles}*")) + sorted(ROOT.glob(f"noepi_{shape}_i8_{tiles}*"))
     if blk is None:
-        folders, masks = sorted(f for f in ROOT.glob(f"{shape}_i8_t*")), None
+        masks = None
     else:
-        folders = sorted(ROOT.glob(f"{shape}_i8_b{blk}_t*"))
         masks = [bench_mask(-(-n // blk), -(-k // blk), 1 - sparsity / 100, f"{shape}-{blk}-{sparsity}-{i}")
                  for i in range(SETS)]
     fns = {"cublas_fp16": lambda i: F.linear(xs[i], ws[i], b)}
@@ -66,8 +67,10 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
                for i in range(SETS)]
         outs = y8 if q8 else ys
         ops[0].int8(*xq[0], out=outs[0])
-        key = "sparta_" + f.name.split("_i8_", 1)[1]
-        if q8:     # codes against the reference's: the largest difference, in codes
+        key = ("probe_noepi_" if f.name.startswith("noepi_") else "sparta_") + f.name.split("_i8_", 1)[1]
+        if key.startswith("probe"):         # the kernel without its epilogue (epilogue_probe.py): no output
+            pass
+        elif q8:     # codes against the reference's: the largest difference, in codes
             codes = reference_int8(*xq[0], *quantize_rows(ws[0]), None if masks is None else masks[0], b, "none",
                                    spec.bn, spec.bk, scale)
             errs[key] = (outs[0].int() - codes.int()).abs().max().item()

@@ -1,11 +1,12 @@
 """Diagnostic: what a built ``bsr_linear`` kernel costs without its epilogue (here: nvcc, no GPU).
 
-    python benchmarks/epilogue_probe.py ffn1_i8_b64_t128_q8 [NAME ...]   # -> artifacts/cuda/<NAME>_noepi/
+    python benchmarks/epilogue_probe.py ffn1_i8_b64_t128_q8 [NAME ...]   # -> artifacts/cuda/noepi_<NAME>/
 
 Copies the artifact folder and cuts the generated CUDA after the main loop (the staged constants, the fragment
 epilogue and the tile store go; the MMAs are ``asm volatile`` and stay), rebuilds the cubins with the build's
-nvcc flags and records their digests. ``bench_cuda_w8a8.py`` / ``bench_cuda_bsr.py`` time the ``_noepi`` folders
-beside the real kernels (their outputs are garbage): the difference is the epilogue's share of the kernel.
+nvcc flags and records their digests. ``bench_cuda_w8a8.py`` times the ``noepi_`` folders beside the real kernels
+(rows ``probe_noepi_<tile>``; their outputs are garbage, and no best-of or profile fit counts them): the difference
+is the epilogue's share of the kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ AFTER_LOOP = "tvm_builtin_ptx_cp_async_wait_group_async_wait_group_0();\n  __syn
 
 
 def without_epilogue(name: str) -> Path:
-    src, dst = ROOT / name, ROOT / f"{name}_noepi"
+    src, dst = ROOT / name, ROOT / f"noepi_{name}"
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     cu = (dst / "kernel.cu").read_text()
