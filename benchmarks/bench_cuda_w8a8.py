@@ -32,6 +32,7 @@ from sparta.templates.cuda_bsr_ref import quantize_rows, reference_int8
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}
+PROBES = ("noepi", "nomath")     # benchmarks/epilogue_probe.py: kernels without their epilogue / its arithmetic
 
 
 def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: float, peak: float) -> dict:
@@ -42,7 +43,8 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
     ys = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(SETS)]
     y8 = [torch.empty(m, n, dtype=torch.int8, device="cuda") for _ in range(SETS)]
     tiles = "t" if blk is None else f"b{blk}_t"
-    folders = sorted(ROOT.glob(f"{shape}_i8_{tiles}*")) + sorted(ROOT.glob(f"noepi_{shape}_i8_{tiles}*"))
+    folders = sorted(ROOT.glob(f"{shape}_i8_{tiles}*"))
+    folders += [f for probe in PROBES for f in sorted(ROOT.glob(f"{probe}_{shape}_i8_{tiles}*"))]
     if blk is None:
         masks = None
     else:
@@ -67,8 +69,9 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
                for i in range(SETS)]
         outs = y8 if q8 else ys
         ops[0].int8(*xq[0], out=outs[0])
-        key = ("probe_noepi_" if f.name.startswith("noepi_") else "sparta_") + f.name.split("_i8_", 1)[1]
-        if key.startswith("probe"):         # the kernel without its epilogue (epilogue_probe.py): output not checked
+        probe = f.name.split("_", 1)[0]
+        key = (f"probe_{probe}_" if probe in PROBES else "sparta_") + f.name.split("_i8_", 1)[1]
+        if key.startswith("probe"):         # a kernel cut short by epilogue_probe.py: output not checked
             errs[key] = None
         elif q8:     # codes against the reference's: the largest difference, in codes
             codes = reference_int8(*xq[0], *quantize_rows(ws[0]), None if masks is None else masks[0], b, "none",

@@ -1,12 +1,14 @@
 """Diagnostic: what a built ``bsr_linear`` kernel costs without its epilogue (here: nvcc, no GPU).
 
     python benchmarks/epilogue_probe.py ffn1_i8_b64_t128_q8 [NAME ...]   # -> artifacts/cuda/noepi_<NAME>/
+    python benchmarks/epilogue_probe.py --math ffn1_i8_b64_t128_q8 ...   # -> artifacts/cuda/nomath_<NAME>/
 
 Copies the artifact folder and cuts the generated CUDA after the main loop (the staged constants, the fragment
 epilogue and the tile store go; the MMAs are ``asm volatile`` and stay), rebuilds the cubins with the build's
 nvcc flags and records their digests. ``bench_cuda_w8a8.py`` times the ``noepi_`` folders beside the real kernels
 (rows ``probe_noepi_<tile>``; their outputs are garbage, and no best-of or profile fit counts them): the difference
-is the epilogue's share of the kernel.
+is the epilogue's share of the kernel. ``--math`` cuts only the fragment stores into the staged tile (their
+arithmetic goes with them as dead code; the constants are staged and the tile still leaves): the store path alone.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ MAIN_LOOP = re.compile(r"\n  for \(int t = 0; t < count_ptr\[0\]; \+\+t\) \{")
 AFTER_LOOP = "tvm_builtin_ptx_cp_async_wait_group_async_wait_group_0();\n  __syncthreads();"
 
 
-def without_epilogue(name: str) -> Path:
-    src, dst = ROOT / name, ROOT / f"noepi_{name}"
+def without_epilogue(name: str, math_only: bool = False) -> Path:
+    src, dst = ROOT / name, ROOT / f"{'nomath' if math_only else 'noepi'}_{name}"
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     cu = (dst / "kernel.cu").read_text()
@@ -35,7 +37,11 @@ def without_epilogue(name: str) -> Path:
         raise SystemExit(f"{name}: not a one-tile bsr_linear kernel (no main loop to cut after)")
     cut = cu.index(AFTER_LOOP, loop.end())
     keep = "if (acc_ptr[0] == 12345u && threadIdx.x == 9999) { Y_ptr[0] = 1; }"   # one use of the accumulators
-    (dst / "kernel.cu").write_text(cu[:cut] + keep + cu[cu.rindex("\n}"):])
+    if math_only:
+        body = re.sub(r"\n\s*sparta_st_(s8x2|h2)\(\(?&\(\(\([\w ]+\*\)smem_ptr\)[^\n]*;", "", cu[cut:])
+        (dst / "kernel.cu").write_text(cu[:cut] + keep + body)
+    else:
+        (dst / "kernel.cu").write_text(cu[:cut] + keep + cu[cu.rindex("\n}"):])
     launch = json.loads((dst / "launch.json").read_text())
     for arch, info in launch["cubins"].items():
         _nvcc(dst / "kernel.cu", dst / info["file"], arch)
@@ -45,5 +51,6 @@ def without_epilogue(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    for n in sys.argv[1:]:
-        print(without_epilogue(n))
+    math_only = "--math" in sys.argv[1:]
+    for n in (a for a in sys.argv[1:] if a != "--math"):
+        print(without_epilogue(n, math_only))
