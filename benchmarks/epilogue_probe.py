@@ -29,13 +29,13 @@ AFTER_LOOP = "tvm_builtin_ptx_cp_async_wait_group_async_wait_group_0();\n  __syn
 
 def without_epilogue(name: str, math_only: bool = False) -> Path:
     src, dst = ROOT / name, ROOT / f"{'nomath' if math_only else 'noepi'}_{name}"
+    cu = (src / "kernel.cu").read_text()
+    loop = MAIN_LOOP.search(cu)
+    cut = cu.find(AFTER_LOOP, loop.end()) if loop else -1
+    if cut < 0:       # checked before copying: an uncut copy would be timed as a probe
+        raise SystemExit(f"{name}: not a one-tile bsr_linear kernel (no main loop to cut after)")
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
-    cu = (dst / "kernel.cu").read_text()
-    loop = MAIN_LOOP.search(cu)
-    if loop is None or AFTER_LOOP not in cu[loop.end():]:
-        raise SystemExit(f"{name}: not a one-tile bsr_linear kernel (no main loop to cut after)")
-    cut = cu.index(AFTER_LOOP, loop.end())
     keep = "if (acc_ptr[0] == 12345u && threadIdx.x == 9999) { Y_ptr[0] = 1; }"   # one use of the accumulators
     if math_only:
         body = re.sub(r"\n\s*sparta_st_(s8x2|h2)\(\(?&\(\(\([\w ]+\*\)smem_ptr\)[^\n]*;", "", cu[cut:])

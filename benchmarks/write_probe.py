@@ -38,9 +38,10 @@ def main():
     ys = [torch.empty(m, n, dtype=torch.int8, device="cuda") for _ in range(sets)]
     kern = cupy.RawKernel(SRC, "wtile")
     rows = {"fill_": gpu_kernel_us(lambda i: ys[i].fill_(3), sets)}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def launcher(tm, bn, mfast, threads, persist):
-        grid = 132 * persist if persist else (m // tm) * (n // bn)
+        grid = sms * persist if persist else (m // tm) * (n // bn)     # persist: CTAs per SM, looping over tiles
 
         def fn(i):
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
