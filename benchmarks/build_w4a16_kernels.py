@@ -19,15 +19,19 @@ from read_probe import ReadProbeSpec, read_probe
 from sparta.templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 
 BENCH_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}   # N x K
-# tilings by name: nt<tiles per CTA>w<warps>u<chunks in flight>[_ks<K splits>][f: fold]; the fastest of earlier runs
+# tilings by name: nt<tiles per CTA>w<warps>u<chunks in flight>[_ks<K splits>][f: fold][_b<min CTAs per SM>]; the
+# fastest of earlier runs
 # (RESULTS.md, incl. register prefetch and more split-K shapes, which lost everywhere), with zero points and without
-TILING = re.compile(r"nt(\d+)w(\d+)u(\d+)(?:_ks(\d+))?(f?)")
-BENCH_TILINGS = ["nt2w8u1", "nt4w8u1", "nt2w16u1", "nt4w8u1_ks2", "nt2w16u1f", "nt4w8u1f", "nt4w8u1_ks4f"]
+TILING = re.compile(r"nt(\d+)w(\d+)u(\d+)(?:_ks(\d+))?(f?)(?:_b(\d+))?")
+BENCH_TILINGS = ["nt2w8u1", "nt4w8u1", "nt2w16u1", "nt4w8u1_ks2", "nt2w16u1f", "nt4w8u1f", "nt4w8u1_ks4f",
+                 "nt2w8u1f", "nt2w8u1f_b6", "nt2w16u1f_b3", "nt2w16u1f_b2", "nt4w8u1_b3", "nt4w8u1_b4",
+                 "nt2w8u1_b4", "nt4w8u1_ks2_b3"]
 
 
 def tiling(name: str) -> dict:
-    nt, w, u, ks, fold = TILING.fullmatch(name).groups()
-    return dict(ntile=int(nt), warps=int(w), unroll=int(u), ksplit=int(ks or 1), fold=bool(fold))
+    nt, w, u, ks, fold, ctas = TILING.fullmatch(name).groups()
+    return dict(ntile=int(nt), warps=int(w), unroll=int(u), ksplit=int(ks or 1), fold=bool(fold),
+                min_ctas=int(ctas or 0))
 
 
 PROBE_CONFIGS = [(528, 512, 2), (1056, 256, 2), (264, 1024, 2), (264, 512, 4), (528, 256, 4)]
@@ -53,11 +57,15 @@ def kernels() -> dict:
         "t_m16_sym_g128_nt8w4_ks4": W4A16Spec(16, 517, 2048, group=128, ntile=8, warps=4, unroll=1, ksplit=4),
         "t_m1_asym_g128_fold_nt3_ks5": W4A16Spec(1, 333, 2560, group=128, sym=False, ntile=3, warps=2, fold=True,
                                                   ksplit=5, bias=True),
+        # registers bounded for 3 CTAs per SM (__launch_bounds__), folded, zero points, bias
+        "t_m1_asym_g128_bias_fold_b3": W4A16Spec(1, 333, 1152, group=128, sym=False, bias=True, fold=True,
+                                                  min_ctas=3),
+        "t_m9_sym_g32_nt3w2u2_b8": W4A16Spec(9, 61, 640, group=32, ntile=3, warps=2, unroll=2, min_ctas=8),
     }
     for shape, (n, k) in BENCH_SHAPES.items():
         for m in (1, 16):
             for name in BENCH_TILINGS:
-                if m > 8 and name.endswith("f"):          # folding is slower at 16 rows (RESULTS.md)
+                if m > 8 and tiling(name)["fold"]:        # folding is slower at 16 rows (RESULTS.md)
                     continue
                 for sym in (False, True):
                     specs[f"b_{shape}_m{m}_{name}{'_sym' if sym else ''}"] = W4A16Spec(m, n, k, group=128, sym=sym,

@@ -126,7 +126,7 @@ def _lower(mod, name: str, arch: str = ARCHS[0]) -> tuple[str, dict]:
         raise CodegenError(f"kernel {name!r}: expected one device function, got {[k for k, _ in kernels]}")
     entry, func = kernels[0]
     extents = _thread_extents(func.body, {})
-    sig = re.search(rf"__global__ void (?:__launch_bounds__\(\d+\) )?{re.escape(entry)}\(([^)]*)\)", source)
+    sig = re.search(rf"__global__ void (?:__launch_bounds__\(\d+(?:, \d+)?\) )?{re.escape(entry)}\(([^)]*)\)", source)
     if sig is None:
         raise CodegenError(f"kernel {name!r}: entry {entry!r} not found in the CUDA source")
     args = []

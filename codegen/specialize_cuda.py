@@ -309,13 +309,19 @@ def _gemv_group(params, k: int) -> int:
         else 0
 
 
-def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, group: int):
-    """A dense 4-bit linear of <= 16 rows on the W4A16 GEMV (bias fused; the activation stays a torch op)."""
-    x_name, _, _, m, n, k = view
-    sym = params.zero is None
-    # rows <= 8: two 8-row tiles per CTA over 16 warps; more rows: four tiles over 8 warps (X is re-read per CTA):
-    # the fastest tilings measured by bench_cuda_w4a16
+def gemv_tiling(m: int, n: int, k: int, group: int) -> dict:
+    """The W4A16 GEMV tiling ``compile`` builds for an ``m``-row ``(n, k)`` linear: the fastest measured by
+    ``benchmarks/bench_cuda_w4a16.py`` (RESULTS.md)."""
+    # rows <= 8: two 8-row tiles per CTA over 16 warps; more rows: four tiles over 8 warps (X is re-read per CTA)
     tiling = dict(ntile=2, warps=16, unroll=1) if m <= 8 else dict(ntile=4, warps=8, unroll=1)
+    if m <= 8 and group == 128:
+        # registers bounded so more warps stream weights per SM (H100, 2026-11-23): a grid of many CTAs (large N)
+        # as 8-warp CTAs, 6 per SM (11008x4096: 10.4 -> 10.1 us); long rows on a one-wave grid (K >= 2N) with 64
+        # registers for 2 of 16 warps (4096x11008: 10.5 -> 10.2 us); 4096x4096 is fastest unbounded
+        if n >= 8192:
+            tiling.update(warps=8, min_ctas=6)
+        elif k >= 2 * n:
+            tiling.update(min_ctas=2)
     if m > 8 and k >= 2 * n:
         # few 8-row tiles, long rows: two CTAs split K (4096x11008 at 16 rows: 16.4 -> 14.6 us on the H100;
         # slower where N is large or at batch 1)
@@ -323,9 +329,18 @@ def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, 
     # up to 8 rows, group 128: the scale folded into the fp32 sum per chunk (1-7% faster at batch 1 on the H100;
     # slower at 16 rows, where each chunk folds twice the accumulators)
     tiling["fold"] = group == 128 and m <= 8
+    return tiling
+
+
+def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, group: int):
+    """A dense 4-bit linear of <= 16 rows on the W4A16 GEMV (bias fused; the activation stays a torch op)."""
+    x_name, _, _, m, n, k = view
+    sym = params.zero is None
+    tiling = gemv_tiling(m, n, k, group)
     spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, **tiling,
                      name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}"
-                          f"{'_fold' if tiling['fold'] else ''}{'_ks2' if tiling.get('ksplit') else ''}")
+                          f"{'_fold' if tiling['fold'] else ''}{'_ks2' if tiling.get('ksplit') else ''}"
+                          f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}")
     art = build_cuda(w4a16_gemv, spec)
     scale_el, zero_el = params.expand(k)
     zero = None if sym else zero_el[:, ::group].to(torch.uint8)

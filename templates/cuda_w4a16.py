@@ -23,7 +23,8 @@ scale out of the dequantisation: each chunk's MMAs run on the integer codes minu
 fp16) into fresh accumulators, folded into the sum with one fp32 ``fma`` by the row's scale — 4 fewer
 ``mul.f16x2`` per word of 8 weights (the kernel is instruction-bound, not byte-bound). A CTA owns ``ntile``
 8-row tiles; its ``warps`` split K (chunks round-robin) and reduce through shared memory; bias is fused into
-the fp16 store. ``ksplit > 1`` also splits K across CTAs: each leaves its fp32 partials in the workspace ``P``
+the fp16 store. ``min_ctas`` bounds the registers so that many CTAs fit on an SM (``__launch_bounds__``): the
+streaming kernel is latency-bound, and more resident warps keep more weight bytes in flight. ``ksplit > 1`` also splits K across CTAs: each leaves its fp32 partials in the workspace ``P``
 and counts itself in ``C`` (after a fence); the last of a row block's CTAs to arrive sums the partials in split
 order (deterministic), writes ``Y`` and resets its counter, so ``C`` (zeroed once, :func:`split_buffers`) is
 zero again after every call and CUDA-graph replays need nothing else.
@@ -54,6 +55,7 @@ class W4A16Spec:
     unroll: int = 2                  # K chunks in flight per warp
     fold: bool = False               # scale folded into the fp32 sum per chunk (group 128 only)
     ksplit: int = 1                  # CTAs splitting K per row block (the last to finish sums their partials)
+    min_ctas: int = 0                # > 0: __launch_bounds__(threads, min_ctas), registers capped to fit them per SM
     name: str = "w4a16_gemv"
 
     def __post_init__(self):
@@ -75,6 +77,8 @@ class W4A16Spec:
         if self.warps * self.m * self.ntile * 8 * 4 > 48 * 1024:
             bad.append(f"the reduction across warps needs warps*M*ntile*32 = {self.warps * self.m * self.ntile * 32} "
                        "bytes of shared memory (48 KiB at most): fewer warps or tiles")
+        if self.min_ctas < 0 or self.min_ctas * self.warps > 64:
+            bad.append(f"min_ctas={self.min_ctas}: 0 (no bound) or CTAs of {self.warps} warps that fit 64 per SM")
         if not 1 <= self.ksplit <= -(-self.k // KCHUNK):
             bad.append(f"ksplit {self.ksplit} must be 1..{-(-self.k // KCHUNK)} (the K chunks of 128)")
         if bad:
@@ -99,7 +103,10 @@ class W4A16Spec:
         return self.chunks * KCHUNK // self.group
 
     def key(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.min_ctas:                        # the key of the kernels built before the bound existed
+            del d["min_ctas"]
+        return d
 
 
 def argument_names(spec: W4A16Spec) -> list[str]:
@@ -256,6 +263,7 @@ def w4a16_gemv(spec: W4A16Spec):
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
     sym, use_bias, fold = spec.sym, spec.bias, spec.fold
+    MIN_CTAS, BOUNDED = spec.min_ctas, spec.min_ctas > 0
 
     def acc_value(acc, i, r):                  # the fp32 value of C element r (0..3) of accumulator set i
         if f16acc:
@@ -417,8 +425,13 @@ def w4a16_gemv(spec: W4A16Spec):
         lane = T.meta_var(tx % 32)
         g = T.meta_var(tx % 32 // 4)
         t = T.meta_var(tx % 4)
-        for i in T.unroll(NACC):
-            acc[i] = T.Cast(ACC, 0)
+        if BOUNDED:       # __launch_bounds__(threads, MIN_CTAS): TVM takes it from an attribute on a statement
+            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_CTAS):
+                for i in T.unroll(NACC):
+                    acc[i] = T.Cast(ACC, 0)
+        else:
+            for i in T.unroll(NACC):
+                acc[i] = T.Cast(ACC, 0)
         ctx = T.meta_var((bx, by, warp, lane, g, t))
         ld = T.meta_var((X, Wq, S, Z, wq, sc, sf, zl, zh, xh, xa))
         mm = T.meta_var((wq, sc, sf, zl, zh, xa, b, acc, cacc))

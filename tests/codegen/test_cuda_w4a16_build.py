@@ -98,6 +98,8 @@ def test_bad_specs_are_refused():
         W4A16Spec(1, 64, 128, group=64, fold=True)
     with pytest.raises(ValueError, match="fold"):
         W4A16Spec(1, 64, 128, acc="float16", fold=True)
+    with pytest.raises(ValueError, match="min_ctas"):
+        W4A16Spec(1, 64, 128, warps=16, min_ctas=5)         # 80 warps do not fit on an SM
     with pytest.raises(ValueError, match="ksplit"):
         W4A16Spec(1, 64, 384, ksplit=4)                     # 3 chunks of 128 cannot split 4 ways
     with pytest.raises(ValueError, match="shared memory"):
@@ -136,3 +138,23 @@ def test_w4a16_kernel_builds_with_lop3_dequant_and_mma(tmp_path, monkeypatch, sp
     assert args["Wq"]["shape"] == [spec.tiles, spec.chunks, 32, 4] and args["X"]["shape"] == [spec.m, spec.k]
     assert launch["grid"][:2] == [-(-spec.tiles // spec.ntile), spec.ksplit] and launch["block"][0] == 32 * spec.warps
     assert ("atomicAdd" in src) == (spec.ksplit > 1), "split K counts arrivals; one CTA per row block does not"
+
+
+@needs_nvcc
+def test_min_ctas_bounds_the_registers_through_launch_bounds(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = W4A16Spec(1, 333, 1152, sym=False, bias=True, fold=True, warps=8, min_ctas=6, name="probe_w4_bounded")
+    art = build_cuda(w4a16_gemv, spec)
+    assert "__launch_bounds__(256, 6)" in (art.path / "kernel.cu").read_text()
+    assert art.launch["block"][0] == 256 and {a["name"] for a in art.launch["args"]} == set(argument_names(spec))
+    assert "min_ctas" in spec.key() and "min_ctas" not in W4A16Spec(1, 333, 1152).key()   # old keys unchanged
+
+
+def test_compile_picks_the_measured_gemv_tilings():
+    from sparta.codegen.specialize_cuda import gemv_tiling
+    assert gemv_tiling(1, 11008, 4096, 128) == dict(ntile=2, warps=8, unroll=1, min_ctas=6, fold=True)
+    assert gemv_tiling(1, 4096, 11008, 128) == dict(ntile=2, warps=16, unroll=1, min_ctas=2, fold=True)
+    assert gemv_tiling(1, 4096, 4096, 128) == dict(ntile=2, warps=16, unroll=1, fold=True)
+    assert gemv_tiling(16, 1024, 2048, 64) == dict(ntile=4, warps=8, unroll=1, ksplit=2, fold=False)
+    for m, n, k, g in [(1, 11008, 4096, 128), (8, 4096, 11008, 128), (16, 1024, 2048, 64), (3, 300, 640, 32)]:
+        W4A16Spec(m, n, k, group=g, **gemv_tiling(m, n, k, g))          # every pick is a valid spec
