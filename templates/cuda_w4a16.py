@@ -21,13 +21,14 @@ MMA wants them, with no register moves, and one MMA covers 16 weight rows. Accum
 (``acc="float32"``) or fp16 (``acc="float16"``). ``fold=True`` (groups of 128, fp32 accumulation) leaves the
 scale out of the dequantisation: each chunk's MMAs run on the integer codes minus the zero point (exact in
 fp16) into fresh accumulators, folded into the sum with one fp32 ``fma`` by the row's scale — 4 fewer
-``mul.f16x2`` per word of 8 weights (the kernel is instruction-bound, not byte-bound). A CTA owns ``ntile``
-8-row tiles; its ``warps`` split K (chunks round-robin) and reduce through shared memory; bias is fused into
-the fp16 store. ``min_ctas`` bounds the registers so that many CTAs fit on an SM (``__launch_bounds__``): the
-streaming kernel is latency-bound, and more resident warps keep more weight bytes in flight. ``ksplit > 1`` also splits K across CTAs: each leaves its fp32 partials in the workspace ``P``
-and counts itself in ``C`` (after a fence); the last of a row block's CTAs to arrive sums the partials in split
-order (deterministic), writes ``Y`` and resets its counter, so ``C`` (zeroed once, :func:`split_buffers`) is
-zero again after every call and CUDA-graph replays need nothing else.
+``mul.f16x2`` per word of 8 weights. A CTA owns ``ntile`` 8-row tiles; its ``warps`` split K (chunks
+round-robin) and reduce through shared memory; bias is fused into the fp16 store. ``min_ctas`` bounds the
+registers (``__launch_bounds__(threads, min_ctas)``) so that many CTAs fit on an SM: each warp has one chunk of
+weights in flight at a time, so the bytes in flight grow with the warps an SM holds. ``ksplit > 1`` also splits K
+across CTAs: each leaves its fp32 partials in the workspace ``P`` and counts itself in ``C`` (after a fence);
+the last of a row block's CTAs to arrive sums the partials in split order (deterministic), writes ``Y`` and
+resets its counter, so ``C`` (zeroed once, :func:`split_buffers`) is zero again after every call and CUDA-graph
+replays need nothing else.
 """
 
 from __future__ import annotations
