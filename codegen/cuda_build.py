@@ -69,16 +69,22 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     def write(launch_path: Path):
         folder = launch_path.parent
         (folder / "kernel.cu").write_text(source)
-        launch["cubins"] = {}
-        for arch in archs:
-            cubin = folder / f"kernel.{arch}.cubin"
-            _nvcc(folder / "kernel.cu", cubin, arch)
-            launch["cubins"][arch] = {"file": cubin.name, "sha256": cache.file_digest(cubin)}
+        launch["cubins"] = compile_cubins(folder, archs)
         launch_path.write_text(json.dumps(launch, indent=1))
         _write_spec(folder, spec)
 
     path = cache.store(key, "launch.json", write, {"name": spec.name, "kind": "cuda"})
     return CudaArtifact(path.parent, json.loads(path.read_text()), False, time.perf_counter() - t0)
+
+
+def compile_cubins(folder: Path, archs) -> dict:
+    """nvcc ``folder/kernel.cu`` into ``kernel.<arch>.cubin`` for each arch: launch.json's ``cubins`` entry."""
+    cubins = {}
+    for arch in archs:
+        cubin = folder / f"kernel.{arch}.cubin"
+        _nvcc(folder / "kernel.cu", cubin, arch)
+        cubins[arch] = {"file": cubin.name, "sha256": cache.file_digest(cubin)}
+    return cubins
 
 
 def _write_spec(folder: Path, spec) -> None:

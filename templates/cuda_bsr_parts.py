@@ -109,12 +109,17 @@ _SHARED_IO = {             # one source per device function: TVM keeps one sourc
 }
 
 
-def shared_io(fn: str, *args):
-    """TIR: a plain shared-memory access through a device function (invisible to TVM's barrier insertion)."""
+def device_call(sources: dict, fn: str, *args):
+    """TIR: a call of the void device function ``sparta_<fn>`` whose (parameters, body) are ``sources[fn]``."""
     from tvm.script import tirx as T
-    params, body = _SHARED_IO[fn]
+    params, body = sources[fn]
     src = f"__device__ __forceinline__ void sparta_{fn}({params}) {{ {body} }}\n"
     return T.cuda.func_call(f"sparta_{fn}", *args, source_code=src, return_type="void")
+
+
+def shared_io(fn: str, *args):
+    """TIR: a plain shared-memory access through a device function (invisible to TVM's barrier insertion)."""
+    return device_call(_SHARED_IO, fn, *args)
 
 
 class Movement:

@@ -19,7 +19,7 @@ arguments, epilogue and output staging as the other kernels.
 from __future__ import annotations
 
 from .cuda_bsr import BsrSpec
-from .cuda_bsr_parts import FragmentEpilogue, Movement
+from .cuda_bsr_parts import FragmentEpilogue, Movement, device_call
 from .cuda_bsr_wgmma import WgmmaIssue
 
 _SMEM = "(unsigned)__cvta_generic_to_shared(bar)"
@@ -39,9 +39,7 @@ _SYNC_SOURCES = {          # one source per device function: TVM keeps one sourc
 def _sync(fn: str, *args):
     """TIR: a call of one of the mbarrier / named-barrier device functions (inline PTX)."""
     from tvm.script import tirx as T
-    params, body = _SYNC_SOURCES[fn]
-    src = f"__device__ __forceinline__ void sparta_{fn}({params}) {{ {body} }}\n"
-    return T.evaluate(T.cuda.func_call(f"sparta_{fn}", *args, source_code=src, return_type="void"))
+    return T.evaluate(device_call(_SYNC_SOURCES, fn, *args))
 
 
 def bsr_linear_wgmma_ws(spec: BsrSpec):
