@@ -32,7 +32,9 @@ from sparta.templates.cuda_bsr_ref import quantize_rows, reference_int8
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}
-PROBES = ("noepi", "nomath")     # benchmarks/epilogue_probe.py: kernels without their epilogue / its arithmetic
+# benchmarks/epilogue_probe.py: kernels without their epilogue / its arithmetic; "ab": an earlier build of a tile
+# copied beside it as ab_<name> (an A/B of a template change in one process)
+PROBES = ("noepi", "nomath", "ab")
 
 
 def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: float, peak: float) -> dict:

@@ -62,7 +62,10 @@ INT8_TILES = {"i8_t128x128k64": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=2
               "i8_b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
               "i8_b64_t128": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3),
               "i8_b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=2, stages=3),
-              "i8_b64_t64s2g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=8),
+              **{f"i8_b64_t64s2g{g}": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=g)
+                 for g in (4, 6, 8, 12)},
+              "i8_b64_t64s3g8": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3, groups=8),
+              "i8_b64_t128s2g4": dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=2, groups=4),
               "i8_b64_t32s2g4": dict(bn=64, bk=64, tm=32, warps_m=1, warps_n=2, stages=2, groups=4),
               "i8_b64_t64": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3)}
 
@@ -88,7 +91,8 @@ WGMMA_TILES = {"t128x128k64wg": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1
                "b64_t256wg": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=4, **WG)}
 # W8A8 tiles also built with the requantising epilogue (out="int8": the codes a W8A8 reader takes), "<tile>_q8"
 INT8_Q8_TILES = ("i8_t128x128k64", "i8_t128x256k128wg", "i8_t128x192k128wg", "i8_t128x128k128wg", "i8_b32_t128",
-                 "i8_b64_t128", "i8_b64_t64s2g8", "i8_t128x192k128wgs5", "i8_t128x256k128pp", "i8_t128x192k128p",
+                 "i8_b64_t128", "i8_b64_t64s2g4", "i8_b64_t64s2g6", "i8_b64_t64s2g8", "i8_b64_t64s2g12",
+                 "i8_b64_t64s3g8", "i8_b64_t128s2g4", "i8_t128x192k128wgs5", "i8_t128x256k128pp", "i8_t128x192k128p",
                  "i8_t128x128k64wgs6", "i8_b64_t64", "i8_b64_t128wg")
 INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
                     "i8_t128x256k128wg": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
@@ -197,6 +201,14 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         "t_stream_i8_gelu_q8": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
                                        act="gelu_erf", dtype="int8", groups=2, out="int8"),
         "t_odd_gelu_q8": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", out="int8"),
+        # no activation or ReLU: RN(1/s) folded into the staged column constants, in every kernel kind
+        "t_odd_q8": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, out="int8"),
+        "t_wg_i8_dense_192_relu_q8": BsrSpec(300, 384, 256, act="relu", dtype="int8", out="int8",
+                                             **int8_dense_tiles(300, 384)[1]),
+        "t_stream_i8_q8": BsrSpec(257, 192, 320, bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, dtype="int8",
+                                  groups=3, out="int8"),
+        "t_ws_i8_relu_q8": BsrSpec(300, 100, 320, bn=32, bk=64, tm=64, warps_m=1, stages=3, act="relu", dtype="int8",
+                                   out="int8", ctas=3, **WGP),
         # W4A16 (int4 records, lop3 dequantisation): odd M, ragged N/K, zero points, const table, M of 16
         "t_w4_odd_gelu": BsrSpec(200, 96, 200, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", dtype="w4a16"),
         "t_w4_ragged_zero_relu": BsrSpec(130, 100, 200, bn=32, bk=64, tm=64, warps_m=2, stages=2, act="relu",

@@ -176,10 +176,10 @@ class BsrSpec:
 
     @property
     def shared_bytes(self) -> int:
-        if self.groups:                              # streaming: the output tile beside the stages
-            return (self.stages * self._stage_lanes + self.out_lanes) * 2
         if self.producer:                            # + the mbarrier rings (full, empty: 8 bytes each)
             return self.barrier_offset + 16 * self.stages
+        if self.groups:                              # streaming: two buffers of column constants
+            return self.const_offset + 2 * self.bn * 8
         return self.const_offset + self.bn * 8
 
     @property
@@ -189,10 +189,10 @@ class BsrSpec:
     @property
     def const_offset(self) -> int:
         """Byte offset in shared memory of the epilogue's fp32 column constants (``FragmentEpilogue``; two buffers
-        in a producer kernel): after the stages and the staged output tile, which overlays the stages unless the
-        grid is persistent."""
+        in a producer or a streaming kernel): after the stages and the staged output tile, which overlays the stages
+        unless the grid is persistent or streaming."""
         stages = self.stages * self._stage_lanes
-        body = stages + self.out_lanes if self.ctas else max(stages, self.out_lanes)
+        body = stages + self.out_lanes if self.ctas or self.groups else max(stages, self.out_lanes)
         return -(-body * 2 // 16) * 16
 
     @property
@@ -308,7 +308,7 @@ def bsr_linear(spec: BsrSpec):
         row = tab(Tab, by * 3)
         first = tab(Tab, by * 3 + 1)
         count = tab(Tab, by * 3 + 2)
-        epi.load_constants(cst, WS, B, tx, row, 0)
+        epi.load_constants(cst, WS, B, OS, tx, row, 0)
         for i in T.unroll(MI * NI * 4):
             acc[i] = T.Cast(ACC, 0)
         for s in T.unroll(S - 1):                      # prologue: stages 0 .. S-2 in flight

@@ -83,21 +83,18 @@ def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
 ROUND_MAGIC = 12582912.0   # 1.5·2²³: x + ROUND_MAGIC, for |x| < 2²², is RN-even(x) in the low mantissa bits
 
 
-def requantize(v, r):
-    """TIR: the int8 code of fp32 ``v`` at a static scale ``s``, ``r`` = RN(1/s): round(v·r) half to even, clamped
-    to ±127 — ``cuda_bsr_ref.requantize``'s arithmetic, bit for bit (:func:`requantize_bits`' low byte)."""
-    from tvm.script import tirx as T
-    return T.Cast("int8", requantize_bits(v, r))
-
-
-def requantize_bits(v, r):
-    """TIR int32 whose low byte is :func:`requantize`'s code: the bits of fp32 ``M + clamp(round(v·r), ±127)``,
-    ``M`` = 1.5·2²³. Adding ``M`` to RN(v·r) rounds it to an integer, half to even (the sum's ulp is 1), and the
-    clamp works on the sum; no float→int conversion, which issues at a quarter of the FP32 rate and bounded the
-    int8-output epilogue. ``__fmul_rn``/``__fadd_rn`` keep nvcc from fusing the two roundings into one ``fma``."""
+def requantize_bits(v, r=None):
+    """TIR int32 whose low byte is the int8 code of fp32 ``v`` at a static scale ``s``, ``r`` = RN(1/s) (None: ``v``
+    is ``y · r`` already): round(v·r) half to even, clamped to ±127 — ``cuda_bsr_ref.requantize``'s arithmetic, bit
+    for bit. The bits of fp32 ``M + clamp(round(v·r), ±127)``, ``M`` = 1.5·2²³. Adding ``M`` to RN(v·r) rounds it to
+    an integer, half to even (the sum's ulp is 1), and the clamp works on the sum; no float→int conversion, which
+    issues at a quarter of the FP32 rate and bounded the int8-output epilogue. ``__fmul_rn``/``__fadd_rn`` keep nvcc
+    from fusing the two roundings into one ``fma``."""
     from tvm.script import tirx as T
     m = T.float32(ROUND_MAGIC)
-    t = T.call_pure_extern("float32", "__fadd_rn", T.call_pure_extern("float32", "__fmul_rn", v, r), m)
+    if r is not None:
+        v = T.call_pure_extern("float32", "__fmul_rn", v, r)
+    t = T.call_pure_extern("float32", "__fadd_rn", v, m)
     return T.reinterpret("int32", T.max(T.min(t, m + T.float32(127)), m - T.float32(127)))
 
 
@@ -125,8 +122,8 @@ def shared_io(fn: str, *args):
 class Movement:
     """What the ``mma.sync`` and ``wgmma`` kernels share: the table lookup, the ``cp.async`` stage
     loader into XOR-swizzled shared memory (for ``bk`` of 16/32/64 lanes this is exactly the
-    32/64/128-byte swizzle that wgmma's shared-memory descriptors read), the write of one epilogue value
-    into the output tile staged in shared memory (fp16, or an int8 code) and the tile's coalesced store."""
+    32/64/128-byte swizzle that wgmma's shared-memory descriptors read) and the coalesced store of the output
+    tile staged in shared memory (fp16, or int8 codes)."""
 
     def __init__(self, spec: BsrSpec, threads: int):
         from tvm.script import tirx as T
@@ -176,15 +173,6 @@ class Movement:
         self.load_stage = load_stage
 
         @T.macro
-        def put(smem, smo, OS, out0, lr, lc, v):
-            # fp32 epilogue value v -> element (lr, lc) of the tile at out0 (fp16 lanes): fp16, or its int8 code
-            if OUT8:
-                smo[out0 * 2 + lr * OUT_LD + lc] = requantize(v, OS[1])
-            else:
-                smem[out0 + lr * OUT_LD + lc] = T.Cast("float16", v)
-        self.put = put
-
-        @T.macro
         def store_tile(smem, smo, Y, tx, m0, row, out0):
             # the tile (TM x BN at out0 fp16 lanes, rows OUT_LD elements apart) -> coalesced 16-byte rows of Y
             for it in T.unroll(OUT_ITERS):
@@ -218,43 +206,85 @@ class Movement:
 
 
 class FragmentEpilogue:
-    """The epilogue of the one-tile ``mma.sync`` and the wgmma kernels, over a thread's accumulator fragments:
+    """The epilogue of the ``bsr_linear`` kernels, over a thread's accumulator fragments:
     ``mi`` × ``nj`` tiles of m16n8 (accumulator ``(i·nj + j)·4 + 2h + e`` at row ``r0 + 16i + lane/4 + 8h``,
     column ``c0 + 8j + 2·(lane%4) + e``). Per column pair, (ws, ws', b, b') as fp32 are staged in shared memory
-    once per tile (``load_constants``, into buffer ``buf`` of those at ``spec.const_offset``); then per pair of
-    accumulators one float4 read, ``(acc · xs) · ws + b`` (the reference's order), the activation, and one half2
-    (or two int8 codes) store into the output tile staged at ``out0``. Shared accesses go through device
+    once per tile (``load_constants``, or ``fetch_constants`` a row ahead + ``put_constants``, into buffer ``buf``
+    of those at ``spec.const_offset``); the row scales (int8) by ``stage_tile``, or once by ``load_scales`` with
+    ``scales_once``; then per pair of accumulators one float4 read, ``(acc · xs) · ws + b`` (the reference's
+    order; int8 codes out: times RN(1/s), folded into ws and b where the activation allows), the activation, and
+    one half2 (or two int8 codes) store into the output tile staged at ``out0``. Shared accesses go through device
     functions: TVM's barrier insertion would otherwise fence each constant read against the tile's writes."""
 
-    def __init__(self, spec: BsrSpec, threads: int, mi: int, nj: int):
+    def __init__(self, spec: BsrSpec, threads: int, mi: int, nj: int, scales_once: bool = False):
         from tvm.script import tirx as T
 
         int8, BN, N, M, OUT_LD, PAIRS = spec.dtype == "int8", spec.bn, spec.n, spec.m, spec.out_ld, spec.bn // 2
         one, zero = T.float32(1), T.float32(0)
         const0 = spec.const_offset // 4          # float index
+        ITERS = -(-PAIRS // threads)
+        # int8 codes out, no activation or ReLU (which commutes with a positive scale): RN(1/s) folded into the
+        # staged constants, (acc · xs) · (ws · r) + b · r, one multiply per output fewer; codes differ from the
+        # reference's (y · r rounded once more) only next to a rounding tie, by one
+        fold = spec.out == "int8" and spec.act in ("none", "relu")
 
         def value(a, xs, kc, e):
-            v = T.Cast("float32", T.reinterpret("int32", a)) * xs * kc[e] if int8 else a
+            if int8:
+                v = T.Cast("float32", T.reinterpret("int32", a)) * xs * kc[e]
+            else:
+                v = a * kc[e] if fold else a
             return tir_activate(v, kc[2 + e] if spec.bias else None, spec.act)
 
+        def column_constants(WS, B, OS, c):      # fp32 (ws, b) of column c, times RN(1/s) if folded
+            ws = WS[c] if int8 else one
+            b = T.Cast("float32", B[c]) if spec.bias else zero
+            return (ws * OS[1], b * OS[1]) if fold else (ws, b)
+
         @T.macro
-        def load_constants(cst, WS, B, t, row, buf):
-            for it in T.unroll(-(-PAIRS // threads)):
+        def load_constants(cst, WS, B, OS, t, row, buf):
+            for it in T.unroll(ITERS):
                 p = T.meta_var(t + it * threads)
                 if PAIRS % threads == 0 or p < PAIRS:
-                    c0 = T.meta_var(T.min(row * BN + p * 2, N - 1))
-                    c1 = T.meta_var(T.min(row * BN + p * 2 + 1, N - 1))
+                    k0 = T.meta_var(column_constants(WS, B, OS, T.min(row * BN + p * 2, N - 1)))
+                    k1 = T.meta_var(column_constants(WS, B, OS, T.min(row * BN + p * 2 + 1, N - 1)))
                     T.evaluate(shared_io("st_f32x4", cst.ptr_to([const0 + buf * BN * 2 + p * 4]),
-                                         WS[c0] if int8 else one, WS[c1] if int8 else one,
-                                         T.Cast("float32", B[c0]) if spec.bias else zero,
-                                         T.Cast("float32", B[c1]) if spec.bias else zero))
+                                         k0[0], k1[0], k0[1], k1[1]))
         self.load_constants = load_constants
+        self.held = 4 * ITERS                    # registers of fetch_constants / put_constants
+
+        @T.macro
+        def fetch_constants(kr, WS, B, OS, t, row):
+            # load_constants in two halves: the global loads into registers kr (a row ahead) ...
+            for it in T.unroll(ITERS):
+                p = T.meta_var(t + it * threads)
+                if PAIRS % threads == 0 or p < PAIRS:
+                    for e in T.unroll(2):
+                        k = T.meta_var(column_constants(WS, B, OS, T.min(row * BN + p * 2 + e, N - 1)))
+                        kr[it * 4 + e] = k[0]
+                        kr[it * 4 + 2 + e] = k[1]
+        self.fetch_constants = fetch_constants
+
+        @T.macro
+        def put_constants(cst, kr, t, buf):
+            # ... and their shared stores into buffer ``buf``
+            for it in T.unroll(ITERS):
+                p = T.meta_var(t + it * threads)
+                if PAIRS % threads == 0 or p < PAIRS:
+                    T.evaluate(shared_io("st_f32x4", cst.ptr_to([const0 + buf * BN * 2 + p * 4]),
+                                         kr[it * 4], kr[it * 4 + 1], kr[it * 4 + 2], kr[it * 4 + 3]))
+        self.put_constants = put_constants
+
+        @T.macro
+        def load_scales(xsr, XS, m0, r0, lane):
+            # int8: the per-token scales of the thread's 2·mi rows
+            for r in T.unroll(2 * mi):
+                xsr[r] = XS[T.min(m0 + r0 + r // 2 * 16 + lane // 4 + r % 2 * 8, M - 1)]
+        self.load_scales = load_scales
 
         @T.macro
         def stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, r0, c0, lane, out0, buf):
-            if int8:
-                for r in T.unroll(2 * mi):
-                    xsr[r] = XS[T.min(m0 + r0 + r // 2 * 16 + lane // 4 + r % 2 * 8, M - 1)]
+            if int8 and not scales_once:         # (else the caller ran load_scales once)
+                load_scales(xsr, XS, m0, r0, lane)
             for j in T.unroll(nj):
                 T.evaluate(shared_io("ld_f32x4", cst.ptr_to([const0 + buf * BN * 2 + (c0 + j * 8) * 2 +
                                                              (lane % 4) * 4]), kc.ptr_to([0])))
@@ -266,18 +296,11 @@ class FragmentEpilogue:
                             yv[e] = value(acc[(i * nj + j) * 4 + h * 2 + e], xsr[i * 2 + h], kc, e)
                         if spec.out == "int8":
                             T.evaluate(shared_io("st_s8x2", smo.ptr_to([out0 * 2 + lr * OUT_LD + lc]),
-                                                 requantize_bits(yv[0], OS[1]), requantize_bits(yv[1], OS[1])))
+                                                 requantize_bits(yv[0], None if fold else OS[1]),
+                                                 requantize_bits(yv[1], None if fold else OS[1])))
                         else:
                             T.evaluate(shared_io("st_h2", smem.ptr_to([out0 + lr * OUT_LD + lc]), yv[0], yv[1]))
         self.stage_tile = stage_tile
-
-
-def epilogue_value(spec: BsrSpec, v, b, xs, ws):
-    """One accumulator (fp32, or int32 bits for int8) → the fp32 output value (scaled, bias, activation)."""
-    from tvm.script import tirx as T
-    if spec.dtype == "int8":
-        v = T.Cast("float32", T.reinterpret("int32", v)) * xs * ws
-    return tir_activate(v, b if spec.bias else None, spec.act)
 
 
 class WarpMma:

@@ -6,8 +6,9 @@ group ``g`` in turn (``cuda_bsr_ref.build_table`` deals the rows to the groups, 
 their kept blocks plus output tiles balance). The ``cp.async`` pipeline runs over the group's
 kept blocks as one stream, across row boundaries, so the next row's blocks are loading while a
 row's epilogue runs; the output tile has its own shared memory beside the stages (coalesced
-16-byte stores), so it streams out behind the MMAs. Rows with no kept block store bias + activation
-only.
+16-byte stores), so it streams out behind the MMAs. The epilogue is ``cuda_bsr_parts.FragmentEpilogue``: a
+row's column constants (weight scales, bias) are read into registers a row ahead and staged in shared memory
+(two buffers), the int8 row scales once per CTA. Rows with no kept block store bias + activation only.
 
 Same packed weights, scales, arguments and epilogue as ``templates/cuda_bsr.py`` (``mma.sync``;
 fp16, int8 and W4A16 operands); the table carries (first slot, first block) per group after the slots.
@@ -16,7 +17,7 @@ fp16, int8 and W4A16 operands); the table carries (first slot, first block) per 
 from __future__ import annotations
 
 from .cuda_bsr import BsrSpec
-from .cuda_bsr_parts import Movement, WarpMma, epilogue_value
+from .cuda_bsr_parts import FragmentEpilogue, Movement, WarpMma
 
 
 def bsr_linear_stream(spec: BsrSpec):
@@ -25,40 +26,18 @@ def bsr_linear_stream(spec: BsrSpec):
     from tvm.script import tirx as T
 
     w4, int8 = spec.dtype == "w4a16", spec.dtype == "int8"
-    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.bn, spec.stages
+    M, N, K, TM, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
     NT, WN, G = spec.threads, spec.warps_n, spec.groups
     mv = Movement(spec, NT)
     STAGE, HEAD = mv.stage, mv.head
-    tab, load_stage, store_tile, put = mv.tab, mv.load_stage, mv.store_tile, mv.put
+    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
     OUT0 = S * STAGE                                 # the output tile follows the stages
     wmma = WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32
     MARKS = 3 * spec.row_blocks                     # the groups' (first slot, first block) marks
-
-    @T.macro
-    def stage_fragments(smem, smo, OS, acc, bv, xv, wv, lane, wr, wc):
-        # bias + activation, the output tile into its own shared region (the stages keep loading meanwhile)
-        for mi in T.unroll(MI):
-            for ni in T.unroll(NI):
-                for h in T.unroll(2):
-                    for e in T.unroll(2):
-                        lr = T.meta_var(wr * WTM + mi * 16 + lane // 4 + h * 8)
-                        lc = T.meta_var(wc * WTN + ni * 8 + (lane % 4) * 2 + e)
-                        put(smem, smo, OS, OUT0, lr, lc, epilogue_value(
-                            spec, acc[(mi * NI + ni) * 4 + h * 2 + e], bv[ni * 2 + e], xv[mi * 2 + h], wv[ni * 2 + e]))
-
-    @T.macro
-    def load_row_constants(B, WS, bv, wv, lane, wc, row):
-        # the row's bias (and int8 weight scales) into registers before its blocks run: off the critical path
-        for ni in T.unroll(NI):
-            for e in T.unroll(2):
-                c = T.meta_var(T.min(row * BN + wc * WTN + ni * 8 + (lane % 4) * 2 + e, N - 1))
-                if spec.bias:
-                    bv[ni * 2 + e] = B[c]
-                if int8:
-                    wv[ni * 2 + e] = WS[c]
+    epi = FragmentEpilogue(spec, NT, MI, NI, scales_once=True)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
@@ -79,15 +58,17 @@ def bsr_linear_stream(spec: BsrSpec):
         tx = T.launch_thread("threadIdx.x", NT)
         smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
+        cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
         af = T.alloc_buffer((MI * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NI * (4 if w4 else 2),), "uint32", scope="local")
-        bv = T.alloc_buffer((NI * 2,), "float16", scope="local")        # the row's bias,
-        wv = T.alloc_buffer((NI * 2,), "float32", scope="local")        # weight scales (int8)
-        xv = T.alloc_buffer((MI * 2,), "float32", scope="local")        # and the tile's row scales (int8)
+        kr = T.alloc_buffer((epi.held,), "float32", scope="local")      # the next row's column constants
+        kc = T.alloc_buffer((4,), "float32", scope="local")
+        xsr = T.alloc_buffer((2 * MI,), "float32", scope="local")       # the tile's row scales (int8)
+        yv = T.alloc_buffer((2,), "float32", scope="local")
         step = T.alloc_buffer((1,), "int32", scope="local")
         kn = T.alloc_buffer((1,), "int32", scope="local")
-        rc = T.alloc_buffer((4,), "int32", scope="local")               # this slot's (row, count), the next's
+        rc = T.alloc_buffer((6,), "int32", scope="local")               # (row, count) of this slot and the next two
         smw = T.decl_buffer((S * STAGE // 2,), "uint32", data=smem.data, scope="shared.dyn")   # w4a16 views
         smb = T.decl_buffer((S * STAGE * 2,), "uint8", data=smem.data, scope="shared.dyn")
         wq = T.alloc_buffer((NI * KW if w4 else 1,), "uint32", scope="local")
@@ -107,20 +88,25 @@ def bsr_linear_stream(spec: BsrSpec):
         if S - 1 < total:                              # K index of the next block, read one step early
             kn[0] = tab(Tab, HEAD + b0 + S - 1)
         if int8:
-            for mi in T.unroll(MI):
-                for h in T.unroll(2):
-                    xv[mi * 2 + h] = XS[T.min(m0 + wr * WTM + mi * 16 + lane // 4 + h * 8, M - 1)]
+            epi.load_scales(xsr, XS, m0, wr * WTM, lane)
+        for a in T.unroll(2):                          # the first two slots' (row, count), the first's constants
+            if a < slots:
+                rc[2 + 2 * a] = tab(Tab, (slot0 + a) * 3)
+                rc[3 + 2 * a] = tab(Tab, (slot0 + a) * 3 + 2)
         if slots > 0:
-            rc[2] = tab(Tab, slot0 * 3)
-            rc[3] = tab(Tab, slot0 * 3 + 2)
+            epi.fetch_constants(kr, WS, B, OS, tx, rc[2])
         step[0] = 0
         for j in T.serial(slots):
             rc[0] = rc[2]
             rc[1] = rc[3]
-            if j + 1 < slots:                          # the next slot's row and count, read a row early
-                rc[2] = tab(Tab, (slot0 + j + 1) * 3)
-                rc[3] = tab(Tab, (slot0 + j + 1) * 3 + 2)
-            load_row_constants(B, WS, bv, wv, lane, wc, rc[0])
+            rc[2] = rc[4]
+            rc[3] = rc[5]
+            epi.put_constants(cst, kr, tx, j % 2)     # this row's, fetched a row ago; read after the next barrier
+            if j + 1 < slots:                          # the next row's constants (its table entry read a row ago)
+                epi.fetch_constants(kr, WS, B, OS, tx, rc[2])
+            if j + 2 < slots:                          # and the table entry of the row after it
+                rc[4] = tab(Tab, (slot0 + j + 2) * 3)
+                rc[5] = tab(Tab, (slot0 + j + 2) * 3 + 2)
             for i in T.unroll(MI * NI * 4):
                 acc[i] = T.Cast(ACC, 0)
             for _b in T.serial(rc[1]):
@@ -138,7 +124,7 @@ def bsr_linear_stream(spec: BsrSpec):
                     mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
                 step[0] = step[0] + 1
             T.tvm_storage_sync("shared")               # the previous row's tile has been stored
-            stage_fragments(smem, smo, OS, acc, bv, xv, wv, lane, wr, wc)
+            epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, wr * WTM, wc * WTN, lane, OUT0, j % 2)
             T.tvm_storage_sync("shared")
             store_tile(smem, smo, Y, tx, m0, rc[0], OUT0)
         T.evaluate(T.ptx["cp.async.wait_group"](0))

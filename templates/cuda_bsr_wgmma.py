@@ -135,7 +135,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
         count = tab(Tab, by * 3 + 2)
         # one descriptor for the start of shared memory; every operand tile is an offset from it
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, issue.sbo, issue.swizzle)
-        epi.load_constants(cst, WS, B, tx, row, 0)
+        epi.load_constants(cst, WS, B, OS, tx, row, 0)
         for i in T.unroll(NACC):
             acc[i] = T.Cast(ACC, 0)
         # pin the accumulators around the asynchronous span only (a "+" asm while a wgmma group is

@@ -137,7 +137,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                 row = T.meta_var(tab(Tab, slot * 3))
                 count = T.meta_var(tab(Tab, slot * 3 + 2))
                 # this tile's column constants (the other buffer may still be read by the previous epilogue)
-                epi.load_constants(cst, WS, B, ct, row, i % 2)
+                epi.load_constants(cst, WS, B, OS, ct, row, i % 2)
                 for a in T.unroll(NACC):
                     acc[a] = T.Cast(ACC, 0)
                 acc_fence(acc)

@@ -255,6 +255,19 @@ def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
         BsrSpec(64, 64, 64, out="int4")
 
 
+@needs_nvcc
+@pytest.mark.parametrize("kw", [dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=3, act="relu"),
+                                dict(bn=192, bk=128, tm=128, warps_m=2, stages=4, mma="wgmma"),
+                                dict(bn=32, bk=32, tm=64, warps_m=2, stages=3, dtype="float16")])
+def test_int8_output_folds_the_reciprocal_scale_into_the_column_constants(tmp_path, monkeypatch, kw):
+    """Without an activation, or with ReLU, RN(1/scale) multiplies the staged weight scales and bias once per
+    column instead of every output: no ``__fmul_rn`` per code, the constants read ``OS[1]``."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = BsrSpec(257, 384, 320, out="int8", name="probe_fold", **{"dtype": "int8", **kw})
+    src = (build_cuda(bsr_linear, spec).path / "kernel.cu").read_text()
+    assert "max(min(__fadd_rn(" in src and "__fmul_rn" not in src and "* OS_ptr[1])" in src
+
+
 def test_requantize_reference_rounds_half_to_even_and_clamps():
     y = torch.tensor([[0.25, 0.75, -0.25, 1000.0, -1000.0, 0.0]])
     assert requantize(y, 0.5).tolist() == [[0, 2, 0, 127, -127, 0]]
