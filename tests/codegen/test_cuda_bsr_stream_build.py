@@ -67,7 +67,8 @@ def test_streaming_spec_rules():
     plain, stream = BsrSpec(64, 64, 64, **tile), BsrSpec(64, 64, 64, groups=2, **tile)
     assert "groups" not in plain.key() and stream.key()["groups"] == 2     # old kernels keep their cache keys
     assert plain.shared_bytes == 128 * (64 + 8) * 2 + 64 * 8, "the one-tile kernel stages its output tile (+ constants)"
-    assert stream.shared_bytes == (2 * (128 * 16 + 64 * 16) + 128 * (64 + 8)) * 2, "the tile beside the stages"
+    assert stream.shared_bytes == (2 * (128 * 16 + 64 * 16) + 128 * (64 + 8)) * 2 + 2 * 64 * 8, \
+        "the tile beside the stages, then two buffers of column constants"
 
 
 @needs_nvcc
