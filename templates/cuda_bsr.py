@@ -291,6 +291,7 @@ def bsr_linear(spec: BsrSpec):
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
         cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
+        kr = T.alloc_buffer((epi.held,), "float32", scope="local")      # the tile's column constants
         kc = T.alloc_buffer((4,), "float32", scope="local")
         xsr = T.alloc_buffer((2 * MI,), "float32", scope="local")
         yv = T.alloc_buffer((2,), "float32", scope="local")
@@ -308,7 +309,7 @@ def bsr_linear(spec: BsrSpec):
         row = tab(Tab, by * 3)
         first = tab(Tab, by * 3 + 1)
         count = tab(Tab, by * 3 + 2)
-        epi.load_constants(cst, WS, B, OS, tx, row, 0)
+        epi.load_constants(cst, kr, WS, B, OS, tx, row, 0)
         for i in T.unroll(MI * NI * 4):
             acc[i] = T.Cast(ACC, 0)
         for s in T.unroll(S - 1):                      # prologue: stages 0 .. S-2 in flight
@@ -331,7 +332,8 @@ def bsr_linear(spec: BsrSpec):
                 mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                   # every warp is done with the stages
-        epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, wr * WTM, wc * WTN, lane, 0, 0)
+        epi.load_scales(xsr, XS, m0, wr * WTM, lane)
+        epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, wr * WTM, wc * WTN, lane, 0, 0)
         T.tvm_storage_sync("shared")
         store_tile(smem, smo, Y, tx, m0, row, 0)
 

@@ -210,13 +210,13 @@ class FragmentEpilogue:
     ``mi`` × ``nj`` tiles of m16n8 (accumulator ``(i·nj + j)·4 + 2h + e`` at row ``r0 + 16i + lane/4 + 8h``,
     column ``c0 + 8j + 2·(lane%4) + e``). Per column pair, (ws, ws', b, b') as fp32 are staged in shared memory
     once per tile (``load_constants``, or ``fetch_constants`` a row ahead + ``put_constants``, into buffer ``buf``
-    of those at ``spec.const_offset``); the row scales (int8) by ``stage_tile``, or once by ``load_scales`` with
-    ``scales_once``; then per pair of accumulators one float4 read, ``(acc · xs) · ws + b`` (the reference's
-    order; int8 codes out: times RN(1/s), folded into ws and b where the activation allows), the activation, and
-    one half2 (or two int8 codes) store into the output tile staged at ``out0``. Shared accesses go through device
+    of those at ``spec.const_offset``); the int8 row scales by ``load_scales`` (once per M tile); then per pair of
+    accumulators one float4 read, ``(acc · xs) · ws + b`` (the reference's order; int8 codes out: times RN(1/s),
+    folded into ws and b where the activation allows), the activation, and one half2 (or two int8 codes) store
+    into the output tile staged at ``out0``. Shared accesses go through device
     functions: TVM's barrier insertion would otherwise fence each constant read against the tile's writes."""
 
-    def __init__(self, spec: BsrSpec, threads: int, mi: int, nj: int, scales_once: bool = False):
+    def __init__(self, spec: BsrSpec, threads: int, mi: int, nj: int):
         from tvm.script import tirx as T
 
         int8, BN, N, M, OUT_LD, PAIRS = spec.dtype == "int8", spec.bn, spec.n, spec.m, spec.out_ld, spec.bn // 2
@@ -240,21 +240,12 @@ class FragmentEpilogue:
             b = T.Cast("float32", B[c]) if spec.bias else zero
             return (ws * OS[1], b * OS[1]) if fold else (ws, b)
 
-        @T.macro
-        def load_constants(cst, WS, B, OS, t, row, buf):
-            for it in T.unroll(ITERS):
-                p = T.meta_var(t + it * threads)
-                if PAIRS % threads == 0 or p < PAIRS:
-                    k0 = T.meta_var(column_constants(WS, B, OS, T.min(row * BN + p * 2, N - 1)))
-                    k1 = T.meta_var(column_constants(WS, B, OS, T.min(row * BN + p * 2 + 1, N - 1)))
-                    T.evaluate(shared_io("st_f32x4", cst.ptr_to([const0 + buf * BN * 2 + p * 4]),
-                                         k0[0], k1[0], k0[1], k1[1]))
-        self.load_constants = load_constants
-        self.held = 4 * ITERS                    # registers of fetch_constants / put_constants
+        self.held = 4 * ITERS                    # registers kr of fetch_constants / put_constants
 
         @T.macro
         def fetch_constants(kr, WS, B, OS, t, row):
-            # load_constants in two halves: the global loads into registers kr (a row ahead) ...
+            # the column constants of block row ``row``: global loads into registers kr (a streaming kernel: a row
+            # ahead) ...
             for it in T.unroll(ITERS):
                 p = T.meta_var(t + it * threads)
                 if PAIRS % threads == 0 or p < PAIRS:
@@ -275,16 +266,21 @@ class FragmentEpilogue:
         self.put_constants = put_constants
 
         @T.macro
+        def load_constants(cst, kr, WS, B, OS, t, row, buf):
+            fetch_constants(kr, WS, B, OS, t, row)
+            put_constants(cst, kr, t, buf)
+        self.load_constants = load_constants
+
+        @T.macro
         def load_scales(xsr, XS, m0, r0, lane):
-            # int8: the per-token scales of the thread's 2·mi rows
-            for r in T.unroll(2 * mi):
-                xsr[r] = XS[T.min(m0 + r0 + r // 2 * 16 + lane // 4 + r % 2 * 8, M - 1)]
+            # int8: the per-token scales of the thread's 2·mi rows (nothing for other operands)
+            if int8:
+                for r in T.unroll(2 * mi):
+                    xsr[r] = XS[T.min(m0 + r0 + r // 2 * 16 + lane // 4 + r % 2 * 8, M - 1)]
         self.load_scales = load_scales
 
         @T.macro
-        def stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, r0, c0, lane, out0, buf):
-            if int8 and not scales_once:         # (else the caller ran load_scales once)
-                load_scales(xsr, XS, m0, r0, lane)
+        def stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, r0, c0, lane, out0, buf):
             for j in T.unroll(nj):
                 T.evaluate(shared_io("ld_f32x4", cst.ptr_to([const0 + buf * BN * 2 + (c0 + j * 8) * 2 +
                                                              (lane % 4) * 4]), kc.ptr_to([0])))

@@ -25,7 +25,7 @@ def bsr_linear_stream(spec: BsrSpec):
     import tvm
     from tvm.script import tirx as T
 
-    w4, int8 = spec.dtype == "w4a16", spec.dtype == "int8"
+    w4 = spec.dtype == "w4a16"
     M, N, K, TM, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
     NT, WN, G = spec.threads, spec.warps_n, spec.groups
     mv = Movement(spec, NT)
@@ -37,7 +37,7 @@ def bsr_linear_stream(spec: BsrSpec):
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32
     MARKS = 3 * spec.row_blocks                     # the groups' (first slot, first block) marks
-    epi = FragmentEpilogue(spec, NT, MI, NI, scales_once=True)
+    epi = FragmentEpilogue(spec, NT, MI, NI)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
@@ -87,8 +87,7 @@ def bsr_linear_stream(spec: BsrSpec):
             T.evaluate(T.ptx["cp.async.commit_group"]())
         if S - 1 < total:                              # K index of the next block, read one step early
             kn[0] = tab(Tab, HEAD + b0 + S - 1)
-        if int8:
-            epi.load_scales(xsr, XS, m0, wr * WTM, lane)
+        epi.load_scales(xsr, XS, m0, wr * WTM, lane)            # once: the CTA keeps its M tile
         for a in T.unroll(2):                          # the first two slots' (row, count), the first's constants
             if a < slots:
                 rc[2 + 2 * a] = tab(Tab, (slot0 + a) * 3)
@@ -124,7 +123,7 @@ def bsr_linear_stream(spec: BsrSpec):
                     mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
                 step[0] = step[0] + 1
             T.tvm_storage_sync("shared")               # the previous row's tile has been stored
-            epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, wr * WTM, wc * WTN, lane, OUT0, j % 2)
+            epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, wr * WTM, wc * WTN, lane, OUT0, j % 2)
             T.tvm_storage_sync("shared")
             store_tile(smem, smo, Y, tx, m0, rc[0], OUT0)
         T.evaluate(T.ptx["cp.async.wait_group"](0))

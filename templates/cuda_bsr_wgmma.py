@@ -119,6 +119,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
         cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((NACC,), ACC, scope="local")
+        kr = T.alloc_buffer((epi.held,), "float32", scope="local")      # the tile's column constants
         kc = T.alloc_buffer((4,), "float32", scope="local")
         xsr = T.alloc_buffer((2,), "float32", scope="local")
         yv = T.alloc_buffer((2,), "float32", scope="local")
@@ -135,7 +136,7 @@ def bsr_linear_wgmma(spec: BsrSpec):
         count = tab(Tab, by * 3 + 2)
         # one descriptor for the start of shared memory; every operand tile is an offset from it
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, issue.sbo, issue.swizzle)
-        epi.load_constants(cst, WS, B, OS, tx, row, 0)
+        epi.load_constants(cst, kr, WS, B, OS, tx, row, 0)
         for i in T.unroll(NACC):
             acc[i] = T.Cast(ACC, 0)
         # pin the accumulators around the asynchronous span only (a "+" asm while a wgmma group is
@@ -161,7 +162,8 @@ def bsr_linear_wgmma(spec: BsrSpec):
         fence(acc)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.tvm_storage_sync("shared")                    # every warpgroup is done with the stages
-        epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, gm * 64 + wq * 16, gn * WTN, lane, 0, 0)
+        epi.load_scales(xsr, XS, m0, gm * 64 + wq * 16, lane)
+        epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, gm * 64 + wq * 16, gn * WTN, lane, 0, 0)
         T.tvm_storage_sync("shared")
         store_tile(smem, smo, Y, tx, m0, row, 0)
 

@@ -88,6 +88,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")
         cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((NACC,), ACC, scope="local")
+        kr = T.alloc_buffer((epi.held,), "float32", scope="local")      # the tile's column constants
         kc = T.alloc_buffer((4,), "float32", scope="local")
         xsr = T.alloc_buffer((2,), "float32", scope="local")
         yv = T.alloc_buffer((2,), "float32", scope="local")
@@ -137,7 +138,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                 row = T.meta_var(tab(Tab, slot * 3))
                 count = T.meta_var(tab(Tab, slot * 3 + 2))
                 # this tile's column constants (the other buffer may still be read by the previous epilogue)
-                epi.load_constants(cst, WS, B, OS, ct, row, i % 2)
+                epi.load_constants(cst, kr, WS, B, OS, ct, row, i % 2)
                 for a in T.unroll(NACC):
                     acc[a] = T.Cast(ACC, 0)
                 acc_fence(acc)
@@ -152,8 +153,8 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                 if count > 0:
                     _sync("mbar_arrive", bar(smo, S + (cnt[0] - 1) % S))
                 _sync("named_sync", 1, NC)              # the previous tile's store has read the staged tile
-                epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, XS, OS, m0, gm * 64 + wq * 16, gn * WTN, lane,
-                               OUT0, i % 2)
+                epi.load_scales(xsr, XS, m0, gm * 64 + wq * 16, lane)
+                epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, gm * 64 + wq * 16, gn * WTN, lane, OUT0, i % 2)
                 _sync("named_sync", 1, NC)
                 cons.store_tile(smem, smo, Y, ct, m0, row, OUT0)
 
