@@ -93,7 +93,10 @@ WGMMA_TILES = {"t128x128k64wg": dict(bn=128, bk=64, tm=128, warps_m=2, warps_n=1
 INT8_Q8_TILES = ("i8_t128x128k64", "i8_t128x256k128wg", "i8_t128x192k128wg", "i8_t128x128k128wg", "i8_b32_t128",
                  "i8_b64_t128", "i8_b64_t64s2g4", "i8_b64_t64s2g6", "i8_b64_t64s2g8", "i8_b64_t64s2g12",
                  "i8_b64_t64s3g8", "i8_b64_t128s2g4", "i8_t128x192k128wgs5", "i8_t128x256k128pp", "i8_t128x192k128p",
-                 "i8_t128x128k64wgs6", "i8_b64_t64", "i8_b64_t128wg")
+                 "i8_t128x128k64wgs6", "i8_b64_t64", "i8_b64_t128wg", "i8_t128x128k64pp2", "i8_t64x192k64pp2",
+                 "i8_t128x128k128pp2", "i8_t64x192k128pp2", "i8_b64_t128pp2", "i8_b64_t64pp2")
+# built with int8 output only (the fp16 output tile does not fit in shared memory beside their stages)
+INT8_Q8_ONLY = ("i8_t128x128k64pp2s10", "i8_t128x128k128pp2s5")
 INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
                     "i8_t128x256k128wg": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
                     "i8_t128x192k128wg": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
@@ -115,7 +118,17 @@ INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2,
                     "i8_t128x192k128p": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WGP),
                     "i8_t128x256k128p": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WGP),
                     "i8_t128x256k128pp": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=3, ctas=132,
-                                              **WGP)}
+                                              **WGP),
+                    # ping-pong: two consumer warpgroups, a tile and a ring of stages each (persistent, 132 CTAs)
+                    **{f"i8_{t}pp2{sfx}": dict(kw, ctas=132, pingpong=True, **WGP) for t, sfx, kw in (
+                        ("t128x128k64", "", dict(bn=128, bk=64, tm=128, warps_m=2, stages=8)),
+                        ("t64x192k64", "", dict(bn=192, bk=64, tm=64, warps_m=1, stages=8)),
+                        ("t128x128k64", "s10", dict(bn=128, bk=64, tm=128, warps_m=2, stages=10)),
+                        ("t128x128k128", "", dict(bn=128, bk=128, tm=128, warps_m=2, stages=4)),
+                        ("t128x128k128", "s5", dict(bn=128, bk=128, tm=128, warps_m=2, stages=5)),
+                        ("t64x192k128", "", dict(bn=192, bk=128, tm=64, warps_m=1, stages=4)),
+                        ("b64_t128", "", dict(bn=64, bk=64, tm=128, warps_m=2, stages=8)),
+                        ("b64_t64", "", dict(bn=64, bk=64, tm=64, warps_m=1, stages=8)))}}
 
 # W4A16 GEMM (int4 weights dequantised in registers), by M: bench_cuda_w4_gemm.py
 W4_TILES = {"t16x32k128": dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4),
@@ -188,6 +201,16 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                        dtype="int8", ctas=3, **WGP),
         "t_ws_i8_b64_gelu_q8": BsrSpec(257, 192, 320, bn=64, bk=128, tm=128, warps_m=2, stages=4, act="gelu_erf",
                                        dtype="int8", out="int8", ctas=2, **WGP),
+        # ping-pong (two consumer warpgroups, a tile and a ring each): both row halves from one warpgroup, one;
+        # a few CTAs, so each role runs several tiles and its ring wraps
+        "t_pp_i8_relu_q8": BsrSpec(300, 200, 320, bn=64, bk=64, tm=128, warps_m=2, stages=6, act="relu",
+                                   dtype="int8", out="int8", ctas=3, pingpong=True, **WGP),
+        "t_pp_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=1, stages=6, act="gelu", ctas=2,
+                                 pingpong=True, **WGP),
+        "t_pp_i8_dense_gelu_q8": BsrSpec(256, 384, 256, bn=128, bk=64, tm=128, warps_m=2, stages=8, act="gelu_erf",
+                                         dtype="int8", out="int8", ctas=2, pingpong=True, **WGP),
+        "t_pp_i8_k128_nobias": BsrSpec(130, 192, 384, bn=64, bk=128, tm=64, warps_m=1, stages=6, bias=False,
+                                       dtype="int8", ctas=3, pingpong=True, **WGP),
         # the dense W8A8 pair compile() builds (mma.sync fallback + wgmma, same 192x128 blocks)
         "t_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[0]),
         "t_wg_i8_dense_192": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", **int8_dense_tiles(300, 384)[1]),
@@ -225,8 +248,9 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         for tile, kw in {**DENSE_TILES, **SPARSE_TILES, **WGMMA_TILES}.items():
             specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, **kw)
         for tile, kw in {**INT8_TILES, **INT8_WGMMA_TILES}.items():
-            specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, dtype="int8", **kw)
-            if tile in INT8_Q8_TILES:
+            if tile not in INT8_Q8_ONLY:
+                specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, dtype="int8", **kw)
+            if tile in INT8_Q8_TILES or tile in INT8_Q8_ONLY:
                 specs[f"{shape_name}_{tile}_q8"] = BsrSpec(m, n, k, bias=True, dtype="int8", out="int8", **kw)
         for tile in CONST_TILES:                 # dismantled: the benchmark's block patterns baked in
             kw = {**SPARSE_TILES, **WGMMA_TILES}[tile]

@@ -44,7 +44,8 @@ import torch
 from .cuda_bsr_parts import FragmentEpilogue, Movement, WarpMma
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
-OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
+OUTPUTS = ("float16", "int8")
+HOPPER_SHARED_BYTES = 227 * 1024                        # the most dynamic shared memory one sm_90 CTA may have                          # int8: codes of one static scale (requantised)
 # measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
 TUNED_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
                64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
@@ -72,6 +73,7 @@ class BsrSpec:
     out: str = "float16"                              # Y: fp16, or "int8" codes of one static scale
     producer: bool = False                            # wgmma: a producer warpgroup loads, mbarrier rings
     ctas: int = 0                                     # producer: > 0 = a persistent grid of that many CTAs
+    pingpong: bool = False                            # persistent producer: two consumer warpgroups, a tile each
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -109,10 +111,16 @@ class BsrSpec:
         if (self.producer or self.ctas) and (self.mma != "wgmma" or not self.producer or self.ctas < 0):
             bad.append(f"producer={self.producer}, ctas={self.ctas}: a producer warpgroup is for mma 'wgmma', "
                        "and a persistent grid (ctas > 0) for a producer kernel")
+        if self.pingpong and (not self.ctas or self.warps_m > 2 or self.warps_n != 1):
+            bad.append(f"pingpong: for a persistent producer kernel (ctas > 0), warps_m 1 or 2 (m64 rows per "
+                       f"consumer warpgroup) and warps_n 1, not ctas={self.ctas}, {self.warps_m}x{self.warps_n}")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":
             bad += self._wgmma_problems()
+        if not bad and self.mma == "wgmma" and self.shared_bytes > HOPPER_SHARED_BYTES:
+            bad.append(f"wgmma: {self.shared_bytes} bytes of shared memory (stages, output tile, constants) exceed "
+                       f"the {HOPPER_SHARED_BYTES} a Hopper CTA can have: fewer stages or a smaller tile")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -128,8 +136,9 @@ class BsrSpec:
             bad.append(f"wgmma: bk={self.bk} must span 32, 64 or 128 bytes (one swizzle atom)")
         if self.stages < 3:
             bad.append("wgmma: stages must be >= 3 (one stage drains while two load)")
-        if wtn // 2 + (32 if self.producer else 40) > min(255, 65536 // self.threads):   # consumers do no loads
-            bad.append(f"wgmma: {wtn // 2} accumulator registers per thread do not fit beside the rest with "
+        nacc = wtn // 2 * (self.warps_m if self.pingpong else 1)
+        if nacc + (32 if self.producer else 40) > min(255, 65536 // self.threads):   # consumers do no loads
+            bad.append(f"wgmma: {nacc} accumulator registers per thread do not fit beside the rest with "
                        f"{self.threads} threads (65536 registers per SM): fewer warpgroups or a narrower bn")
         return bad
 
@@ -148,6 +157,8 @@ class BsrSpec:
 
     @property
     def threads(self) -> int:
+        if self.pingpong:                            # a producer and two consumer warpgroups
+            return 384
         return (128 if self.mma == "wgmma" else 32) * self.warps_m * self.warps_n + 128 * self.producer
 
     @property
@@ -177,7 +188,7 @@ class BsrSpec:
     @property
     def shared_bytes(self) -> int:
         if self.producer:                            # + the mbarrier rings (full, empty: 8 bytes each)
-            return self.barrier_offset + 16 * self.stages
+            return self.barrier_offset + 16 * self.stages + 16 * self.pingpong   # + two turn barriers
         if self.groups:                              # streaming: two buffers of column constants
             return self.const_offset + 2 * self.bn * 8
         return self.const_offset + self.bn * 8
@@ -192,13 +203,19 @@ class BsrSpec:
         in a producer or a streaming kernel): after the stages and the staged output tile, which overlays the stages
         unless the grid is persistent or streaming."""
         stages = self.stages * self._stage_lanes
-        body = stages + self.out_lanes if self.ctas or self.groups else max(stages, self.out_lanes)
+        body = stages + self.roles * self.out_lanes if self.ctas or self.groups else max(stages, self.out_lanes)
         return -(-body * 2 // 16) * 16
 
     @property
     def barrier_offset(self) -> int:
-        """Byte offset of a producer kernel's mbarrier rings: after its two buffers of column constants."""
-        return self.const_offset + 2 * self.bn * 8
+        """Byte offset of a producer kernel's mbarrier rings: after its two buffers of column constants (per
+        consumer role)."""
+        return self.const_offset + 2 * self.roles * self.bn * 8
+
+    @property
+    def roles(self) -> int:
+        """Consumers that own a tile each: two warpgroups in ping-pong, else all consumer warps together."""
+        return 2 if self.pingpong else 1
 
     @property
     def table_tail(self) -> int:
@@ -230,6 +247,8 @@ class BsrSpec:
             del d["out"]
         if not self.producer:
             del d["producer"], d["ctas"]
+        if not self.pingpong:
+            del d["pingpong"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d

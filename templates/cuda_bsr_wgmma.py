@@ -40,7 +40,8 @@ def _acc_fence_source(n: int, ctype: str) -> tuple[str, str]:
 class WgmmaIssue:
     """What both wgmma kernels issue per stage: the accumulator type and count, the descriptor's swizzle and
     stride, the accumulator fence (``fence``) and ``mma_stage`` — fence, one wgmma per 32 bytes of K from the
-    stage's X rows of warpgroup ``gm`` and W columns of ``gn``, commit, wait until this group alone is pending."""
+    stage's X rows of warpgroup ``gm`` and W columns of ``gn``, commit, wait until this group alone is pending
+    (``mma_stage_rows2``: the same for both 64-row halves of the stage from one warpgroup, two accumulators)."""
 
     def __init__(self, spec: BsrSpec, mv: Movement):
         from tvm.script import tirx as T
@@ -70,14 +71,28 @@ class WgmmaIssue:
         self.fence = fence
 
         @T.macro
-        def mma_stage(acc, desc, gm, gn, stage):
-            T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+        def issue_rows(acc, desc, gm, gn, stage):
             for kk in T.unroll(KSTEPS):          # descriptors advance in 16-byte units: 32 bytes of K per step
                 T.evaluate(wgmma(acc, desc[0] + T.Cast("uint64", (stage * STAGE + gm * 64 * BK) // 8 + kk * 2),
                                  desc[0] + T.Cast("uint64", (stage * STAGE + X_ELEMS + gn * WTN * BK) // 8 + kk * 2)))
+
+        @T.macro
+        def mma_stage(acc, desc, gm, gn, stage):
+            T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+            issue_rows(acc, desc, gm, gn, stage)
             T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
             T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
         self.mma_stage = mma_stage
+
+        @T.macro
+        def mma_stage_rows2(acc, acc2, desc, gn, stage):
+            # one warpgroup, both 64-row halves of the stage: acc rows 0-63, acc2 rows 64-127, one group
+            T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+            issue_rows(acc, desc, 0, gn, stage)
+            issue_rows(acc2, desc, 1, gn, stage)
+            T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
+            T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](1))
+        self.mma_stage_rows2 = mma_stage_rows2
 
 
 def bsr_linear_wgmma(spec: BsrSpec):

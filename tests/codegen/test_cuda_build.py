@@ -142,6 +142,13 @@ def test_bad_specs_are_refused():
         BsrSpec(64, 64, 64, producer=True)
     with pytest.raises(ValueError, match="persistent grid"):
         BsrSpec(64, 64, 64, bn=32, bk=32, tm=64, warps_m=1, mma="wgmma", ctas=4)
+    pp = dict(bn=128, bk=64, tm=128, warps_m=2, dtype="int8", mma="wgmma", producer=True)
+    with pytest.raises(ValueError, match="pingpong: for a persistent producer kernel"):
+        BsrSpec(256, 256, 256, pingpong=True, **pp)               # not persistent
+    with pytest.raises(ValueError, match="pingpong: for a persistent producer kernel"):
+        BsrSpec(256, 256, 256, **{**pp, "tm": 256, "warps_m": 4}, ctas=2, pingpong=True)
+    with pytest.raises(ValueError, match="exceed the 232448 a Hopper CTA can have"):
+        BsrSpec(256, 256, 256, stages=10, ctas=2, pingpong=True, **pp)   # fp16 out tiles beside 10 stages
 
 
 @needs_nvcc
@@ -178,7 +185,8 @@ def test_warp_specialised_wgmma_kernel_builds(tmp_path, monkeypatch):
     src = (art.path / "kernel.cu").read_text()
     for needle in ("mbarrier.init.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
                    "mbarrier.arrive.shared::cta.b64", "fence.mbarrier_init.release.cluster", "bar.sync %0, %1",
-                   "cp.async.wait_group 2", "fence.proxy.async.shared::cta", "wgmma.mma_async.sync.aligned.m64n64k32"):
+                   "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "fence.proxy.async.shared::cta",
+                   "wgmma.mma_async.sync.aligned.m64n64k32"):
         assert needle in src, f"{needle} is emitted"
     assert art.launch["grid"] == [2, 1, 1] and art.launch["block"] == [384, 1, 1]
     assert art.launch["shared_bytes"] == spec.shared_bytes
@@ -186,6 +194,28 @@ def test_warp_specialised_wgmma_kernel_builds(tmp_path, monkeypatch):
     from sparta.templates import cuda_bsr
     assert {"sparta.templates.cuda_bsr_wgmma_ws", "sparta.templates.cuda_bsr_wgmma"} <= \
         _relative_imports(cuda_bsr.__name__), "editing the variants changes the cache key"
+
+
+@needs_nvcc
+def test_pingpong_kernel_builds(tmp_path, monkeypatch):
+    """Two consumer warpgroups take alternate tiles (both 64-row halves each): 384 threads, an output tile and two
+    constant buffers per role, two turn barriers after the rings; each role syncs on its own named barrier and
+    issues the wgmmas of both halves; no accumulator spills."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = BsrSpec(300, 256, 320, bn=128, bk=64, tm=128, warps_m=2, stages=6, act="relu", dtype="int8",
+                   out="int8", mma="wgmma", producer=True, ctas=3, pingpong=True, name="probe_pp")
+    stage = spec.tm * spec.bk // 2 + spec.w_lanes
+    assert spec.threads == 384 and spec.roles == 2
+    assert spec.const_offset == -(-(6 * stage + 2 * spec.out_lanes) * 2 // 16) * 16
+    assert spec.shared_bytes == spec.const_offset + 4 * 128 * 8 + 16 * 6 + 16
+    art = build_cuda(bsr_linear, spec)
+    src = (art.path / "kernel.cu").read_text()
+    body = src[src.index("probe_pp_kernel("):]
+    assert "uint acc2_ptr[64]" in body and "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in src
+    assert body.count("sparta_named_sync((((int)threadIdx.x) >> 7), 128)") == 2, "a named barrier per role (1, 2)"
+    assert art.launch["grid"] == [3, 1, 1] and art.launch["block"] == [384, 1, 1]
+    assert art.launch["shared_bytes"] == spec.shared_bytes
+    assert BsrSpec(**{**spec.__dict__, "pingpong": False}).key() != spec.key()
 
 
 @needs_nvcc
