@@ -140,6 +140,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                                     first + t)
                     _sync("cp_async_arrive", bar(smo, cnt[0] % S))  # full[s] once this thread's copies have landed
                     cnt[0] = cnt[0] + 1
+            T.evaluate(T.ptx["cp.async.commit_group"]())       # (wait_group counts committed groups only)
             T.evaluate(T.ptx["cp.async.wait_group"](0))
         else:                                           # the consumer warpgroups
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, issue.sbo,
