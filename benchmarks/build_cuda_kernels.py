@@ -96,7 +96,7 @@ INT8_Q8_TILES = ("i8_t128x128k64", "i8_t128x256k128wg", "i8_t128x192k128wg", "i8
                  "i8_t128x128k64wgs6", "i8_b64_t64", "i8_b64_t128wg", "i8_t128x128k64pp2", "i8_t64x192k64pp2",
                  "i8_t128x128k128pp2", "i8_t64x192k128pp2", "i8_b64_t128pp2", "i8_b64_t64pp2")
 # built with int8 output only (the fp16 output tile does not fit in shared memory beside their stages)
-INT8_Q8_ONLY = ("i8_t128x128k64pp2s10", "i8_t128x128k128pp2s5")
+INT8_Q8_ONLY = ("i8_t128x128k64pp2s10", "i8_t128x128k128pp2s5", "i8_t128x192k128pp2", "i8_t128x192k64pp2")
 INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
                     "i8_t128x256k128wg": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
                     "i8_t128x192k128wg": dict(bn=192, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
@@ -126,6 +126,9 @@ INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2,
                         ("t128x128k64", "s10", dict(bn=128, bk=64, tm=128, warps_m=2, stages=10)),
                         ("t128x128k128", "", dict(bn=128, bk=128, tm=128, warps_m=2, stages=4)),
                         ("t128x128k128", "s5", dict(bn=128, bk=128, tm=128, warps_m=2, stages=5)),
+                        # 192 accumulator registers per consumer thread: setmaxnreg moves registers from the producer
+                        ("t128x192k128", "", dict(bn=192, bk=128, tm=128, warps_m=2, stages=4)),
+                        ("t128x192k64", "", dict(bn=192, bk=64, tm=128, warps_m=2, stages=7)),
                         ("t64x192k128", "", dict(bn=192, bk=128, tm=64, warps_m=1, stages=4)),
                         ("b64_t128", "", dict(bn=64, bk=64, tm=128, warps_m=2, stages=8)),
                         ("b64_t64", "", dict(bn=64, bk=64, tm=64, warps_m=1, stages=8)))}}
@@ -209,6 +212,8 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                  pingpong=True, **WGP),
         "t_pp_i8_dense_gelu_q8": BsrSpec(256, 384, 256, bn=128, bk=64, tm=128, warps_m=2, stages=8, act="gelu_erf",
                                          dtype="int8", out="int8", ctas=2, pingpong=True, **WGP),
+        "t_pp_i8_192_relu_q8": BsrSpec(300, 384, 256, bn=192, bk=64, tm=128, warps_m=2, stages=4, act="relu",
+                                       dtype="int8", out="int8", ctas=2, pingpong=True, **WGP),
         "t_pp_i8_k128_nobias": BsrSpec(130, 192, 384, bn=64, bk=128, tm=64, warps_m=1, stages=6, bias=False,
                                        dtype="int8", ctas=3, pingpong=True, **WGP),
         # the dense W8A8 pair compile() builds (mma.sync fallback + wgmma, same 192x128 blocks)

@@ -137,7 +137,8 @@ class BsrSpec:
         if self.stages < 3:
             bad.append("wgmma: stages must be >= 3 (one stage drains while two load)")
         nacc = wtn // 2 * (self.warps_m if self.pingpong else 1)
-        if nacc + (32 if self.producer else 40) > min(255, 65536 // self.threads):   # consumers do no loads
+        budget = 232 if self.pingpong else min(255, 65536 // self.threads)    # ping-pong: setmaxnreg 40 / 232
+        if nacc + (32 if self.producer else 40) > budget:   # consumers do no loads
             bad.append(f"wgmma: {nacc} accumulator registers per thread do not fit beside the rest with "
                        f"{self.threads} threads (65536 registers per SM): fewer warpgroups or a narrower bn")
         return bad

@@ -20,8 +20,9 @@ buffers and named barrier, so one role's epilogue runs while the other's wgmmas 
 share the one ring; a role skips the other's stages by count. Two ``turn`` mbarriers order the roles: role r
 starts tile i only after the other role has passed the full barriers of tile i - 1 — the mainloops alternate,
 and no role waits on a full barrier whose previous phase is still pending (an mbarrier parity names a phase
-only modulo two). Same spec, table, packed weights, arguments, epilogue and output staging as the other
-kernels.
+only modulo two). A role with more than 96 accumulator registers per thread (128×128 and 128×192 tiles: 128, 192)
+takes registers from the producer: ``setmaxnreg`` 40 for the producer, 232 for the consumers. Same spec, table, packed
+weights, arguments, epilogue and output staging as the other kernels.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ _SYNC_SOURCES = {          # one source per device function: TVM keeps one sourc
                   f'done, [%0], %1;\\n @!done bra WAIT_%=;\\n}}" :: "r"({_SMEM}), "r"(parity) : "memory");'),
     "cp_async_arrive": ("void* bar", 'asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: '
                                      f'"r"({_SMEM}) : "memory");'),
+    "setmaxnreg_dec": ("", 'asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");'),
+    "setmaxnreg_inc": ("", 'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");'),
     "named_sync": ("int id, int threads", 'asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");'),
     "fence_mbar_init": ("", 'asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");'),
 }
@@ -64,6 +67,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
     RT = (NT - 128) // RO                    # consumer threads per role
     ROWS2 = spec.pingpong and spec.warps_m == 2      # a ping-pong warpgroup issues both 64-row halves
     WTN = BN // GN
+    REALLOC = spec.pingpong and WTN // 2 * spec.warps_m > 96    # registers from the producer to the consumers
     R, MT = spec.row_blocks, -(-M // TM)
     TILES = MT * R
     P = min(spec.ctas, TILES) if spec.ctas else TILES
@@ -130,6 +134,8 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
         T.tvm_storage_sync("shared")
         cnt[0] = 0
         if tx < 128:                                    # the producer warpgroup
+            if REALLOC:
+                _sync("setmaxnreg_dec")
             for i in T.serial(ntiles):
                 tile = T.meta_var(bx + i * P)
                 slot = T.meta_var(tile // MT)
@@ -143,6 +149,8 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
             T.evaluate(T.ptx["cp.async.commit_group"]())       # (wait_group counts committed groups only)
             T.evaluate(T.ptx["cp.async.wait_group"](0))
         else:                                           # the consumer warpgroups
+            if REALLOC:
+                _sync("setmaxnreg_inc")
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, issue.sbo,
                                                   issue.swizzle)
             for i in T.serial(ntiles):

@@ -216,6 +216,10 @@ def test_pingpong_kernel_builds(tmp_path, monkeypatch):
     assert art.launch["grid"] == [3, 1, 1] and art.launch["block"] == [384, 1, 1]
     assert art.launch["shared_bytes"] == spec.shared_bytes
     assert BsrSpec(**{**spec.__dict__, "pingpong": False}).key() != spec.key()
+    # 128 accumulator registers per consumer thread: registers move from the producer (setmaxnreg); 32 do not
+    assert "setmaxnreg.dec.sync.aligned.u32 40" in src and "setmaxnreg.inc.sync.aligned.u32 232" in src
+    narrow = BsrSpec(**{**spec.__dict__, "bn": 64, "tm": 64, "warps_m": 1, "name": "probe_pp64"})
+    assert "setmaxnreg" not in (build_cuda(bsr_linear, narrow).path / "kernel.cu").read_text()
 
 
 @needs_nvcc
