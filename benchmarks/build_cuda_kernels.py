@@ -119,7 +119,7 @@ INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2,
                     "i8_t128x256k128p": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WGP),
                     "i8_t128x256k128pp": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=3, ctas=132,
                                               **WGP),
-                    # ping-pong: two consumer warpgroups, a tile and a ring of stages each (persistent, 132 CTAs)
+                    # ping-pong: two consumer warpgroups take alternate tiles from one ring (persistent, 132 CTAs)
                     **{f"i8_{t}pp2{sfx}": dict(kw, ctas=132, pingpong=True, **WGP) for t, sfx, kw in (
                         ("t128x128k64", "", dict(bn=128, bk=64, tm=128, warps_m=2, stages=8)),
                         ("t64x192k64", "", dict(bn=192, bk=64, tm=64, warps_m=1, stages=8)),
@@ -204,8 +204,8 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                        dtype="int8", ctas=3, **WGP),
         "t_ws_i8_b64_gelu_q8": BsrSpec(257, 192, 320, bn=64, bk=128, tm=128, warps_m=2, stages=4, act="gelu_erf",
                                        dtype="int8", out="int8", ctas=2, **WGP),
-        # ping-pong (two consumer warpgroups, a tile and a ring each): both row halves from one warpgroup, one;
-        # a few CTAs, so each role runs several tiles and its ring wraps
+        # ping-pong (two consumer warpgroups take alternate tiles): both row halves from one warpgroup, one;
+        # a few CTAs, so each role runs several tiles and the ring wraps
         "t_pp_i8_relu_q8": BsrSpec(300, 200, 320, bn=64, bk=64, tm=128, warps_m=2, stages=6, act="relu",
                                    dtype="int8", out="int8", ctas=3, pingpong=True, **WGP),
         "t_pp_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=1, stages=6, act="gelu", ctas=2,

@@ -44,8 +44,9 @@ import torch
 from .cuda_bsr_parts import FragmentEpilogue, Movement, WarpMma
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
-OUTPUTS = ("float16", "int8")
-HOPPER_SHARED_BYTES = 227 * 1024                        # the most dynamic shared memory one sm_90 CTA may have                          # int8: codes of one static scale (requantised)
+OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
+HOPPER_SHARED_BYTES = 227 * 1024                       # the most dynamic shared memory one sm_90 CTA may have
+SETMAXNREG = (40, 232)    # ping-pong with > 96 accumulators: registers per producer / consumer thread (setmaxnreg)
 # measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
 TUNED_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
                64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
@@ -136,8 +137,8 @@ class BsrSpec:
             bad.append(f"wgmma: bk={self.bk} must span 32, 64 or 128 bytes (one swizzle atom)")
         if self.stages < 3:
             bad.append("wgmma: stages must be >= 3 (one stage drains while two load)")
-        nacc = wtn // 2 * (self.warps_m if self.pingpong else 1)
-        budget = 232 if self.pingpong else min(255, 65536 // self.threads)    # ping-pong: setmaxnreg 40 / 232
+        nacc = self.consumer_accumulators
+        budget = SETMAXNREG[1] if self.moves_registers else min(255, 65536 // self.threads)
         if nacc + (32 if self.producer else 40) > budget:   # consumers do no loads
             bad.append(f"wgmma: {nacc} accumulator registers per thread do not fit beside the rest with "
                        f"{self.threads} threads (65536 registers per SM): fewer warpgroups or a narrower bn")
@@ -212,6 +213,16 @@ class BsrSpec:
         """Byte offset of a producer kernel's mbarrier rings: after its two buffers of column constants (per
         consumer role)."""
         return self.const_offset + 2 * self.roles * self.bn * 8
+
+    @property
+    def consumer_accumulators(self) -> int:
+        """wgmma accumulator registers per consumer thread (a ping-pong warpgroup holds all ``warps_m`` halves)."""
+        return self.bn // self.warps_n // 2 * (self.warps_m if self.pingpong else 1)
+
+    @property
+    def moves_registers(self) -> bool:
+        """Ping-pong roles with more than 96 accumulators take registers from the producer (``SETMAXNREG``)."""
+        return self.pingpong and self.consumer_accumulators > 96
 
     @property
     def roles(self) -> int:

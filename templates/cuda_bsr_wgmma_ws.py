@@ -27,7 +27,7 @@ weights, arguments, epilogue and output staging as the other kernels.
 
 from __future__ import annotations
 
-from .cuda_bsr import BsrSpec
+from .cuda_bsr import SETMAXNREG, BsrSpec
 from .cuda_bsr_parts import FragmentEpilogue, Movement, device_call
 from .cuda_bsr_wgmma import WgmmaIssue
 
@@ -42,8 +42,8 @@ _SYNC_SOURCES = {          # one source per device function: TVM keeps one sourc
                   f'done, [%0], %1;\\n @!done bra WAIT_%=;\\n}}" :: "r"({_SMEM}), "r"(parity) : "memory");'),
     "cp_async_arrive": ("void* bar", 'asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: '
                                      f'"r"({_SMEM}) : "memory");'),
-    "setmaxnreg_dec": ("", 'asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");'),
-    "setmaxnreg_inc": ("", 'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");'),
+    "setmaxnreg_dec": ("", f'asm volatile("setmaxnreg.dec.sync.aligned.u32 {SETMAXNREG[0]};" ::: "memory");'),
+    "setmaxnreg_inc": ("", f'asm volatile("setmaxnreg.inc.sync.aligned.u32 {SETMAXNREG[1]};" ::: "memory");'),
     "named_sync": ("int id, int threads", 'asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");'),
     "fence_mbar_init": ("", 'asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");'),
 }
@@ -67,7 +67,6 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
     RT = (NT - 128) // RO                    # consumer threads per role
     ROWS2 = spec.pingpong and spec.warps_m == 2      # a ping-pong warpgroup issues both 64-row halves
     WTN = BN // GN
-    REALLOC = spec.pingpong and WTN // 2 * spec.warps_m > 96    # registers from the producer to the consumers
     R, MT = spec.row_blocks, -(-M // TM)
     TILES = MT * R
     P = min(spec.ctas, TILES) if spec.ctas else TILES
@@ -134,7 +133,7 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
         T.tvm_storage_sync("shared")
         cnt[0] = 0
         if tx < 128:                                    # the producer warpgroup
-            if REALLOC:
+            if spec.moves_registers:                   # registers from the producer to the consumers
                 _sync("setmaxnreg_dec")
             for i in T.serial(ntiles):
                 tile = T.meta_var(bx + i * P)
@@ -149,17 +148,17 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
             T.evaluate(T.ptx["cp.async.commit_group"]())       # (wait_group counts committed groups only)
             T.evaluate(T.ptx["cp.async.wait_group"](0))
         else:                                           # the consumer warpgroups
-            if REALLOC:
+            if spec.moves_registers:
                 _sync("setmaxnreg_inc")
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), smem.ptr_to([0]), 1, issue.sbo,
                                                   issue.swizzle)
             for i in T.serial(ntiles):
+                tile = T.meta_var(bx + i * P)
+                slot = T.meta_var(tile // MT)
+                count = T.meta_var(tab(Tab, slot * 3 + 2))
                 if mine(i, ro):
-                    tile = T.meta_var(bx + i * P)
-                    slot = T.meta_var(tile // MT)
                     m0 = T.meta_var((tile % MT) * TM)
                     row = T.meta_var(tab(Tab, slot * 3))
-                    count = T.meta_var(tab(Tab, slot * 3 + 2))
                     out0 = T.meta_var(OUT0 + ro * OUTL)
                     buf = T.meta_var(ro * 2 + i // RO % 2)
                     # this tile's column constants (the other buffer may still be read by the previous epilogue)
@@ -201,6 +200,6 @@ def bsr_linear_wgmma_ws(spec: BsrSpec):
                     _sync("named_sync", 1 + ro, RT)
                     cons.store_tile(smem, smo, Y, rt, m0, row, out0)
                 else:                                   # the other role's tile: its stages pass by in the ring
-                    cnt[0] = cnt[0] + tab(Tab, (bx + i * P) // MT * 3 + 2)
+                    cnt[0] = cnt[0] + count
 
     return tvm.IRModule({spec.name: kernel})
