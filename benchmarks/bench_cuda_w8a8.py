@@ -93,15 +93,16 @@ def run(shape: str, m: int, n: int, k: int, sparsity: int, blk: int | None, bw: 
             r["tops"] = None if name.startswith("quant") else 2 * m * n * k / r["kernel_us"] / 1e6
         r["max_code_diff" if name.endswith("_q8") else "max_rel_err"] = errs.get(name)
     timed = {k_: v["kernel_us"] for k_, v in res.items() if k_.startswith("sparta") and "kernel_us" in v}
-    best = min((t, k_) for k_, t in timed.items() if not k_.endswith("_q8"))
+    best = min(((t, k_) for k_, t in timed.items() if not k_.endswith("_q8")), default=None)
     best_q8 = min(((t, k_) for k_, t in timed.items() if k_.endswith("_q8")), default=None)
     label = "dense" if blk is None else f"{blk}x{blk} {sparsity}%"
     quant = min(v["kernel_us"] for k_, v in res.items() if k_.startswith("quant") and "kernel_us" in v)
+    fp16_out = (f"{best[1]} {best[0]:.1f} us x{base / best[0]:.2f} (with quant x{base / (best[0] + quant):.2f})"
+                if best else "no fp16-out kernel")
+    int8_out = (f" || int8 out: {best_q8[1]} {best_q8[0]:.1f} us x{base / best_q8[0]:.2f} | floor x{base / floor_q8:.2f}"
+                if best_q8 else "")
     print(f"{shape} W8A8 {label}: fp16 cuBLAS {base:.1f} us | _int_mm x{res['torch_int_mm']['vs_cublas_fp16']:.2f} | "
-          f"{best[1]} {best[0]:.1f} us x{base / best[0]:.2f} (with quant x{base / (best[0] + quant):.2f})"
-          f" | floor x{base / floor:.2f}" +
-          (f" || int8 out: {best_q8[1]} {best_q8[0]:.1f} us x{base / best_q8[0]:.2f} | floor x{base / floor_q8:.2f}"
-           if best_q8 else ""), flush=True)
+          f"{fp16_out} | floor x{base / floor:.2f}{int8_out}", flush=True)
     return {"shape": shape, "m": m, "n": n, "k": k, "block": blk, "sparsity": sparsity if blk else 0,
             "floor_us": floor, "floor_speedup": base / floor, "floor_q8_us": floor_q8,
             "floor_q8_speedup": base / floor_q8, "results": res}

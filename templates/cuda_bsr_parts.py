@@ -83,19 +83,27 @@ def _const_table_source(spec: BsrSpec) -> tuple[str, str]:
 ROUND_MAGIC = 12582912.0   # 1.5·2²³: x + ROUND_MAGIC, for |x| < 2²², is RN-even(x) in the low mantissa bits
 
 
-def requantize_bits(v, r=None):
-    """TIR int32 whose low byte is the int8 code of fp32 ``v`` at a static scale ``s``, ``r`` = RN(1/s) (None: ``v``
-    is ``y · r`` already): round(v·r) half to even, clamped to ±127 — ``cuda_bsr_ref.requantize``'s arithmetic, bit
-    for bit. The bits of fp32 ``M + clamp(round(v·r), ±127)``, ``M`` = 1.5·2²³. Adding ``M`` to RN(v·r) rounds it to
-    an integer, half to even (the sum's ulp is 1), and the clamp works on the sum; no float→int conversion, which
-    issues at a quarter of the FP32 rate and bounded the int8-output epilogue. ``__fmul_rn``/``__fadd_rn`` keep nvcc
-    from fusing the two roundings into one ``fma``."""
+def code_span(act: str, folded: bool) -> tuple[float, float]:
+    """(span, offset) of the saturating requantisation: the code is round(span · z) − offset for z in [0, 1].
+    ReLU folded into the constants needs only codes 0..127 (z = 0 is ReLU's zero); otherwise −127..127."""
+    return (127.0, 0.0) if folded and act == "relu" else (254.0, 127.0)
+
+
+def unit_value(v, q, c):
+    """TIR: sat(fma(v, q, c)) — one ``FFMA.SAT``, the clamp to [0, 1] that saturation gives for free."""
     from tvm.script import tirx as T
-    m = T.float32(ROUND_MAGIC)
-    if r is not None:
-        v = T.call_pure_extern("float32", "__fmul_rn", v, r)
-    t = T.call_pure_extern("float32", "__fadd_rn", v, m)
-    return T.reinterpret("int32", T.max(T.min(t, m + T.float32(127)), m - T.float32(127)))
+    return T.call_pure_extern("float32", "__saturatef", T.call_pure_extern("float32", "__fmaf_rn", v, q, c))
+
+
+def requantize_bits(z, span: float = 254.0, offset: float = 127.0):
+    """TIR int32 whose low byte is the int8 code round(span · z) − offset of ``z`` in [0, 1]: the bits of fp32
+    ``fma(z, span, M − offset)``, ``M`` = 1.5·2²³ — the sum's ulp is 1, so the one rounding of the ``fma`` is
+    the rounding to an integer (half to even); no float→int conversion (a quarter of the FP32 rate) and no clamp
+    (``unit_value`` saturated z). With z = sat(y·r/254 + ½) the code is ``cuda_bsr_ref.requantize``'s
+    clamp(round(y·r), ±127) except where y·r lies within about 2⁻¹⁵ of a rounding tie (z's own rounding), by one."""
+    from tvm.script import tirx as T
+    t = T.call_pure_extern("float32", "__fmaf_rn", z, T.float32(span), T.float32(ROUND_MAGIC - offset))
+    return T.reinterpret("int32", t)
 
 
 _SHARED_IO = {             # one source per device function: TVM keeps one source per called name
@@ -223,22 +231,33 @@ class FragmentEpilogue:
         one, zero = T.float32(1), T.float32(0)
         const0 = spec.const_offset // 4          # float index
         ITERS = -(-PAIRS // threads)
-        # int8 codes out, no activation or ReLU (which commutes with a positive scale): RN(1/s) folded into the
-        # staged constants, (acc · xs) · (ws · r) + b · r, one multiply per output fewer; codes differ from the
-        # reference's (y · r rounded once more) only next to a rounding tie, by one
-        fold = spec.out == "int8" and spec.act in ("none", "relu")
+        # int8 codes out: z = sat(y · r/span + offset/span) in [0, 1], code = round(span · z) − offset
+        # (``requantize_bits``). No activation, or ReLU (which commutes with a positive scale, and which the
+        # saturation at z = 0 then is): r/span and offset/span folded into the staged constants, so an output is one
+        # FFMA.SAT of (acc · xs) by (ws · r/span) plus (b · r/span + offset/span); codes differ from the
+        # reference's round(y · r) only next to a rounding tie, by one
+        q8 = spec.out == "int8"
+        fold = q8 and spec.act in ("none", "relu")
+        span, offset = code_span(spec.act, fold)
+        inv_span = T.float32(1.0 / span)
 
-        def value(a, xs, kc, e):
+        def value(a, xs, kc, e, OS):
+            # fp32 y (fp16 out) or z in [0, 1] (int8 out) of accumulator a
+            v = T.Cast("float32", T.reinterpret("int32", a)) * xs if int8 else a
+            if fold:
+                return unit_value(v, kc[e], kc[2 + e])
             if int8:
-                v = T.Cast("float32", T.reinterpret("int32", a)) * xs * kc[e]
-            else:
-                v = a * kc[e] if fold else a
-            return tir_activate(v, kc[2 + e] if spec.bias else None, spec.act)
+                v = v * kc[e]
+            y = tir_activate(v, kc[2 + e] if spec.bias else None, spec.act)
+            return unit_value(y, OS[1] * inv_span, T.float32(offset / span)) if q8 else y
 
-        def column_constants(WS, B, OS, c):      # fp32 (ws, b) of column c, times RN(1/s) if folded
+        def column_constants(WS, B, OS, c):      # fp32 (ws, b) of column c; folded: (ws · r/span, b · r/span + ½)
             ws = WS[c] if int8 else one
             b = T.Cast("float32", B[c]) if spec.bias else zero
-            return (ws * OS[1], b * OS[1]) if fold else (ws, b)
+            if not fold:
+                return ws, b
+            q = OS[1] * inv_span
+            return ws * q, b * q + T.float32(offset / span)
 
         self.held = 4 * ITERS                    # registers kr of fetch_constants / put_constants
 
@@ -289,11 +308,11 @@ class FragmentEpilogue:
                         lr = T.meta_var(r0 + i * 16 + lane // 4 + h * 8)
                         lc = T.meta_var(c0 + j * 8 + (lane % 4) * 2)
                         for e in T.unroll(2):
-                            yv[e] = value(acc[(i * nj + j) * 4 + h * 2 + e], xsr[i * 2 + h], kc, e)
-                        if spec.out == "int8":
+                            yv[e] = value(acc[(i * nj + j) * 4 + h * 2 + e], xsr[i * 2 + h], kc, e, OS)
+                        if q8:
                             T.evaluate(shared_io("st_s8x2", smo.ptr_to([out0 * 2 + lr * OUT_LD + lc]),
-                                                 requantize_bits(yv[0], None if fold else OS[1]),
-                                                 requantize_bits(yv[1], None if fold else OS[1])))
+                                                 requantize_bits(yv[0], span, offset),
+                                                 requantize_bits(yv[1], span, offset)))
                         else:
                             T.evaluate(shared_io("st_h2", smem.ptr_to([out0 + lr * OUT_LD + lc]), yv[0], yv[1]))
         self.stage_tile = stage_tile

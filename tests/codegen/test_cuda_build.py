@@ -268,9 +268,9 @@ def test_w8a8_kernel_builds_with_int_mma_and_scale_arguments(tmp_path, monkeypat
                                 dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3, groups=2),
                                 dict(bn=192, bk=128, tm=128, warps_m=2, stages=4, mma="wgmma")])
 def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
-    """``out="int8"``: Y is int8, an ``OS`` [scale, 1/scale] argument appears, the code is the fp32 value times
-    RN(1/scale) plus 1.5·2²³ (rounded half to even by that addition, clamped on the sum; no float→int conversion),
-    and the tile leaves in 16-byte rows (N % 16 == 0); the fp16-output kernel of the same spec has neither."""
+    """``out="int8"``: Y is int8, an ``OS`` [scale, 1/scale] argument appears, the fp32 value times RN(1/scale)/254
+    plus ½ is saturated to [0, 1] and the code is the low byte of its fma by 254 plus 1.5·2²³ − 127 (rounded half
+    to even by that fma; no float→int conversion, no clamp), and the tile leaves in 16-byte rows (N % 16 == 0); the fp16-output kernel of the same spec has neither."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     spec = BsrSpec(257, 384, 320, act="gelu_erf", dtype="int8", out="int8", name="probe_q8", **kw)
     art = build_cuda(bsr_linear, spec)
@@ -278,7 +278,8 @@ def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
     args = {a["name"]: (a["dtype"], a["shape"]) for a in art.launch["args"]}
     assert set(args) == set(argument_names(spec)) and "OS" in args
     assert args["Y"] == ("int8", [257, 384]) and args["OS"] == ("float32", [2])
-    assert "max(min(__fadd_rn(__fmul_rn(" in src and "0x1.8p+23f" in src
+    assert "__saturatef(__fmaf_rn(" in src and "(OS_ptr[1] * 0x1.0204081020408p-8f" in src
+    assert "0x1.fcp+7f/*2.540000e+02*/, 0x1.7fff02p+23f" in src
     assert "__float2int_rn" not in src and "nearbyintf" not in src
     assert "*(int4*)(Y_ptr" in src
     assert art.launch["shared_bytes"] == spec.shared_bytes
@@ -294,12 +295,18 @@ def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
                                 dict(bn=192, bk=128, tm=128, warps_m=2, stages=4, mma="wgmma"),
                                 dict(bn=32, bk=32, tm=64, warps_m=2, stages=3, dtype="float16")])
 def test_int8_output_folds_the_reciprocal_scale_into_the_column_constants(tmp_path, monkeypatch, kw):
-    """Without an activation, or with ReLU, RN(1/scale) multiplies the staged weight scales and bias once per
-    column instead of every output: no ``__fmul_rn`` per code, the constants read ``OS[1]``."""
+    """Without an activation, or with ReLU, RN(1/scale)/span multiplies the staged weight scales and bias once per
+    column instead of every output: an output is one saturated fma of the staged constants (ReLU: codes 0..127,
+    span 127), then the fma that rounds it to a code; with GELU the scale is applied per output."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     spec = BsrSpec(257, 384, 320, out="int8", name="probe_fold", **{"dtype": "int8", **kw})
     src = (build_cuda(bsr_linear, spec).path / "kernel.cu").read_text()
-    assert "max(min(__fadd_rn(" in src and "__fmul_rn" not in src and "* OS_ptr[1])" in src
+    span = "0x1.fcp+6f" if kw.get("act") == "relu" else "0x1.fcp+7f"
+    assert "__saturatef(__fmaf_rn(" in src and "kc_ptr[2]));" in src and f"__fmaf_rn(yv_ptr[0], {span}" in src
+    assert "OS_ptr[1] * " in src and "__fadd_rn" not in src and "__fmul_rn" not in src
+    gelu = BsrSpec(257, 384, 320, out="int8", name="probe_fold", **{"dtype": "int8", **kw, "act": "gelu"})
+    src = (build_cuda(bsr_linear, gelu).path / "kernel.cu").read_text()
+    assert "(OS_ptr[1] * 0x1.0204081020408p-8f" in src and "0x1p-1f" in src
 
 
 def test_requantize_reference_rounds_half_to_even_and_clamps():
