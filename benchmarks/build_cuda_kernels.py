@@ -357,6 +357,22 @@ def saved_models(out: Path) -> None:
                           target="cuda")
     print(fp16.kernel_report())
     fp16.save(out / "saved_postln_fp16")
+    saved_pingpong_ffn(out)
+
+
+def saved_pingpong_ffn(out: Path) -> None:
+    """A dense BERT-base FFN (768 → 3072 → GELU → 768) on 4096 tokens calibrated to W8A8 with GELU(FFN1) at a static
+    scale, for ``tests/runtime/test_saved_cuda.py``: FFN1 writes FFN2's int8 codes, on Hopper from the ping-pong
+    kernel (``codegen.specialize_cuda.int8_codes_hopper``)."""
+    import sparta
+    torch.manual_seed(2)
+    ffn = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768)).eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 512, 768, generator=g),) for _ in range(2)]
+    pp = sparta.compile(ffn, {}, batches[0], target="cuda", calibration=batches,
+                        quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    print(pp.kernel_report())
+    pp.save(out / "saved_ffn_w8a8_pingpong")
 
 
 class _NormBlock(torch.nn.Module):

@@ -70,14 +70,36 @@ def stream_tiles(m: int, mask: torch.Tensor) -> dict | None:
     return dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=groups)
 
 
-def int8_dense_tiles(m: int, n: int) -> tuple[dict, dict]:
+PINGPONG_TILES_PER_SM = 3     # 128x192 tiles per SM from which the ping-pong kernel writes int8 codes fastest
+
+
+def _pingpong_pays(m: int, n: int) -> bool:
+    """Whether a dense W8A8 GEMM writing int8 codes runs fastest on the ping-pong kernel (128x192 tile per consumer
+    warpgroup, ``templates/cuda_bsr_wgmma_ws.py``). Measured on the H100 (benchmarks/RESULTS.md): BERT FFN1, 3.9
+    tiles per SM, 8-15% faster than any cooperative tile; FFN2, at most one tile per SM, 9% slower."""
+    return n % 192 == 0 and -(-m // 128) * (n // 192) >= PINGPONG_TILES_PER_SM * HOPPER_SMS
+
+
+def int8_dense_tiles(m: int, n: int, requantized: bool = False) -> tuple[dict, dict]:
     """(mma.sync tiles, wgmma tiles) of a dense W8A8 GEMM, over the same blocks. The wgmma tile
     measured best on the H100 (bench_cuda_w8a8): 128x192 where one wave of them covers the output
-    (BERT FFN2, with 5 stages: 3 K blocks in flight), else 128x256 (4 stages: shared memory)."""
-    bn = 192 if n % 192 == 0 and -(-m // 128) * (n // 192) <= HOPPER_SMS else 256
+    (BERT FFN2, with 5 stages: 3 K blocks in flight), else 128x256 (4 stages: shared memory) — but 128x192 for
+    an output that will be ``requantized`` (int8 codes) where the ping-pong kernel pays (``int8_codes_hopper``)."""
+    one_wave = n % 192 == 0 and -(-m // 128) * (n // 192) <= HOPPER_SMS
+    bn = 192 if one_wave or (requantized and _pingpong_pays(m, n)) else 256
     hopper = dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=1 if bn == 192 else 2, stages=5 if bn == 192 else 4,
                   mma="wgmma")
     return dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=bn // 64, stages=3), hopper
+
+
+def int8_codes_hopper(spec: BsrSpec) -> BsrSpec:
+    """The int8-code-writing (``out="int8"``) twin of a W8A8 Hopper kernel: for a dense 128x192 tile where it pays,
+    the ping-pong schedule (a producer and two consumer warpgroups on alternate tiles, persistent over the SMs, 4
+    stages: its two output tiles fit beside them only as int8)."""
+    q8 = dataclasses.replace(spec, out="int8", name=spec.name + "_q8")
+    if spec.dtype == "int8" and (spec.bn, spec.tm, spec.warps_n) == (192, 128, 1) and _pingpong_pays(spec.m, spec.n):
+        q8 = dataclasses.replace(q8, stages=4, producer=True, ctas=HOPPER_SMS, pingpong=True, name=spec.name + "_pp_q8")
+    return q8
 
 
 def specialize_cuda(graph: Graph, plan: Plan):
@@ -118,11 +140,11 @@ def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
         module = replacements.get(name)
         if not isinstance(module, SparseLinearCUDA) or module.output_names is not None or module.spec.dtype == "w4a16":
             continue
-        q8 = (lambda spec: dataclasses.replace(spec, out="int8", name=spec.name + "_q8"))
-        kernel = build_cuda(bsr_linear, q8(module.spec))
-        hopper = build_cuda(bsr_linear, q8(module.hopper[1])) if module.hopper else None
-        module.requantize_output(quantized_names(t), scale, (kernel.path, q8(module.spec)),
-                                 (hopper.path, q8(module.hopper[1])) if hopper else None)
+        spec = dataclasses.replace(module.spec, out="int8", name=module.spec.name + "_q8")
+        kernel = build_cuda(bsr_linear, spec)
+        h_spec = int8_codes_hopper(module.hopper[1]) if module.hopper else None
+        hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
+        module.requantize_output(quantized_names(t), scale, (kernel.path, spec), (hopper.path, h_spec) if hopper else None)
         if fused is not None:
             replacements[graph.producer(t)] = Fused(name)
         for r in readers:
@@ -256,7 +278,9 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         tiles = stream
     if int8:
         dense = bool(keep.all())
-        tiles, hopper_tiles = int8_dense_tiles(m, n) if dense else (INT8_TILES[side], None)
+        out = (fused or op).outputs[0]              # its int8 codes may be written (_requantized_outputs)
+        requantized = out in graph.meta.get("act_scales", {})
+        tiles, hopper_tiles = int8_dense_tiles(m, n, requantized) if dense else (INT8_TILES[side], None)
         mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
         if dense:   # every block computed, zeros included (a dense tile does not skip empty blocks)
             mask = torch.ones_like(mask)

@@ -315,3 +315,42 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
                                quant_tolerance={**quant, "static_activations": False})
     assert per_token.module_replacements()["linear"].output_names is None
     assert per_token.module_replacements()["linear_1"].quant_folder
+
+
+def test_int8_codes_of_a_dense_gemm_with_many_tiles_per_sm_come_from_the_ping_pong_kernel():
+    from sparta.codegen.specialize_cuda import HOPPER_SMS, int8_codes_hopper, int8_dense_tiles
+    from sparta.templates.cuda_bsr import BsrSpec
+    ffn1, ffn2 = (4096, 3072), (4096, 768)
+    assert int8_dense_tiles(*ffn1)[1]["bn"] == 256            # fp16 out: 128x256 (measured best)
+    tiles, hopper = int8_dense_tiles(*ffn1, requantized=True)
+    assert tiles["bn"] == hopper["bn"] == 192 and tiles["warps_n"] == 3
+    pp = int8_codes_hopper(BsrSpec(*ffn1, 768, dtype="int8", name="h", **hopper))
+    assert pp.pingpong and pp.producer and pp.ctas == HOPPER_SMS and pp.out == "int8" and pp.stages == 4
+    assert pp.shared_bytes <= 227 * 1024 and pp.name == "h_pp_q8"
+    # FFN2 (one wave of tiles) and short M keep the cooperative 128x192 kernel, 5 stages
+    for m, n in (ffn2, (256, 3072)):
+        hopper = int8_dense_tiles(m, n, requantized=True)[1]
+        q8 = int8_codes_hopper(BsrSpec(m, n, 768, dtype="int8", name="h", **hopper))
+        assert (q8.bn, q8.stages, q8.pingpong, q8.out, q8.name) == (192, 5, False, "int8", "h_q8")
+
+
+def test_a_dense_w8a8_linear_writing_codes_for_bert_sized_batches_runs_the_ping_pong_kernel(tmp_path, monkeypatch):
+    """BERT-base FFN shapes at 4096 tokens, dense, calibrated W8A8 with a static scale on the GELU output: FFN1 is
+    packed in 128x192 blocks and its Hopper kernel is the ping-pong one writing int8 codes; FFN2 keeps the
+    cooperative kernel; both survive a save and load."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768)).eval()
+    batches = [(torch.randn(8, 512, 768),) for _ in range(2)]
+    compiled = sparta.compile(model, {}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    mods = compiled.module_replacements()
+    fc1, fc2 = mods["linear"], mods["linear_1"]
+    assert fc1.output_names is not None and fc1.spec.out == "int8" and fc1.spec.bn == 192
+    folder, spec = fc1.hopper
+    assert spec.pingpong and spec.out == "int8" and (spec.bn, spec.bk) == (fc1.spec.bn, fc1.spec.bk)
+    src = (Path(folder) / "kernel.cu").read_text()
+    assert "setmaxnreg.inc" in src and "cp.async.mbarrier.arrive.noinc" in src
+    assert not fc2.hopper[1].pingpong and fc2.hopper[1].stages == 5
+    again = sparta.load(compiled.save(tmp_path / "saved")).module_replacements()["linear"]
+    assert again.hopper[1] == spec and torch.equal(again.wp, fc1.wp)

@@ -136,6 +136,33 @@ def test_w8a8_model_with_a_static_scale_hands_int8_codes_between_linears():
     replay_on_new_input(model, x)
 
 
+PINGPONG = ROOT / "saved_ffn_w8a8_pingpong"
+
+
+@pytest.mark.skipif(not (PINGPONG / "sparta.json").is_file(), reason=f"no saved model in {PINGPONG}")
+def test_dense_w8a8_ffn_at_bert_size_writes_codes_from_the_ping_pong_kernel():
+    """Dense BERT-base FFN, 4096 tokens, GELU(FFN1) at a static scale: on Hopper FFN1 runs the ping-pong kernel
+    writing int8 codes; they match the mma.sync kernel's over the same packed blocks (within one code) and the model
+    matches its fake-quantised math."""
+    import sparta
+    from sparta.runtime.bsr_linear import BsrLinearOp
+    model = sparta.load(PINGPONG).to("cuda")
+    mods = model.module_replacements()
+    fc1, fc2 = mods["linear"], mods["linear_1"]
+    assert fc1.hopper[1].pingpong and fc1.output_names and fc2.input_names == fc1.output_names
+    assert max(model.verify(trials=2).values()) < 5e-2
+    x = torch.randn(8, 512, 768, device="cuda")
+    out = model(x)
+    folder, spec = fc1.kernel_for(x.device)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert spec.pingpong == hopper and fc1._op.kernel.folder == Path(folder)
+    xh = torch.randn(spec.m, spec.k, device="cuda").half()
+    sync = BsrLinearOp.packed(fc1.folder, fc1.spec, fc1.wp, fc1.table, fc1.bias, fc1.weight_scale, fc1.out_scale)
+    a, b = fc1._op(xh).int(), sync(xh).int()
+    assert (a - b).abs().max() <= 1 and (a != b).float().mean() < 1e-3 and a.abs().max() > 64
+    assert not torch.equal(replay_on_new_input(model, x), out)
+
+
 W4A16 = ROOT / "saved_mlp_w4a16"
 
 
