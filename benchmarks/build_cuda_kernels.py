@@ -341,6 +341,7 @@ def saved_models(out: Path) -> None:
                         quant_tolerance={"tolerance": 5e-2, "widths": (4,), "symmetric": False, "progress": False})
     print(w4.kernel_report())
     w4.save(out / "saved_mlp_w4a16")
+    saved_decode_w4a16(out)
     # post-LN block (LayerNorm -> W8A8 MLP + residual, 3x333 tokens): the norm kernel emits fp16 and int8
     block = _NormBlock().eval()
     with torch.no_grad():
@@ -358,6 +359,21 @@ def saved_models(out: Path) -> None:
     print(fp16.kernel_report())
     fp16.save(out / "saved_postln_fp16")
     saved_pingpong_ffn(out)
+
+
+def saved_decode_w4a16(out: Path) -> None:
+    """Two dense fp16 linears back to back on 4 tokens (decode-like) calibrated to 4-bit weights (groups of 128, zero
+    points), for ``tests/runtime/test_saved_cuda.py``: both run the W4A16 GEMV with programmatic dependent launch, the
+    second's launch overlapping the first's tail."""
+    import sparta
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024), torch.nn.ReLU()).half().eval()
+    g = torch.Generator().manual_seed(5)
+    half = [(torch.randn(1, 4, 1024, generator=g).half(),) for _ in range(2)]
+    w4 = sparta.compile(model, {}, half[0], target="cuda", calibration=half,
+                        quant_tolerance={"tolerance": 5e-2, "widths": (4,), "symmetric": False, "progress": False})
+    print(w4.kernel_report())
+    w4.save(out / "saved_decode_w4a16")
 
 
 def saved_pingpong_ffn(out: Path) -> None:

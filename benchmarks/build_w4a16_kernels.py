@@ -22,16 +22,20 @@ BENCH_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11
 # tilings by name: nt<tiles per CTA>w<warps>u<chunks in flight>[_ks<K splits>][f: fold][_b<min CTAs per SM>]; the
 # fastest of earlier runs
 # (RESULTS.md, incl. register prefetch and more split-K shapes, which lost everywhere), with zero points and without
-TILING = re.compile(r"nt(\d+)w(\d+)u(\d+)(?:_ks(\d+))?(f?)(?:_b(\d+))?")
+TILING = re.compile(r"nt(\d+)w(\d+)u(\d+)(?:_ks(\d+))?(f?)(?:_b(\d+))?(?:_pdl(e?))?")
 BENCH_TILINGS = ["nt2w8u1", "nt4w8u1", "nt2w16u1", "nt4w8u1_ks2", "nt2w16u1f", "nt4w8u1f", "nt4w8u1_ks4f",
                  "nt2w8u1f", "nt2w8u1f_b6", "nt2w16u1f_b3", "nt2w16u1f_b2", "nt4w8u1_b3", "nt4w8u1_b4",
                  "nt2w8u1_b4", "nt4w8u1_ks2_b3"]
+# with programmatic dependent launch (_pdl: the next kernel launches once this one passed its wait; _pdle: once it
+# started), the fastest of the above per shape and batch
+BENCH_TILINGS += [t + sfx for t in ("nt2w16u1f", "nt2w8u1f_b6", "nt2w16u1f_b2", "nt2w16u1f_b3", "nt2w8u1", "nt4w8u1",
+                                    "nt4w8u1_ks2", "nt4w8u1_b3") for sfx in ("_pdl", "_pdle")]
 
 
 def tiling(name: str) -> dict:
-    nt, w, u, ks, fold, ctas = TILING.fullmatch(name).groups()
+    nt, w, u, ks, fold, ctas, pdl = TILING.fullmatch(name).groups()
     return dict(ntile=int(nt), warps=int(w), unroll=int(u), ksplit=int(ks or 1), fold=bool(fold),
-                min_ctas=int(ctas or 0))
+                min_ctas=int(ctas or 0), pdl="" if pdl is None else "early" if pdl else "late")
 
 
 PROBE_CONFIGS = [(528, 512, 2), (1056, 256, 2), (264, 1024, 2), (264, 512, 4), (528, 256, 4)]
@@ -61,6 +65,11 @@ def kernels() -> dict:
         "t_m1_asym_g128_bias_fold_b3": W4A16Spec(1, 333, 1152, group=128, sym=False, bias=True, fold=True,
                                                   min_ctas=3),
         "t_m9_sym_g32_nt3w2u2_b8": W4A16Spec(9, 61, 640, group=32, ntile=3, warps=2, unroll=2, min_ctas=8),
+        # programmatic dependent launch, square (a launch's output is the next one's input): plain; split K with
+        # zero points, bias and the fold
+        "t_m4_sym_g128_sq_pdle": W4A16Spec(4, 1024, 1024, group=128, pdl="early"),
+        "t_m3_asym_g128_sq_ks2f_pdl": W4A16Spec(3, 1024, 1024, group=128, sym=False, bias=True, ntile=4, warps=4,
+                                                unroll=1, fold=True, ksplit=2, pdl="late"),
     }
     for shape, (n, k) in BENCH_SHAPES.items():
         for m in (1, 16):

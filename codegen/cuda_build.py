@@ -65,6 +65,8 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     source, launch = _lower(mod, spec.name, archs[0])
     if hasattr(spec, "shared_bytes"):     # dynamic shared memory the template sized itself
         launch["shared_bytes"] = int(spec.shared_bytes)
+    if getattr(spec, "pdl", False):       # launched with programmatic dependent launch where the GPU has it
+        launch["pdl"] = True
 
     def write(launch_path: Path):
         folder = launch_path.parent

@@ -339,20 +339,22 @@ def gemv_tiling(m: int, n: int, k: int, group: int) -> dict:
     # rows <= 8: two 8-row tiles per CTA over 16 warps; more rows: four tiles over 8 warps (X is re-read per CTA)
     tiling = dict(ntile=2, warps=16, unroll=1) if m <= 8 else dict(ntile=4, warps=8, unroll=1)
     if m <= 8 and group == 128:
-        # registers bounded so more warps stream weights per SM (H100, 2026-11-23): a grid of many CTAs (large N)
-        # as 8-warp CTAs, 6 per SM (11008x4096: 10.4 -> 10.1 us); long rows on a one-wave grid (K >= 2N) with 64
-        # registers for 2 of 16 warps (4096x11008: 10.5 -> 10.2 us); 4096x4096 is fastest unbounded
+        # programmatic dependent launch, the next kernel launching once this one started ("early"): the tail of the
+        # previous GEMV overlaps this one's first weight loads (H100, 2026-11-23, chains of GEMVs: 4096x4096 4.8 ->
+        # 4.3 us, 4096x11008 10.3 -> 9.3, 11008x4096 10.1 -> 9.3 with four tiles of 8 warps bounded to 3 CTAs per SM)
+        tiling["pdl"] = "early"
         if n >= 8192:
-            tiling.update(warps=8, min_ctas=6)
+            tiling.update(ntile=4, warps=8, min_ctas=3)
         elif k >= 2 * n:
+            # long rows on a one-wave grid: 64 registers for 2 CTAs of 16 warps per SM
             tiling.update(min_ctas=2)
     if m > 8 and k >= 2 * n:
         # few 8-row tiles, long rows: two CTAs split K (4096x11008 at 16 rows: 16.4 -> 14.6 us on the H100;
         # slower where N is large or at batch 1)
         tiling["ksplit"] = 2
-    # up to 8 rows, group 128: the scale folded into the fp32 sum per chunk (1-7% faster at batch 1 on the H100;
-    # slower at 16 rows, where each chunk folds twice the accumulators)
-    tiling["fold"] = group == 128 and m <= 8
+    # two tiles per CTA, up to 8 rows, group 128: the scale folded into the fp32 sum per chunk (1-7% faster at batch 1
+    # on the H100; slower at 16 rows, where each chunk folds twice the accumulators)
+    tiling["fold"] = group == 128 and m <= 8 and tiling["ntile"] == 2
     return tiling
 
 
@@ -364,7 +366,8 @@ def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, 
     spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, **tiling,
                      name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}"
                           f"{'_fold' if tiling['fold'] else ''}{'_ks2' if tiling.get('ksplit') else ''}"
-                          f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}")
+                          f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}"
+                          f"{'_pdl' if tiling.get('pdl') else ''}")
     art = build_cuda(w4a16_gemv, spec)
     scale_el, zero_el = params.expand(k)
     zero = None if sym else zero_el[:, ::group].to(torch.uint8)

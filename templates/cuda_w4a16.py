@@ -28,7 +28,12 @@ weights in flight at a time, so the bytes in flight grow with the warps an SM ho
 across CTAs: each leaves its fp32 partials in the workspace ``P`` and counts itself in ``C`` (after a fence);
 the last of a row block's CTAs to arrive sums the partials in split order (deterministic), writes ``Y`` and
 resets its counter, so ``C`` (zeroed once, :func:`split_buffers`) is zero again after every call and CUDA-graph
-replays need nothing else.
+replays need nothing else. ``pdl`` ("early" / "late") builds the kernel for programmatic dependent launch (sm_90;
+the runtime launches it with the attribute): its first weights load before ``griddepcontrol.wait``, X and every
+write after it, so the tail of the previous kernel in the stream overlaps this one's start. "early" lets the next
+kernel launch as soon as every CTA of this one has started (fastest in a chain of one-wave grids, but grids pile up
+waiting where a grid spans several waves); "late" only once this one has passed its wait. The overlap needs a
+previous kernel that triggers (these do); after one that does not, the launch is an ordinary one.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class W4A16Spec:
     fold: bool = False               # scale folded into the fp32 sum per chunk (group 128 only)
     ksplit: int = 1                  # CTAs splitting K per row block (the last to finish sums their partials)
     min_ctas: int = 0                # > 0: __launch_bounds__(threads, min_ctas), registers capped to fit them per SM
+    pdl: str = ""                    # programmatic dependent launch (sm_90), "early" or "late": see the module doc
     name: str = "w4a16_gemv"
 
     def __post_init__(self):
@@ -80,6 +86,8 @@ class W4A16Spec:
                        "bytes of shared memory (48 KiB at most): fewer warps or tiles")
         if self.min_ctas < 0 or self.min_ctas * self.warps > 64:
             bad.append(f"min_ctas={self.min_ctas}: 0 (no bound) or CTAs of {self.warps} warps that fit 64 per SM")
+        if self.pdl not in ("", "early", "late"):
+            bad.append(f"pdl {self.pdl!r} must be '' (off), 'early' or 'late'")
         if not 1 <= self.ksplit <= -(-self.k // KCHUNK):
             bad.append(f"ksplit {self.ksplit} must be 1..{-(-self.k // KCHUNK)} (the K chunks of 128)")
         if bad:
@@ -107,6 +115,8 @@ class W4A16Spec:
         d = asdict(self)
         if not self.min_ctas:                        # the key of the kernels built before the bound existed
             del d["min_ctas"]
+        if not self.pdl:
+            del d["pdl"]
         return d
 
 
@@ -241,6 +251,17 @@ def dequant_word(scaled: bool = True):
     return dequant
 
 
+def grid_dependency(op: str):
+    """TIR: ``griddepcontrol.<op>`` (``wait``: until the previous kernel in the stream has completed and its writes
+    are visible; ``launch_dependents``: let the next one launch), for a kernel launched with programmatic dependent
+    launch (sm_90; a no-op before, and on a launch without the attribute)."""
+    from tvm.script import tirx as T
+    clobber = ' ::: "memory"' if op == "wait" else ""
+    src = (f"__device__ __forceinline__ void sparta_grid_{op}() {{\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+           f'  asm volatile("griddepcontrol.{op};"{clobber});\n#endif\n}}\n')
+    return T.cuda.func_call(f"sparta_grid_{op}", source_code=src, return_type="void")
+
+
 def w4a16_gemv(spec: W4A16Spec):
     """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
     import tvm
@@ -264,7 +285,7 @@ def w4a16_gemv(spec: W4A16Spec):
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
     sym, use_bias, fold = spec.sym, spec.bias, spec.fold
-    MIN_CTAS, BOUNDED = spec.min_ctas, spec.min_ctas > 0
+    MIN_CTAS, BOUNDED, PDL, WAITS = spec.min_ctas, spec.min_ctas > 0, spec.pdl, bool(spec.pdl)
 
     def acc_value(acc, i, r):                  # the fp32 value of C element r (0..3) of accumulator set i
         if f16acc:
@@ -332,36 +353,39 @@ def w4a16_gemv(spec: W4A16Spec):
                                           acc[i * 4], acc[i * 4 + 1], acc[i * 4 + 2], acc[i * 4 + 3]))
 
     @T.macro
-    def load_stage(it, ctx, X, Wq, S, Z, wq, sc, sf, zl, zh, xh, xa):   # issue every load of U chunks first
+    def load_stage(it, ctx, X, Wq, S, Z, wq, sc, sf, zl, zh, xh, xa, part):   # issue every load of U chunks first
+        # part: "w" the weights (scales, zero points), "x" the rows of X, "wx" both
         bx, by, warp, lane, g, t = T.meta_var(ctx)       # CTA along N and K, warp, lane, its row and K quarter
         for u in T.unroll(U):
             cl = T.meta_var((it * U + u) * W + warp)
             c = T.meta_var(by * CPS + cl)
             kb = T.meta_var(c * 128 + t * 32)
             if (EVEN or cl < CPS) and (KC % CPS == 0 or c < KC):
-                for tile in T.unroll(NT):
-                    tl = T.meta_var(bx * NT + tile)
-                    if TILES % NT == 0 or tl < TILES:
-                        o = T.meta_var((u * NT + tile) * 4)
-                        T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
-                            wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
-                        if fold:
-                            sf[u * NT + tile] = T.Cast("float32", S[tl, kb // G, g])
+                if part != "x":
+                    for tile in T.unroll(NT):
+                        tl = T.meta_var(bx * NT + tile)
+                        if TILES % NT == 0 or tl < TILES:
+                            o = T.meta_var((u * NT + tile) * 4)
+                            T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
+                                wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
+                            if fold:
+                                sf[u * NT + tile] = T.Cast("float32", S[tl, kb // G, g])
+                            else:
+                                sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
+                            if not sym:
+                                zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g])))
+                                zl[u * NT + tile] = zt[0]
+                                zh[u * NT + tile] = zt[1]
+                if part != "w":
+                    for rh in T.unroll(RH):
+                        if g + rh * 8 < M and kb < K:
+                            for q in T.unroll(4):
+                                for v in T.vectorized(8):
+                                    xh[(u * RH + rh) * 32 + q * 8 + v] = X[g + rh * 8, kb + q * 8 + v]
                         else:
-                            sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
-                        if not sym:
-                            zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g])))
-                            zl[u * NT + tile] = zt[0]
-                            zh[u * NT + tile] = zt[1]
-                for rh in T.unroll(RH):
-                    if g + rh * 8 < M and kb < K:
-                        for q in T.unroll(4):
-                            for v in T.vectorized(8):
-                                xh[(u * RH + rh) * 32 + q * 8 + v] = X[g + rh * 8, kb + q * 8 + v]
-                    else:
-                        for q in T.unroll(4):
-                            for v in T.vectorized(4):
-                                xa[(u * RH + rh) * 16 + q * 4 + v] = T.uint32(0)
+                            for q in T.unroll(4):
+                                for v in T.vectorized(4):
+                                    xa[(u * RH + rh) * 16 + q * 4 + v] = T.uint32(0)
 
     @T.macro
     def compute_stage(it, ctx, wq, sc, sf, zl, zh, xa, b, acc, cacc):    # dequantise and multiply them
@@ -436,8 +460,18 @@ def w4a16_gemv(spec: W4A16Spec):
         ctx = T.meta_var((bx, by, warp, lane, g, t))
         ld = T.meta_var((X, Wq, S, Z, wq, sc, sf, zl, zh, xh, xa))
         mm = T.meta_var((wq, sc, sf, zl, zh, xa, b, acc, cacc))
+        if PDL == "early":  # the next kernel may launch as soon as every CTA of this one has started
+            T.evaluate(grid_dependency("launch_dependents"))
         for it in T.serial(ITERS):
-            load_stage(it, ctx, *ld)
+            if WAITS:       # the first weights load while the previous kernel finishes; X only after it has
+                load_stage(it, ctx, *ld, "w")
+                if it == 0:
+                    T.evaluate(grid_dependency("wait"))
+                    if PDL == "late":   # only now (one grid waits at a time)
+                        T.evaluate(grid_dependency("launch_dependents"))
+                load_stage(it, ctx, *ld, "x")
+            else:
+                load_stage(it, ctx, *ld, "wx")
             compute_stage(it, ctx, *mm)
         for rh in T.unroll(RH):                        # every warp's partial sums into shared memory
             for p in T.unroll(NP):

@@ -174,6 +174,23 @@ class PreparedLaunch:
         self.grid, self.block = kernel.launch["grid"], kernel.launch["block"]
         self.shared = int(kernel.launch.get("shared_bytes", 0))
         self.driver = _driver()
+        self.config = None
+        if kernel.launch.get("pdl") and torch.cuda.get_device_capability(self.device) >= (9, 0):
+            self.config = self._pdl_config()
+
+    def _pdl_config(self):
+        """A launch configuration with programmatic stream serialisation: the kernel may start while the previous
+        one in the stream finishes (its ``griddepcontrol.wait`` holds it before it reads what that one wrote)."""
+        d = self.driver
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config = d.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = self.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+        config.sharedMemBytes = self.shared
+        config.attrs, config.numAttrs = [attr], 1
+        return config
 
     def launch(self, **tensors: torch.Tensor) -> None:
         for name, t in tensors.items():
@@ -186,6 +203,11 @@ class PreparedLaunch:
             self.keep[i] = t
             self.values[i].value = t.data_ptr()
         stream = self.driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        if self.config is not None:
+            self.config.hStream = stream
+            _check(self.driver.cuLaunchKernelEx(self.config, self.fn, ctypes.addressof(self.params), 0),
+                   f"launching {self.kernel.name!r}")
+            return
         _check(self.driver.cuLaunchKernel(self.fn, *self.grid, *self.block, self.shared, stream,
                                           ctypes.addressof(self.params), 0), f"launching {self.kernel.name!r}")
 

@@ -150,11 +150,35 @@ def test_min_ctas_bounds_the_registers_through_launch_bounds(tmp_path, monkeypat
     assert "min_ctas" in spec.key() and "min_ctas" not in W4A16Spec(1, 333, 1152).key()   # old keys unchanged
 
 
+@needs_nvcc
+@pytest.mark.parametrize("pdl", ["early", "late"])
+def test_programmatic_dependent_launch_waits_before_reading_x(tmp_path, monkeypatch, pdl):
+    """``pdl``: the first chunk's weights and scales load before ``griddepcontrol.wait``, X only after it (and every
+    store after the loads); the trigger for the next kernel before the loop ("early") or right after the wait
+    ("late"); launch.json asks the runtime for the attribute. Guarded to sm_90, so the sm_80 cubin still builds."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = W4A16Spec(3, 200, 640, group=64, sym=False, bias=True, warps=2, ksplit=2, pdl=pdl, name="probe_pdl")
+    art = build_cuda(w4a16_gemv, spec)
+    src = (art.path / "kernel.cu").read_text()
+    body = src[src.index("extern \"C\" __global__"):]
+    body = body[body.index("{"):]                  # past the parameter list
+    wait, trigger = body.index("sparta_grid_wait();"), body.index("sparta_grid_launch_dependents();")
+    assert body.index("ld_vec_global_nc") < wait < body.index("X_ptr") and wait < body.index("Y_ptr[")
+    assert (trigger < body.index("ld_vec_global_nc")) if pdl == "early" else (wait < trigger < body.index("X_ptr"))
+    assert "__CUDA_ARCH__ >= 900" in src and art.launch["pdl"] is True and sorted(art.launch["cubins"]) == ["sm_80", "sm_90"]
+    assert "pdl" not in build_cuda(w4a16_gemv, W4A16Spec(3, 200, 640, group=64, name="probe_nopdl")).launch
+    assert "pdl" not in W4A16Spec(1, 333, 1152).key()
+    with pytest.raises(ValueError, match="pdl"):
+        W4A16Spec(1, 64, 128, pdl="yes")
+
+
 def test_compile_picks_the_measured_gemv_tilings():
     from sparta.codegen.specialize_cuda import gemv_tiling
-    assert gemv_tiling(1, 11008, 4096, 128) == dict(ntile=2, warps=8, unroll=1, min_ctas=6, fold=True)
-    assert gemv_tiling(1, 4096, 11008, 128) == dict(ntile=2, warps=16, unroll=1, min_ctas=2, fold=True)
-    assert gemv_tiling(1, 4096, 4096, 128) == dict(ntile=2, warps=16, unroll=1, fold=True)
+    early = dict(pdl="early")
+    assert gemv_tiling(1, 11008, 4096, 128) == dict(ntile=4, warps=8, unroll=1, min_ctas=3, fold=False, **early)
+    assert gemv_tiling(1, 4096, 11008, 128) == dict(ntile=2, warps=16, unroll=1, min_ctas=2, fold=True, **early)
+    assert gemv_tiling(1, 4096, 4096, 128) == dict(ntile=2, warps=16, unroll=1, fold=True, **early)
     assert gemv_tiling(16, 1024, 2048, 64) == dict(ntile=4, warps=8, unroll=1, ksplit=2, fold=False)
+    assert gemv_tiling(12, 4096, 4096, 128) == dict(ntile=4, warps=8, unroll=1, fold=False)   # 16 rows: no pdl
     for m, n, k, g in [(1, 11008, 4096, 128), (8, 4096, 11008, 128), (16, 1024, 2048, 64), (3, 300, 640, 32)]:
         W4A16Spec(m, n, k, group=g, **gemv_tiling(m, n, k, g))          # every pick is a valid spec

@@ -136,6 +136,33 @@ def test_w8a8_model_with_a_static_scale_hands_int8_codes_between_linears():
     replay_on_new_input(model, x)
 
 
+DECODE = ROOT / "saved_decode_w4a16"
+
+
+@pytest.mark.skipif(not (DECODE / "sparta.json").is_file(), reason=f"no saved model in {DECODE}")
+def test_decode_w4a16_gemvs_back_to_back_launch_programmatically_and_match():
+    """Two 4-bit GEMVs in a row (4 tokens): built for programmatic dependent launch, the second may start before the
+    first ends and reads its X only after the wait — the output matches the dequantised math, eagerly and replayed."""
+    import sparta
+    model = sparta.load(DECODE).to("cuda")
+    mods = {k: m for k, m in model.module_replacements().items() if hasattr(m, "dense_weight")}
+    assert sorted(type(m).__name__ for m in mods.values()) == ["W4A16GemvCUDA"] * 2
+    assert all(m.spec.pdl == "early" and not m.spec.sym for m in mods.values())
+    assert max(model.verify(trials=2).values()) < 1e-2
+    (w0, l0), (w1, l1) = sorted((m.weight_name, m) for m in mods.values())
+    g = model.graph
+    b0, b1 = g.tensor("0.bias").data.cuda().float(), g.tensor("1.bias").data.cuda().float()
+    x = torch.randn(1, 4, 1024, device="cuda").half()
+    h = torch.nn.functional.linear(x.float(), l0.dense_weight().cuda().float(), b0).half()
+    ref = torch.relu(torch.nn.functional.linear(h.float(), l1.dense_weight().cuda().float(), b1))
+    for _ in range(3):
+        err = ((model(x).float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, err
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert all((m._prepared.config is not None) == hopper for m in mods.values())   # launched with the attribute
+    replay_on_new_input(model, x)
+
+
 PINGPONG = ROOT / "saved_ffn_w8a8_pingpong"
 
 
