@@ -348,10 +348,17 @@ def gemv_tiling(m: int, n: int, k: int, group: int) -> dict:
         elif k >= 2 * n:
             # long rows on a one-wave grid: 64 registers for 2 CTAs of 16 warps per SM
             tiling.update(min_ctas=2)
-    if m > 8 and k >= 2 * n:
-        # few 8-row tiles, long rows: two CTAs split K (4096x11008 at 16 rows: 16.4 -> 14.6 us on the H100;
-        # slower where N is large or at batch 1)
-        tiling["ksplit"] = 2
+    if m > 8:
+        # the "late" trigger (the next kernel launches once this one passed its wait; "early" lets grids of several
+        # waves pile up): 16 rows on the H100, 4096x4096 7.5 -> 6.5 us, 4096x11008 14.6 -> 14.1, 11008x4096 12.6 ->
+        # 11.8 with 3 CTAs per SM
+        tiling["pdl"] = "late"
+        if n >= 8192:
+            tiling["min_ctas"] = 3
+        elif k >= 2 * n:
+            # few 8-row tiles, long rows: two CTAs split K (4096x11008 at 16 rows: 16.4 -> 14.6 us on the H100;
+            # slower where N is large or at batch 1)
+            tiling["ksplit"] = 2
     # two tiles per CTA, up to 8 rows, group 128: the scale folded into the fp32 sum per chunk (1-7% faster at batch 1
     # on the H100; slower at 16 rows, where each chunk folds twice the accumulators)
     tiling["fold"] = group == 128 and m <= 8 and tiling["ntile"] == 2

@@ -178,7 +178,9 @@ def test_compile_picks_the_measured_gemv_tilings():
     assert gemv_tiling(1, 11008, 4096, 128) == dict(ntile=4, warps=8, unroll=1, min_ctas=3, fold=False, **early)
     assert gemv_tiling(1, 4096, 11008, 128) == dict(ntile=2, warps=16, unroll=1, min_ctas=2, fold=True, **early)
     assert gemv_tiling(1, 4096, 4096, 128) == dict(ntile=2, warps=16, unroll=1, fold=True, **early)
-    assert gemv_tiling(16, 1024, 2048, 64) == dict(ntile=4, warps=8, unroll=1, ksplit=2, fold=False)
-    assert gemv_tiling(12, 4096, 4096, 128) == dict(ntile=4, warps=8, unroll=1, fold=False)   # 16 rows: no pdl
+    late = dict(pdl="late")
+    assert gemv_tiling(16, 1024, 2048, 64) == dict(ntile=4, warps=8, unroll=1, ksplit=2, fold=False, **late)
+    assert gemv_tiling(12, 4096, 4096, 128) == dict(ntile=4, warps=8, unroll=1, fold=False, **late)
+    assert gemv_tiling(16, 11008, 4096, 128) == dict(ntile=4, warps=8, unroll=1, min_ctas=3, fold=False, **late)
     for m, n, k, g in [(1, 11008, 4096, 128), (8, 4096, 11008, 128), (16, 1024, 2048, 64), (3, 300, 640, 32)]:
         W4A16Spec(m, n, k, group=g, **gemv_tiling(m, n, k, g))          # every pick is a valid spec
