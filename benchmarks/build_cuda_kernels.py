@@ -379,7 +379,7 @@ def saved_decode_w4a16(out: Path) -> None:
 def saved_pingpong_ffn(out: Path) -> None:
     """A dense BERT-base FFN (768 → 3072 → GELU → 768) on 4096 tokens calibrated to W8A8 with GELU(FFN1) at a static
     scale, for ``tests/runtime/test_saved_cuda.py``: FFN1 writes FFN2's int8 codes, on Hopper from the ping-pong
-    kernel (``codegen.specialize_cuda.int8_codes_hopper``)."""
+    kernel (``codegen.specialize_cuda.int8_codes_spec``)."""
     import sparta
     torch.manual_seed(2)
     ffn = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768)).eval()

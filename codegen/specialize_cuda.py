@@ -84,7 +84,7 @@ def int8_dense_tiles(m: int, n: int, requantized: bool = False) -> tuple[dict, d
     """(mma.sync tiles, wgmma tiles) of a dense W8A8 GEMM, over the same blocks. The wgmma tile
     measured best on the H100 (bench_cuda_w8a8): 128x192 where one wave of them covers the output
     (BERT FFN2, with 5 stages: 3 K blocks in flight), else 128x256 (4 stages: shared memory) — but 128x192 for
-    an output that will be ``requantized`` (int8 codes) where the ping-pong kernel pays (``int8_codes_hopper``)."""
+    an output that will be ``requantized`` (int8 codes) where the ping-pong kernel pays (``int8_codes_spec``)."""
     one_wave = n % 192 == 0 and -(-m // 128) * (n // 192) <= HOPPER_SMS
     bn = 192 if one_wave or (requantized and _pingpong_pays(m, n)) else 256
     hopper = dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=1 if bn == 192 else 2, stages=5 if bn == 192 else 4,
@@ -92,12 +92,13 @@ def int8_dense_tiles(m: int, n: int, requantized: bool = False) -> tuple[dict, d
     return dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=bn // 64, stages=3), hopper
 
 
-def int8_codes_hopper(spec: BsrSpec) -> BsrSpec:
-    """The int8-code-writing (``out="int8"``) twin of a W8A8 Hopper kernel: for a dense 128x192 tile where it pays,
+def int8_codes_spec(spec: BsrSpec) -> BsrSpec:
+    """The int8-code-writing (``out="int8"``) twin of a W8A8 kernel; for a dense 128x192 wgmma tile where it pays,
     the ping-pong schedule (a producer and two consumer warpgroups on alternate tiles, persistent over the SMs, 4
     stages: its two output tiles fit beside them only as int8)."""
     q8 = dataclasses.replace(spec, out="int8", name=spec.name + "_q8")
-    if spec.dtype == "int8" and (spec.bn, spec.tm, spec.warps_n) == (192, 128, 1) and _pingpong_pays(spec.m, spec.n):
+    if spec.dtype == "int8" and spec.mma == "wgmma" and (spec.bn, spec.tm, spec.warps_n) == (192, 128, 1) \
+            and _pingpong_pays(spec.m, spec.n):
         q8 = dataclasses.replace(q8, stages=4, producer=True, ctas=HOPPER_SMS, pingpong=True, name=spec.name + "_pp_q8")
     return q8
 
@@ -140,9 +141,9 @@ def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
         module = replacements.get(name)
         if not isinstance(module, SparseLinearCUDA) or module.output_names is not None or module.spec.dtype == "w4a16":
             continue
-        spec = dataclasses.replace(module.spec, out="int8", name=module.spec.name + "_q8")
+        spec = int8_codes_spec(module.spec)
         kernel = build_cuda(bsr_linear, spec)
-        h_spec = int8_codes_hopper(module.hopper[1]) if module.hopper else None
+        h_spec = int8_codes_spec(module.hopper[1]) if module.hopper else None
         hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
         module.requantize_output(quantized_names(t), scale, (kernel.path, spec), (hopper.path, h_spec) if hopper else None)
         if fused is not None:

@@ -318,19 +318,21 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
 
 
 def test_int8_codes_of_a_dense_gemm_with_many_tiles_per_sm_come_from_the_ping_pong_kernel():
-    from sparta.codegen.specialize_cuda import HOPPER_SMS, int8_codes_hopper, int8_dense_tiles
+    from sparta.codegen.specialize_cuda import HOPPER_SMS, int8_codes_spec, int8_dense_tiles
     from sparta.templates.cuda_bsr import BsrSpec
     ffn1, ffn2 = (4096, 3072), (4096, 768)
     assert int8_dense_tiles(*ffn1)[1]["bn"] == 256            # fp16 out: 128x256 (measured best)
     tiles, hopper = int8_dense_tiles(*ffn1, requantized=True)
     assert tiles["bn"] == hopper["bn"] == 192 and tiles["warps_n"] == 3
-    pp = int8_codes_hopper(BsrSpec(*ffn1, 768, dtype="int8", name="h", **hopper))
+    pp = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="h", **hopper))
     assert pp.pingpong and pp.producer and pp.ctas == HOPPER_SMS and pp.out == "int8" and pp.stages == 4
     assert pp.shared_bytes <= 227 * 1024 and pp.name == "h_pp_q8"
+    sync = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="s", **tiles))   # the mma.sync twin: codes only
+    assert sync.out == "int8" and not sync.pingpong and (sync.bn, sync.stages, sync.name) == (192, 3, "s_q8")
     # FFN2 (one wave of tiles) and short M keep the cooperative 128x192 kernel, 5 stages
     for m, n in (ffn2, (256, 3072)):
         hopper = int8_dense_tiles(m, n, requantized=True)[1]
-        q8 = int8_codes_hopper(BsrSpec(m, n, 768, dtype="int8", name="h", **hopper))
+        q8 = int8_codes_spec(BsrSpec(m, n, 768, dtype="int8", name="h", **hopper))
         assert (q8.bn, q8.stages, q8.pingpong, q8.out, q8.name) == (192, 5, False, "int8", "h_q8")
 
 
