@@ -251,17 +251,15 @@ def dequant_word(scaled: bool = True):
     return dequant
 
 
-_GRID_SOURCES = {f"grid_{op}": ("", f"\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"    # sm_90 PTX; the
-                                      f'  asm volatile("griddepcontrol.{op};"{clobber});\n#endif\n')   # sm_80 cubin: none
-                 for op, clobber in (("wait", ' ::: "memory"'), ("launch_dependents", ""))}
-
-
 def grid_dependency(op: str):
     """TIR: ``griddepcontrol.<op>`` (``wait``: until the previous kernel in the stream has completed and its writes
     are visible; ``launch_dependents``: let the next one launch), for a kernel launched with programmatic dependent
     launch (sm_90; a no-op before, and on a launch without the attribute)."""
-    from .cuda_bsr_parts import device_call        # (cuda_bsr_parts imports this module)
-    return device_call(_GRID_SOURCES, f"grid_{op}")
+    from tvm.script import tirx as T
+    clobber = ' ::: "memory"' if op == "wait" else ""
+    src = (f"__device__ __forceinline__ void sparta_grid_{op}() {{\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+           f'  asm volatile("griddepcontrol.{op};"{clobber});\n#endif\n}}\n')
+    return T.cuda.func_call(f"sparta_grid_{op}", source_code=src, return_type="void")
 
 
 def w4a16_gemv(spec: W4A16Spec):
@@ -287,7 +285,6 @@ def w4a16_gemv(spec: W4A16Spec):
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
     sym, use_bias, fold = spec.sym, spec.bias, spec.fold
-    # WAITS: PDL as a bool (a TVMScript ``if`` on a str does not parse)
     MIN_CTAS, BOUNDED, PDL, WAITS = spec.min_ctas, spec.min_ctas > 0, spec.pdl, bool(spec.pdl)
 
     def acc_value(acc, i, r):                  # the fp32 value of C element r (0..3) of accumulator set i
