@@ -285,6 +285,7 @@ def w4a16_gemv(spec: W4A16Spec):
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
     sym, use_bias, fold = spec.sym, spec.bias, spec.fold
+    # WAITS: PDL as a bool (a TVMScript ``if`` on a str does not parse)
     MIN_CTAS, BOUNDED, PDL, WAITS = spec.min_ctas, spec.min_ctas > 0, spec.pdl, bool(spec.pdl)
 
     def acc_value(acc, i, r):                  # the fp32 value of C element r (0..3) of accumulator set i
