@@ -1,7 +1,7 @@
 """sparta's W4A16 GEMV/small-batch kernel vs torch's tinygemm int4 kernel and fp16 cuBLAS.
 
     python benchmarks/build_w4a16_kernels.py       # machine with TVM + nvcc (no GPU needed)
-    python benchmarks/bench_cuda_w4a16.py          # GPU machine (torch + cuda-bindings, no TVM)
+    python benchmarks/bench_cuda_w4a16.py [--batches 16]   # GPU machine (torch + cuda-bindings, no TVM)
 
 Shapes N×K = 4096×4096, 11008×4096, 4096×11008 at batch 1 and 16; int4 weights, group 128, with zero
 points (sparta: asymmetric uint8 zeros; tinygemm: its scale-and-zero pairs). At batch 1 also sparta's
@@ -14,6 +14,7 @@ it, the time of a plain one-pass read of the same bytes (``read_probe.py``): wha
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -179,9 +180,12 @@ def dp4a_q4(w, xs, ys, shape, m, sets, bw) -> dict:
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="rows of X (default: 1 16)")
+    args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
-    rows = [bench_shape(shape, n, k, m, bw) for shape, (n, k) in SHAPES.items() for m in (1, 16)]
+    rows = [bench_shape(shape, n, k, m, bw) for shape, (n, k) in SHAPES.items() for m in args.batches]
     path = save("w4a16", {"copy_GBps": bw, "rows": rows})
     print(f"wrote {path}")
 
