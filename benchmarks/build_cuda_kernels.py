@@ -96,6 +96,8 @@ INT8_Q8_TILES = ("i8_t128x128k64", "i8_t128x256k128wg", "i8_t128x192k128wg", "i8
                  "i8_t128x128k64wgs6", "i8_b64_t64", "i8_b64_t128wg", "i8_t128x128k64pp2", "i8_t64x192k64pp2",
                  "i8_t128x128k128pp2", "i8_t64x192k128pp2", "i8_b64_t128pp2", "i8_b64_t64pp2")
 # built with int8 output only (the fp16 output tile does not fit in shared memory beside their stages)
+# the one-tile mma.sync W8A8 tiles of the 90% picks, also built for programmatic dependent launch: "<tile>_pdl[_q8]"
+INT8_PDL_TILES = ("i8_b64_t128", "i8_b64_t64")
 INT8_Q8_ONLY = ("i8_t128x128k64pp2s10", "i8_t128x128k128pp2s5", "i8_t128x192k128pp2", "i8_t128x192k64pp2")
 INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2, warps_n=1, stages=4, **WG),
                     "i8_t128x256k128wg": dict(bn=256, bk=128, tm=128, warps_m=2, warps_n=2, stages=4, **WG),
@@ -222,6 +224,10 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         # out="int8": requantised to the codes of one static scale; vectorised (N % 16 == 0) and ragged stores
         "t_i8_b64_gelu_q8": BsrSpec(257, 192, 320, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
                                     act="gelu_erf", dtype="int8", out="int8"),
+        # programmatic dependent launch: square (a launch's output is the next one's input), fp16 and W8A8 codes
+        "t_pdl_square_gelu": BsrSpec(200, 192, 192, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", pdl="tail"),
+        "t_pdl_i8_b64_square_relu_q8": BsrSpec(257, 192, 192, bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3,
+                                               act="relu", dtype="int8", out="int8", pdl="late"),
         "t_i8_odd_relu_q8": BsrSpec(200, 100, 80, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="relu", dtype="int8",
                                     out="int8"),
         "t_wg_i8_dense_192_q8": BsrSpec(300, 384, 256, act="gelu_erf", dtype="int8", out="int8",
@@ -257,6 +263,11 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                 specs[f"{shape_name}_{tile}"] = BsrSpec(m, n, k, bias=True, dtype="int8", **kw)
             if tile in INT8_Q8_TILES or tile in INT8_Q8_ONLY:
                 specs[f"{shape_name}_{tile}_q8"] = BsrSpec(m, n, k, bias=True, dtype="int8", out="int8", **kw)
+            for pdl in ("late", "tail") if tile in INT8_PDL_TILES else ():
+                sfx = "_pdl" if pdl == "late" else "_pdlt"
+                specs[f"{shape_name}_{tile}{sfx}"] = BsrSpec(m, n, k, bias=True, dtype="int8", pdl=pdl, **kw)
+                specs[f"{shape_name}_{tile}{sfx}_q8"] = BsrSpec(m, n, k, bias=True, dtype="int8", out="int8", pdl=pdl,
+                                                                **kw)
         for tile in CONST_TILES:                 # dismantled: the benchmark's block patterns baked in
             kw = {**SPARSE_TILES, **WGMMA_TILES}[tile]
             for sp in CONST_SPARSITIES:

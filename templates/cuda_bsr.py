@@ -31,6 +31,12 @@ value — what a W8A8 linear behind this one reads, without a quantisation pass 
 ``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
 scales (and zero points, ``zero=True``; ``templates/cuda_bsr_w4.py``), copied to shared memory as
 is; each warp turns its words into ``mma.sync`` B fragments in registers (``lop3`` dequantisation).
+``pdl="late"`` or ``"tail"`` (the one-tile ``mma.sync`` kernel) builds it for programmatic dependent launch (sm_90;
+the runtime launches it with the attribute, ``launch.json`` says ``"pdl"``): the table, the column constants and the
+prologue's weight blocks load before ``griddepcontrol.wait``, ``X``, the row scales and every write after it; the next
+kernel may launch once every CTA has passed its wait ("late") or finished its main loop ("tail") — so a chain of
+these overlaps one kernel's tail with the next one's start (as the W4A16 GEMV, ``templates/cuda_w4a16.py``).
+
 The torch side (packing, table, references) is ``templates/cuda_bsr_ref.py``.
 """
 
@@ -75,6 +81,7 @@ class BsrSpec:
     producer: bool = False                            # wgmma: a producer warpgroup loads, mbarrier rings
     ctas: int = 0                                     # producer: > 0 = a persistent grid of that many CTAs
     pingpong: bool = False                            # persistent producer: two consumer warpgroups, a tile each
+    pdl: str = ""                                     # programmatic dependent launch (sm_90), "late" or "tail"
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -115,6 +122,9 @@ class BsrSpec:
         if self.pingpong and (not self.ctas or self.warps_m > 2 or self.warps_n != 1):
             bad.append(f"pingpong: for a persistent producer kernel (ctas > 0), warps_m 1 or 2 (m64 rows per "
                        f"consumer warpgroup) and warps_n 1, not ctas={self.ctas}, {self.warps_m}x{self.warps_n}")
+        if self.pdl not in ("", "late", "tail") or (self.pdl and (self.mma != "sync" or self.groups)):
+            bad.append(f"pdl {self.pdl!r}: '' (off), 'late' or 'tail', for the mma.sync kernel of one tile per CTA "
+                       "(groups=0)")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":
@@ -261,6 +271,8 @@ class BsrSpec:
             del d["producer"], d["ctas"]
         if not self.pingpong:
             del d["pingpong"]
+        if not self.pdl:
+            del d["pdl"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d
@@ -288,18 +300,20 @@ def bsr_linear(spec: BsrSpec):
     import tvm
     from tvm.script import tirx as T
 
+    from .cuda_w4a16 import grid_dependency
     w4 = spec.dtype == "w4a16"
     M, N, K, TM, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
     NT, WN, R = spec.threads, spec.warps_n, spec.row_blocks
     mv = Movement(spec, NT)
     STAGE, HEAD = mv.stage, mv.head
-    tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
+    tab, load_stage, load_x, load_w, store_tile = mv.tab, mv.load_stage, mv.load_x, mv.load_w, mv.store_tile
     wmma = WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     mma_stage, mma_stage_w4 = wmma.mma_stage, wmma.mma_stage_w4
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
 
     epi = FragmentEpilogue(spec, NT, MI, NI)
+    PDL, LATE, TAIL = bool(spec.pdl), spec.pdl == "late", spec.pdl == "tail"   # bools: TVMScript ifs
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
@@ -343,10 +357,24 @@ def bsr_linear(spec: BsrSpec):
         epi.load_constants(cst, kr, WS, B, OS, tx, row, 0)
         for i in T.unroll(MI * NI * 4):
             acc[i] = T.Cast(ACC, 0)
-        for s in T.unroll(S - 1):                      # prologue: stages 0 .. S-2 in flight
-            if s < count:
-                load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + first + s), first + s)
-            T.evaluate(T.ptx["cp.async.commit_group"]())
+        if PDL:
+            # programmatic dependent launch: the prologue's weight blocks load while the previous kernel in the
+            # stream finishes (the first commit group holds them); X (its output) and every write after the wait
+            for s in T.unroll(S - 1):
+                if s < count:
+                    load_w(smem, Wp, tx, s, first + s)
+            T.evaluate(grid_dependency("wait"))
+            if LATE:
+                T.evaluate(grid_dependency("launch_dependents"))
+            for s in T.unroll(S - 1):
+                if s < count:
+                    load_x(smem, X, tx, m0, s, tab(Tab, HEAD + first + s))
+                T.evaluate(T.ptx["cp.async.commit_group"]())
+        else:
+            for s in T.unroll(S - 1):                  # prologue: stages 0 .. S-2 in flight
+                if s < count:
+                    load_stage(smem, X, Wp, tx, m0, s, tab(Tab, HEAD + first + s), first + s)
+                T.evaluate(T.ptx["cp.async.commit_group"]())
         if S - 1 < count:                              # K index of the next block, read one step early
             kn[0] = tab(Tab, HEAD + first + S - 1)
         for t in T.serial(count):
@@ -362,6 +390,8 @@ def bsr_linear(spec: BsrSpec):
             else:
                 mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
+        if TAIL:                                       # the next kernel may launch once every CTA got here
+            T.evaluate(grid_dependency("launch_dependents"))
         T.tvm_storage_sync("shared")                   # every warp is done with the stages
         epi.load_scales(xsr, XS, m0, wr * WTM, lane)
         epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, wr * WTM, wc * WTN, lane, 0, 0)

@@ -161,8 +161,8 @@ class Movement:
         self.swz = swz
 
         @T.macro
-        def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):
-            # X[m0 : m0+TM, kb*BK : +BK] and packed block ``blk`` into ``stage``, 16 bytes per cp.async
+        def load_x(smem, X, tx, m0, stage, kb):
+            # X[m0 : m0+TM, kb*BK : +BK] into ``stage``, 16 bytes per cp.async
             for it in T.unroll(X_ITERS):
                 c = T.meta_var(tx + it * NT)
                 if X_CHUNKS % NT == 0 or c < X_CHUNKS:
@@ -172,13 +172,22 @@ class Movement:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
                         smem.ptr_to([stage * STAGE + swz(r, c % C)]),
                         X.ptr_to([T.min(m0 + r, M - 1), T.min(kc, K - 8)]), 16, ok))
+
+        @T.macro
+        def load_w(smem, Wp, tx, stage, blk):
+            # packed block ``blk`` into ``stage``
             for it in T.unroll(W_ITERS):
                 c = T.meta_var(tx + it * NT)
                 if W_CHUNKS % NT == 0 or c < W_CHUNKS:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
                         smem.ptr_to([stage * STAGE + X_ELEMS + (c * 8 if W4 else swz(c // C, c % C))]),
                         Wp.ptr_to([blk * W_LANES + c * 8]), 16))
-        self.load_stage = load_stage
+
+        @T.macro
+        def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):
+            load_x(smem, X, tx, m0, stage, kb)
+            load_w(smem, Wp, tx, stage, blk)
+        self.load_stage, self.load_x, self.load_w = load_stage, load_x, load_w
 
         @T.macro
         def store_tile(smem, smo, Y, tx, m0, row, out0):

@@ -394,3 +394,29 @@ def test_cache_key_covers_the_modules_a_template_imports():
     assert {"sparta.templates.cuda_bsr_w4", "sparta.templates.cuda_w4a16"} <= _relative_imports(cuda_bsr.__name__)
     assert _relative_imports(cuda_w4a16.__name__) == {cuda_w4a16.__name__}
     assert _source_digest(cuda_bsr) != _source_digest(cuda_w4a16)
+
+
+@needs_nvcc
+def test_programmatic_dependent_launch_loads_weights_before_the_wait(tmp_path, monkeypatch):
+    """``pdl``: the prologue's weight blocks load before ``griddepcontrol.wait``; X, the row scales and every store
+    after it, and the trigger for the next kernel right after the wait. launch.json asks the runtime for the
+    attribute; the PTX is guarded to sm_90, so the sm_80 cubin still builds. Only the one-tile mma.sync kernel."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    kw = dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3, act="relu", dtype="int8", out="int8")
+    art = build_cuda(bsr_linear, BsrSpec(257, 192, 320, pdl="late", name="probe_bsr_pdl", **kw))
+    src = (art.path / "kernel.cu").read_text()
+    body = src[src.index('extern "C" __global__'):]
+    body = body[body.index("{"):]
+    wait, trigger = body.index("sparta_grid_wait();"), body.index("sparta_grid_launch_dependents();")
+    assert body.index("Wp_ptr[") < wait < trigger < body.index("X_ptr[") and wait < body.index("XS_ptr[")
+    assert wait < body.index("Y_ptr") and "__CUDA_ARCH__ >= 900" in src
+    assert art.launch["pdl"] is True and sorted(art.launch["cubins"]) == ["sm_80", "sm_90"]
+    plain = BsrSpec(257, 192, 320, name="probe_bsr", **kw)
+    assert "pdl" not in build_cuda(bsr_linear, plain).launch and "pdl" not in plain.key()
+    tail = (build_cuda(bsr_linear, BsrSpec(257, 192, 320, pdl="tail", name="probe_bsr_pdlt", **kw)).path
+            / "kernel.cu").read_text()
+    tail = tail[tail.index('extern "C" __global__'):]
+    assert tail.index("sparta_grid_wait();") < tail.index("mma_int_sync") < tail.index("launch_dependents();")
+    for bad in (dict(mma="wgmma", warps_n=1), dict(groups=2), dict(pdl="early")):
+        with pytest.raises(ValueError, match="pdl"):
+            BsrSpec(257, 192, 320, **{"pdl": "late", **kw, **bad})

@@ -356,3 +356,22 @@ def test_a_dense_w8a8_linear_writing_codes_for_bert_sized_batches_runs_the_ping_
     assert not fc2.hopper[1].pingpong and fc2.hopper[1].stages == 5
     again = sparta.load(compiled.save(tmp_path / "saved")).module_replacements()["linear"]
     assert again.hopper[1] == spec and torch.equal(again.wp, fc1.wp)
+
+
+def test_block_sparse_w8a8_kernels_of_64_blocks_launch_as_programmatic_dependents(tmp_path, monkeypatch):
+    """A 64-block sparse W8A8 linear is built with pdl="tail" (the next kernel may launch once every CTA finished its
+    main loop; measured faster in chains on the H100), its int8-code twin too; launch.json asks the runtime for the
+    attribute and a save keeps it. A dense W8A8 linear (wgmma twin) is built without."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, _ = _mlp_and_mask(5)
+    mask = (torch.rand(2048 // 64, 1024 // 64) < 0.15).repeat_interleave(64, 0).repeat_interleave(64, 1)
+    batches = [(torch.randn(2, 512, 1024),) for _ in range(2)]   # BERT-like rows: the cover keeps 64-blocks
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    mods = compiled.module_replacements()
+    fc1, fc2 = mods["linear"], mods["linear_1"]
+    assert fc1.spec.dtype == "int8" and fc1.spec.pdl == "tail" and fc1.spec.out == "int8", compiled.kernel_report()
+    assert json.loads((Path(fc1.folder) / "launch.json").read_text())["pdl"] is True
+    assert fc2.spec.dtype == "int8" and not fc2.spec.pdl and fc2.hopper is not None
+    loaded = sparta.load(compiled.save(tmp_path / "saved")).module_replacements()
+    assert loaded["linear"].spec == fc1.spec
