@@ -31,7 +31,8 @@ value — what a W8A8 linear behind this one reads, without a quantisation pass 
 ``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
 scales (and zero points, ``zero=True``; ``templates/cuda_bsr_w4.py``), copied to shared memory as
 is; each warp turns its words into ``mma.sync`` B fragments in registers (``lop3`` dequantisation).
-``pdl="late"`` or ``"tail"`` (the one-tile ``mma.sync`` kernel) builds it for programmatic dependent launch (sm_90;
+
+``pdl="late"`` or ``"tail"`` (the one-tile fp16 or int8 ``mma.sync`` kernel) builds it for programmatic dependent launch (sm_90;
 the runtime launches it with the attribute, ``launch.json`` says ``"pdl"``): the table, the column constants and the
 prologue's weight blocks load before ``griddepcontrol.wait``, ``X``, the row scales and every write after it; the next
 kernel may launch once every CTA has passed its wait ("late") or finished its main loop ("tail") — so a chain of
@@ -122,9 +123,10 @@ class BsrSpec:
         if self.pingpong and (not self.ctas or self.warps_m > 2 or self.warps_n != 1):
             bad.append(f"pingpong: for a persistent producer kernel (ctas > 0), warps_m 1 or 2 (m64 rows per "
                        f"consumer warpgroup) and warps_n 1, not ctas={self.ctas}, {self.warps_m}x{self.warps_n}")
-        if self.pdl not in ("", "late", "tail") or (self.pdl and (self.mma != "sync" or self.groups)):
-            bad.append(f"pdl {self.pdl!r}: '' (off), 'late' or 'tail', for the mma.sync kernel of one tile per CTA "
-                       "(groups=0)")
+        if self.pdl not in ("", "late", "tail") or (self.pdl and (self.mma != "sync" or self.groups
+                                                                   or self.dtype == "w4a16")):
+            bad.append(f"pdl {self.pdl!r}: '' (off), 'late' or 'tail', for the fp16 or int8 mma.sync kernel of one "
+                       "tile per CTA (groups=0)")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":

@@ -417,6 +417,6 @@ def test_programmatic_dependent_launch_loads_weights_before_the_wait(tmp_path, m
             / "kernel.cu").read_text()
     tail = tail[tail.index('extern "C" __global__'):]
     assert tail.index("sparta_grid_wait();") < tail.index("mma_int_sync") < tail.index("launch_dependents();")
-    for bad in (dict(mma="wgmma", warps_n=1), dict(groups=2), dict(pdl="early")):
+    for bad in (dict(mma="wgmma", warps_n=1), dict(groups=2), dict(pdl="early"), dict(dtype="w4a16", out="float16")):
         with pytest.raises(ValueError, match="pdl"):
             BsrSpec(257, 192, 320, **{"pdl": "late", **kw, **bad})
