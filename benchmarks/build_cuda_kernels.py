@@ -27,6 +27,8 @@ from sparta.templates.cuda_fine import FineSpec, fine_linear
 from sparta.templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
 from sparta.templates.cuda_q4_gemv import Q4GemvSpec, Q8QuantSpec, q4_gemv, quantize_q8_kernel
 from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
+from sparta.templates.cuda_quant import pick_threads as pick_quant_threads
+from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, w8a8_gemv
 
 FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 tokens: (M, N, K)
 DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, stages=4),
@@ -299,6 +301,18 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     specs["t_q4_m8"] = Q4GemvSpec(8, 64, 4096, warps=8, bias=True)
     for m, k in ((3, 96), (1, 1056), (8, 4096)):
         specs[f"t_q8_{m}x{k}"] = Q8QuantSpec(m, k)
+    # W8A8 GEMV (dp4a, per-channel weights, per-token activations): N not a multiple of the warps, K not of the
+    # 512 bytes a warp loads, batches shorter than the group, every M up to 16, the epilogues, pdl
+    specs["t_w8g_odd_relu"] = W8A8GemvSpec(3, 101, 1040, group=2, bias=True, act="relu")
+    specs["t_w8g_m1"] = W8A8GemvSpec(1, 256, 4096)
+    specs["t_w8g_m16_gelu_late"] = W8A8GemvSpec(16, 200, 2064, warps=8, bias=True, act="gelu_erf", pdl="late")
+    specs["t_w8g_m8_early"] = W8A8GemvSpec(8, 64, 11008, warps=2, group=3, pdl="early")
+    specs["t_w8g_mma_odd_relu"] = W8A8GemvSpec(3, 101, 1056, group=2, bias=True, act="relu", mma=True)
+    specs["t_w8g_mma_m16_gelu_late"] = W8A8GemvSpec(16, 200, 2080, warps=8, bias=True, act="gelu_erf", pdl="late",
+                                                    mma=True)
+    specs["t_w8g_mma_m1_early"] = W8A8GemvSpec(1, 64, 11008, warps=16, group=3, pdl="early", mma=True)
+    specs["t_w8g_mma_m9"] = W8A8GemvSpec(9, 48, 4096, warps=2, group=8, mma=True)
+    specs.update(w8a8_gemv_bench_kernels())
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008)):      # bench_cuda_w4a16.py, batch 1
         specs[f"q4gemv_{n}x{k}_m1"] = Q4GemvSpec(1, n, k)
         specs[f"q8quant_{k}_m1"] = Q8QuantSpec(1, k)
@@ -317,6 +331,32 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
         specs[f"ln_{m}x{n}_fp16_res"] = LayerNormSpec(m, n, residual=True, threads=pick_threads(n))
         specs[f"q_ln_{m}x{n}"] = QuantRowsSpec(m, n)
     return {name: type(s)(**{**asdict(s), "name": name}) for name, s in specs.items()}
+
+
+W8G_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
+W8G_BATCHES = (1, 4, 8, 16)
+W8G_TILINGS = {"w4g8": dict(warps=4, group=8), "w8g8": dict(warps=8, group=8), "w4g4": dict(warps=4, group=4),
+               "w2g8": dict(warps=2, group=8), "w4g8_pdle": dict(warps=4, group=8, pdl="early"),
+               "w4g8_pdl": dict(warps=4, group=8, pdl="late"),
+               **{f"mma_w{w}g{g}{sfx}": dict(warps=w, group=g, mma=True, pdl=pdl) for w, g, sfx, pdl in (
+                   (4, 4, "", ""), (8, 4, "", ""), (8, 8, "", ""), (16, 4, "", ""), (16, 8, "", ""),
+                   (8, 8, "_pdle", "early"), (16, 4, "_pdle", "early"))}}
+
+
+def w8a8_gemv_bench_kernels() -> dict:
+    """``bench_cuda_w8a8_gemv.py``'s kernels: the GEMV's tilings per shape and batch, and the tile kernels (mma.sync
+    and wgmma) that compile built for these ops before the GEMV."""
+    specs = {}
+    for shape, (n, k) in W8G_SHAPES.items():
+        for m in W8G_BATCHES:
+            for tiling, kw in W8G_TILINGS.items():
+                specs[f"w8g_{shape}_m{m}_{tiling}"] = W8A8GemvSpec(m, n, k, **kw)
+            specs[f"w8q_{m}x{k}"] = QuantRowsSpec(m, k, threads=pick_quant_threads(k))
+            if m in (1, 16):
+                sync, hopper = int8_dense_tiles(m, n)
+                specs[f"w8t_{shape}_m{m}_sync"] = BsrSpec(m, n, k, bias=False, dtype="int8", **sync)
+                specs[f"w8t_{shape}_m{m}_wgmma"] = BsrSpec(m, n, k, bias=False, dtype="int8", **hopper)
+    return specs
 
 
 def saved_models(out: Path) -> None:
@@ -353,6 +393,7 @@ def saved_models(out: Path) -> None:
     print(w4.kernel_report())
     w4.save(out / "saved_mlp_w4a16")
     saved_decode_w4a16(out)
+    saved_decode_w8a8(out)
     # post-LN block (LayerNorm -> W8A8 MLP + residual, 3x333 tokens): the norm kernel emits fp16 and int8
     block = _NormBlock().eval()
     with torch.no_grad():
@@ -385,6 +426,23 @@ def saved_decode_w4a16(out: Path) -> None:
                         quant_tolerance={"tolerance": 5e-2, "widths": (4,), "symmetric": False, "progress": False})
     print(w4.kernel_report())
     w4.save(out / "saved_decode_w4a16")
+
+
+def saved_decode_w8a8(out: Path) -> None:
+    """LayerNorm → linear → GELU → linear on 4 tokens (decode-like), fp16, calibrated to W8A8, for
+    ``tests/runtime/test_saved_cuda.py``: both linears run the W8A8 GEMV, the first on the int8 codes the LayerNorm
+    kernel emits, the second quantising its input per token."""
+    import sparta
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 2048), torch.nn.GELU(),
+                                torch.nn.Linear(2048, 1024)).half().eval()
+    g = torch.Generator().manual_seed(7)
+    half = [(torch.randn(1, 4, 1024, generator=g).half(),) for _ in range(2)]
+    w8 = sparta.compile(model, {}, half[0], target="cuda", calibration=half,
+                        quant_tolerance={"tolerance": 5e-2, "activations": True, "static_activations": False,
+                                         "progress": False})
+    print(w8.kernel_report())
+    w8.save(out / "saved_decode_w8a8")
 
 
 def saved_pingpong_ffn(out: Path) -> None:
@@ -430,7 +488,7 @@ class _PostLNBlock(torch.nn.Module):
 
 
 TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear, Q4GemvSpec: q4_gemv,
-             Q8QuantSpec: quantize_q8_kernel, LayerNormSpec: layer_norm_kernel}
+             Q8QuantSpec: quantize_q8_kernel, LayerNormSpec: layer_norm_kernel, W8A8GemvSpec: w8a8_gemv}
 
 
 def build_all(specs: dict, out: Path, jobs: int, templates=TEMPLATES) -> None:

@@ -1,7 +1,8 @@
 """Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel
 (fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
 W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights;
-a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``).
+a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``, and a dense
+W8A8 one of at most 16 rows the W8A8 GEMV, ``templates/cuda_w8a8_gemv.py``).
 fp16 LayerNorms become sparta's LayerNorm kernel (``templates/cuda_layernorm.py``): one read by W8A8
 linears hands them their per-token int8 codes, so they skip the quantiser; one fed by a residual add
 that nothing else reads adds the two inputs itself. A linear whose output (after its fused activation)
@@ -31,21 +32,18 @@ from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
 from ..runtime.bsr_linear import SparseLinearCUDA
 from ..runtime.layernorm import LayerNormCUDA, quantized_names
-from ..runtime.w4a16_gemv import W4A16GemvCUDA
 from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from ..templates.cuda_bsr_ref import block_mask_of
 from ..templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
-from ..templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
-from ..templates.cuda_quant import pick_threads as pick_quant_threads
-from ..templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
+from .specialize_gemv import (HOPPER_SMS, W8A8_GEMV_ROWS, bind, build_w4a16_gemv, build_w8a8_gemv, gemv_group,
+                              int8_weight_scale, report_row, row_quantizer, torch_row, w4_codes)
 
 FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # only exact GELU reaches here (_fusable_activation)
 # W8A8 tiles measured best on the H100 (benchmarks/RESULTS.md, bench_cuda_w8a8): per block side, and dense
 INT8_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
               64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
-HOPPER_SMS = 132                                        # H100/H200 SXM multiprocessors
 # W4A16 dense tiles by M, measured on the H100 (benchmarks/RESULTS.md, bench_cuda_w4_gemm): up to 16 rows
 # the int4 kernel beats cuBLAS fp16 (1.0-1.9x); from 17 to 255 rows it is 2x slower (32 CTAs of 128
 # columns, no split-K), so such ops stay cuBLAS on the dequantised weights
@@ -112,7 +110,7 @@ def specialize_cuda(graph: Graph, plan: Plan):
         op = graph.op(op_plan.op)
         built = _build_op(graph, op, op_plan)
         if isinstance(built, str):
-            report.append(_torch_row(op, "W16A16", built))
+            report.append(torch_row(op, "W16A16", built))
             continue
         module, row, fused = built
         replacements[op.name] = module
@@ -130,9 +128,7 @@ def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
     readers int8 codes and the scale, and the per-token quantiser pass over an fp16 tensor is gone."""
     for t, scale in graph.meta.get("act_scales", {}).items():
         readers = graph.consumers(t)
-        if not readers or t in graph.outputs or not all(
-                isinstance(replacements.get(r), SparseLinearCUDA) and replacements[r].spec.dtype == "int8"
-                and replacements[r].input_names == [t] for r in readers):
+        if not readers or t in graph.outputs or not all(_reads_int8(replacements.get(r), t) for r in readers):
             continue
         name = graph.producer(t)
         fused = replacements.get(name) if isinstance(replacements.get(name), Passthrough) else None
@@ -160,6 +156,12 @@ def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
         row["note"] = f"{row['note']}; {note}" if row.get("note") else note
 
 
+def _reads_int8(module, t: str) -> bool:
+    """Whether ``module`` (a replacement) is a W8A8 kernel module whose one input is the graph tensor ``t``: it can
+    take that tensor's per-token int8 codes and scales instead (``QuantizedInput``)."""
+    return getattr(module, "reads_int8", False) and module.input_names == [t]
+
+
 def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
     """fp16 LayerNorms become sparta's LayerNorm kernel (OneFlow-style Welford, 1.3-2x torch's): one whose
     output W8A8 linears read hands them per-token int8 codes and scales (bit for bit their own quantiser's
@@ -172,8 +174,7 @@ def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
             continue
         y, x = op.outputs[0], graph.tensor(op.input_of("input"))
         readers = graph.consumers(y)
-        int8 = [r for r in readers if isinstance(replacements.get(r), SparseLinearCUDA)
-                and replacements[r].spec.dtype == "int8" and replacements[r].input_names == [y]]
+        int8 = [r for r in readers if _reads_int8(replacements.get(r), y)]
         if not int8 and x.dtype != torch.float16:
             continue
         fp16_too = not int8 or len(int8) < len(readers) or y in graph.outputs
@@ -181,7 +182,7 @@ def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
         add = _residual_add(graph, op, replacements)
         built = _build_norm(graph, op, out, replacements[int8[0]].spec.m if int8 else math.prod(x.shape[:-1]), add)
         if isinstance(built, str):
-            rows.append(_torch_row(op, "-", built))
+            rows.append(torch_row(op, "-", built))
             continue
         module, row = built
         for r in int8:
@@ -239,7 +240,7 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
     module = LayerNormCUDA(op.name, x_name, outputs, art.path, spec, params["weight"], params["bias"],
                            graph.tensor(y).shape, r_name)
     bits = {"fp16": "A16->A16", "int8": "A16->A8", "both": "A16->A16+A8"}[out]
-    return module, _row(op, "layer_norm", "-", bits, "-", [art])
+    return module, report_row(op, "layer_norm", "-", bits, "-", [art])
 
 
 def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
@@ -267,8 +268,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     w4, w4_refusal = _w4_params(graph, view[1], op_plan, k)
     mask = block_mask_of(weight, side, side)
     tiles, hopper_tiles = TUNED_TILES[side], None
-    if w4 is not None and keep.all() and m <= 16 and _gemv_group(w4, k):
-        return _build_gemv(graph, op, view, weight, bias, w4, _gemv_group(w4, k))
+    if w4 is not None and keep.all() and m <= 16 and gemv_group(w4, k):
+        return build_w4a16_gemv(graph, op, view, weight, bias, w4, gemv_group(w4, k))
     if w4 is not None and keep.all():
         tiles = next(t for top, t in W4_DENSE_TILES if top is None or m <= top)
         if tiles is None:
@@ -277,6 +278,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         mask = torch.ones_like(block_mask_of(weight, tiles["bn"], tiles["bk"]))
     if side == 64 and not int8 and w4 is None and (stream := stream_tiles(m, mask)) is not None:
         tiles = stream
+    if int8 and keep.all() and m <= W8A8_GEMV_ROWS and k % 16 == 0:
+        return build_w8a8_gemv(graph, op, view, weight, bias, act or "none", fused)
     if int8:
         dense = bool(keep.all())
         out = (fused or op).outputs[0]              # its int8 codes may be written (_requantized_outputs)
@@ -306,21 +309,18 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     out_shape = graph.tensor(op.outputs[0]).shape
     scale, quant = None, None
     if int8:
-        params = graph.meta.get("quant_params", {}).get(view[1], {}).get(8)
-        scale = params.scale[:, 0] if params is not None and params.group >= k else None   # calibrated, per channel
-        quant = build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, threads=pick_quant_threads(k),
-                                                               name=f"quantize_rows_{m}x{k}")).path
+        scale, quant = int8_weight_scale(graph, view[1], k), row_quantizer(m, k)
     if w4 is not None:                 # calibration's codes, scales and zero points
         scale, zero = w4.expand(k)
-        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, _w4_codes(w4, weight), scale, zero,
+        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
                                                 mask, bias, out_shape)
     else:
         module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
                                               weight_scale=scale, quant_folder=quant,
                                               hopper=(hopper[0].path, hopper[1]) if hopper else None)
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
-    _bind(module, graph, op, view, reference=int8 or w4 is not None)
-    row = _row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
+    bind(module, graph, op, view, reference=int8 or w4 is not None)
+    row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
                {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
                f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
                [art] + ([hopper[0]] if hopper else []))
@@ -331,92 +331,6 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         row["note"] = f"plan asked for {', '.join(planned)}; runs the fp16 kernel" + \
             (f" ({w4_refusal})" if w4_refusal else "")
     return module, row, fused
-
-
-def _gemv_group(params, k: int) -> int:
-    """The GEMV's scale group for calibration's scales (32, 64 or 128 dividing K), 0 if none fits."""
-    group = 128 if params.group >= 128 else params.group
-    return group if group in (32, 64, 128) and k % group == 0 and (params.group >= k or params.group % group == 0) \
-        else 0
-
-
-def gemv_tiling(m: int, n: int, k: int, group: int) -> dict:
-    """The W4A16 GEMV tiling ``compile`` builds for an ``m``-row ``(n, k)`` linear: the fastest measured by
-    ``benchmarks/bench_cuda_w4a16.py`` (RESULTS.md)."""
-    # rows <= 8: two 8-row tiles per CTA over 16 warps; more rows: four tiles over 8 warps (X is re-read per CTA)
-    tiling = dict(ntile=2, warps=16, unroll=1) if m <= 8 else dict(ntile=4, warps=8, unroll=1)
-    if m <= 8 and group == 128:
-        # programmatic dependent launch, the next kernel launching once this one started ("early"): the tail of the
-        # previous GEMV overlaps this one's first weight loads (H100, 2026-11-23, chains of GEMVs: 4096x4096 4.8 ->
-        # 4.3 us, 4096x11008 10.3 -> 9.3, 11008x4096 10.1 -> 9.3 with four tiles of 8 warps bounded to 3 CTAs per SM)
-        tiling["pdl"] = "early"
-        if n >= 8192:
-            tiling.update(ntile=4, warps=8, min_ctas=3)
-        elif k >= 2 * n:
-            # long rows on a one-wave grid: 64 registers for 2 CTAs of 16 warps per SM
-            tiling.update(min_ctas=2)
-    if m > 8:
-        # the "late" trigger (the next kernel launches once this one passed its wait; "early" lets grids of several
-        # waves pile up): 16 rows on the H100, 4096x4096 7.5 -> 6.5 us, 4096x11008 14.6 -> 14.1, 11008x4096 12.6 ->
-        # 11.8 with 3 CTAs per SM
-        tiling["pdl"] = "late"
-        if n >= 8192:
-            tiling["min_ctas"] = 3
-        elif k >= 2 * n:
-            # few 8-row tiles, long rows: two CTAs split K (4096x11008 at 16 rows: 16.4 -> 14.6 us on the H100;
-            # slower where N is large or at batch 1)
-            tiling["ksplit"] = 2
-    # two tiles per CTA, up to 8 rows, group 128: the scale folded into the fp32 sum per chunk (1-7% faster at batch 1
-    # on the H100; slower at 16 rows, where each chunk folds twice the accumulators)
-    tiling["fold"] = group == 128 and m <= 8 and tiling["ntile"] == 2
-    return tiling
-
-
-def _build_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, params, group: int):
-    """A dense 4-bit linear of <= 16 rows on the W4A16 GEMV (bias fused; the activation stays a torch op)."""
-    x_name, _, _, m, n, k = view
-    sym = params.zero is None
-    tiling = gemv_tiling(m, n, k, group)
-    spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, **tiling,
-                     name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}"
-                          f"{'_fold' if tiling['fold'] else ''}{'_ks2' if tiling.get('ksplit') else ''}"
-                          f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}"
-                          f"{'_pdl' if tiling.get('pdl') else ''}")
-    art = build_cuda(w4a16_gemv, spec)
-    scale_el, zero_el = params.expand(k)
-    zero = None if sym else zero_el[:, ::group].to(torch.uint8)
-    module = W4A16GemvCUDA.from_codes(op.name, x_name, art.path, spec, _w4_codes(params, weight),
-                                      scale_el[:, ::group].half(), zero, bias, graph.tensor(op.outputs[0]).shape)
-    _bind(module, graph, op, view, reference=True)
-    return module, _row(op, "w4a16_gemv", "dense", "W4A16", "-", [art]), None
-
-
-def _w4_codes(params, weight: torch.Tensor) -> torch.Tensor:
-    """Calibration's 4-bit codes of ``weight`` as the kernels store them: uint8 0..15 (symmetric: +8)."""
-    codes = params.codes(weight)
-    return (codes + 8 if params.zero is None else codes).to(torch.uint8)
-
-
-def _bind(module, graph: Graph, op: Op, view, reference: bool) -> None:
-    """Record the graph weight the module stands for (and, for quantised kernels, the weight it applies)."""
-    module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
-    if reference:
-        module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
-
-
-def _torch_row(op: Op, bits: str, why: str) -> dict:
-    """The kernel report row of an op left to torch, ``why`` in its key column."""
-    return {"op": op.name, "template": "torch", "blocks": "-", "bits": bits, "dismantle": "-",
-            "build_s": 0.0, "cached": False, "code_bytes": 0, "key": why}
-
-
-def _row(op: Op, template: str, blocks: str, bits: str, dismantle: str, arts: list) -> dict:
-    """The kernel report row of an op built from ``arts`` (the first is the kernel it runs by default)."""
-    art = arts[0]
-    return {"op": op.name, "template": template, "blocks": blocks, "bits": bits, "dismantle": dismantle,
-            "build_s": round(art.build_s, 3), "cached": art.cached,
-            "code_bytes": sum((a.path / c["file"]).stat().st_size for a in arts for c in a.launch["cubins"].values()),
-            "key": art.path.name, "artifact": str(art.path)}
 
 
 def _w4_params(graph: Graph, weight: str, op_plan: OpPlan, k: int):

@@ -30,13 +30,15 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 3   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
-#               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add
+VERSION = 4   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+#               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
+#               4: W8A8 GEMV modules (w8a8_gemv_cuda)
 MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from_saved()
     "passthrough": "sparta.backend.fx:Passthrough",
     "fused": "sparta.backend.fx:Fused",
     "bsr_linear_cuda": "sparta.runtime.bsr_linear:SparseLinearCUDA",
     "w4a16_gemv_cuda": "sparta.runtime.w4a16_gemv:W4A16GemvCUDA",
+    "w8a8_gemv_cuda": "sparta.runtime.w8a8_gemv:W8A8GemvCUDA",
     "layer_norm_cuda": "sparta.runtime.layernorm:LayerNormCUDA",
     "sparse_linear_cpu": "sparta.codegen.cpu_modules:SparseLinearCPU",
 }

@@ -58,6 +58,39 @@ class RowQuantizer:
         return xq, xs
 
 
+class QuantizedInput:
+    """The input side of a W8A8 graph module: fp16 activations quantised per token on the way in (the kernel in
+    ``quant_folder``; torch ops without one), or, after :meth:`use_quantized_input`, the (codes, scales) graph
+    tensors a LayerNorm kernel or a requantising linear wrote. Needs ``op_name``, ``input_names`` and
+    ``quant_folder``; sets ``out_dtype`` (the output's dtype when the input is no float tensor to copy it from)."""
+
+    def use_quantized_input(self, names: list[str], out_dtype: torch.dtype) -> None:
+        """Read per-token int8 codes and fp32 scales (the graph tensors ``names``, e.g. from a LayerNorm
+        kernel that quantises its output) instead of quantising a float input; return ``out_dtype``."""
+        if not self.reads_int8 or len(names) != 2:
+            raise CudaRuntimeError(f"op {self.op_name!r}: only a W8A8 kernel reads (codes, scales) inputs")
+        self.input_names, self.out_dtype, self.quant_folder = list(names), out_dtype, None
+
+    def input_config(self) -> tuple[dict, dict[str, Path]]:
+        """What a save records of the input side: (config entries, kernel folders)."""
+        config, folders = {}, {}
+        if self.quant_folder:
+            config["quantizer"] = Path(self.quant_folder).name
+            folders[config["quantizer"]] = Path(self.quant_folder)
+        if self.out_dtype is not None:
+            config["quantized_input"] = {"names": self.input_names, "dtype": str(self.out_dtype).split(".")[-1]}
+        return config, folders
+
+    def restore_input(self, config: dict) -> None:
+        """The input side of a loaded module, from its :meth:`input_config` entries."""
+        quantized = config.get("quantized_input")
+        if quantized is not None:
+            dtype = getattr(torch, quantized["dtype"], None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise CudaRuntimeError(f"op {config['op_name']!r}: unknown output dtype {quantized['dtype']!r}")
+            self.use_quantized_input(quantized["names"], dtype)
+
+
 class BsrLinearOp:
     """One sparse linear: packed weights + table on the GPU, the kernel loaded from ``folder``."""
 
@@ -164,7 +197,7 @@ def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
 
 
-class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
+class SparseLinearCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
@@ -207,12 +240,9 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
         self.output_names, self.out_scale = None, None     # set by requantize_output
         self._op = None
 
-    def use_quantized_input(self, names: list[str], out_dtype: torch.dtype) -> None:
-        """Read per-token int8 codes and fp32 scales (the graph tensors ``names``, e.g. from a LayerNorm
-        kernel that quantises its output) instead of quantising a float input; return ``out_dtype``."""
-        if self.spec.dtype != "int8" or len(names) != 2:
-            raise CudaRuntimeError(f"op {self.op_name!r}: only a W8A8 kernel reads (codes, scales) inputs")
-        self.input_names, self.out_dtype, self.quant_folder = list(names), out_dtype, None
+    @property
+    def reads_int8(self) -> bool:
+        return self.spec.dtype == "int8"
 
     def requantize_output(self, names: list[str], scale: float, kernel: tuple | None = None,
                           hopper: tuple | None = None) -> None:
@@ -309,11 +339,9 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
         tensors, folders = {"wp": self.wp, "table": self.table, "bias": self.bias}, {folder.name: folder}
         if self.weight_scale is not None:
             tensors["weight_scale"] = self.weight_scale
-        if self.quant_folder:
-            config["quantizer"] = Path(self.quant_folder).name
-            folders[config["quantizer"]] = Path(self.quant_folder)
-        if self.out_dtype is not None:
-            config["quantized_input"] = {"names": self.input_names, "dtype": str(self.out_dtype).split(".")[-1]}
+        inputs, quant_folders = self.input_config()
+        config.update(inputs)
+        folders.update(quant_folders)
         if self.hopper is not None:
             h_folder = Path(self.hopper[0])
             config["hopper"] = {"kernel": h_folder.name, "spec": spec_to_json(self.hopper[1])}
@@ -334,12 +362,7 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
                      folders[config["quantizer"]] if config.get("quantizer") else None,
                      (folders[kernels[1][0]], kernels[1][1]) if hopper else None)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
-        quantized = config.get("quantized_input")
-        if quantized is not None:
-            dtype = getattr(torch, quantized["dtype"], None)
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise CudaRuntimeError(f"op {config['op_name']!r}: unknown output dtype {quantized['dtype']!r}")
-            module.use_quantized_input(quantized["names"], dtype)
+        module.restore_input(config)
         requantized = config.get("requantized_output")
         if requantized is not None:
             module.requantize_output(requantized["names"], requantized["scale"])
@@ -352,4 +375,5 @@ class SparseLinearCUDA(GraphWeightLayout, torch.nn.Module):
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 
-__all__ = ["BsrLinearOp", "RowQuantizer", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]
+__all__ = ["BsrLinearOp", "QuantizedInput", "RowQuantizer", "SparseLinearCUDA", "load_spec", "spec_from_json",
+           "spec_to_json"]

@@ -375,3 +375,57 @@ def test_block_sparse_w8a8_kernels_of_64_blocks_launch_as_programmatic_dependent
     assert fc2.spec.dtype == "int8" and not fc2.spec.pdl and fc2.hopper is not None
     loaded = sparta.load(compiled.save(tmp_path / "saved")).module_replacements()
     assert loaded["linear"].spec == fc1.spec
+
+
+def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypatch):
+    """At 8 tokens a dense linear calibrated to W8A8 gets the W8A8 GEMV (the tile kernels' 128-row tiles would
+    leave the GPU nearly idle): calibration's per-channel codes in fragment order, its activation fused;
+    its input arrives as int8 codes from the sparse linear before it (block kernel, requantising epilogue), or is
+    quantised per token on the way in. Both save and reload."""
+    from sparta.passes.quant import fake_quantized_weights
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1040),
+                                torch.nn.ReLU())
+    mask = (torch.rand(2048 // 32, 1024 // 32) < 0.1).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    batches = [(torch.randn(2, 4, 1024),) for _ in range(2)]
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    rows, mods = {k["op"]: k for k in compiled.kernels}, compiled.module_replacements()
+    assert rows["linear"]["template"] == "bsr_linear" and rows["linear_1"]["template"] == "w8a8_gemv", \
+        compiled.kernel_report()
+    gemv = mods["linear_1"]
+    assert type(gemv).__name__ == "W8A8GemvCUDA" and rows["linear_1"]["bits"] == "W8A8"
+    assert (gemv.spec.m, gemv.spec.n, gemv.spec.k, gemv.spec.act, gemv.spec.bias) == (8, 1040, 2048, "relu", True)
+    assert type(mods["relu_1"]).__name__ == "Passthrough"
+    assert gemv.input_names == mods["linear"].output_names and mods["linear"].spec.out == "int8"
+    assert gemv.quant_folder is None and "linear_1" in rows["linear"]["note"]
+    assert gemv.spec.mma and "m16n8k32.row.col.s32.s8.s8.s32" in (Path(rows["linear_1"]["artifact"]) /
+                                                                 "kernel.cu").read_text()
+    fitted = compiled.graph.meta["quant_params"]["2.weight"][8].scale[:, 0]
+    assert torch.equal(gemv.weight_scale, fitted.float()) and gemv.wq.shape == gemv.spec.weight_shape()
+    expected = fake_quantized_weights(compiled.graph)["2.weight"]
+    torch.testing.assert_close(gemv.reference_weight.float(), expected.half().float(), rtol=0, atol=2e-3)
+    loaded = sparta.load(compiled.save(tmp_path / "w8a8_gemv"))
+    again = loaded.module_replacements()["linear_1"]
+    assert again.spec == gemv.spec and torch.equal(again.wq, gemv.wq) and again.input_names == gemv.input_names
+    assert torch.equal(again.dense_weight(), gemv.dense_weight())
+    # per-token activations (no static scale): the GEMV quantises its input with the row quantiser
+    per_token = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                               quant_tolerance={"tolerance": 1e-2, "activations": True, "static_activations": False,
+                                                "progress": False})
+    gemv = per_token.module_replacements()["linear_1"]
+    assert type(gemv).__name__ == "W8A8GemvCUDA" and gemv.quant_folder and gemv.input_names == ["relu"]
+    loaded = sparta.load(per_token.save(tmp_path / "w8a8_gemv_per_token"))
+    assert (Path(loaded.module_replacements()["linear_1"].quant_folder) / "launch.json").is_file()
+
+
+def test_compile_picks_the_measured_w8a8_gemv_tilings():
+    from sparta.codegen.specialize_gemv import w8a8_gemv_tiling
+    # N = 4096: 256 tiles of 16 rows, 16 warps each; one row: launched early behind the previous kernel
+    assert w8a8_gemv_tiling(1, 4096, 4096) == dict(warps=16, group=4, mma=True, pdl="early")
+    assert w8a8_gemv_tiling(16, 4096, 11008) == dict(warps=16, group=4, mma=True, pdl="")
+    # N = 11008: 688 tiles of 8 warps; two grids would not fit on the SMs at once, so no early launch
+    assert w8a8_gemv_tiling(1, 11008, 4096) == dict(warps=8, group=4, mma=True, pdl="")
+    # K not a multiple of the MMA's 32: dp4a
+    assert w8a8_gemv_tiling(3, 4096, 4112) == dict(warps=4, group=8, pdl="early")

@@ -1,0 +1,147 @@
+"""A dense W8A8 linear on few rows running sparta's W8A8 GEMV (``templates/cuda_w8a8_gemv.py``), no TVM.
+
+:class:`W8A8GemvCUDA` is the graph module ``compile(target="cuda")`` puts in place of a dense linear that
+calibration ran at int8 weights and activations when the op has at most 16 activation rows (decode): int8
+codes per channel with their fp32 scales, bias and activation fused. Its input is quantised per token on the
+way in, or arrives as codes and scales (:class:`~sparta.runtime.bsr_linear.QuantizedInput`). It saves and loads
+without TVM like :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..templates.cuda_bsr_ref import quantize_rows
+from ..templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight, unpack_weight
+from .bsr_linear import QuantizedInput, RowQuantizer
+from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
+
+
+def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    if wq.shape != spec.weight_shape() or wq.dtype != torch.int8 or weight_scale.shape != (spec.n,):
+        raise CudaRuntimeError(f"{what}: weights must be int8 codes of shape {spec.weight_shape()} (cuda_w8a8_gemv."
+                               f"pack_weight) and ({spec.n},) scales, not {tuple(wq.shape)} {wq.dtype} / "
+                               f"{tuple(weight_scale.shape)}")
+
+
+class W8A8GemvOp:
+    """The kernel on device tensors: ``op(xq, xs)`` for per-token int8 codes ``(M, K)`` and fp32 scales ``(M,)``;
+    ``wq`` is packed by ``cuda_w8a8_gemv.pack_weight``."""
+
+    def __init__(self, folder, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        _check_weight(spec.name, spec, wq, weight_scale)
+        if spec.bias and bias is None:
+            raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")
+        self.kernel, self.spec = CudaKernel(folder), spec
+        dev = wq.device
+        self.wq = wq.contiguous()
+        self.weight_scale = weight_scale.float().contiguous().to(dev)
+        self.bias = bias.half().contiguous().to(dev) if spec.bias else None
+        self._prepared = None
+
+    def __call__(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.spec
+        if xq.shape != (s.m, s.k) or xq.dtype != torch.int8 or not xq.is_contiguous() or xs.numel() != s.m:
+            raise CudaRuntimeError(f"{s.name}: takes contiguous int8 ({s.m}, {s.k}) codes and {s.m} fp32 scales")
+        y = torch.empty(s.m, s.n, dtype=torch.float16, device=xq.device) if out is None else out
+        xw, xs = xq.view(torch.int32), xs.float().contiguous()
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(XQ=xw, XS=xs, WQ=self.wq.view(torch.int32), WS=self.weight_scale, Y=y,
+                                                 **({"B": self.bias} if s.bias else {}))
+        else:
+            self._prepared.launch(XQ=xw, XS=xs, Y=y)
+        return y
+
+
+class W8A8GemvCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
+    """One graph op run by the W8A8 GEMV: ``y = act(q(x) · Ŵᵀ + b)`` for the op's ``(M, K)`` input, ``q`` the
+    per-token int8 quantisation (the kernel in ``quant_folder``, torch ops without one, or none when the input
+    arrives quantised), ``Ŵ`` int8 codes per channel (``wq``, in the kernel's layout) times ``weight_scale``."""
+
+    reads_int8 = True
+
+    def __init__(self, op_name: str, x_name: str, folder, spec: W8A8GemvSpec, wq: torch.Tensor,
+                 weight_scale: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple, quant_folder=None):
+        super().__init__()
+        _check_weight(f"op {op_name!r}", spec, wq, weight_scale)
+        if spec.bias and bias is None:
+            raise CudaRuntimeError(f"op {op_name!r}: the kernel adds a bias; pass one")
+        self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
+        self.register_buffer("wq", wq.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.register_buffer("bias", bias.half() if bias is not None else None)
+        self.quant_folder = str(quant_folder) if quant_folder else None
+        self.out_shape = tuple(out_shape)
+        self.weight_name, self.weight_transposed = None, False
+        self.out_dtype = None
+        self._op, self._quantizer = None, None
+
+    @classmethod
+    def from_weight(cls, op_name: str, x_name: str, folder, spec: W8A8GemvSpec, weight: torch.Tensor,
+                    weight_scale: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple,
+                    quant_folder=None) -> W8A8GemvCUDA:
+        """Quantise ``weight`` (N, K) per channel at ``weight_scale`` (fitted, e.g. by calibration; default: each
+        channel's absolute maximum / 127), as the W8A8 tile kernels do."""
+        if weight_scale is None:
+            codes, weight_scale = quantize_rows(weight)
+        else:
+            codes = torch.round(weight.float() / weight_scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(op_name, x_name, folder, spec, pack_weight(spec, codes), weight_scale, bias, out_shape, quant_folder)
+
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if (x_scale is not None) != (self.out_dtype is not None):
+            raise CudaRuntimeError(f"op {self.op_name!r} takes {'(codes, scales)' if self.out_dtype else 'one input'}")
+        if not x.is_cuda or not self.wq.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
+                                   "(compiled.to('cuda'))")
+        s = self.spec
+        if self._op is None or self._op.wq.data_ptr() != self.wq.data_ptr():
+            self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias)
+        if x_scale is not None:
+            xq, xs = x.reshape(s.m, s.k), x_scale.reshape(s.m)
+        else:
+            xh = x.reshape(s.m, s.k).to(torch.float16).contiguous()
+            check_fp16_input(s.name, xh, s.m, s.k)
+            if self.quant_folder and self._quantizer is None:
+                self._quantizer = RowQuantizer(self.quant_folder)
+            xq, xs = (self._quantizer or quantize_rows)(xh)
+        return self._op(xq, xs).reshape(self.out_shape).to(self.out_dtype or x.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
+        return (unpack_weight(self.spec, self.wq.cpu()).float() * self.weight_scale.cpu()[:, None]).half()
+
+    # ---- saved models (sparta.saved) ------------------------------------------------
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
+        folder = Path(self.folder)
+        config = {"op_name": self.op_name, "x_name": self.input_names[0], "out_shape": list(self.out_shape),
+                  "spec": dataclasses.asdict(self.spec), "kernel": folder.name, "weight_name": self.weight_name,
+                  "weight_transposed": self.weight_transposed}
+        inputs, folders = self.input_config()
+        config.update(inputs)
+        tensors = {"wq": self.wq, "weight_scale": self.weight_scale,
+                   **({"bias": self.bias} if self.bias is not None else {})}
+        return config, tensors, {folder.name: folder, **folders}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> W8A8GemvCUDA:
+        spec = W8A8GemvSpec(**config["spec"])
+        folder = folders[config["kernel"]]
+        check_saved_spec(config["op_name"], folder, spec)
+        module = cls(config["op_name"], config["x_name"], folder, spec, tensors["wq"], tensors["weight_scale"],
+                     tensors.get("bias"), tuple(config["out_shape"]),
+                     folders[config["quantizer"]] if config.get("quantizer") else None)
+        module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
+        module.restore_input(config)
+        return module
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{self.op_name}: {s.k}->{s.n}, W8A8 GEMV, {s.m} rows, act={s.act}"
+
+
+__all__ = ["W8A8GemvCUDA", "W8A8GemvOp"]

@@ -1,0 +1,86 @@
+"""W8A8 GEMV (int8 weights per channel, int8 activations per token): the spec, the reference and compile-only
+CUDA builds (no GPU)."""
+
+import shutil
+
+import pytest
+import torch
+
+from sparta.codegen.cuda_build import build_cuda
+from sparta.templates.cuda_bsr_ref import quantize_rows
+from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, argument_names, reference, w8a8_gemv
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+def test_reference_is_the_scaled_exact_int8_product():
+    g = torch.Generator().manual_seed(0)
+    xq, xs = quantize_rows(torch.randn(3, 96, generator=g) * 5)
+    wq, ws = quantize_rows(torch.randn(40, 96, generator=g))
+    bias = torch.randn(40, generator=g).half()
+    exact = (xq.double() @ wq.double().t()) * xs.double()[:, None] * ws.double()[None, :] + bias.double()
+    got = reference(xq, xs, wq, ws, bias, "relu")
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), exact.clamp_min(0).half().float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(m=17), "M=17"), (dict(k=1000), "multiple of 16"),
+                                       (dict(k=140_000), "below"), (dict(warps=3), "warps"),
+                                       (dict(act="tanh"), "activation"), (dict(pdl="yes"), "pdl")])
+def test_spec_refuses_what_the_kernel_cannot_run(bad, match):
+    with pytest.raises(ValueError, match=match):
+        W8A8GemvSpec(**{**dict(m=1, n=64, k=512), **bad})
+
+
+@needs_nvcc
+@pytest.mark.parametrize("pdl", ["", "early", "late"])
+def test_build_streams_weights_into_dp4a_and_waits_before_reading_x(tmp_path, monkeypatch, pdl):
+    """Odd N, K not a multiple of the 512 bytes a warp loads (lanes past K skip their last chunk), 3 rows, bias and
+    ReLU. The weights stream through 16-byte non-allocating loads into ``dp4a.s32.s32``; with ``pdl`` the first
+    batch of weights loads before ``griddepcontrol.wait`` and X, its scales and Y only after it."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = W8A8GemvSpec(3, 101, 1040, warps=4, group=2, bias=True, act="relu", pdl=pdl, name=f"probe_w8g{pdl}")
+    art = build_cuda(w8a8_gemv, spec)
+    src = (art.path / "kernel.cu").read_text()
+    assert "dp4a.s32.s32" in src and "ld.global.nc.L1::no_allocate.v4" in src
+    assert sorted(art.launch["cubins"]) == ["sm_80", "sm_90"] and art.launch["block"][0] == 128
+    assert art.launch["grid"][0] == -(-101 // 4) and {a["name"] for a in art.launch["args"]} == set(argument_names(spec))
+    body = src[src.index('extern "C" __global__'):]
+    body = body[body.index("{"):]
+    if pdl:
+        wait = body.index("sparta_grid_wait();")
+        assert body.index("ld_vec_global_nc") < wait < body.index("XQ_ptr") and wait < body.index("XS_ptr")
+        assert wait < body.index("Y_ptr[") and art.launch["pdl"] is True
+    else:
+        assert "griddepcontrol" not in src and "pdl" not in art.launch
+
+
+@pytest.mark.parametrize("n,k", [(37, 96), (16, 32), (200, 2080)])
+def test_mma_packing_puts_each_lanes_a_fragment_in_one_16_byte_load(n, k):
+    from sparta.templates.cuda_w8a8_gemv import pack_mma, unpack_mma
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    packed = pack_mma(w)
+    assert packed.shape == (-(-n // 16), k // 32, 32, 16) and torch.equal(unpack_mma(packed, n), w)
+    pad = torch.zeros(packed.shape[0] * 16, k, dtype=torch.int8)
+    pad[:n] = w
+    for tile, chunk, lane in ((0, 0, 0), (packed.shape[0] - 1, k // 32 - 1, 31), (0, k // 32 - 1, 13)):
+        r, c = tile * 16 + lane // 4, chunk * 32 + (lane % 4) * 8
+        want = torch.cat([pad[r, c:c + 4], pad[r + 8, c:c + 4], pad[r, c + 4:c + 8], pad[r + 8, c + 4:c + 8]])
+        assert torch.equal(packed[tile, chunk, lane], want)
+
+
+@needs_nvcc
+def test_mma_build_issues_int8_mmas_on_fragment_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = W8A8GemvSpec(9, 200, 2080, warps=8, group=4, bias=True, act="gelu_erf", pdl="early", mma=True,
+                        name="probe_w8g_mma")
+    art = build_cuda(w8a8_gemv, spec)
+    src = (art.path / "kernel.cu").read_text()
+    assert "m16n8k32.row.col.s32.s8.s8.s32" in src and "ld.global.nc.L1::no_allocate.v4" in src and "dp4a" not in src
+    assert art.launch["grid"][0] == spec.tiles == 13 and art.launch["pdl"] is True
+    wq = next(a for a in art.launch["args"] if a["name"] == "WQ")
+    assert wq["shape"] == [13, 65, 32, 4] and spec.weight_shape() == (13, 65, 32, 16)
+    assert "mma" in spec.key() and "mma" not in W8A8GemvSpec(1, 64, 512).key()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        W8A8GemvSpec(1, 64, 528, mma=True)

@@ -1,0 +1,81 @@
+"""sparta's W8A8 GEMV (``templates/cuda_w8a8_gemv.py``) on a GPU, against the W8A8 reference.
+
+Kernels built beforehand by ``python benchmarks/build_cuda_kernels.py`` (``t_w8g_*``), dp4a and tensor-core
+(``mma``): N not a multiple of the CTA's warps (or of the 16-row tiles), K not a multiple of the 512 bytes a warp
+loads (or of the warps' chunks), batches shorter than the group, M = 1, 3, 8, 9, 16, bias, ReLU and exact GELU,
+programmatic dependent launch. Fresh random data each run (per-row magnitudes vary
+over 100×); outputs poisoned with NaN first.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+GEMVS = sorted(p.name for p in ROOT.glob("t_w8g_*") if (p / "spec.json").is_file()) if ROOT.is_dir() else []
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(not GEMVS, reason=f"no built W8A8 GEMV kernels in {ROOT}")]
+
+
+def _case(name, seed=0):
+    from sparta.runtime.w8a8_gemv import W8A8GemvOp
+    from sparta.templates.cuda_bsr_ref import quantize_rows
+    from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight
+    spec = W8A8GemvSpec(**json.loads((ROOT / name / "spec.json").read_text()))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(spec.m, spec.k, device="cuda", generator=g) * (torch.rand(spec.m, 1, device="cuda", generator=g)
+                                                                    * 10 + 0.1)
+    w = torch.randn(spec.n, spec.k, device="cuda", generator=g) * (torch.rand(spec.n, 1, device="cuda", generator=g)
+                                                                    + 0.01)
+    bias = torch.randn(spec.n, device="cuda", generator=g).half() if spec.bias else None
+    wq, ws = quantize_rows(w)
+    return spec, W8A8GemvOp(ROOT / name, spec, pack_weight(spec, wq), ws, bias), quantize_rows(x), wq, ws, bias
+
+
+@pytest.mark.parametrize("name", GEMVS)
+def test_w8a8_gemv_matches_the_int8_reference(name):
+    from sparta.templates.cuda_w8a8_gemv import reference
+    spec, op, (xq, xs), wq, ws, bias = _case(name)
+    y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
+    op(xq, xs, out=y)
+    ref = reference(xq, xs, wq, ws, bias, spec.act).float()
+    assert torch.isfinite(y).all()
+    # exact int32 sums; the fp32 epilogue and fp16 rounding differ from the reference's by an fp16 ulp at most
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+    assert op(xq, xs).equal(y), "deterministic: int32 sums do not depend on the order"
+
+
+@pytest.mark.parametrize("name", GEMVS)
+def test_w8a8_gemv_back_to_back_and_in_a_cuda_graph(name):
+    """Launches that follow one another (programmatic dependents where built so) write the same output: the
+    last one's result must be what stays, eagerly and replayed from a CUDA graph."""
+    from sparta.templates.cuda_w8a8_gemv import reference
+    spec, op_a, xa, *_ = _case(name, seed=1)
+    _, op_b, xb, wq, ws, bias = _case(name, seed=2)
+    y = torch.empty(spec.m, spec.n, dtype=torch.float16, device="cuda")
+    want = reference(*xb, wq, ws, bias, spec.act).float()
+    for _ in range(3):
+        op_a(*xa, out=y)
+        op_b(*xb, out=y)
+    torch.testing.assert_close(y.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op_a(*xa, out=y)
+        op_b(*xb, out=y)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
+def test_w8a8_gemv_refuses_inputs_that_do_not_fit():
+    from sparta.runtime.cuda import CudaRuntimeError
+    spec, op, (xq, xs), *_ = _case(GEMVS[0])
+    with pytest.raises(CudaRuntimeError, match="int8"):
+        op(xq.float(), xs)
+    with pytest.raises(CudaRuntimeError, match="int8"):
+        op(xq[:, :-16].contiguous(), xs)
