@@ -312,6 +312,9 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
                                                     mma=True)
     specs["t_w8g_mma_m1_early"] = W8A8GemvSpec(1, 64, 11008, warps=16, group=3, pdl="early", mma=True)
     specs["t_w8g_mma_m9"] = W8A8GemvSpec(9, 48, 4096, warps=2, group=8, mma=True)
+    specs["t_w8g_q8_relu"] = W8A8GemvSpec(3, 101, 1040, group=2, bias=True, act="relu", out="int8")
+    specs["t_w8g_mma_q8_gelu_late"] = W8A8GemvSpec(9, 200, 2080, warps=8, bias=True, act="gelu_erf", pdl="late",
+                                                   mma=True, out="int8")
     specs.update(w8a8_gemv_bench_kernels())
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008)):      # bench_cuda_w4a16.py, batch 1
         specs[f"q4gemv_{n}x{k}_m1"] = Q4GemvSpec(1, n, k)
@@ -429,9 +432,9 @@ def saved_decode_w4a16(out: Path) -> None:
 
 
 def saved_decode_w8a8(out: Path) -> None:
-    """LayerNorm → linear → GELU → linear on 4 tokens (decode-like), fp16, calibrated to W8A8, for
-    ``tests/runtime/test_saved_cuda.py``: both linears run the W8A8 GEMV, the first on the int8 codes the LayerNorm
-    kernel emits, the second quantising its input per token."""
+    """LayerNorm → linear → GELU → linear on 4 tokens (decode-like), fp16, calibrated to W8A8 with a static scale
+    after the GELU, for ``tests/runtime/test_saved_cuda.py``: both linears run the W8A8 GEMV, the first on the int8
+    codes the LayerNorm kernel emits, writing the codes of GELU(·) at the static scale that the second reads."""
     import sparta
     torch.manual_seed(6)
     model = torch.nn.Sequential(torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 2048), torch.nn.GELU(),
@@ -439,8 +442,7 @@ def saved_decode_w8a8(out: Path) -> None:
     g = torch.Generator().manual_seed(7)
     half = [(torch.randn(1, 4, 1024, generator=g).half(),) for _ in range(2)]
     w8 = sparta.compile(model, {}, half[0], target="cuda", calibration=half,
-                        quant_tolerance={"tolerance": 5e-2, "activations": True, "static_activations": False,
-                                         "progress": False})
+                        quant_tolerance={"tolerance": 5e-2, "activations": True, "progress": False})
     print(w8.kernel_report())
     w8.save(out / "saved_decode_w8a8")
 

@@ -6,8 +6,8 @@ W8A8 one of at most 16 rows the W8A8 GEMV, ``templates/cuda_w8a8_gemv.py``).
 fp16 LayerNorms become sparta's LayerNorm kernel (``templates/cuda_layernorm.py``): one read by W8A8
 linears hands them their per-token int8 codes, so they skip the quantiser; one fed by a residual add
 that nothing else reads adds the two inputs itself. A linear whose output (after its fused activation)
-calibration gave a static int8 scale and only W8A8 linears read writes int8 codes itself (``out="int8"``),
-so they skip the quantiser too.
+calibration gave a static int8 scale and only W8A8 linears read writes int8 codes itself (``out="int8"``: the
+block kernels and the W8A8 GEMV), so they skip the quantiser too.
 
 Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
 sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
@@ -32,9 +32,11 @@ from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
 from ..runtime.bsr_linear import SparseLinearCUDA
 from ..runtime.layernorm import LayerNormCUDA, quantized_names
+from ..runtime.w8a8_gemv import W8A8GemvCUDA
 from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
 from ..templates.cuda_bsr_ref import block_mask_of
 from ..templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
+from ..templates.cuda_w8a8_gemv import w8a8_gemv
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
 from .specialize_gemv import (HOPPER_SMS, W8A8_GEMV_ROWS, bind, build_w4a16_gemv, build_w8a8_gemv, gemv_group,
@@ -135,13 +137,19 @@ def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
         if fused is not None:
             name = graph.producer(fused.input_names[0])
         module = replacements.get(name)
-        if not isinstance(module, SparseLinearCUDA) or module.output_names is not None or module.spec.dtype == "w4a16":
+        if isinstance(module, W8A8GemvCUDA) and module.output_names is None:
+            spec = dataclasses.replace(module.spec, out="int8", name=module.spec.name + "_q8")
+            kernel, hopper = build_cuda(w8a8_gemv, spec), None
+            module.requantize_output(quantized_names(t), scale, (kernel.path, spec))
+        elif isinstance(module, SparseLinearCUDA) and module.output_names is None and module.spec.dtype != "w4a16":
+            spec = int8_codes_spec(module.spec)
+            kernel = build_cuda(bsr_linear, spec)
+            h_spec = int8_codes_spec(module.hopper[1]) if module.hopper else None
+            hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
+            module.requantize_output(quantized_names(t), scale, (kernel.path, spec),
+                                     (hopper.path, h_spec) if hopper else None)
+        else:
             continue
-        spec = int8_codes_spec(module.spec)
-        kernel = build_cuda(bsr_linear, spec)
-        h_spec = int8_codes_spec(module.hopper[1]) if module.hopper else None
-        hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
-        module.requantize_output(quantized_names(t), scale, (kernel.path, spec), (hopper.path, h_spec) if hopper else None)
         if fused is not None:
             replacements[graph.producer(t)] = Fused(name)
         for r in readers:

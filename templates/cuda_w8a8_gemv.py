@@ -3,7 +3,8 @@
 ``Y = act((XQ · WQᵀ) · xs · ws + b)`` for ``M`` = 1..16 activation rows. ``XQ`` is ``(M, K)`` int8 per-token codes
 with fp32 scales ``XS`` — what sparta's per-row quantiser (``templates/cuda_quant.py``) or a LayerNorm kernel
 (``templates/cuda_layernorm.py``) writes for the W8A8 linears reading it — and ``WQ`` is ``(N, K)`` int8 per-channel
-codes with fp32 scales ``WS``, row-major as calibration leaves them (no repacking). ``Y`` is ``(M, N)`` fp16.
+codes with fp32 scales ``WS``. ``Y`` is ``(M, N)`` fp16 or, ``out="int8"``, int8 codes of one static scale (the tile
+kernels' requantising epilogue: what a W8A8 linear behind this one reads, with no quantiser pass between).
 
 The tile kernels (``bsr_linear``, ``dtype="int8"``) compute 128 rows per CTA: with one row, a dense 4096-wide
 linear is a grid of 16-32 CTAs streaming all the weights, a fraction of the GPU. Here one warp owns one output
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cuda_bsr import ACTIVATIONS
+from .cuda_bsr import ACTIVATIONS, OUTPUTS
 from .cuda_bsr_ref import reference_int8
 
 CHUNK = 16                 # bytes of a row per lane and load
@@ -46,6 +47,7 @@ class W8A8GemvSpec:
     act: str = "none"
     pdl: str = ""              # programmatic dependent launch (sm_90): "", "early" or "late"
     mma: bool = False          # tensor cores (weights in fragment order, ``pack_mma``) instead of dp4a
+    out: str = "float16"       # Y: fp16, or "int8" codes of one static scale (argument OS, as ``bsr_linear``'s)
     name: str = "w8a8_gemv"
 
     def __post_init__(self):
@@ -60,6 +62,8 @@ class W8A8GemvSpec:
             bad.append(f"activation {self.act!r} not in {ACTIVATIONS}")
         if self.pdl not in ("", "early", "late"):
             bad.append(f"pdl {self.pdl!r} must be '', 'early' or 'late'")
+        if self.out not in OUTPUTS:
+            bad.append(f"out {self.out!r} must be one of {OUTPUTS}")
         if self.mma and self.k % MMA_K:
             bad.append(f"mma: K={self.k} must be a multiple of {MMA_K}")
         if bad:
@@ -81,19 +85,34 @@ class W8A8GemvSpec:
 
     def key(self) -> dict:
         d = asdict(self)
-        if not self.mma:
-            del d["mma"]
+        for f, default in (("mma", False), ("out", "float16")):
+            if d[f] == default:            # the keys of kernels built before the field existed
+                del d[f]
         return d
 
 
 def argument_names(spec: W8A8GemvSpec) -> list[str]:
-    return ["XQ", "XS", "WQ", "WS", *(["B"] if spec.bias else []), "Y"]
+    return ["XQ", "XS", "WQ", "WS", *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []), "Y"]
 
 
 def reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-              bias: torch.Tensor | None = None, act: str = "none") -> torch.Tensor:
-    """What the kernel computes: the W8A8 tile kernels' reference on every block kept."""
-    return reference_int8(xq, xs, wq, ws, None, bias, act, 1, 1)
+              bias: torch.Tensor | None = None, act: str = "none", out_scale: float | None = None) -> torch.Tensor:
+    """What the kernel computes: the W8A8 tile kernels' reference on every block kept (``out_scale``: int8 codes)."""
+    return reference_int8(xq, xs, wq, ws, None, bias, act, 1, 1, out_scale)
+
+
+def _output(spec: W8A8GemvSpec, v, bias, OS):
+    """TIR: the value written for fp32 ``v`` = (acc · xs) · ws: fp16 ``act(v + b)``, or its int8 code at the static
+    scale ``OS`` (``bsr_linear``'s unfolded requantisation: one ``FFMA.SAT`` into [0, 1], one ``FFMA`` to the code)."""
+    from tvm.script import tirx as T
+
+    from .cuda_bsr_parts import code_span, requantize_bits, tir_activate, unit_value
+    y = tir_activate(v, bias, spec.act)
+    if spec.out == "float16":
+        return T.Cast("float16", y)
+    span, offset = code_span(spec.act, False)
+    z = unit_value(y, OS[1] * T.float32(1.0 / span), T.float32(offset / span))
+    return T.Cast("int8", requantize_bits(z, span, offset))
 
 
 def pack_mma(wq: torch.Tensor) -> torch.Tensor:
@@ -134,7 +153,6 @@ def w8a8_gemv(spec: W8A8GemvSpec):
     import tvm
     from tvm.script import tirx as T
 
-    from .cuda_bsr_parts import tir_activate
     from .cuda_w4a16 import grid_dependency
 
     M, N, K, W, G = spec.m, spec.n, spec.k, spec.warps, spec.group
@@ -156,14 +174,16 @@ def w8a8_gemv(spec: W8A8GemvSpec):
                         wv[o], wv[o + 1], wv[o + 2], wv[o + 3], WQ.ptr_to([n, (lane + it * 32) * 4])))
 
     @T.prim_func
-    def kernel(xq_h: T.handle, xs_h: T.handle, wq_h: T.handle, ws_h: T.handle, b_h: T.handle, y_h: T.handle):
+    def kernel(xq_h: T.handle, xs_h: T.handle, wq_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
+               y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         XQ = T.match_buffer(xq_h, (M, K // 4), "int32")          # int8 codes, four per word
         XS = T.match_buffer(xs_h, (M,), "float32")
         WQ = T.match_buffer(wq_h, (N, K // 4), "int32")
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
-        Y = T.match_buffer(y_h, (M, N), "float16")
+        OS = T.match_buffer(os_h, (2,), "float32")               # out="int8": the output scale and its reciprocal
+        Y = T.match_buffer(y_h, (M, N), spec.out)
         bx = T.launch_thread("blockIdx.x", -(-N // W))
         tx = T.launch_thread("threadIdx.x", 32 * W)
         wv = T.alloc_buffer((2 * G * 4,), "int32", scope="local")  # two batches of weight chunks
@@ -210,7 +230,7 @@ def w8a8_gemv(spec: W8A8GemvSpec):
             for m in T.unroll(M):
                 if lane == m:
                     v = T.meta_var(T.Cast("float32", acc[m]) * cst[1] * cst[0])
-                    Y[m, n] = T.Cast("float16", tir_activate(v, bv[0] if spec.bias else None, spec.act))
+                    Y[m, n] = _output(spec, v, bv[0] if spec.bias else None, OS)
 
     return tvm.IRModule({spec.name: kernel})
 
@@ -223,7 +243,6 @@ def _w8a8_gemv_mma(spec: W8A8GemvSpec):
     import tvm
     from tvm.script import tirx as T
 
-    from .cuda_bsr_parts import tir_activate
     from .cuda_w4a16 import grid_dependency
 
     M, N, K, W, G = spec.m, spec.n, spec.k, spec.warps, spec.group
@@ -247,14 +266,16 @@ def _w8a8_gemv_mma(spec: W8A8GemvSpec):
                         wv[o], wv[o + 1], wv[o + 2], wv[o + 3], WQ.ptr_to([tile, warp + j * W, lane, 0])))
 
     @T.prim_func
-    def kernel(xq_h: T.handle, xs_h: T.handle, wq_h: T.handle, ws_h: T.handle, b_h: T.handle, y_h: T.handle):
+    def kernel(xq_h: T.handle, xs_h: T.handle, wq_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
+               y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         XQ = T.match_buffer(xq_h, (M, K // 4), "int32")          # int8 codes, four per word
         XS = T.match_buffer(xs_h, (M,), "float32")
         WQ = T.match_buffer(wq_h, (TL, CH, 32, 4), "int32")      # pack_mma's bytes, four per word
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
-        Y = T.match_buffer(y_h, (M, N), "float16")
+        OS = T.match_buffer(os_h, (2,), "float32")
+        Y = T.match_buffer(y_h, (M, N), spec.out)
         bx = T.launch_thread("blockIdx.x", TL)
         tx = T.launch_thread("threadIdx.x", 32 * W)
         wv = T.alloc_buffer((2 * G * 4,), "uint32", scope="local")  # two batches of A fragments
@@ -314,7 +335,6 @@ def _w8a8_gemv_mma(spec: W8A8GemvSpec):
                     tot[0] = tot[0] + red[w * H * 128 + src]
                 if bx * 16 + nl < N:
                     v = T.meta_var(T.Cast("float32", tot[0]) * cst[it * 3 + 2] * cst[it * 3])
-                    Y[m, bx * 16 + nl] = T.Cast("float16", tir_activate(
-                        v, T.Cast("float16", cst[it * 3 + 1]) if spec.bias else None, spec.act))
+                    Y[m, bx * 16 + nl] = _output(spec, v, T.Cast("float16", cst[it * 3 + 1]) if spec.bias else None, OS)
 
     return tvm.IRModule({spec.name: kernel})

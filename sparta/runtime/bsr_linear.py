@@ -91,6 +91,24 @@ class QuantizedInput:
             self.use_quantized_input(quantized["names"], dtype)
 
 
+class RequantizedOutput:
+    """The output side of a W8A8 graph module that may return the int8 codes of its output at one static scale, and
+    that scale per row, as the graph tensors ``output_names`` (what the W8A8 linears reading it take)."""
+
+    def _requantized(self, names: list[str], scale: float, rows: int, device) -> None:
+        if len(names) != 2:
+            raise CudaRuntimeError(f"op {self.op_name!r}: requantising names two tensors (codes, scales)")
+        out_scale_arg(scale)                             # refuses a scale that is not positive and finite
+        self.output_names, self.out_scale, self._op = list(names), float(scale), None
+        self.register_buffer("code_scale", torch.full((rows,), float(scale), dtype=torch.float32, device=device))
+
+    def output_config(self) -> dict:
+        """What a save records of the output side (restored by ``requantize_output(**config[...])``)."""
+        if self.out_scale is None:
+            return {}
+        return {"requantized_output": {"names": self.output_names, "scale": self.out_scale}}
+
+
 class BsrLinearOp:
     """One sparse linear: packed weights + table on the GPU, the kernel loaded from ``folder``."""
 
@@ -197,7 +215,7 @@ def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
 
 
-class SparseLinearCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
+class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.nn.Module):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
@@ -254,13 +272,9 @@ class SparseLinearCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
         if hopper is not None:
             self.hopper = (str(hopper[0]), hopper[1])
         specs = [self.spec] + ([self.hopper[1]] if self.hopper else [])
-        if any(s.out != "int8" for s in specs) or len(names) != 2:
-            raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8' "
-                                   "and two names (codes, scales)")
-        out_scale_arg(scale)                             # refuses a scale that is not positive and finite
-        self.output_names, self.out_scale, self._op = list(names), float(scale), None
-        self.register_buffer("code_scale", torch.full((self.spec.m,), float(scale), dtype=torch.float32,
-                                                      device=self.wp.device))
+        if any(s.out != "int8" for s in specs):
+            raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8'")
+        self._requantized(names, scale, self.spec.m, self.wp.device)
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
@@ -346,8 +360,7 @@ class SparseLinearCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
             h_folder = Path(self.hopper[0])
             config["hopper"] = {"kernel": h_folder.name, "spec": spec_to_json(self.hopper[1])}
             folders[h_folder.name] = h_folder
-        if self.out_scale is not None:
-            config["requantized_output"] = {"names": self.output_names, "scale": self.out_scale}
+        config.update(self.output_config())
         return config, tensors, folders
 
     @classmethod
@@ -375,5 +388,5 @@ class SparseLinearCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 
-__all__ = ["BsrLinearOp", "QuantizedInput", "RowQuantizer", "SparseLinearCUDA", "load_spec", "spec_from_json",
-           "spec_to_json"]
+__all__ = ["BsrLinearOp", "QuantizedInput", "RequantizedOutput", "RowQuantizer", "SparseLinearCUDA", "load_spec",
+           "spec_from_json", "spec_to_json"]

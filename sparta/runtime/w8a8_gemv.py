@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_bsr_ref import quantize_rows
+from ..templates.cuda_bsr_ref import out_scale_arg, quantize_rows
 from ..templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight, unpack_weight
-from .bsr_linear import QuantizedInput, RowQuantizer
+from .bsr_linear import QuantizedInput, RequantizedOutput, RowQuantizer
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
 
 
@@ -32,32 +32,38 @@ class W8A8GemvOp:
     ``wq`` is packed by ``cuda_w8a8_gemv.pack_weight``."""
 
     def __init__(self, folder, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, out_scale: float | None = None):
         _check_weight(spec.name, spec, wq, weight_scale)
         if spec.bias and bias is None:
             raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")
+        if (spec.out == "int8") != (out_scale is not None):
+            raise CudaRuntimeError(f"{spec.name}: " + ("the kernel writes int8 codes; pass out_scale" if out_scale is None
+                                                       else "out_scale is for out='int8' kernels"))
         self.kernel, self.spec = CudaKernel(folder), spec
         dev = wq.device
         self.wq = wq.contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev)
         self.bias = bias.half().contiguous().to(dev) if spec.bias else None
+        self.out_scale = None if out_scale is None else out_scale_arg(out_scale).to(dev)
         self._prepared = None
 
     def __call__(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
         if xq.shape != (s.m, s.k) or xq.dtype != torch.int8 or not xq.is_contiguous() or xs.numel() != s.m:
             raise CudaRuntimeError(f"{s.name}: takes contiguous int8 ({s.m}, {s.k}) codes and {s.m} fp32 scales")
-        y = torch.empty(s.m, s.n, dtype=torch.float16, device=xq.device) if out is None else out
+        dtype = torch.int8 if s.out == "int8" else torch.float16
+        y = torch.empty(s.m, s.n, dtype=dtype, device=xq.device) if out is None else out
         xw, xs = xq.view(torch.int32), xs.float().contiguous()
         if self._prepared is None:
             self._prepared = self.kernel.prepare(XQ=xw, XS=xs, WQ=self.wq.view(torch.int32), WS=self.weight_scale, Y=y,
-                                                 **({"B": self.bias} if s.bias else {}))
+                                                 **({"B": self.bias} if s.bias else {}),
+                                                 **({"OS": self.out_scale} if s.out == "int8" else {}))
         else:
             self._prepared.launch(XQ=xw, XS=xs, Y=y)
         return y
 
 
-class W8A8GemvCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
+class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.nn.Module):
     """One graph op run by the W8A8 GEMV: ``y = act(q(x) · Ŵᵀ + b)`` for the op's ``(M, K)`` input, ``q`` the
     per-token int8 quantisation (the kernel in ``quant_folder``, torch ops without one, or none when the input
     arrives quantised), ``Ŵ`` int8 codes per channel (``wq``, in the kernel's layout) times ``weight_scale``."""
@@ -78,7 +84,18 @@ class W8A8GemvCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False
         self.out_dtype = None
+        self.output_names, self.out_scale = None, None     # set by requantize_output
         self._op, self._quantizer = None, None
+
+    def requantize_output(self, names: list[str], scale: float, kernel: tuple | None = None) -> None:
+        """Return the int8 codes of the output at the static ``scale`` and that scale per row, as the graph tensors
+        ``names`` (codes, scales). ``kernel`` = (folder, spec): the same GEMV built with ``out="int8"`` (default: the
+        current one already is)."""
+        if kernel is not None:
+            self.folder, self.spec = str(kernel[0]), kernel[1]
+        if self.spec.out != "int8":
+            raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs a GEMV built with out='int8'")
+        self._requantized(names, scale, self.spec.m, self.wq.device)
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: W8A8GemvSpec, weight: torch.Tensor,
@@ -100,7 +117,7 @@ class W8A8GemvCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
                                    "(compiled.to('cuda'))")
         s = self.spec
         if self._op is None or self._op.wq.data_ptr() != self.wq.data_ptr():
-            self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias)
+            self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias, self.out_scale)
         if x_scale is not None:
             xq, xs = x.reshape(s.m, s.k), x_scale.reshape(s.m)
         else:
@@ -109,7 +126,10 @@ class W8A8GemvCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
             if self.quant_folder and self._quantizer is None:
                 self._quantizer = RowQuantizer(self.quant_folder)
             xq, xs = (self._quantizer or quantize_rows)(xh)
-        return self._op(xq, xs).reshape(self.out_shape).to(self.out_dtype or x.dtype)
+        y = self._op(xq, xs).reshape(self.out_shape)
+        if self.out_scale is not None:
+            return y, self.code_scale
+        return y.to(self.out_dtype or x.dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
@@ -123,6 +143,7 @@ class W8A8GemvCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
                   "weight_transposed": self.weight_transposed}
         inputs, folders = self.input_config()
         config.update(inputs)
+        config.update(self.output_config())
         tensors = {"wq": self.wq, "weight_scale": self.weight_scale,
                    **({"bias": self.bias} if self.bias is not None else {})}
         return config, tensors, {folder.name: folder, **folders}
@@ -137,11 +158,15 @@ class W8A8GemvCUDA(QuantizedInput, GraphWeightLayout, torch.nn.Module):
                      folders[config["quantizer"]] if config.get("quantizer") else None)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
+        requantized = config.get("requantized_output")
+        if requantized is not None:
+            module.requantize_output(requantized["names"], requantized["scale"])
         return module
 
     def extra_repr(self) -> str:
         s = self.spec
-        return f"{self.op_name}: {s.k}->{s.n}, W8A8 GEMV, {s.m} rows, act={s.act}"
+        return (f"{self.op_name}: {s.k}->{s.n}, W8A8 GEMV, {s.m} rows, act={s.act}"
+                f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 
 __all__ = ["W8A8GemvCUDA", "W8A8GemvOp"]

@@ -84,3 +84,18 @@ def test_mma_build_issues_int8_mmas_on_fragment_loads(tmp_path, monkeypatch):
     assert "mma" in spec.key() and "mma" not in W8A8GemvSpec(1, 64, 512).key()
     with pytest.raises(ValueError, match="multiple of 32"):
         W8A8GemvSpec(1, 64, 528, mma=True)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mma", [False, True])
+def test_int8_codes_out_take_the_output_scale(tmp_path, monkeypatch, mma):
+    """``out="int8"``: Y is int8 codes at the static scale ``OS`` (the tile kernels' saturating requantisation)."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = W8A8GemvSpec(5, 100, 1056, bias=True, act="gelu_erf", out="int8", mma=mma, name=f"probe_w8g_q8{mma}")
+    art = build_cuda(w8a8_gemv, spec)
+    args = {a["name"]: a for a in art.launch["args"]}
+    assert set(args) == set(argument_names(spec)) and args["Y"]["dtype"] == "int8" and args["OS"]["shape"] == [2]
+    assert "__saturatef" in (art.path / "kernel.cu").read_text()
+    assert spec.key()["out"] == "int8" and "out" not in W8A8GemvSpec(1, 64, 512).key()
+    with pytest.raises(ValueError, match="out"):
+        W8A8GemvSpec(1, 64, 512, out="int4")

@@ -429,3 +429,24 @@ def test_compile_picks_the_measured_w8a8_gemv_tilings():
     assert w8a8_gemv_tiling(1, 11008, 4096) == dict(warps=8, group=4, mma=True, pdl="")
     # K not a multiple of the MMA's 32: dp4a
     assert w8a8_gemv_tiling(3, 4096, 4112) == dict(warps=4, group=8, pdl="early")
+
+
+def test_decode_w8a8_gemvs_hand_each_other_int8_codes(tmp_path, monkeypatch):
+    """Two dense W8A8 linears at 8 tokens with a static scale between them: the first GEMV (ReLU fused) writes the
+    int8 codes the second reads, so no quantiser runs between them; the save keeps the hand-over."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
+    batches = [(torch.randn(2, 4, 1024),) for _ in range(2)]
+    compiled = sparta.compile(model, {}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
+    mods, rows = compiled.module_replacements(), {k["op"]: k for k in compiled.kernels}
+    first, second = mods["linear"], mods["linear_1"]
+    assert type(first).__name__ == type(second).__name__ == "W8A8GemvCUDA", compiled.kernel_report()
+    assert first.spec.out == "int8" and first.spec.act == "relu" and first.output_names == second.input_names
+    assert first.out_scale == compiled.graph.meta["act_scales"]["relu"] and second.quant_folder is None
+    assert "__saturatef" in (Path(rows["linear"]["artifact"]) / "kernel.cu").read_text()
+    assert "writes int8 codes of relu" in rows["linear"]["note"]
+    again = sparta.load(compiled.save(tmp_path / "chain")).module_replacements()
+    assert again["linear"].output_names == first.output_names and again["linear"].out_scale == first.out_scale
+    assert again["linear"].spec == first.spec and again["linear_1"].input_names == second.input_names

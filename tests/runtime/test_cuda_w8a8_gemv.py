@@ -3,7 +3,7 @@
 Kernels built beforehand by ``python benchmarks/build_cuda_kernels.py`` (``t_w8g_*``), dp4a and tensor-core
 (``mma``): N not a multiple of the CTA's warps (or of the 16-row tiles), K not a multiple of the 512 bytes a warp
 loads (or of the warps' chunks), batches shorter than the group, M = 1, 3, 8, 9, 16, bias, ReLU and exact GELU,
-programmatic dependent launch. Fresh random data each run (per-row magnitudes vary
+programmatic dependent launch, fp16 or int8 codes out. Fresh random data each run (per-row magnitudes vary
 over 100×); outputs poisoned with NaN first.
 """
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.cuda,
 def _case(name, seed=0):
     from sparta.runtime.w8a8_gemv import W8A8GemvOp
     from sparta.templates.cuda_bsr_ref import quantize_rows
-    from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight
+    from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight, reference
     spec = W8A8GemvSpec(**json.loads((ROOT / name / "spec.json").read_text()))
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(spec.m, spec.k, device="cuda", generator=g) * (torch.rand(spec.m, 1, device="cuda", generator=g)
@@ -33,19 +33,41 @@ def _case(name, seed=0):
                                                                     + 0.01)
     bias = torch.randn(spec.n, device="cuda", generator=g).half() if spec.bias else None
     wq, ws = quantize_rows(w)
-    return spec, W8A8GemvOp(ROOT / name, spec, pack_weight(spec, wq), ws, bias), quantize_rows(x), wq, ws, bias
+    xq, xs = quantize_rows(x)
+    scale = None
+    if spec.out == "int8":      # a static output scale that clips the largest outputs, as calibration's may
+        scale = 0.8 * reference(xq, xs, wq, ws, bias, spec.act).float().abs().max().item() / 127
+    op = W8A8GemvOp(ROOT / name, spec, pack_weight(spec, wq), ws, bias, out_scale=scale)
+    return spec, op, (xq, xs), wq, ws, bias, scale
 
 
-@pytest.mark.parametrize("name", GEMVS)
-def test_w8a8_gemv_matches_the_int8_reference(name):
+def _check(spec, y, xq, xs, wq, ws, bias, scale):
     from sparta.templates.cuda_w8a8_gemv import reference
-    spec, op, (xq, xs), wq, ws, bias = _case(name)
-    y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
-    op(xq, xs, out=y)
+    if spec.out == "int8":
+        codes = reference(xq, xs, wq, ws, bias, spec.act, scale).int()
+        diff = (y.int() - codes).abs()
+        # the saturating requantisation rounds y·r/254 + ½ once more: one code off right next to a tie
+        assert (y != -128).all() and diff.max() <= 1 and diff.float().mean() < 0.01
+        assert (codes.abs() == 127).any(), "the scale clips some outputs"
+        return
     ref = reference(xq, xs, wq, ws, bias, spec.act).float()
     assert torch.isfinite(y).all()
     # exact int32 sums; the fp32 epilogue and fp16 rounding differ from the reference's by an fp16 ulp at most
     torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
+def _poisoned(spec):
+    if spec.out == "int8":
+        return torch.full((spec.m, spec.n), -128, dtype=torch.int8, device="cuda")     # no code is -128
+    return torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
+
+
+@pytest.mark.parametrize("name", GEMVS)
+def test_w8a8_gemv_matches_the_int8_reference(name):
+    spec, op, (xq, xs), wq, ws, bias, scale = _case(name)
+    y = _poisoned(spec)
+    op(xq, xs, out=y)
+    _check(spec, y, xq, xs, wq, ws, bias, scale)
     assert op(xq, xs).equal(y), "deterministic: int32 sums do not depend on the order"
 
 
@@ -53,23 +75,21 @@ def test_w8a8_gemv_matches_the_int8_reference(name):
 def test_w8a8_gemv_back_to_back_and_in_a_cuda_graph(name):
     """Launches that follow one another (programmatic dependents where built so) write the same output: the
     last one's result must be what stays, eagerly and replayed from a CUDA graph."""
-    from sparta.templates.cuda_w8a8_gemv import reference
     spec, op_a, xa, *_ = _case(name, seed=1)
-    _, op_b, xb, wq, ws, bias = _case(name, seed=2)
-    y = torch.empty(spec.m, spec.n, dtype=torch.float16, device="cuda")
-    want = reference(*xb, wq, ws, bias, spec.act).float()
+    _, op_b, xb, wq, ws, bias, scale = _case(name, seed=2)
+    y = _poisoned(spec)
     for _ in range(3):
         op_a(*xa, out=y)
         op_b(*xb, out=y)
-    torch.testing.assert_close(y.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    _check(spec, y, *xb, wq, ws, bias, scale)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         op_a(*xa, out=y)
         op_b(*xb, out=y)
-    y.fill_(float("nan"))
+    y.copy_(_poisoned(spec))
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(y.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    _check(spec, y, *xb, wq, ws, bias, scale)
 
 
 def test_w8a8_gemv_refuses_inputs_that_do_not_fit():

@@ -167,31 +167,31 @@ DECODE_W8A8 = ROOT / "saved_decode_w8a8"
 
 
 @pytest.mark.skipif(not (DECODE_W8A8 / "sparta.json").is_file(), reason=f"no saved model in {DECODE_W8A8}")
-def test_decode_w8a8_linears_run_the_gemv_on_layer_norm_codes_and_match():
-    """LayerNorm → linear → GELU → linear on 4 tokens, calibrated to W8A8: both linears run the dp4a GEMV, the first
-    on the LayerNorm kernel's int8 codes, the second quantising its input per token; the output matches the same
-    math in torch (per-token int8 activations, the dequantised weights), eagerly and replayed from a CUDA graph."""
+def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
+    """LayerNorm → linear → GELU → linear on 4 tokens, calibrated to W8A8 with a static scale after the GELU: both
+    linears run the W8A8 GEMV, the first on the LayerNorm kernel's int8 codes, writing the codes of GELU(·) that the
+    second reads (no quantiser between them). The output matches the same math in torch (per-token codes of the
+    LayerNorm, codes of the GELU at the static scale, the dequantised weights), eagerly and from a CUDA graph."""
     import sparta
-    from sparta.templates.cuda_bsr_ref import quantize_rows
+    from sparta.templates.cuda_bsr_ref import quantize_rows, requantize
     from sparta.templates.cuda_w8a8_gemv import unpack_weight
     model = sparta.load(DECODE_W8A8).to("cuda")
     mods = model.module_replacements()
     fc1, fc2, norm = mods["linear"], mods["linear_1"], mods["layer_norm"]
     assert type(fc1).__name__ == type(fc2).__name__ == "W8A8GemvCUDA"
-    assert fc1.input_names == norm.output_names[-2:] and fc1.spec.act == "gelu_erf" and fc2.quant_folder
+    assert fc1.input_names == norm.output_names[-2:] and fc1.spec.act == "gelu_erf" and fc1.spec.out == "int8"
+    assert fc2.input_names == fc1.output_names and fc2.quant_folder is None
     assert max(model.verify(trials=2).values()) < 5e-2
     g = model.graph
     x = torch.randn(1, 4, 1024, device="cuda").half()
     h = torch.nn.functional.layer_norm(x.float(), (1024,), g.tensor("0.weight").data.cuda().float(),
-                                       g.tensor("0.bias").data.cuda().float()).half()
+                                       g.tensor("0.bias").data.cuda().float()).half().reshape(4, 1024)
 
-    def w8a8(v, layer, bias):
-        q, s = quantize_rows(v.reshape(-1, v.shape[-1]))
+    def w8a8(q, s, layer, bias):
         codes = unpack_weight(layer.spec, layer.wq).float()
-        y = (q.float() @ codes.t()) * s[:, None] * layer.weight_scale[None, :] + bias.cuda().float()
-        return y.reshape(*v.shape[:-1], -1)
-    h = torch.nn.functional.gelu(w8a8(h, fc1, g.tensor("1.bias").data)).half()
-    ref = w8a8(h, fc2, g.tensor("3.bias").data)
+        return (q.float() @ codes.t()) * s[:, None] * layer.weight_scale[None, :] + bias.cuda().float()
+    h8 = requantize(torch.nn.functional.gelu(w8a8(*quantize_rows(h), fc1, g.tensor("1.bias").data)), fc1.out_scale)
+    ref = w8a8(h8, torch.full((4,), fc1.out_scale, device="cuda"), fc2, g.tensor("3.bias").data).reshape(1, 4, -1)
     for _ in range(3):
         err = ((model(x).float() - ref).abs().max() / ref.abs().max()).item()
         assert err < 2e-2, err
