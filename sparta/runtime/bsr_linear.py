@@ -103,10 +103,17 @@ class RequantizedOutput:
         self.register_buffer("code_scale", torch.full((rows,), float(scale), dtype=torch.float32, device=device))
 
     def output_config(self) -> dict:
-        """What a save records of the output side (restored by ``requantize_output(**config[...])``)."""
+        """What a save records of the output side (restored by :meth:`restore_output`)."""
         if self.out_scale is None:
             return {}
         return {"requantized_output": {"names": self.output_names, "scale": self.out_scale}}
+
+    def restore_output(self, config: dict) -> None:
+        """The output side of a loaded module, from its :meth:`output_config` entries (the kernels it was saved with
+        already write codes)."""
+        requantized = config.get("requantized_output")
+        if requantized is not None:
+            self.requantize_output(requantized["names"], requantized["scale"])
 
 
 class BsrLinearOp:
@@ -376,9 +383,7 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, tor
                      (folders[kernels[1][0]], kernels[1][1]) if hopper else None)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
-        requantized = config.get("requantized_output")
-        if requantized is not None:
-            module.requantize_output(requantized["names"], requantized["scale"])
+        module.restore_output(config)
         return module
 
     def extra_repr(self) -> str:

@@ -158,9 +158,7 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
                      folders[config["quantizer"]] if config.get("quantizer") else None)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
-        requantized = config.get("requantized_output")
-        if requantized is not None:
-            module.requantize_output(requantized["names"], requantized["scale"])
+        module.restore_output(config)
         return module
 
     def extra_repr(self) -> str:
