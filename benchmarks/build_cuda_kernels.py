@@ -313,6 +313,10 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     specs["t_w8g_mma_m1_early"] = W8A8GemvSpec(1, 64, 11008, warps=16, group=3, pdl="early", mma=True)
     specs["t_w8g_mma_m9"] = W8A8GemvSpec(9, 48, 4096, warps=2, group=8, mma=True)
     specs["t_w8g_q8_relu"] = W8A8GemvSpec(3, 101, 1040, group=2, bias=True, act="relu", out="int8")
+    specs["t_w8g_sparse_odd_relu"] = W8A8GemvSpec(3, 101, 1056, warps=4, group=2, bias=True, act="relu", mma=True,
+                                                  sparse=True)
+    specs["t_w8g_sparse_m16_q8_late"] = W8A8GemvSpec(16, 200, 2080, warps=2, group=3, bias=True, act="gelu_erf",
+                                                     mma=True, sparse=True, out="int8", pdl="late")
     specs["t_w8g_mma_q8_gelu_late"] = W8A8GemvSpec(9, 200, 2080, warps=8, bias=True, act="gelu_erf", pdl="late",
                                                    mma=True, out="int8")
     specs.update(w8a8_gemv_bench_kernels())
@@ -338,6 +342,8 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
 
 W8G_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
 W8G_BATCHES = (1, 4, 8, 16)
+W8G_SPARSE_TILINGS = {f"sparse_w{w}g{g}": dict(warps=w, group=g, mma=True, sparse=True) for w, g in
+                      ((2, 2), (4, 2), (4, 4), (8, 2), (16, 1))}
 W8G_TILINGS = {"w4g8": dict(warps=4, group=8), "w8g8": dict(warps=8, group=8), "w4g4": dict(warps=4, group=4),
                "w2g8": dict(warps=2, group=8), "w4g8_pdle": dict(warps=4, group=8, pdl="early"),
                "w4g8_pdl": dict(warps=4, group=8, pdl="late"),
@@ -359,6 +365,10 @@ def w8a8_gemv_bench_kernels() -> dict:
                 sync, hopper = int8_dense_tiles(m, n)
                 specs[f"w8t_{shape}_m{m}_sync"] = BsrSpec(m, n, k, bias=False, dtype="int8", **sync)
                 specs[f"w8t_{shape}_m{m}_wgmma"] = BsrSpec(m, n, k, bias=False, dtype="int8", **hopper)
+                # 90% of 32x32 blocks pruned (--sparsity): the sparse GEMV and the W8A8 block tile compile used before
+                for tiling, kw in W8G_SPARSE_TILINGS.items():
+                    specs[f"w8s_{shape}_m{m}_{tiling}"] = W8A8GemvSpec(m, n, k, **kw)
+                specs[f"w8b_{shape}_m{m}_tile"] = BsrSpec(m, n, k, bias=False, dtype="int8", **INT8_TILES["i8_b32_t128"])
     return specs
 
 
@@ -433,15 +443,17 @@ def saved_decode_w4a16(out: Path) -> None:
 
 def saved_decode_w8a8(out: Path) -> None:
     """LayerNorm → linear → GELU → linear on 4 tokens (decode-like), fp16, calibrated to W8A8 with a static scale
-    after the GELU, for ``tests/runtime/test_saved_cuda.py``: both linears run the W8A8 GEMV, the first on the int8
-    codes the LayerNorm kernel emits, writing the codes of GELU(·) at the static scale that the second reads."""
+    after the GELU, the first linear 70% block-sparse, for ``tests/runtime/test_saved_cuda.py``: both run the W8A8
+    GEMV (the first its sparse kernel) — the first on the int8 codes the LayerNorm kernel emits, writing the codes of
+    GELU(·) at the static scale that the second reads."""
     import sparta
     torch.manual_seed(6)
     model = torch.nn.Sequential(torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 2048), torch.nn.GELU(),
                                 torch.nn.Linear(2048, 1024)).half().eval()
     g = torch.Generator().manual_seed(7)
     half = [(torch.randn(1, 4, 1024, generator=g).half(),) for _ in range(2)]
-    w8 = sparta.compile(model, {}, half[0], target="cuda", calibration=half,
+    mask = bench_mask(64, 32, 0.3, "saved-decode-w8a8").repeat_interleave(32, 0).repeat_interleave(32, 1)
+    w8 = sparta.compile(model, {"1.weight": mask}, half[0], target="cuda", calibration=half,
                         quant_tolerance={"tolerance": 5e-2, "activations": True, "progress": False})
     print(w8.kernel_report())
     w8.save(out / "saved_decode_w8a8")

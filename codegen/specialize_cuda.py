@@ -1,8 +1,8 @@
 """Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel
 (fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
 W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights;
-a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``, and a dense
-W8A8 one of at most 16 rows the W8A8 GEMV, ``templates/cuda_w8a8_gemv.py``).
+a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``, and a W8A8
+one of at most 16 rows, dense or sparse, the W8A8 GEMV, ``templates/cuda_w8a8_gemv.py``).
 fp16 LayerNorms become sparta's LayerNorm kernel (``templates/cuda_layernorm.py``): one read by W8A8
 linears hands them their per-token int8 codes, so they skip the quantiser; one fed by a residual add
 that nothing else reads adds the two inputs itself. A linear whose output (after its fused activation)
@@ -286,8 +286,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         mask = torch.ones_like(block_mask_of(weight, tiles["bn"], tiles["bk"]))
     if side == 64 and not int8 and w4 is None and (stream := stream_tiles(m, mask)) is not None:
         tiles = stream
-    if int8 and keep.all() and m <= W8A8_GEMV_ROWS and k % 16 == 0:
-        return build_w8a8_gemv(graph, op, view, weight, bias, act or "none", fused)
+    if int8 and m <= W8A8_GEMV_ROWS and (k % 32 == 0 or (keep.all() and k % 16 == 0)):
+        return build_w8a8_gemv(graph, op, view, weight, bias, act or "none", fused, sparse=not bool(keep.all()))
     if int8:
         dense = bool(keep.all())
         out = (fused or op).outputs[0]              # its int8 codes may be written (_requantized_outputs)

@@ -35,13 +35,17 @@ def row_quantizer(m: int, k: int):
                                                           name=f"quantize_rows_{m}x{k}")).path
 
 
-def w8a8_gemv_tiling(m: int, n: int, k: int) -> dict:
+def w8a8_gemv_tiling(m: int, n: int, k: int, sparse: bool = False) -> dict:
     """The W8A8 GEMV tiling ``compile`` builds for an ``m``-row ``(n, k)`` linear, the fastest measured on the H100
     (bench_cuda_w8a8_gemv.py, RESULTS.md): tensor cores where K allows (1.0-1.3x the HBM floor from 1 to 16 rows;
     dp4a falls to 2-2.4x at 16 rows, issue-bound), 16 warps per 16-row tile where 8 would leave fewer than 32 warps
     per SM (BERT/LLaMA N = 4096: 256 tiles), else 8, 4 chunks per batch. Up to 4 rows launched as a programmatic
     dependent ("early": 4096x4096 at one row 6.9 -> 6.6 us) where two grids fit on the SMs at once; where they do
-    not (11008 rows: 15.6 -> 18.3 us) or from 8 rows on (8.4 -> 12.7 us at 16), none."""
+    not (11008 rows: 15.6 -> 18.3 us) or from 8 rows on (8.4 -> 12.7 us at 16), none. ``sparse`` (the kept 16x32
+    chunks only; at 90% a tile keeps about 13 of 128): 16 warps taking one chunk at a time, the fastest or within 4%
+    of it on the three shapes at 1 and 16 rows (bench_cuda_w8a8_gemv.py --sparsity 90)."""
+    if sparse:
+        return dict(warps=16, group=1, mma=True, sparse=True)
     if k % 32:
         return dict(warps=4, group=8, pdl="early" if m <= 4 else "")
     tiles = -(-n // 16)
@@ -49,17 +53,19 @@ def w8a8_gemv_tiling(m: int, n: int, k: int) -> dict:
     return dict(warps=warps, group=4, mma=True, pdl="early" if m <= 4 and tiles * warps <= HOPPER_SMS * 32 else "")
 
 
-def build_w8a8_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, act: str, fused):
-    """A dense W8A8 linear of <= ``W8A8_GEMV_ROWS`` rows on the W8A8 GEMV, which streams the weights over the whole
-    GPU (the tile kernels' 128-row tiles make a grid of a few dozen CTAs at decode); bias and activation fused."""
+def build_w8a8_gemv(graph: Graph, op: Op, view, weight: torch.Tensor, bias, act: str, fused, sparse: bool = False):
+    """A W8A8 linear of <= ``W8A8_GEMV_ROWS`` rows on the W8A8 GEMV, which streams the weights over the whole GPU (the
+    tile kernels' 128-row tiles make a grid of a few dozen CTAs at decode); bias and activation fused. ``sparse``:
+    only the 16x32 chunks of ``weight`` (pruned elements zero) that keep a nonzero code, listed in a table."""
     x_name, _, _, m, n, k = view
-    spec = W8A8GemvSpec(m, n, k, bias=bias is not None, act=act, **w8a8_gemv_tiling(m, n, k),
-                        name=f"w8a8_gemv_{m}x{n}x{k}_{act}{'_bias' if bias is not None else ''}")
+    spec = W8A8GemvSpec(m, n, k, bias=bias is not None, act=act, **w8a8_gemv_tiling(m, n, k, sparse),
+                        name=f"w8a8_gemv_{m}x{n}x{k}{'_sparse' if sparse else ''}_{act}{'_bias' if bias is not None else ''}")
     art = build_cuda(w8a8_gemv, spec)
     module = W8A8GemvCUDA.from_weight(op.name, x_name, art.path, spec, weight, int8_weight_scale(graph, view[1], k),
                                       bias, graph.tensor(op.outputs[0]).shape, row_quantizer(m, k))
     bind(module, graph, op, view, reference=True)
-    return module, report_row(op, "w8a8_gemv", "dense", "W8A8", "-", [art]), fused
+    blocks = f"{module.table.numel() - spec.tiles - 1}x16x32" if sparse else "dense"
+    return module, report_row(op, "w8a8_gemv", blocks, "W8A8", "tile (table argument)" if sparse else "-", [art]), fused
 
 
 def gemv_group(params, k: int) -> int:

@@ -48,6 +48,7 @@ class W8A8GemvSpec:
     pdl: str = ""              # programmatic dependent launch (sm_90): "", "early" or "late"
     mma: bool = False          # tensor cores (weights in fragment order, ``pack_mma``) instead of dp4a
     out: str = "float16"       # Y: fp16, or "int8" codes of one static scale (argument OS, as ``bsr_linear``'s)
+    sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
     name: str = "w8a8_gemv"
 
     def __post_init__(self):
@@ -66,6 +67,8 @@ class W8A8GemvSpec:
             bad.append(f"out {self.out!r} must be one of {OUTPUTS}")
         if self.mma and self.k % MMA_K:
             bad.append(f"mma: K={self.k} must be a multiple of {MMA_K}")
+        if self.sparse and not self.mma:
+            bad.append("sparse: for the tensor-core kernel (mma=True)")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -79,20 +82,24 @@ class W8A8GemvSpec:
         """mma: 16-row tiles of the weight (the last one zero-padded)."""
         return -(-self.n // 16)
 
-    def weight_shape(self) -> tuple:
-        """Shape of the int8 weight argument as the kernel takes it (``pack_mma``'s for the mma kernel)."""
+    def weight_shape(self, kept: int = 0) -> tuple:
+        """Shape of the int8 weight argument as the kernel takes it (``pack_mma``'s for the mma kernel; the sparse one
+        holds the ``kept`` chunks, at least one)."""
+        if self.sparse:
+            return (max(kept, 1), 32, 16)
         return (self.tiles, self.k // MMA_K, 32, 16) if self.mma else (self.n, self.k)
 
     def key(self) -> dict:
         d = asdict(self)
-        for f, default in (("mma", False), ("out", "float16")):
+        for f, default in (("mma", False), ("out", "float16"), ("sparse", False)):
             if d[f] == default:            # the keys of kernels built before the field existed
                 del d[f]
         return d
 
 
 def argument_names(spec: W8A8GemvSpec) -> list[str]:
-    return ["XQ", "XS", "WQ", "WS", *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []), "Y"]
+    return ["XQ", "XS", "WQ", "WS", *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []),
+            *(["Tab"] if spec.sparse else []), "Y"]
 
 
 def reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
@@ -136,14 +143,46 @@ def unpack_mma(packed: torch.Tensor, n: int) -> torch.Tensor:
     return w.reshape(tiles * 16, chunks * MMA_K)[:n].contiguous()
 
 
-def pack_weight(spec: W8A8GemvSpec, codes: torch.Tensor) -> torch.Tensor:
-    """int8 ``(N, K)`` codes in the layout the kernel reads (``spec.weight_shape()``)."""
-    return pack_mma(codes) if spec.mma else codes.contiguous()
+def chunk_mask(codes: torch.Tensor) -> torch.Tensor:
+    """(tiles, K/32) bool: which 16-row × 32-K chunks of int8 ``(N, K)`` codes hold a nonzero."""
+    n, k = codes.shape
+    pad = torch.zeros(-(-n // 16) * 16, k, dtype=torch.bool, device=codes.device)
+    pad[:n] = codes != 0
+    return pad.reshape(-1, 16, k // MMA_K, MMA_K).any(dim=(1, 3))
 
 
-def unpack_weight(spec: W8A8GemvSpec, packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_weight`."""
-    return unpack_mma(packed, spec.n) if spec.mma else packed
+def pack_sparse(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(WQ, Tab)`` of the sparse kernel: the kept chunks of ``pack_mma(codes)`` in tile order, ``(max(kept, 1), 32,
+    16)``, and the int32 table — for each tile the offset of its first kept chunk (``tiles + 1`` entries, CSR), then
+    each kept chunk's K index."""
+    mask = chunk_mask(codes)
+    tiles, chunks = torch.nonzero(mask, as_tuple=True)
+    packed = pack_mma(codes)[tiles, chunks]
+    if not len(tiles):
+        packed = torch.zeros(1, 32, 16, dtype=torch.int8, device=codes.device)
+    offsets = torch.zeros(mask.shape[0] + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(mask.sum(dim=1).cpu(), 0)
+    return packed.contiguous(), torch.cat([offsets, chunks.cpu()]).to(torch.int32).to(codes.device)
+
+
+def pack_weight(spec: W8A8GemvSpec, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int8 ``(N, K)`` codes in the layout the kernel reads, and its table (None but for ``sparse``)."""
+    if spec.sparse:
+        return pack_sparse(codes)
+    return (pack_mma(codes) if spec.mma else codes.contiguous()), None
+
+
+def unpack_weight(spec: W8A8GemvSpec, packed: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: the int8 ``(N, K)`` codes (pruned chunks zero)."""
+    if not spec.sparse:
+        return unpack_mma(packed, spec.n) if spec.mma else packed
+    tiles, chunks = spec.tiles, spec.k // MMA_K
+    full = torch.zeros(tiles, chunks, 32, 16, dtype=torch.int8, device=packed.device)
+    table = table.long().cpu()
+    for tile in range(tiles):
+        first, last = int(table[tile]), int(table[tile + 1])
+        full[tile, table[tiles + 1 + first: tiles + 1 + last]] = packed[first:last]
+    return unpack_mma(full, spec.n)
 
 
 def w8a8_gemv(spec: W8A8GemvSpec):
@@ -239,7 +278,9 @@ def _w8a8_gemv_mma(spec: W8A8GemvSpec):
     """``Yᵀ = W · Xᵀ`` on ``mma.sync.m16n8k32.s8``: a CTA owns a 16-row tile of W, its warps take the 32-K chunks
     round robin (each lane's 16-byte load is its A fragment, ``pack_mma``; B is 8 rows of X, an 8-byte load per lane,
     zero past M; a second MMA for rows 8..15), then add their int32 fragments through shared memory; thread ``i``
-    writes output (row ``i // 16``, column ``16·tile + i % 16``) with the dp4a kernel's epilogue."""
+    writes output (row ``i // 16``, column ``16·tile + i % 16``) with the dp4a kernel's epilogue. ``sparse``: the warps
+    take the tile's kept chunks only (``Tab``: CSR offsets per tile, then each kept chunk's K index, read with its
+    weights), so a pruned chunk costs neither a load nor an MMA."""
     import tvm
     from tvm.script import tirx as T
 
@@ -247,38 +288,52 @@ def _w8a8_gemv_mma(spec: W8A8GemvSpec):
 
     M, N, K, W, G = spec.m, spec.n, spec.k, spec.warps, spec.group
     TL, CH = spec.tiles, K // MMA_K
-    J = -(-CH // W)                           # chunks per warp
+    J = -(-CH // W)                           # chunks per warp (at most, when sparse)
     NB = -(-J // G)                           # batches per warp
     EVEN = CH % W == 0
     H = -(-M // 8)                            # 8-row halves of X: one MMA each
     OUT = -(-16 * M // (32 * W))              # outputs per thread
-    PDL, EARLY = bool(spec.pdl), spec.pdl == "early"
+    PDL, EARLY, SPARSE = bool(spec.pdl), spec.pdl == "early", spec.sparse
     MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
 
+    def kept(warp, j, se):                    # whether the warp's j-th chunk exists
+        return (warp + j * W < se[1]) if SPARSE else (EVEN or warp + j * W < CH)
+
     @T.macro
-    def load_batch(WQ, wv, tile, warp, lane, bt):
+    def load_batch(WQ, Tab, wv, kc, se, tile, warp, lane, bt):
         for g in T.unroll(G):
             j = T.meta_var(bt * G + g)
             if j < J:
-                if EVEN or warp + j * W < CH:
-                    o = T.meta_var((bt % 2) * G * 4 + g * 4)
-                    T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
-                        wv[o], wv[o + 1], wv[o + 2], wv[o + 3], WQ.ptr_to([tile, warp + j * W, lane, 0])))
+                if kept(warp, j, se):
+                    o = T.meta_var((bt % 2) * G + g)
+                    if SPARSE:
+                        T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
+                            wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3],
+                            WQ.ptr_to([se[0] + warp + j * W, lane, 0])))
+                        kc[o] = Tab[TL + 1 + se[0] + warp + j * W]
+                    else:
+                        T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
+                            wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3], WQ.ptr_to([tile, warp + j * W, lane, 0])))
 
     @T.prim_func
     def kernel(xq_h: T.handle, xs_h: T.handle, wq_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
-               y_h: T.handle):
+               tab_h: T.handle, y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        nnz = T.int32()
+        ntab = T.int32()
         XQ = T.match_buffer(xq_h, (M, K // 4), "int32")          # int8 codes, four per word
         XS = T.match_buffer(xs_h, (M,), "float32")
-        WQ = T.match_buffer(wq_h, (TL, CH, 32, 4), "int32")      # pack_mma's bytes, four per word
+        WQ = T.match_buffer(wq_h, (nnz, 32, 4) if SPARSE else (TL, CH, 32, 4), "int32")   # pack_mma's bytes
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
         OS = T.match_buffer(os_h, (2,), "float32")
+        Tab = T.match_buffer(tab_h, (ntab,), "int32")            # sparse: offsets per tile, then chunk K indices
         Y = T.match_buffer(y_h, (M, N), spec.out)
         bx = T.launch_thread("blockIdx.x", TL)
         tx = T.launch_thread("threadIdx.x", 32 * W)
         wv = T.alloc_buffer((2 * G * 4,), "uint32", scope="local")  # two batches of A fragments
+        kc = T.alloc_buffer((2 * G,), "int32", scope="local")       # their chunks' K indices
+        se = T.alloc_buffer((2,), "int32", scope="local")           # sparse: the tile's first kept chunk, count
         xb = T.alloc_buffer((2,), "uint32", scope="local")          # a B fragment
         acc = T.alloc_buffer((H * 4,), "uint32", scope="local")
         red = T.alloc_buffer((W * H * 128,), "int32", scope="shared")
@@ -288,7 +343,10 @@ def _w8a8_gemv_mma(spec: W8A8GemvSpec):
         warp = T.meta_var(tx // 32)
         if PDL and EARLY:
             T.evaluate(grid_dependency("launch_dependents"))
-        load_batch(WQ, wv, bx, warp, lane, 0)
+        if SPARSE:
+            se[0] = Tab[bx]
+            se[1] = Tab[bx + 1] - se[0]
+        load_batch(WQ, Tab, wv, kc, se, bx, warp, lane, 0)
         for it in T.unroll(OUT):
             n = T.meta_var(T.min(bx * 16 + (tx + it * 32 * W) % 16, N - 1))
             cst[it * 3] = WS[n]
@@ -303,22 +361,22 @@ def _w8a8_gemv_mma(spec: W8A8GemvSpec):
             acc[i] = T.uint32(0)
         for bt in T.unroll(NB):
             if bt + 1 < NB:
-                load_batch(WQ, wv, bx, warp, lane, bt + 1)          # in flight while this batch is multiplied
+                load_batch(WQ, Tab, wv, kc, se, bx, warp, lane, bt + 1)   # in flight while this batch is multiplied
             for g in T.unroll(G):
                 j = T.meta_var(bt * G + g)
                 if j < J:
-                    if EVEN or warp + j * W < CH:
-                        o = T.meta_var((bt % 2) * G * 4 + g * 4)
+                    if kept(warp, j, se):
+                        o = T.meta_var((bt % 2) * G + g)
+                        c = T.meta_var(kc[o] if SPARSE else warp + j * W)      # the chunk's K index
                         for h in T.unroll(H):
                             if h * 8 + lane // 4 < M:
                                 for v in T.unroll(2):
-                                    xb[v] = T.reinterpret("uint32", XQ[h * 8 + lane // 4,
-                                                                       (warp + j * W) * 8 + (lane % 4) * 2 + v])
+                                    xb[v] = T.reinterpret("uint32", XQ[h * 8 + lane // 4, c * 8 + (lane % 4) * 2 + v])
                             else:
                                 for v in T.unroll(2):
                                     xb[v] = T.uint32(0)
                             T.evaluate(T.ptx[MMA](acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3],
-                                                  wv[o], wv[o + 1], wv[o + 2], wv[o + 3], xb[0], xb[1],
+                                                  wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3], xb[0], xb[1],
                                                   acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3]))
         for h in T.unroll(H):
             for r in T.unroll(4):

@@ -2,7 +2,8 @@
 
 :class:`W8A8GemvCUDA` is the graph module ``compile(target="cuda")`` puts in place of a dense linear that
 calibration ran at int8 weights and activations when the op has at most 16 activation rows (decode): int8
-codes per channel with their fp32 scales, bias and activation fused. Its input is quantised per token on the
+codes per channel with their fp32 scales (a sparse op: only its kept 16×32 chunks, with their table), bias and
+activation fused. Its input is quantised per token on the
 way in, or arrives as codes and scales (:class:`~sparta.runtime.bsr_linear.QuantizedInput`). It saves and loads
 without TVM like :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`.
 """
@@ -20,20 +21,25 @@ from .bsr_linear import QuantizedInput, RequantizedOutput, RowQuantizer
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
 
 
-def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor) -> None:
-    if wq.shape != spec.weight_shape() or wq.dtype != torch.int8 or weight_scale.shape != (spec.n,):
-        raise CudaRuntimeError(f"{what}: weights must be int8 codes of shape {spec.weight_shape()} (cuda_w8a8_gemv."
-                               f"pack_weight) and ({spec.n},) scales, not {tuple(wq.shape)} {wq.dtype} / "
-                               f"{tuple(weight_scale.shape)}")
+def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
+                  table: torch.Tensor | None) -> None:
+    kept = table.numel() - spec.tiles - 1 if table is not None else 0
+    want = spec.weight_shape(kept)
+    if wq.shape != want or wq.dtype != torch.int8 or weight_scale.shape != (spec.n,):
+        raise CudaRuntimeError(f"{what}: weights must be int8 codes of shape {want} (cuda_w8a8_gemv.pack_weight) and "
+                               f"({spec.n},) scales, not {tuple(wq.shape)} {wq.dtype} / {tuple(weight_scale.shape)}")
+    if spec.sparse != (table is not None) or (table is not None and (table.dtype != torch.int32 or kept < 0)):
+        raise CudaRuntimeError(f"{what}: " + ("the sparse kernel takes the int32 table of pack_weight" if spec.sparse
+                                              else "a table is for the sparse kernel"))
 
 
 class W8A8GemvOp:
     """The kernel on device tensors: ``op(xq, xs)`` for per-token int8 codes ``(M, K)`` and fp32 scales ``(M,)``;
-    ``wq`` is packed by ``cuda_w8a8_gemv.pack_weight``."""
+    ``wq`` and (sparse) ``table`` as ``cuda_w8a8_gemv.pack_weight`` returns them."""
 
     def __init__(self, folder, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, out_scale: float | None = None):
-        _check_weight(spec.name, spec, wq, weight_scale)
+                 bias: torch.Tensor | None = None, out_scale: float | None = None, table: torch.Tensor | None = None):
+        _check_weight(spec.name, spec, wq, weight_scale, table)
         if spec.bias and bias is None:
             raise CudaRuntimeError(f"{spec.name}: the kernel adds a bias; pass one")
         if (spec.out == "int8") != (out_scale is not None):
@@ -45,6 +51,7 @@ class W8A8GemvOp:
         self.weight_scale = weight_scale.float().contiguous().to(dev)
         self.bias = bias.half().contiguous().to(dev) if spec.bias else None
         self.out_scale = None if out_scale is None else out_scale_arg(out_scale).to(dev)
+        self.table = None if table is None else table.contiguous().to(dev)
         self._prepared = None
 
     def __call__(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,7 +64,8 @@ class W8A8GemvOp:
         if self._prepared is None:
             self._prepared = self.kernel.prepare(XQ=xw, XS=xs, WQ=self.wq.view(torch.int32), WS=self.weight_scale, Y=y,
                                                  **({"B": self.bias} if s.bias else {}),
-                                                 **({"OS": self.out_scale} if s.out == "int8" else {}))
+                                                 **({"OS": self.out_scale} if s.out == "int8" else {}),
+                                                 **({"Tab": self.table} if s.sparse else {}))
         else:
             self._prepared.launch(XQ=xw, XS=xs, Y=y)
         return y
@@ -71,15 +79,17 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
     reads_int8 = True
 
     def __init__(self, op_name: str, x_name: str, folder, spec: W8A8GemvSpec, wq: torch.Tensor,
-                 weight_scale: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple, quant_folder=None):
+                 weight_scale: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple, quant_folder=None,
+                 table: torch.Tensor | None = None):
         super().__init__()
-        _check_weight(f"op {op_name!r}", spec, wq, weight_scale)
+        _check_weight(f"op {op_name!r}", spec, wq, weight_scale, table)
         if spec.bias and bias is None:
             raise CudaRuntimeError(f"op {op_name!r}: the kernel adds a bias; pass one")
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
         self.register_buffer("wq", wq.contiguous())
         self.register_buffer("weight_scale", weight_scale.float())
         self.register_buffer("bias", bias.half() if bias is not None else None)
+        self.register_buffer("table", table)
         self.quant_folder = str(quant_folder) if quant_folder else None
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False
@@ -107,7 +117,8 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
             codes, weight_scale = quantize_rows(weight)
         else:
             codes = torch.round(weight.float() / weight_scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(op_name, x_name, folder, spec, pack_weight(spec, codes), weight_scale, bias, out_shape, quant_folder)
+        wq, table = pack_weight(spec, codes)
+        return cls(op_name, x_name, folder, spec, wq, weight_scale, bias, out_shape, quant_folder, table)
 
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         if (x_scale is not None) != (self.out_dtype is not None):
@@ -117,7 +128,7 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
                                    "(compiled.to('cuda'))")
         s = self.spec
         if self._op is None or self._op.wq.data_ptr() != self.wq.data_ptr():
-            self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias, self.out_scale)
+            self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias, self.out_scale, self.table)
         if x_scale is not None:
             xq, xs = x.reshape(s.m, s.k), x_scale.reshape(s.m)
         else:
@@ -133,7 +144,8 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
-        return (unpack_weight(self.spec, self.wq.cpu()).float() * self.weight_scale.cpu()[:, None]).half()
+        table = None if self.table is None else self.table.cpu()
+        return (unpack_weight(self.spec, self.wq.cpu(), table).float() * self.weight_scale.cpu()[:, None]).half()
 
     # ---- saved models (sparta.saved) ------------------------------------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
@@ -145,7 +157,8 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
         config.update(inputs)
         config.update(self.output_config())
         tensors = {"wq": self.wq, "weight_scale": self.weight_scale,
-                   **({"bias": self.bias} if self.bias is not None else {})}
+                   **({"bias": self.bias} if self.bias is not None else {}),
+                   **({"table": self.table} if self.table is not None else {})}
         return config, tensors, {folder.name: folder, **folders}
 
     @classmethod
@@ -155,7 +168,7 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
         check_saved_spec(config["op_name"], folder, spec)
         module = cls(config["op_name"], config["x_name"], folder, spec, tensors["wq"], tensors["weight_scale"],
                      tensors.get("bias"), tuple(config["out_shape"]),
-                     folders[config["quantizer"]] if config.get("quantizer") else None)
+                     folders[config["quantizer"]] if config.get("quantizer") else None, tensors.get("table"))
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_output(config)
@@ -163,7 +176,7 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
 
     def extra_repr(self) -> str:
         s = self.spec
-        return (f"{self.op_name}: {s.k}->{s.n}, W8A8 GEMV, {s.m} rows, act={s.act}"
+        return (f"{self.op_name}: {s.k}->{s.n}, W8A8 GEMV{' (block-sparse)' if s.sparse else ''}, {s.m} rows, act={s.act}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 

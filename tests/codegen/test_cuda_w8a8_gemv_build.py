@@ -99,3 +99,31 @@ def test_int8_codes_out_take_the_output_scale(tmp_path, monkeypatch, mma):
     assert spec.key()["out"] == "int8" and "out" not in W8A8GemvSpec(1, 64, 512).key()
     with pytest.raises(ValueError, match="out"):
         W8A8GemvSpec(1, 64, 512, out="int4")
+
+
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_sparse_packing_keeps_the_chunks_that_hold_a_code(density):
+    from sparta.templates.cuda_w8a8_gemv import chunk_mask, pack_weight, unpack_weight
+    spec = W8A8GemvSpec(3, 101, 1056, mma=True, sparse=True)
+    g = torch.Generator().manual_seed(int(density * 10))
+    keep = torch.rand(spec.tiles, 33, generator=g) < density
+    w = torch.randint(-127, 128, (101, 1056), generator=g, dtype=torch.int8)
+    w = w * keep.repeat_interleave(16, 0)[:101].repeat_interleave(32, 1)
+    wq, table = pack_weight(spec, w)
+    kept = int(keep.sum())
+    assert torch.equal(chunk_mask(w), keep) and wq.shape == spec.weight_shape(kept) == (max(kept, 1), 32, 16)
+    assert table.dtype == torch.int32 and table.numel() == spec.tiles + 1 + kept
+    assert table[: spec.tiles + 1].tolist() == [0] + torch.cumsum(keep.sum(1), 0).tolist()
+    assert torch.equal(unpack_weight(spec, wq, table), w)
+
+
+@needs_nvcc
+def test_sparse_build_reads_the_chunk_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    spec = W8A8GemvSpec(3, 101, 1056, warps=4, group=2, bias=True, mma=True, sparse=True, name="probe_w8g_sparse")
+    art = build_cuda(w8a8_gemv, spec)
+    args = {a["name"]: a["shape"] for a in art.launch["args"]}
+    assert set(args) == set(argument_names(spec)) and args["Tab"] == [None] and args["WQ"] == [None, 32, 4]
+    assert "Tab_ptr[((int)blockIdx.x)]" in (art.path / "kernel.cu").read_text()
+    with pytest.raises(ValueError, match="sparse"):
+        W8A8GemvSpec(1, 64, 512, sparse=True)

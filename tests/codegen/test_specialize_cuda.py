@@ -378,10 +378,10 @@ def test_block_sparse_w8a8_kernels_of_64_blocks_launch_as_programmatic_dependent
 
 
 def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypatch):
-    """At 8 tokens a dense linear calibrated to W8A8 gets the W8A8 GEMV (the tile kernels' 128-row tiles would
-    leave the GPU nearly idle): calibration's per-channel codes in fragment order, its activation fused;
-    its input arrives as int8 codes from the sparse linear before it (block kernel, requantising epilogue), or is
-    quantised per token on the way in. Both save and reload."""
+    """At 8 tokens linears calibrated to W8A8 get the W8A8 GEMV (the tile kernels' 128-row tiles would leave the GPU
+    nearly idle): calibration's per-channel codes in fragment order, the activation fused; a sparse one keeps only its
+    kept 16x32 chunks (table), a dense one all. The dense one's input arrives as the int8 codes the sparse one writes
+    (requantising epilogue), or is quantised per token on the way in. Both save and reload."""
     from sparta.passes.quant import fake_quantized_weights
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(3)
@@ -392,8 +392,13 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
     compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
                               quant_tolerance={"tolerance": 1e-2, "activations": True, "progress": False})
     rows, mods = {k["op"]: k for k in compiled.kernels}, compiled.module_replacements()
-    assert rows["linear"]["template"] == "bsr_linear" and rows["linear_1"]["template"] == "w8a8_gemv", \
-        compiled.kernel_report()
+    assert rows["linear"]["template"] == rows["linear_1"]["template"] == "w8a8_gemv", compiled.kernel_report()
+    sparse = mods["linear"]
+    assert sparse.spec.sparse and not mods["linear_1"].spec.sparse and rows["linear_1"]["blocks"] == "dense"
+    from sparta.templates.cuda_w8a8_gemv import chunk_mask
+    chunks = chunk_mask(torch.round(compiled.graph.tensor("0.weight").data * mask / sparse.weight_scale[:, None]))
+    assert rows["linear"]["blocks"] == f"{int(chunks.sum())}x16x32" and sparse.wq.shape[0] == int(chunks.sum())
+    assert torch.equal(sparse.dense_weight() != 0, (sparse.reference_weight != 0)), "pruned chunks stay zero"
     gemv = mods["linear_1"]
     assert type(gemv).__name__ == "W8A8GemvCUDA" and rows["linear_1"]["bits"] == "W8A8"
     assert (gemv.spec.m, gemv.spec.n, gemv.spec.k, gemv.spec.act, gemv.spec.bias) == (8, 1040, 2048, "relu", True)
@@ -410,6 +415,8 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
     again = loaded.module_replacements()["linear_1"]
     assert again.spec == gemv.spec and torch.equal(again.wq, gemv.wq) and again.input_names == gemv.input_names
     assert torch.equal(again.dense_weight(), gemv.dense_weight())
+    again_sparse = loaded.module_replacements()["linear"]
+    assert torch.equal(again_sparse.table, sparse.table) and torch.equal(again_sparse.dense_weight(), sparse.dense_weight())
     # per-token activations (no static scale): the GEMV quantises its input with the row quantiser
     per_token = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
                                quant_tolerance={"tolerance": 1e-2, "activations": True, "static_activations": False,
@@ -429,6 +436,8 @@ def test_compile_picks_the_measured_w8a8_gemv_tilings():
     assert w8a8_gemv_tiling(1, 11008, 4096) == dict(warps=8, group=4, mma=True, pdl="")
     # K not a multiple of the MMA's 32: dp4a
     assert w8a8_gemv_tiling(3, 4096, 4112) == dict(warps=4, group=8, pdl="early")
+    # block-sparse: 16 warps take a tile's few kept chunks one at a time
+    assert w8a8_gemv_tiling(1, 4096, 4096, sparse=True) == dict(warps=16, group=1, mma=True, sparse=True)
 
 
 def test_decode_w8a8_gemvs_hand_each_other_int8_codes(tmp_path, monkeypatch):

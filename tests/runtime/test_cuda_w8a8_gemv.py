@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not GEMVS, reason=f"no built W8A8 GEMV kernels in {ROOT}")]
 
 
-def _case(name, seed=0):
+def _case(name, seed=0, density=1.0):
     from sparta.runtime.w8a8_gemv import W8A8GemvOp
     from sparta.templates.cuda_bsr_ref import quantize_rows
     from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight, reference
@@ -32,12 +32,16 @@ def _case(name, seed=0):
     w = torch.randn(spec.n, spec.k, device="cuda", generator=g) * (torch.rand(spec.n, 1, device="cuda", generator=g)
                                                                     + 0.01)
     bias = torch.randn(spec.n, device="cuda", generator=g).half() if spec.bias else None
+    if density < 1:       # prune whole 16-row x 32-K chunks (what the sparse kernel skips); a pruned row has scale 0
+        keep = torch.rand(-(-spec.n // 16), spec.k // 32, device="cuda", generator=g) < density
+        w = w * keep.repeat_interleave(16, 0)[:spec.n].repeat_interleave(32, 1)
     wq, ws = quantize_rows(w)
     xq, xs = quantize_rows(x)
     scale = None
     if spec.out == "int8":      # a static output scale that clips the largest outputs, as calibration's may
         scale = 0.8 * reference(xq, xs, wq, ws, bias, spec.act).float().abs().max().item() / 127
-    op = W8A8GemvOp(ROOT / name, spec, pack_weight(spec, wq), ws, bias, out_scale=scale)
+    packed, table = pack_weight(spec, wq)
+    op = W8A8GemvOp(ROOT / name, spec, packed, ws, bias, out_scale=scale, table=table)
     return spec, op, (xq, xs), wq, ws, bias, scale
 
 
@@ -62,6 +66,9 @@ def _poisoned(spec):
     return torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
 
 
+SPARSE = [n for n in GEMVS if json.loads((ROOT / n / "spec.json").read_text()).get("sparse")]
+
+
 @pytest.mark.parametrize("name", GEMVS)
 def test_w8a8_gemv_matches_the_int8_reference(name):
     spec, op, (xq, xs), wq, ws, bias, scale = _case(name)
@@ -69,6 +76,19 @@ def test_w8a8_gemv_matches_the_int8_reference(name):
     op(xq, xs, out=y)
     _check(spec, y, xq, xs, wq, ws, bias, scale)
     assert op(xq, xs).equal(y), "deterministic: int32 sums do not depend on the order"
+
+
+@pytest.mark.parametrize("name", SPARSE)
+@pytest.mark.parametrize("density", [0.0, 0.35, 1.0])
+def test_sparse_w8a8_gemv_skips_pruned_chunks_exactly(name, density):
+    """The block-sparse GEMV at 0% (no chunk kept: bias and activation only), 35% and 100% of its 16x32 chunks."""
+    from sparta.templates.cuda_w8a8_gemv import chunk_mask
+    spec, op, (xq, xs), wq, ws, bias, scale = _case(name, seed=3, density=density)
+    kept = op.table.numel() - spec.tiles - 1
+    assert kept == int(chunk_mask(wq).sum()) and (kept == 0) == (density == 0)
+    y = _poisoned(spec)
+    op(xq, xs, out=y)
+    _check(spec, y, xq, xs, wq, ws, bias, scale)
 
 
 @pytest.mark.parametrize("name", GEMVS)

@@ -168,10 +168,11 @@ DECODE_W8A8 = ROOT / "saved_decode_w8a8"
 
 @pytest.mark.skipif(not (DECODE_W8A8 / "sparta.json").is_file(), reason=f"no saved model in {DECODE_W8A8}")
 def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
-    """LayerNorm → linear → GELU → linear on 4 tokens, calibrated to W8A8 with a static scale after the GELU: both
-    linears run the W8A8 GEMV, the first on the LayerNorm kernel's int8 codes, writing the codes of GELU(·) that the
-    second reads (no quantiser between them). The output matches the same math in torch (per-token codes of the
-    LayerNorm, codes of the GELU at the static scale, the dequantised weights), eagerly and from a CUDA graph."""
+    """LayerNorm → linear (70% block-sparse) → GELU → linear on 4 tokens, calibrated to W8A8 with a static scale
+    after the GELU: both linears run the W8A8 GEMV (the first its sparse kernel), the first on the LayerNorm kernel's
+    int8 codes, writing the codes of GELU(·) that the second reads (no quantiser between them). The output matches
+    the same math in torch (per-token codes of the LayerNorm, codes of the GELU at the static scale, the dequantised
+    weights), eagerly and from a CUDA graph."""
     import sparta
     from sparta.templates.cuda_bsr_ref import quantize_rows, requantize
     from sparta.templates.cuda_w8a8_gemv import unpack_weight
@@ -181,6 +182,7 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
     assert type(fc1).__name__ == type(fc2).__name__ == "W8A8GemvCUDA"
     assert fc1.input_names == norm.output_names[-2:] and fc1.spec.act == "gelu_erf" and fc1.spec.out == "int8"
     assert fc2.input_names == fc1.output_names and fc2.quant_folder is None
+    assert fc1.spec.sparse and not fc2.spec.sparse and 0 < fc1.wq.shape[0] < fc1.spec.tiles * fc1.spec.k // 32
     assert max(model.verify(trials=2).values()) < 5e-2
     g = model.graph
     x = torch.randn(1, 4, 1024, device="cuda").half()
@@ -188,7 +190,7 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
                                        g.tensor("0.bias").data.cuda().float()).half().reshape(4, 1024)
 
     def w8a8(q, s, layer, bias):
-        codes = unpack_weight(layer.spec, layer.wq).float()
+        codes = unpack_weight(layer.spec, layer.wq, layer.table).float()
         return (q.float() @ codes.t()) * s[:, None] * layer.weight_scale[None, :] + bias.cuda().float()
     h8 = requantize(torch.nn.functional.gelu(w8a8(*quantize_rows(h), fc1, g.tensor("1.bias").data)), fc1.out_scale)
     ref = w8a8(h8, torch.full((4,), fc1.out_scale, device="cuda"), fc2, g.tensor("3.bias").data).reshape(1, 4, -1)
