@@ -7,8 +7,11 @@ codes with fp32 scales ``WS``. ``Y`` is ``(M, N)`` fp16 or, ``out="int8"``, int8
 kernels' requantising epilogue: what a W8A8 linear behind this one reads, with no quantiser pass between).
 
 The tile kernels (``bsr_linear``, ``dtype="int8"``) compute 128 rows per CTA: with one row, a dense 4096-wide
-linear is a grid of 16-32 CTAs streaming all the weights, a fraction of the GPU. Here one warp owns one output
-row ``n``: each lane streams 16-byte chunks of ``WQ[n]`` (chunks ``lane``, ``lane + 32``, …; a warp reads 512
+linear is a grid of 16-32 CTAs streaming all the weights, a fraction of the GPU. Two kernels stream them over the
+whole GPU instead. ``mma=True`` (what ``compile`` builds where K is a multiple of 32; ``_w8a8_gemv_mma``) computes
+``Yᵀ = W·Xᵀ`` on ``mma.sync.m16n8k32.s8`` with the weights stored in fragment order (``pack_mma``), a CTA per 16
+rows, its warps splitting K; ``sparse=True`` runs only the kept 16×32 chunks (``pack_sparse``). The dp4a kernel
+(the default) gives one warp one output row ``n``: each lane streams 16-byte chunks of ``WQ[n]`` (chunks ``lane``, ``lane + 32``, …; a warp reads 512
 contiguous bytes per load, ``ld.global.nc.L1::no_allocate``), ``group`` chunks per batch, the next batch's loads
 issued before the current one is multiplied, so a warp keeps its weights streaming. Each chunk meets the ``M``
 rows' chunks of ``XQ`` (L1 hits: every warp of a CTA reads the same X) in 4 ``dp4a.s32.s32`` per row into int32
