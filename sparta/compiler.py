@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import SpartaError, TeSAError
+from .errors import GraphError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
 from .sampling import random_inputs
@@ -24,19 +24,27 @@ class VerificationError(SpartaError):
 
 def attach_tesa(graph: Graph, initial_tesa: Mapping | None) -> Graph:
     """Attach user TeSAs by parameter or tensor name (TeSA, or a bool mask tensor)."""
-    known = graph.tensor_names()
-    for name, tesa in (initial_tesa or {}).items():
-        if not graph.has_tensor(name):
-            close = difflib.get_close_matches(str(name), known, n=3)
+    if initial_tesa is None:
+        return graph
+    if not isinstance(initial_tesa, Mapping):
+        raise TeSAError(f"initial_tesa must be a mapping of parameter or tensor names to TeSAs (a dict), "
+                        f"got {type(initial_tesa).__name__}")
+    known = graph.tensor_names() + list(graph.meta.get("aliases", {}))
+    for name, tesa in initial_tesa.items():
+        if not isinstance(name, str):
+            raise TeSAError(f"initial_tesa keys must be parameter or tensor names (str), got {name!r}")
+        try:
+            graph.resolve(name)
+        except GraphError:
+            close = difflib.get_close_matches(name, known, n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise TeSAError(f"TeSA given for unknown parameter or tensor {name!r}{hint}")
+            raise TeSAError(f"TeSA given for unknown parameter or tensor {name!r}{hint}") from None
         if isinstance(tesa, torch.Tensor) and tesa.dtype == torch.bool:
             tesa = TeSA.from_mask(tesa, name=name)
         if not isinstance(tesa, TeSA):
-            raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA or a bool mask, got {type(tesa).__name__}")
-        value = graph.tensor(name)
-        tesa.check_shape(value.shape, name)
-        graph.set_tesa(name, value.tesa.meet(tesa))
+            raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA or a bool mask tensor, "
+                            f"got {type(tesa).__name__}{' of ' + str(tesa.dtype) if isinstance(tesa, torch.Tensor) else ''}")
+        graph.set_tesa(name, graph.tesa(name).meet(tesa.check_shape(graph.tesa(name).shape, name)))
     return graph
 
 

@@ -258,16 +258,45 @@ class Graph:
         return flat
 
     # ---- TeSAs ---------------------------------------------------------------------------
+    def add_alias(self, name: str, tensor: str, perm: Iterable[int] | None = None) -> None:
+        """Let ``name`` stand for ``tensor`` (permuted by ``perm``: ``name``'s view is ``tensor.permute(perm)``).
+
+        Tied parameters (one tensor, several ``state_dict`` names) and ONNX initializers stored transposed
+        under another name are reached this way by ``tesa`` / ``set_tesa``."""
+        self.tensor(tensor)
+        if self._g.has_node(_t(name)):
+            raise GraphError(f"cannot alias {name!r}: a tensor of that name exists")
+        perm = None if perm is None else [int(p) for p in perm]
+        if perm is not None and sorted(perm) != list(range(len(self.tensor(tensor).shape))):
+            raise GraphError(f"alias {name!r}: {perm} is not a permutation of {tensor!r}'s dims")
+        self.meta.setdefault("aliases", {})[name] = {"tensor": tensor, "perm": perm}
+
+    def resolve(self, name: str) -> tuple[str, list[int] | None]:
+        """``(tensor name, permutation or None)`` of a tensor name or an alias."""
+        if self._g.has_node(_t(name)):
+            return name, None
+        alias = self.meta.get("aliases", {}).get(name)
+        if alias is None:
+            raise GraphError(self._unknown("tensor", name, self.tensor_names() + list(self.meta.get("aliases", {}))))
+        return alias["tensor"], alias["perm"]
+
     def tesa(self, name: str) -> TeSA:
-        """The TeSA of a tensor, by tensor name or parameter (``state_dict``) name."""
-        return self.tensor(name).tesa
+        """The TeSA of a tensor, by tensor name, parameter (``state_dict``) name or alias."""
+        target, perm = self.resolve(name)
+        tesa = self.tensor(target).tesa
+        return tesa if perm is None else TeSA(tesa.view().permute(perm).contiguous(), _trusted=True)
 
     def set_tesa(self, name: str, tesa: TeSA) -> None:
-        """Attach ``tesa`` to a tensor; its shape must match."""
-        value = self.tensor(name)
+        """Attach ``tesa`` to a tensor (or the tensor an alias names); its shape must match."""
+        target, perm = self.resolve(name)
+        value = self.tensor(target)
         if not isinstance(tesa, TeSA):
             from .errors import TeSAError
             raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA, got {type(tesa).__name__}")
+        if perm is not None:
+            shape = tuple(value.shape[p] for p in perm)
+            inverse = sorted(range(len(perm)), key=perm.__getitem__)
+            tesa = TeSA(tesa.check_shape(shape, name).view().permute(inverse).contiguous(), _trusted=True)
         value.tesa = tesa.check_shape(value.shape, name)
 
     def tesa_stats(self) -> list[dict]:

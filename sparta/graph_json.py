@@ -167,7 +167,8 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
             "args": encode(tuple(o.args)), "kwargs": encode(dict(o.kwargs)), "source": o.source,
             "multi_output": o.multi_output} for o in graph.ops()]
     meta = {"input_leaves": graph.meta.get("input_leaves"),
-            "input_ranges": {k: list(v) for k, v in graph.meta.get("input_ranges", {}).items()}}
+            "input_ranges": {k: list(v) for k, v in graph.meta.get("input_ranges", {}).items()},
+            "aliases": graph.meta.get("aliases", {})}
     for key in ("in_spec", "out_spec"):
         if graph.meta.get(key) is not None:
             with warnings.catch_warnings():  # torch's own dumps trips its LeafSpec deprecation
@@ -203,6 +204,8 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
         meta = data["meta"]
         g.meta["input_leaves"] = meta["input_leaves"]
         g.meta["input_ranges"] = {k: tuple(v) for k, v in meta["input_ranges"].items()}
+        for name, alias in meta.get("aliases", {}).items():
+            g.add_alias(name, alias["tensor"], alias["perm"])
         for key in ("in_spec", "out_spec"):
             if key in meta:
                 g.meta[key] = load_treespec(meta[key])

@@ -98,13 +98,18 @@ def _build(ep, name: str) -> Graph:
         else:
             raise CaptureError(f"unsupported exported input {node_name!r} of kind {spec.kind.name}")
     nodes = {n.name: n for n in ep.graph.nodes}
+    tied = _tie(names, state, nodes)
+    params = dict(ep.named_parameters())
     for n in ep.graph.nodes:
         if n.op == "placeholder":
             if n.name in names:  # weight / buffer / constant
                 target = names[n.name]
-                data = state[target].detach()
-                g.add_tensor(_value_of(data, target, "weight", data=data,
-                                       is_parameter=target in dict(ep.named_parameters())))
+                if target in tied:
+                    names[n.name] = tied[target]
+                    continue
+                # an own copy: later in-place updates of the source model do not reach the compiled one
+                data = state[target].detach().clone()
+                g.add_tensor(_value_of(data, target, "weight", data=data, is_parameter=target in params))
             elif isinstance(n.meta.get("val"), torch.Tensor):
                 names[n.name] = n.name
                 g.add_tensor(_value_of(n.meta["val"], n.name, "input"))
@@ -126,6 +131,8 @@ def _build(ep, name: str) -> Graph:
         elif n.op == "get_attr":
             raise CaptureError(f"unsupported get_attr node {n.target!r} (higher-order ops are not supported)")
     g.inputs = [leaf for leaf in leaves if leaf is not None]
+    for alias, target in tied.items():
+        g.add_alias(alias, target)
     g.meta["input_leaves"] = leaves
     g.meta["in_spec"], g.meta["out_spec"] = ep.call_spec.in_spec, ep.call_spec.out_spec
     for key, spec in (("in_spec", ep.call_spec.in_spec), ("out_spec", ep.call_spec.out_spec)):
@@ -139,6 +146,23 @@ def _build(ep, name: str) -> Graph:
             v.kind = "output"
     g.validate()
     return g
+
+
+def _tie(names: dict, state: dict, nodes: dict) -> dict[str, str]:
+    """Tied weights (one tensor under several names): alias → the one name the graph keeps,
+    the first name the exported graph reads (so a TeSA on any owner's name reaches the shared tensor)."""
+    groups: dict[tuple, list[str]] = {}
+    for node_name, target in names.items():
+        t = state[target]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        groups.setdefault(key, []).append(node_name)
+    tied = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        keep = next((m for m in members if nodes[m].users), members[0])
+        tied.update({names[m]: names[keep] for m in members if m != keep})
+    return tied
 
 
 TRACE_CHECKS = tuple(getattr(torch.ops.aten, name).default for name in ("_assert_tensor_metadata", "_assert_async",
