@@ -7,12 +7,18 @@ trials mix distributions (normal, all-positive, all-negative, wide, narrow) so t
 zero on a half-space (``relu(a - b)``) are not mistaken for structural zeros.
 
 Backward: random output gradients at kept (needed) output positions, autograd to the
-inputs; input positions whose gradient is zero in every trial are irrelevant to the op.
-Inputs without gradients (integers, or ops autograd cannot differentiate) are left alone.
+inputs; input positions whose gradient is zero in every trial are candidates for
+irrelevance. A zero gradient is not proof: which element ``sort``, ``topk``, a max or a
+routing gate selects depends on the values, and autograd is blind through ``floor`` or
+``argmax``. So the candidates are then checked by perturbation: they are redrawn (all at
+once, from several distributions) with every other input fixed; if any needed output
+changes, the input is left alone. Inputs without gradients (integers, or ops autograd
+cannot differentiate) are left alone.
 
-Integer and boolean inputs are structure, not values: a weight of such a dtype keeps
-its real data (position ids, masks), other integer inputs are drawn in a small range.
-Seeded and deterministic; runs on any device.
+Integer inputs may be indices: a constant (buffer) keeps its real data, and an op reading
+a non-constant integer tensor is not scrambled at all (random draws cannot cover every
+index it may be given; such ops get rules, ``passes/rules/index.py``). Boolean inputs
+are drawn at random. Seeded and deterministic; runs on any device.
 """
 
 from __future__ import annotations
@@ -29,8 +35,6 @@ DISTRIBUTIONS = ("normal", "positive", "negative", "wide", "narrow", "uniform")
 def _sample(shape, dtype, trial: int, gen: torch.Generator, device) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.rand(shape, generator=gen, device=device) < 0.5
-    if not dtype.is_floating_point:
-        return torch.randint(0, 3, shape, generator=gen, device=device).to(dtype)
     kind = DISTRIBUTIONS[trial % len(DISTRIBUTIONS)]
     x = torch.randn(shape, generator=gen, device=device)
     x = torch.where(x == 0, torch.ones_like(x), x)
@@ -57,28 +61,19 @@ def scramble(op: Op, ins: list[TeSA], outs: list[TeSA], *, trials: int = 16, see
         return None
     constants = constants or {}
     dtypes = op.meta.get("in_dtypes") or [torch.float32] * len(ins)
+    if any(_is_index(dt) and name not in constants for name, dt in zip(op.inputs, dtypes)):
+        return None
     gen = torch.Generator(device=device).manual_seed(seed)
     ever_nonzero = [torch.zeros(t.shape, dtype=torch.bool, device=device) for t in outs]
     ever_grad = [torch.zeros(t.shape, dtype=torch.bool, device=device) for t in ins]
     can_grad = [dt.is_floating_point and name not in constants for name, dt in zip(op.inputs, dtypes)]
+    grad_of = dict(zip(op.inputs, can_grad))
     grad_ok = backward and any(can_grad)
+    draw = _Draw(op, ins, dtypes, constants, gen, device)
     for trial in range(trials):
-        env = {}
-        for name, t, dt, g in zip(op.inputs, ins, dtypes, can_grad):
-            if name in env:
-                continue
-            if name in constants and not dt.is_floating_point:
-                x = constants[name].to(device)
-            else:
-                x = _sample(t.shape, dt, trial, gen, device)
-                x = x * kept(t).to(device).to(x.dtype) if dt != torch.bool else x & kept(t).to(device)
-            env[name] = x.detach().requires_grad_(grad_ok and g)
-        try:
-            with torch.enable_grad():
-                result = op.call(env)
-        except Exception:  # noqa: BLE001 - a black box that fails on random data gets no TeSA
-            return None
-        if len(result) != len(outs):
+        env = {name: x.requires_grad_(grad_ok and grad_of[name]) for name, x in draw.env(trial).items()}
+        result = _run(op, env, outs)
+        if result is None:
             return None
         for i, r in enumerate(result):
             if isinstance(r, torch.Tensor) and tuple(r.shape) == outs[i].shape:
@@ -90,8 +85,65 @@ def scramble(op: Op, ins: list[TeSA], outs: list[TeSA], *, trials: int = 16, see
     new_outs = [refine(t, m.cpu()) for t, m in zip(outs, ever_nonzero)]
     if not grad_ok:
         return list(ins), new_outs
-    new_ins = [refine(t, m.cpu()) if g else t for t, m, g in zip(ins, ever_grad, can_grad)]
+    new_ins = list(ins)
+    for i, (name, t, g) in enumerate(zip(op.inputs, ins, can_grad)):
+        candidates = kept(t).to(device) & ~ever_grad[i]
+        if g and candidates.any() and draw.irrelevant(name, candidates, new_outs):
+            new_ins[i] = refine(t, ever_grad[i].cpu())
     return new_ins, new_outs
+
+
+def _is_index(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _run(op: Op, env: dict, outs: list[TeSA]):
+    try:
+        with torch.enable_grad():
+            result = op.call(env)
+    except Exception:  # noqa: BLE001 - a black box that fails on random data gets no TeSA
+        return None
+    return result if len(result) == len(outs) else None
+
+
+class _Draw:
+    """Random inputs of one op: zeros at pruned positions, integer constants as they are."""
+
+    def __init__(self, op: Op, ins, dtypes, constants, gen, device):
+        self.op, self.gen, self.device = op, gen, device
+        self.specs = {}
+        for name, t, dt in zip(op.inputs, ins, dtypes):
+            self.specs.setdefault(name, (t, dt, constants.get(name) if not dt.is_floating_point else None))
+
+    def one(self, name: str, trial: int) -> torch.Tensor:
+        t, dt, constant = self.specs[name]
+        if constant is not None:
+            return constant.to(self.device)
+        x = _sample(t.shape, dt, trial, self.gen, self.device)
+        keep = kept(t).to(self.device)
+        return (x & keep if dt == torch.bool else x * keep.to(x.dtype)).detach()
+
+    def env(self, trial: int) -> dict[str, torch.Tensor]:
+        return {name: self.one(name, trial) for name in self.specs}
+
+    def irrelevant(self, name: str, candidates: torch.Tensor, outs: list[TeSA], rounds: int = 6) -> bool:
+        """Whether redrawing ``name``'s ``candidates`` leaves every needed output as it was."""
+        for r in range(rounds):
+            base = self.env(r)
+            moved = dict(base)
+            moved[name] = torch.where(candidates, self.one(name, r + 1), base[name])
+            with torch.no_grad():
+                a, b = _run(self.op, base, outs), _run(self.op, moved, outs)
+            if a is None or b is None:
+                return False
+            for x, y, t in zip(a, b, outs):
+                if not isinstance(x, torch.Tensor) or x.shape != y.shape or tuple(x.shape) != t.shape:
+                    return False
+                need = kept(t).to(x.device)
+                same = (x == y) | (torch.isnan(x.float()) & torch.isnan(y.float()))
+                if not bool(same[need].all()):
+                    return False
+        return True
 
 
 def _accumulate_grads(op, env, result, outs, ever_grad, gen, device, can_grad) -> bool:

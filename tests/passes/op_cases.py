@@ -347,7 +347,87 @@ def embedding_case(draw, name):
     return A.embedding.default, (R("w"), R("i")), {}, {"w": rand((v, d), seed=seed), "i": idx}
 
 
+@st.composite
+def index_case(draw, name):
+    """Lookups, selections and scatters; index tensors cover their whole valid range."""
+    seed = draw(st.integers(0, 99))
+    a, b, c = draw(dims(3, 2, 5))
+    g = torch.Generator().manual_seed(seed)
+    x = rand((a, b, c), seed=seed)
+    dim = draw(st.sampled_from([0, 1, 2, -1]))
+    k = draw(st.integers(1, 3))
+    idx = torch.randint(0, (a, b, c)[dim], (a, b, c)[:dim % 3] + (k,) + (a, b, c)[dim % 3 + 1:], generator=g)
+    vec = torch.randint(0, (a, b, c)[dim], (k,), generator=g)
+    if name == "index":
+        j = torch.randint(0, c, (k,), generator=g)
+        if draw(st.booleans()):
+            return A.index.Tensor, (R("x"), [R("i"), None, R("j")]), {}, {"x": x, "i": vec.clamp(max=a - 1), "j": j}
+        return A.index.Tensor, (R("x"), [None, None, R("j")]), {}, {"x": x, "j": j}
+    if name == "gather":
+        return A.gather.default, (R("x"), dim, R("i")), {}, {"x": x, "i": idx}
+    if name == "index_select":
+        return A.index_select.default, (R("x"), dim, R("i")), {}, {"x": x, "i": vec}
+    if name == "take":
+        return A.take.default, (R("x"), R("i")), {}, {"x": x, "i": torch.randint(0, x.numel(), (k, 2), generator=g)}
+    if name in ("sort", "argsort"):
+        return A.sort.default, (R("x"), dim, draw(st.booleans())), {}, {"x": x}
+    if name == "msort":
+        return A.msort.default, (R("x"),), {}, {"x": x}
+    if name == "topk":
+        return A.topk.default, (R("x"), min(k, (a, b, c)[dim]), dim), {}, {"x": x}
+    if name == "kthvalue":
+        return A.kthvalue.default, (R("x"), min(k, (a, b, c)[dim]), dim, draw(st.booleans())), {}, {"x": x}
+    if name in ("median", "nanmedian", "mode"):
+        if name != "mode" and draw(st.booleans()):
+            return getattr(A, name).default, (R("x"),), {}, {"x": x}
+        return getattr(A, name).dim if name != "mode" else A.mode.default, (R("x"), dim, draw(st.booleans())), {}, {"x": x}
+    if name in ("cummax", "cummin"):
+        return getattr(A, name).default, (R("x"), dim), {}, {"x": x}
+    if name in ("argmax", "argmin"):
+        return getattr(A, name).default, (R("x"), draw(st.sampled_from([None, dim])), draw(st.booleans())), {}, {"x": x}
+    src = rand(idx.shape, seed=seed + 1)
+    if name == "scatter":
+        if draw(st.booleans()):
+            return A.scatter.value, (R("x"), dim, R("i"), draw(st.sampled_from([0.0, 1.5]))), {}, {"x": x, "i": idx}
+        return A.scatter.src, (R("x"), dim, R("i"), R("s")), {}, {"x": x, "i": idx, "s": src}
+    if name == "scatter_add":
+        return A.scatter_add.default, (R("x"), dim, R("i"), R("s")), {}, {"x": x, "i": idx, "s": src}
+    if name == "scatter_reduce":
+        how = draw(st.sampled_from(["sum", "prod", "mean", "amax", "amin"]))
+        return A.scatter_reduce.two, (R("x"), dim, R("i"), R("s"), how), {"include_self": draw(st.booleans())}, \
+            {"x": x, "i": idx, "s": src}
+    rows = rand((k, b, c), seed=seed + 2)
+    row_idx = torch.randint(0, a, (k,), generator=g)
+    if name == "index_put":
+        return A.index_put.default, (R("x"), [R("i")], R("v"), draw(st.booleans())), {}, \
+            {"x": x, "i": row_idx, "v": rows}
+    if name in ("index_add", "index_copy"):
+        return getattr(A, name).default, (R("x"), 0, R("i"), R("v")), {}, {"x": x, "i": row_idx, "v": rows}
+    if name == "index_fill":
+        return A.index_fill.int_Scalar, (R("x"), 0, R("i"), draw(st.sampled_from([0.0, 2.0]))), {}, \
+            {"x": x, "i": row_idx}
+    if name == "masked_scatter":
+        return A.masked_scatter.default, (R("x"), R("m"), R("v")), {}, \
+            {"x": x, "m": rand((a, b, c), torch.bool, seed + 3), "v": rand((a * b * c,), seed=seed + 4)}
+    if name in ("searchsorted", "bucketize"):
+        edges = torch.sort(rand((c,), seed=seed + 5)).values
+        if name == "bucketize":
+            return A.bucketize.Tensor, (R("x"), R("e")), {}, {"x": x, "e": edges}
+        return A.searchsorted.Tensor, (R("e"), R("x")), {}, {"x": x, "e": edges}
+    if name == "histc":
+        return A.histc.default, (R("x"), 4, -1.0, 1.0), {}, {"x": x}
+    if name in ("_embedding_bag", "_embedding_bag_forward_only"):
+        ids = torch.randint(0, a, (b * 2,), generator=g)
+        offsets = torch.tensor([0, b])
+        return getattr(A, name).default, (R("w"), R("i"), R("o")), {}, \
+            {"w": rand((a, c), seed=seed), "i": ids, "o": offsets}
+    raise KeyError(name)
+
+
 def case_for(name):
+    from sparta.passes.rules.index import DATA_DEPENDENT, SCATTERS, SELECTIONS
+    if name in ("index", "gather", "index_select") + SELECTIONS + SCATTERS + DATA_DEPENDENT:
+        return index_case(name)
     from sparta.passes.rules.elementwise import ALL_OF, ANY_OF, DIV_LIKE
     if name in UNARY_TARGETS:
         return unary_case(name)

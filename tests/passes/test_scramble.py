@@ -60,3 +60,32 @@ def test_scramble_on_cuda():
     bm = torch.tensor([[True, False], [True, False], [True, False]])
     _, outs = scramble(op, [TeSA.dense((4, 3)), TeSA.from_mask(bm)], [TeSA.dense((4, 2))], device="cuda")
     assert torch.equal(outs[0].mask, bm[:1].expand(4, 2))
+
+
+ROUTING = {
+    "sort_head": lambda x: torch.sort(x, -1)[0][..., :2],
+    "topk": lambda x: torch.topk(x, 2, -1).values,
+    "kthvalue": lambda x: torch.kthvalue(x, 3, -1).values,
+    "median": lambda x: torch.median(x, -1).values,
+    "cummax_last": lambda x: torch.cummax(x, -1).values[..., -1],
+    "argmax_pick": lambda x: torch.gather(x, -1, x.argmax(-1, keepdim=True)),
+    "floor_gate": lambda x: x[..., :1] * torch.floor(x[..., 1:].abs().sum(-1, keepdim=True)),   # autograd-blind
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTING))
+def test_scramble_never_calls_a_selected_element_irrelevant(name):
+    """Which element these ops read depends on the values: an element no trial selected is not irrelevant."""
+    x = rand((3, 32))
+    fn = ROUTING[name]
+    op, outs = make_op(name, lambda a: fn(a), (R("x"),), {}, {"x": x})
+    ins, _ = scramble(op, [TeSA.dense((3, 32))], [TeSA.dense(tuple(o.shape)) for o in outs], trials=16)
+    assert ins[0].is_dense, f"{name}: scrambling pruned {1 - ins[0].density:.0%} of an input it selects from"
+
+
+def test_scramble_leaves_ops_reading_non_constant_indices_alone():
+    table, ids = rand((100, 4)), torch.randint(0, 100, (5,))
+    op, _ = make_op("lookup", lambda t, i: t[i], (R("t"), R("i")), {}, {"t": table, "i": ids})
+    pruned_rows = TeSA.from_mask(torch.arange(100).unsqueeze(1).expand(100, 4) >= 3)   # rows 0-2 pruned
+    assert scramble(op, [pruned_rows, TeSA.dense((5,))], [TeSA.dense((5, 4))]) is None
+    assert scramble(op, [pruned_rows, TeSA.dense((5,))], [TeSA.dense((5, 4))], constants={"i": ids}) is not None
