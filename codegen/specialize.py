@@ -76,12 +76,12 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
     if bias is not None and bias.shape != (n,):
         extra_bias, bias = bias, None  # e.g. addmm with a full (M, N) addend
     if bias is not None:
-        bias = bias.to(torch.float32) * graph.tesa(bias_name).mask.to(torch.float32)
+        bias = graph.tesa(bias_name).apply(bias.to(torch.float32))
     fused = _fusable_activation(graph, op, op_plan, single=len(op_plan.subops) == 1 and extra_bias is None)
     act = fused.op if fused is not None else None
     subs, rows = [], []
     for i, sub in enumerate(op_plan.subops):
-        w = weight * sub.elements.mask.to(torch.float32).reshape(n, k)
+        w = torch.where(sub.elements.mask.reshape(n, k), weight, 0.0)
         w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
         common = dict(bias=bias is not None and i == 0, activation=act, accumulate=i > 0,
                       name=f"{_cname(op.name)}_s{i}")

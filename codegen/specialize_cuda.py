@@ -234,7 +234,7 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
         name = op.input_of(role)
         if name is not None and graph.tensor(name).data is None:
             return f"the {role} is not a constant"
-        params[role] = None if name is None else graph.tensor(name).data.float() * graph.tesa(name).mask.float()
+        params[role] = None if name is None else graph.tesa(name).apply(graph.tensor(name).data.float())
     if params["bias"] is not None and params["weight"] is None:
         return "a bias without a weight"
     res = "_res" if add is not None else ""
@@ -266,9 +266,9 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     keep = torch.zeros(n, k, dtype=torch.bool)
     for s in op_plan.subops:
         keep |= s.elements.mask.reshape(n, k)
-    weight = _weight_matrix(graph, op) * keep
+    weight = torch.where(keep, _weight_matrix(graph, op), 0.0)
     if bias is not None:
-        bias = bias.float() * graph.tesa(bias_name).mask.float()
+        bias = graph.tesa(bias_name).apply(bias.float())
     fused = _fusable_activation(graph, op, op_plan, single=True)
     act = FUSED.get(fused.op) if fused is not None else None
     fused = fused if act else None

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import GraphError, SpartaError, TeSAError
+from .errors import GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
 from .sampling import random_inputs
@@ -36,11 +36,14 @@ def attach_tesa(graph: Graph, initial_tesa: Mapping | None) -> Graph:
         try:
             graph.resolve(name)
         except GraphError:
-            close = difflib.get_close_matches(name, known, n=3)
+            close = [k for k in known if k.startswith(name + ".")][:3] or difflib.get_close_matches(name, known, n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise TeSAError(f"TeSA given for unknown parameter or tensor {name!r}{hint}") from None
         if isinstance(tesa, torch.Tensor) and tesa.dtype == torch.bool:
             tesa = TeSA.from_mask(tesa, name=name)
+        elif isinstance(tesa, torch.Tensor) and not tesa.is_floating_point():
+            raise TeSAError(f"TeSA for {name!r}: an integer tensor is ambiguous; pass TeSA.from_bits(bits) for bit "
+                            "widths or a bool mask (mask.bool()) for kept elements")
         if not isinstance(tesa, TeSA):
             raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA or a bool mask tensor, "
                             f"got {type(tesa).__name__}{' of ' + str(tesa.dtype) if isinstance(tesa, torch.Tensor) else ''}")
@@ -53,7 +56,7 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
     out = {}
     for v in graph.tensors("weight"):
         if v.data is not None and not v.tesa.is_dense:
-            out[v.name] = v.data * v.tesa.mask.to(v.data.dtype) if v.data.dtype != torch.bool else v.data & v.tesa.mask
+            out[v.name] = v.tesa.apply(v.data)
     return out
 
 
@@ -77,12 +80,16 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
     if dismantle not in (None, "full", "tile", "none"):
         raise SpartaError(f"dismantle must be 'full', 'tile', 'none' or None, got {dismantle!r}")
+    for flag, value in (("propagate", propagate), ("verify", verify)):
+        if not isinstance(value, bool):
+            raise SpartaError(f"{flag} must be True or False, got {value!r}")
     quantize = _quantizer(calibration, quant_tolerance, target)
     timings = {}
     t0 = time.perf_counter()
     graph = capture(model, example_inputs, example_kwargs)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
+    source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
     graph = simplify(graph)
     graph, plan = _propagate_and_plan(graph, target, propagate, timings, quantize)
     if dismantle is not None:
@@ -101,7 +108,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         replacements, kernels = specialize_cuda(graph, plan)
         timings["codegen"] = time.perf_counter() - t0
     compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
-                             kernels=kernels)
+                             kernels=kernels, source=source)
     if verify:
         compiled.verify()
     return compiled
@@ -115,6 +122,10 @@ def _quantizer(calibration, quant_tolerance, target: str):
         raise SpartaError("quantization needs both calibration (batches of inputs) and quant_tolerance")
     from .passes.quant import QuantConfig, calibrate
     if isinstance(quant_tolerance, Mapping):
+        import dataclasses
+        known = {f.name for f in dataclasses.fields(QuantConfig)}
+        if unknown := sorted(set(quant_tolerance) - known):
+            raise QuantizationError(f"quant_tolerance has unknown options {unknown}; known: {sorted(known)}")
         config = QuantConfig(**quant_tolerance)
     elif isinstance(quant_tolerance, QuantConfig):
         config = quant_tolerance
@@ -165,11 +176,12 @@ class CompiledModel(torch.nn.Module):
     """A model compiled by sparta: call it like the original module."""
 
     def __init__(self, graph: Graph, *, target: str = "cpu", plan=None, replacements=None, timings=None,
-                 kernels=None):
+                 kernels=None, source: Graph | None = None):
         super().__init__()
         from .backend.fx import to_graph_module
 
         self.graph = graph
+        self.source_graph = source
         self.target = target
         self.plan = plan
         self.timings = dict(timings or {})
@@ -184,6 +196,8 @@ class CompiledModel(torch.nn.Module):
         self._quantized = any(k.get("bits", "W32A32") != "W32A32" for k in self.kernels)
         self.quantization = graph.meta.get("quantization")   # the calibration report, if one ran
         self._reference = None
+        self._source_reference = None
+        self._propagated_module = None
 
     def forward(self, *args, **kwargs):
         flat = self.graph.flat_inputs(args, kwargs)
@@ -219,30 +233,68 @@ class CompiledModel(torch.nn.Module):
             self._reference = to_graph_module(self.graph, self._reference_weights)
         return self._reference
 
+    def source_reference(self) -> torch.nn.Module | None:
+        """The model as given, with only the user's initial TeSAs applied (None if not known, e.g. an old save)."""
+        if self._source_reference is None and self.source_graph is not None:
+            from .backend.fx import to_graph_module
+            self._source_reference = to_graph_module(self.source_graph, masked_weights(self.source_graph))
+        return self._source_reference
+
+    def _propagated(self) -> torch.nn.Module:
+        """The compiled graph as plain torch ops on weights masked by the propagated TeSAs (no quantisation)."""
+        if self._propagated_module is None:
+            from .backend.fx import to_graph_module
+            self._propagated_module = to_graph_module(self.graph, masked_weights(self.graph))
+        return self._propagated_module
+
     def verify(self, trials: int = 2, rtol: float | None = None, atol: float | None = None, seed: int = 0) -> dict:
-        """Compare against the dense reference on fresh random inputs; raise on mismatch."""
+        """Check the compiled model on fresh random inputs; raise :class:`VerificationError` on a mismatch.
+
+        Two checks per trial: the propagated TeSAs against the model with only the user's initial TeSAs
+        (both as plain torch ops on masked fp weights: propagation may prune only what cannot change an
+        output), and the kernels against the propagated graph (masked, quantised weights as the kernels
+        apply them). Returns the worst relative error of each output against the model as given."""
+        if not isinstance(trials, int) or trials < 1:
+            raise SpartaError(f"verify needs trials >= 1, got {trials!r}")
+        for what, tol in (("rtol", rtol), ("atol", atol)):
+            if tol is not None and not tol >= 0:
+                raise SpartaError(f"verify: {what} must be >= 0, got {tol!r}")
         worst, device = {}, self.device
         reference = self.reference().to(device)
+        source = self.source_reference()
+        if source is not None:
+            source = source.to(device)
+            propagated = self._propagated().to(device)
         for trial in range(trials):
             inputs = [x.to(device) for x in random_inputs(self.graph, seed + 1 + trial)]
             with torch.no_grad():
                 got, ref = self.module(*inputs), reference(*inputs)
-            for name, a, b in zip(self.graph.outputs, got, ref):
-                tol_r, tol_a = _tolerance(b.dtype, rtol, atol)
-                if self._quantized and rtol is None:  # int8 activations: compare at the output's scale
-                    tol_r, tol_a = 0.0, 5e-2 * float(b.float().abs().max())
-                elif self.target == "cuda" and self.kernels and rtol is None:  # fp16 kernels in an fp32 model
-                    tol_r, tol_a = 1e-2, 1e-2 * float(b.float().abs().max())
-                if not torch.isfinite(b).all():
-                    raise VerificationError(f"output {name!r} of the dense reference is not finite on random inputs "
-                                            f"(trial {trial}); nothing to verify against")
-                if not torch.allclose(a.float(), b.float(), rtol=tol_r, atol=tol_a):
-                    err = (a.float() - b.float()).abs().max().item()
-                    raise VerificationError(f"output {name!r} differs from the dense reference: max abs error "
-                                            f"{err:.3g} (rtol={tol_r}, atol={tol_a}, trial {trial})")
+                pairs = [("kernels", got, ref)]
+                if source is not None:
+                    pairs.insert(0, ("propagation", propagated(*inputs), source(*inputs)))
+            for check, outs, refs in pairs:
+                for name, a, b in zip(self.graph.outputs, outs, refs):
+                    self._compare(check, name, a, b, trial, rtol, atol)
+            for name, a, b in zip(self.graph.outputs, got, pairs[0][2]):
                 scale = b.float().abs().max().clamp_min(1e-30)
                 worst[name] = max(worst.get(name, 0.0), ((a.float() - b.float()).abs().max() / scale).item())
         return worst
+
+    def _compare(self, check: str, name: str, a: torch.Tensor, b: torch.Tensor, trial: int, rtol, atol) -> None:
+        what = {"propagation": "the model with only the initial TeSAs (propagation pruned something that matters)",
+                "kernels": "the dense reference"}[check]
+        tol_r, tol_a = _tolerance(b.dtype, rtol, atol)
+        if check == "kernels" and self._quantized and rtol is None:  # int8 activations: compare at the output's scale
+            tol_r, tol_a = 0.0, 5e-2 * float(b.float().abs().max())
+        elif check == "kernels" and self.target == "cuda" and self.kernels and rtol is None:  # fp16 kernels, fp32 model
+            tol_r, tol_a = 1e-2, 1e-2 * float(b.float().abs().max())
+        if not torch.isfinite(b).all():
+            raise VerificationError(f"output {name!r} of {what.split(' (')[0]} is not finite on random inputs "
+                                    f"(trial {trial}); nothing to verify against")
+        if not torch.allclose(a.float(), b.float(), rtol=tol_r, atol=tol_a):
+            err = (a.float() - b.float()).abs().max().item()
+            raise VerificationError(f"output {name!r} differs from {what}: max abs error {err:.3g} "
+                                    f"(rtol={tol_r}, atol={tol_a}, trial {trial})")
 
     def plan_report(self, only_gemm: bool = False) -> str:
         """The execution plan as a table: op, density, bits, chosen blocks, estimated µs, dense µs."""
@@ -260,10 +312,14 @@ class CompiledModel(torch.nn.Module):
     def report(self) -> str:
         """A table of every tensor whose TeSA is not dense: kind, shape, density, bits."""
         rows = [("tensor", "kind", "shape", "density", "bits")]
+        aliases = {}
+        for alias, target in self.graph.meta.get("aliases", {}).items():
+            aliases.setdefault(target["tensor"], []).append(alias)
         for s in self.graph.tesa_stats():
             if s["density"] < 1.0 or len(s["bits"]) > 1:
                 bits = " ".join(f"{b}:{c}" for b, c in sorted(s["bits"].items()))
-                rows.append((s["name"], s["kind"], "x".join(map(str, s["shape"])), f"{s['density']:.3f}", bits))
+                name = " = ".join([s["name"], *sorted(aliases.get(s["name"], []))])
+                rows.append((name, s["kind"], "x".join(map(str, s["shape"])), f"{s['density']:.3f}", bits))
         return _table(rows)
 
 

@@ -255,6 +255,9 @@ class Graph:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise SpartaError(f"input {name!r}: shape {got} differs from the compiled {self.tensor(name).shape} "
                                   "(sparta specialises to the example shapes; recompile for new shapes)")
+            if x.dtype != self.tensor(name).dtype:
+                raise SpartaError(f"input {name!r}: dtype {x.dtype} differs from the compiled {self.tensor(name).dtype}; "
+                                  f"convert it (x.to({self.tensor(name).dtype})) or recompile")
         return flat
 
     # ---- TeSAs ---------------------------------------------------------------------------

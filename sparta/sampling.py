@@ -19,7 +19,7 @@ def random_like(shape, dtype, tesa: TeSA | None = None, generator=None, int_rang
         lo, hi = int(int_range[0]), int(int_range[1])
         x = torch.randint(lo, hi + 1, shape, generator=generator).to(dtype)
     if tesa is not None and not tesa.is_dense:
-        x = x * tesa.mask.to(x.dtype) if dtype != torch.bool else x & tesa.mask
+        x = tesa.apply(x)
     return x
 
 

@@ -163,6 +163,13 @@ class TeSA:
     def max_bits(self) -> int:
         return int(self._bits.max()) if self.numel() else 0
 
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with its pruned elements zero (``False`` for bools); NaN or inf stored there is dropped too."""
+        keep = self.mask.to(x.device)
+        if x.dtype == torch.bool:
+            return x & keep
+        return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
     def block_density(self, bh: int, bw: int) -> torch.Tensor:
         """Kept fraction per grid-aligned ``bh × bw`` block over the last two dims.
 

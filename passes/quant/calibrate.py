@@ -408,7 +408,7 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     batches = parse_batches(graph, calibration)
     profile = load_profile(target) if target is not None else None
     if weights is None:
-        weights = {v.name: v.data * v.tesa.mask.to(v.data.dtype) for v in graph.tensors("weight")
+        weights = {v.name: v.tesa.apply(v.data) for v in graph.tensors("weight")
                    if v.data is not None and v.data.dtype.is_floating_point and not v.tesa.is_dense}
     static = config.static_activations if config.static_activations is not None else target == "cuda"
     with torch.no_grad():

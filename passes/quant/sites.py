@@ -78,7 +78,7 @@ def fake_quantized_weights(graph: Graph) -> dict[str, torch.Tensor]:
     for site in weight_sites(graph).values():
         for bits, params in graph.meta.get("quant_params", {}).get(site.weight, {}).items():
             v = graph.tensor(site.weight)
-            w = v.data * v.tesa.mask.to(v.data.dtype)
+            w = v.tesa.apply(v.data)
             q = fake_quant_float(site.to_nk(w).float(), bits) if params is None else params.dequantize(site.to_nk(w))
             out[site.weight] = site.from_nk(q, w.shape).to(w.dtype)
     return out

@@ -9,8 +9,12 @@ multi-output op is not an op: it names one of that op's outputs.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import operator
+import warnings
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -45,21 +49,95 @@ def normalise_op_name(target) -> str:
 
 
 def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, *, name=None) -> Graph:
-    """Export ``module`` on ``example_inputs`` and build a graph with dense TeSAs."""
+    """Export ``module`` on ``example_inputs`` and build a graph with dense TeSAs.
+
+    A module in ``train()`` mode is captured in eval mode (with a warning) and left as it was;
+    a module that writes into its buffers or inputs is refused (sparta compiles inference graphs)."""
+    if isinstance(module, type):
+        raise CaptureError(f"got the class {module.__name__}, not a model: pass an instance ({module.__name__}(...))")
     if not isinstance(module, torch.nn.Module):
         raise CaptureError(f"from_torch needs a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    example_inputs, example_kwargs = _check_examples(module, example_inputs, example_kwargs)
+    name = name or type(module).__name__
+    with _eval_mode(module):
+        try:
+            ep = torch.export.export(module, example_inputs, example_kwargs, strict=False)
+            table = torch.export.default_decompositions()
+            for op in KEEP:
+                table.pop(op, None)
+            ep = ep.run_decompositions(table)
+        except Exception as exc:  # noqa: BLE001 - export errors come in many types; all mean "cannot capture"
+            raise CaptureError(f"torch.export could not capture {name}: {type(exc).__name__}: {exc}") from exc
+        _refuse_mutation(ep, name)      # known only once decomposition has functionalised the graph
+        _check_runs(module, example_inputs, example_kwargs, name)
+    return _build(ep, name)
+
+
+def _check_examples(module, example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    """Example inputs as export takes them, or a CaptureError that says what is wrong."""
+    if isinstance(example_inputs, dict):
+        raise CaptureError("example_inputs must be a tuple of positional inputs; pass keyword inputs as "
+                           "example_kwargs={...}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise CaptureError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}")
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    example_kwargs = dict(example_kwargs or {})
     try:
-        ep = torch.export.export(module, example_inputs, example_kwargs or {}, strict=False)
-        table = torch.export.default_decompositions()
-        for op in KEEP:
-            table.pop(op, None)
-        ep = ep.run_decompositions(table)
-    except Exception as exc:  # noqa: BLE001 - export errors come in many types; all mean "cannot capture"
-        raise CaptureError(f"torch.export could not capture {type(module).__name__}: "
-                           f"{type(exc).__name__}: {exc}") from exc
-    return _build(ep, name or type(module).__name__)
+        inspect.signature(module.forward).bind(*example_inputs, **example_kwargs)
+    except TypeError as exc:
+        raise CaptureError(f"the example inputs do not fit {type(module).__name__}.forward"
+                           f"{inspect.signature(module.forward)}: {exc}; sparta needs example_inputs "
+                           "(and example_kwargs) it can call the model with") from None
+    leaves, _ = pytree.tree_flatten((example_inputs, example_kwargs))
+    for i, x in enumerate(leaves):
+        if isinstance(x, np.ndarray):
+            raise CaptureError(f"example input {i} is a numpy ndarray; convert it with torch.from_numpy")
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "meta":
+                raise CaptureError(f"example input {i} is on the meta device; sparta needs real example data")
+            if x.numel() == 0:
+                raise CaptureError(f"example input {i} is empty {tuple(x.shape)}; sparta specialises to the example "
+                                   "shapes, so give a non-empty example of the shape you will run")
+    return example_inputs, example_kwargs
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module):
+    training = {m: m.training for m in module.modules()}
+    if any(training.values()):
+        warnings.warn(f"{type(module).__name__} is in train() mode; sparta compiles it in eval mode (dropout off, "
+                      "batch-norm statistics fixed). Call model.eval() first to silence this.", UserWarning,
+                      stacklevel=4)
+        module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in training.items():
+            m.training = mode
+
+
+def _refuse_mutation(ep, name: str) -> None:
+    sig = ep.graph_signature
+    for buffer in sig.buffers_to_mutate.values():
+        raise CaptureError(f"{name} updates its buffer {buffer!r} in forward; sparta compiles inference graphs "
+                           "whose state does not change: remove the update (or do it outside the model)")
+    for user_input in sig.user_inputs_to_mutate.values():
+        raise CaptureError(f"{name} writes into its input {user_input!r} in forward (an in-place op); sparta "
+                           "compiles pure inference graphs: use an out-of-place op")
+
+
+def _check_runs(module, example_inputs, example_kwargs, name: str) -> None:
+    """Run the model once eagerly: export accepts inputs (int64 ids for a float layer) the model cannot run."""
+    try:
+        with torch.no_grad():
+            module(*example_inputs, **example_kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure means the examples do not fit the model
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.is_floating_point()})
+        given = sorted({str(x.dtype).removeprefix("torch.") for x in pytree.tree_leaves((example_inputs, example_kwargs))
+                        if isinstance(x, torch.Tensor)})
+        raise CaptureError(f"{name} fails on the example inputs ({type(exc).__name__}: {exc}); the inputs are "
+                           f"{', '.join(given) or 'no tensors'}, the model's parameters {', '.join(dtypes) or 'none'}: "
+                           "pass example inputs of the dtypes and shapes the model runs on") from exc
 
 
 def _value_of(meta_val, name, kind, data=None, is_parameter=False):
