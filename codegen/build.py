@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from ..errors import CodegenError
 from . import cache
 from .dismantle import eliminate_dead_code
-from .tvm_env import cpu_target, cpu_target_spec, load_kernel, tvm, versions
-
+from .tvm_env import cpu_target, cpu_target_spec, load_kernel, runtime, tvm, versions
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,14 +69,15 @@ def build_cpu(template, spec) -> BuiltKernel:
         hit = _LOADED[key]
         return BuiltKernel(hit.fn, key, True, time.perf_counter() - t0, hit.nbytes)
     path = cache.lookup(key, "kernel.so")
-    cached = path is not None
+    fn = None
     if path is not None:
+        runtime()                 # no TVM runtime is an install problem, not a broken entry: raise, keep the entry
         try:
             fn = load_kernel(path, name)
-        except Exception:  # noqa: BLE001 - unloadable entry: rebuild
+        except Exception:  # noqa: BLE001 - an intact file TVM cannot load: rebuild it
             cache.invalidate(key)
-            cached, path = False, None
-    if path is None:
+    cached = fn is not None
+    if fn is None:
         t = tvm()
         func = eliminate_dead_code(template(spec))
         try:

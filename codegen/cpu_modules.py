@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import sys
@@ -20,7 +21,7 @@ import torch
 from ..backend.fx import Passthrough
 from ..templates import cpu_fine, cpu_linear
 from ..templates.cpu_linear import quantize_rows
-from ..templates.epilogue import torch_activation
+from ..templates.epilogue import ACTIVATIONS, torch_activation
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,10 +45,12 @@ def reuse_freed_memory() -> bool:
 
 
 class SubKernel:
-    """One compiled sub-operator: function, template module, spec and packed arguments."""
+    """One compiled sub-operator: function, template module, spec and packed arguments (``folder``:
+    where its library lies when not in the kernel cache)."""
 
-    def __init__(self, fn, template, spec, packed: dict[str, torch.Tensor], info: dict):
+    def __init__(self, fn, template, spec, packed: dict[str, torch.Tensor], info: dict, folder=None):
         self.fn, self.template, self.spec, self.packed, self.info = fn, template, spec, packed, info
+        self.folder = folder
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, xq=None) -> None:
         args = dict(self.packed)
@@ -63,6 +66,8 @@ class SubKernel:
 
 class SparseLinearCPU(torch.nn.Module):
     """``y = act(x · Wᵀ + b)`` computed by sub-operator kernels over padded (N, K)."""
+
+    native_kernels = True      # a saved one carries compiled libraries: sparta.load rebuilds them unless trusted
 
     def __init__(self, op_name: str, input_name: str, subs: list[SubKernel], n: int, k: int, n_pad: int,
                  k_pad: int, out_shape: tuple[int, ...], bias: torch.Tensor | None, fused_activation: str | None,
@@ -106,7 +111,7 @@ class SparseLinearCPU(torch.nn.Module):
         out = torch_activation(self.post_activation, out)
         return out.reshape(self.out_shape).to(x.dtype)
 
-    # ---- saved models (sparta.saved): the kernels' libraries travel, TVM loads them ----------
+    # ---- saved models (sparta.saved): the specs travel with the libraries ------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict]:
         from ..codegen import cache
         from ..graph_json import encode
@@ -115,7 +120,7 @@ class SparseLinearCPU(torch.nn.Module):
             subs.append({"template": s.template.__name__.rsplit(".", 1)[-1], "spec": encode(dataclasses.asdict(s.spec)),
                          "info": s.info, "packed": sorted(s.packed)})
             tensors.update({f"sub{i}_{name}": t for name, t in s.packed.items()})
-            folders[s.info["key"]] = cache.cache_root() / s.info["key"]
+            folders[s.info["key"]] = s.folder or cache.cache_root() / s.info["key"]
         for name in ("bias", "extra_bias"):
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
@@ -125,16 +130,27 @@ class SparseLinearCPU(torch.nn.Module):
         return config, tensors, folders
 
     @classmethod
-    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict) -> SparseLinearCPU:
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict,
+                   trust_kernels: bool = False) -> SparseLinearCPU:
+        """Rebuild the sub-kernels from their saved specs through sparta's templates (the kernel cache
+        has those this machine built); ``trust_kernels`` loads the saved libraries instead."""
         from ..graph_json import decode
+        from .build import build_cpu
         from .tvm_env import load_kernel
-        templates = {"cpu_linear": (cpu_linear, cpu_linear.BlockLinearSpec), "cpu_fine": (cpu_fine, cpu_fine.FineLinearSpec)}
         subs = []
         for i, sub in enumerate(config["subs"]):
-            template, spec_cls = templates[sub["template"]]
+            template, spec_cls, builder = SAVED_TEMPLATES[sub["template"]]
             spec = spec_cls(**decode(sub["spec"]))
-            fn = load_kernel(folders[sub["info"]["key"]] / "kernel.so", spec.name)
-            subs.append(SubKernel(fn, template, spec, {n: tensors[f"sub{i}_{n}"] for n in sub["packed"]}, sub["info"]))
+            packed = {n: tensors[f"sub{i}_{n}"] for n in sub["packed"]}
+            check_saved_sub(template, spec, packed, config)
+            if trust_kernels:
+                folder = folders[sub["info"]["key"]]
+                subs.append(SubKernel(load_kernel(folder / "kernel.so", spec.name), template, spec, packed,
+                                      sub["info"], folder))
+            else:
+                _need_tvm()
+                built = build_cpu(builder, spec)
+                subs.append(SubKernel(built.fn, template, spec, packed, {**sub["info"], "key": built.key}))
         return cls(config["op_name"], config["input_name"], subs, config["n"], config["k"], config["n_pad"],
                    config["k_pad"], tuple(config["out_shape"]), tensors.get("bias"), config["fused_activation"],
                    config["post_activation"], tensors.get("extra_bias"))
@@ -142,6 +158,45 @@ class SparseLinearCPU(torch.nn.Module):
     def extra_repr(self) -> str:
         parts = ", ".join(f"{s.info['template']}[{s.info.get('blocks', '')}]" for s in self.subs)
         return f"{self.op_name}: {self.k}->{self.n}, subs=({parts}), act={self.fused_activation or self.post_activation}"
+
+
+SAVED_TEMPLATES = {"cpu_linear": (cpu_linear, cpu_linear.BlockLinearSpec, cpu_linear.block_linear),
+                   "cpu_fine": (cpu_fine, cpu_fine.FineLinearSpec, cpu_fine.fine_linear)}
+_INDEX_ARGS = ("C", "P", "I")     # block / column indices the kernels read at run time
+
+
+def check_saved_sub(template, spec, packed: dict[str, torch.Tensor], config: dict) -> None:
+    """Refuse a saved sub-kernel whose spec or packed tensors could make the kernel index outside
+    its buffers: the spec's numbers must be in range, and the packed tensors must have the shapes
+    and dtypes, and the index tensors the values, that packing this spec gives."""
+    block = getattr(spec, "block", (1, 1))
+    columns = spec.k // block[1] if all(type(b) is int and b > 0 for b in block) else 0
+    values = getattr(spec, "values", None)
+    ok = (all(type(v) is int and v > 0 for v in (spec.m, spec.n, spec.k, *block)) and columns > 0
+          and isinstance(spec.name, str) and spec.name.isidentifier() and spec.activation in ACTIVATIONS
+          and (spec.n, spec.k) == (config["n_pad"], config["k_pad"]) and isinstance(spec.rows, tuple)
+          and all(isinstance(r, tuple) and all(type(j) is int and 0 <= j < columns for j in r) for r in spec.rows)
+          and (values is None or (isinstance(values, tuple) and len(values) == len(spec.rows) and all(
+              isinstance(v, tuple) and len(v) == len(r) and all(isinstance(x, float) for x in v)
+              for v, r in zip(values, spec.rows)))))
+    if not ok:
+        raise ValueError(f"saved kernel spec {getattr(spec, 'name', '?')!r} is out of range or malformed")
+    expected = template.pack(spec, torch.zeros(spec.n, spec.k))
+    if set(packed) != set(expected):
+        raise ValueError(f"saved kernel {spec.name!r}: packed tensors {sorted(packed)}, its spec packs {sorted(expected)}")
+    for name, t in packed.items():
+        e = expected[name]
+        if t.shape != e.shape or t.dtype != e.dtype or (name in _INDEX_ARGS and not torch.equal(t, e)):
+            raise ValueError(f"saved kernel {spec.name!r}: packed tensor {name} does not match its spec")
+
+
+def _need_tvm() -> None:
+    from ..errors import CodegenError
+    if importlib.util.find_spec("tvm") is None:
+        raise CodegenError("this saved CPU model's kernels are rebuilt from their specs, which needs TVM "
+                           "(pip install apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post1); "
+                           "sparta.load(path, trust_kernels=True) loads the folder's compiled libraries instead, "
+                           "native code to run only from a folder you trust")
 
 
 def block_rows(grid: torch.Tensor) -> tuple[tuple[int, ...], ...]:

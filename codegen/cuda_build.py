@@ -13,9 +13,11 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +92,12 @@ def compile_cubins(folder: Path, archs) -> dict:
 
 
 def _write_spec(folder: Path, spec) -> None:
-    """``spec.json``: the spec the kernel was built from, for the TVM-free runtime."""
+    """``spec.json``: the spec the kernel was built from, for the TVM-free runtime (an entry cached
+    before specs were recorded gets it on a hit: written beside, renamed in, so no reader sees half)."""
     if dataclasses.is_dataclass(spec) and not (folder / "spec.json").is_file():
-        (folder / "spec.json").write_text(json.dumps(dataclasses.asdict(spec)))
+        with tempfile.NamedTemporaryFile("w", dir=folder, prefix=".spec.", suffix=".tmp", delete=False) as f:
+            f.write(json.dumps(dataclasses.asdict(spec)))
+        os.replace(f.name, folder / "spec.json")
 
 
 def _cubins_intact(folder: Path, launch: dict) -> bool:

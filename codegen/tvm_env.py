@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import platform
+import struct
 from pathlib import Path
 
 from ..errors import CodegenError
@@ -58,7 +59,29 @@ def runtime():
 
 def load_kernel(path, name: str):
     """The function ``name`` of a compiled kernel library, without importing the compiler."""
+    check_library(path)
     return runtime().load_module(str(path))[name]
+
+
+_ELF_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
+_PROGRAM_HEADER = struct.Struct("<IIQQQQQQ")
+
+
+def check_library(path) -> None:
+    """Refuse a file that is not a whole 64-bit little-endian ELF shared library: ``dlopen`` maps a
+    truncated one and the process dies of SIGBUS when it touches the missing pages."""
+    with open(path, "rb") as f:
+        data = f.read()
+    size = len(data)
+    if size < _ELF_HEADER.size or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise CodegenError(f"{path} is not a 64-bit little-endian ELF library")
+    (_, _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _) = _ELF_HEADER.unpack_from(data)
+    if phentsize != _PROGRAM_HEADER.size or phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
+        raise CodegenError(f"{path} is truncated or malformed (ELF headers out of the file)")
+    for i in range(phnum):
+        _, _, offset, _, _, filesz, _, _ = _PROGRAM_HEADER.unpack_from(data, phoff + i * phentsize)
+        if offset + filesz > size:
+            raise CodegenError(f"{path} is truncated (a segment ends past the end of the file)")
 
 
 def num_threads() -> int:

@@ -1,16 +1,18 @@
 """A graph as JSON plus a dict of tensors: what ``compiled.save`` writes, never pickle.
 
-Op targets are written by name (``"aten::linear.default"``) and resolved on load only
-from an allowlist (ATen/prims operator overloads and a few Python operators), so loading
-a saved model cannot call arbitrary code. Argument templates use tagged JSON for what
-JSON lacks: tensor references, tuples, dtypes, devices, layouts, memory formats and
-non-finite floats. Weight data goes in the tensor dict (``safetensors`` in a saved model).
+Op targets are written by name (``"aten::linear.default"``) and resolved on load only from an
+allowlist of pure tensor ops (:func:`refusal`) and a few Python operators, so a saved graph can
+compute on tensors and nothing else: no files, storage, uninitialised memory, in-place writes or
+process state. Argument templates use tagged JSON for what JSON lacks: tensor references, tuples,
+dtypes, devices, layouts, memory formats and non-finite floats. Output and input structures
+(pytree specs) come back from plain containers only; no module named in the file is imported.
+Weight data goes in the tensor dict (``safetensors`` in a saved model).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import collections
+import functools
 import json
 import math
 import operator
@@ -21,29 +23,78 @@ from torch.utils import _pytree as pytree
 
 from .errors import SpartaError
 from .graph import Graph, Op, TensorRef, Value, bind_call
+from .saved_checks import SavedModelError
 from .tesa import TeSA
 
 FORMAT = 1
-MODEL_PACKAGES = ("transformers", "diffusers", "timm")    # whose output classes a load may import
 OP_NAMESPACES = ("aten", "prims")
 PY_TARGETS = {f"operator.{f.__name__}": f for f in (operator.getitem, operator.add, operator.sub, operator.mul,
                                                       operator.truediv, operator.floordiv, operator.neg)}
+# functional ops that still reach outside their tensor arguments: files, raw storage and strides,
+# uninitialised memory, unchecked index structures
+DENIED_OPS = frozenset({
+    "from_file", "as_strided", "as_strided_copy", "as_strided_scatter", "set", "lift_fresh",
+    "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided",
+    "segment_reduce", "sparse_coo_tensor", "sparse_compressed_tensor", "sparse_csr_tensor", "sparse_csc_tensor",
+    "sparse_bsr_tensor", "sparse_bsc_tensor", "view_of_dtype", "device_put"})
+# private ATen ops that torch.export's decompositions emit for the graphs sparta captures
+PRIVATE_OPS = frozenset({
+    "_to_copy", "_softmax", "_log_softmax", "_safe_softmax", "_unsafe_view", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "_addmm_activation",
+    "_prelu_kernel", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_attention_math", "_upsample_bilinear2d_aa",
+    "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_cdist_forward",
+    "_pdist_forward", "_embedding_bag", "_weight_norm", "_weight_norm_interface"})
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_LAYOUTS = {str(x).removeprefix("torch."): x for x in vars(torch).values() if isinstance(x, torch.layout)}
+_LAYOUTS = {"strided": torch.strided}
 _FORMATS = {str(x).removeprefix("torch."): x for x in vars(torch).values() if isinstance(x, torch.memory_format)}
+_DEVICE_TYPES = ("cpu", "cuda", "meta")
 
 
-class GraphFormatError(SpartaError):
+class GraphFormatError(SavedModelError):
     """A saved graph that cannot be read (corrupt, newer format, or an op outside the allowlist)."""
+
+
+def refusal(op: torch._ops.OpOverload) -> str | None:
+    """Why a saved graph may not call ``op`` (None: it may).
+
+    Allowed: ATen/prims overloads whose schema writes no argument, that return only tensors
+    and take no storage, public ones but :data:`DENIED_OPS` and the private ones in :data:`PRIVATE_OPS`.
+    """
+    schema, name = op._schema, op._schema.name.split("::", 1)[-1]
+    if op.namespace not in OP_NAMESPACES:
+        return f"it is outside the namespaces {OP_NAMESPACES}"
+    if schema.is_mutable:
+        return "it writes to its arguments"
+    if not schema.returns or not all(_is_tensor_type(r.type) for r in schema.returns):
+        return "it returns something other than tensors"
+    if any("Storage" in str(a.type) for a in schema.arguments):
+        return "it reads raw storage"
+    if torch.Tag.inplace_view in op.tags or torch.Tag.data_dependent_output in op.tags:
+        return "it is not a pure tensor op"
+    if name in DENIED_OPS:
+        return "it reaches outside its tensor arguments (files, storage or uninitialised memory)"
+    if name.startswith("_") and not name.startswith("__") and name not in PRIVATE_OPS:
+        return "it is a private ATen op outside sparta's graphs"
+    return None
+
+
+def _is_tensor_type(t) -> bool:
+    return str(t) in ("Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]")
+
+
+@functools.lru_cache(maxsize=None)
+def _allowed(op: torch._ops.OpOverload) -> str | None:
+    return refusal(op)
 
 
 def target_name(target) -> str:
     """The name a target is saved under; raises for targets ``load`` would refuse."""
     if isinstance(target, torch._ops.OpOverload):
-        ns = target.namespace
-        if ns not in OP_NAMESPACES:
-            raise GraphFormatError(f"op {target} is outside the namespaces a saved model may call ({OP_NAMESPACES})")
-        return f"{ns}::{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
+        why = _allowed(target)
+        if why is not None:
+            raise GraphFormatError(f"cannot save op {target}: {why}")
+        return f"{target.namespace}::{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
     for name, fn in PY_TARGETS.items():
         if target is fn:
             return name
@@ -53,16 +104,22 @@ def target_name(target) -> str:
 
 def resolve_target(name: str):
     """The callable saved as ``name``, from the allowlist only."""
+    if not isinstance(name, str):
+        raise GraphFormatError(f"op target {name!r} is not one a saved model may call")
     if name in PY_TARGETS:
         return PY_TARGETS[name]
     ns, _, rest = name.partition("::")
     packet_name, _, overload = rest.rpartition(".")
-    if ns not in OP_NAMESPACES or not packet_name or not overload:
+    if ns not in OP_NAMESPACES or not packet_name.isidentifier() or not overload.isidentifier():
         raise GraphFormatError(f"op target {name!r} is not one a saved model may call")
     try:
-        return getattr(getattr(getattr(torch.ops, ns), packet_name), overload)
+        op = getattr(getattr(getattr(torch.ops, ns), packet_name), overload)
     except (AttributeError, RuntimeError) as exc:
         raise GraphFormatError(f"op target {name!r} does not exist in torch {torch.__version__}") from exc
+    why = _allowed(op) if isinstance(op, torch._ops.OpOverload) else "it is not an operator overload"
+    if why is not None:
+        raise GraphFormatError(f"op target {name!r} is not one a saved model may call: {why}")
+    return op
 
 
 def encode(value):
@@ -102,10 +159,16 @@ def decode(value):
             raise GraphFormatError(f"unknown {tag[1:]} {x!r}")
         return tables[tag][x]
     decoders = {"$ref": TensorRef, "$tuple": lambda v: tuple(decode(i) for i in v), "$float": float,
-                "$dict": lambda v: {k: decode(i) for k, i in v.items()}, "$device": torch.device}
+                "$dict": lambda v: {k: decode(i) for k, i in v.items()}, "$device": _device}
     if tag not in decoders:
         raise GraphFormatError(f"unknown argument tag {tag!r}")
     return decoders[tag](x)
+
+
+def _device(text) -> torch.device:
+    if not isinstance(text, str) or text.split(":")[0] not in _DEVICE_TYPES:
+        raise GraphFormatError(f"unknown device {text!r}")
+    return torch.device(text)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,40 +182,54 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def load_treespec(text: str):
-    """A pytree spec from ``treespec_dumps`` text. Output classes of known model libraries
-    (``MODEL_PACKAGES``) are imported so their pytree registration exists; any other
-    unregistered node whose context is a key list comes back as a plain dict."""
+    """A pytree spec from ``treespec_dumps`` text, built from plain containers without importing
+    anything: tuples, lists, dicts and ordered dicts; a node of another type comes back as a dict
+    where its context is a key list (a model library's output class), else as a tuple, unless that
+    type is already registered with pytree under its saved name with a key list (an output class of
+    a library this process imported)."""
     try:
-        return pytree.treespec_loads(text)
-    except NotImplementedError:
-        pass
-    protocol, schema = json.loads(text)
+        protocol, schema = json.loads(text)
+        if protocol != 1:
+            raise ValueError(f"unknown pytree protocol {protocol!r}")
+        return _treespec(schema)
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise GraphFormatError(f"malformed pytree spec: {exc}") from exc
 
-    def fix(node):
-        kind = node.get("type")
-        if _foreign(kind):
-            module = kind.rsplit(".", 1)[0]
-            if module.split(".")[0] in MODEL_PACKAGES and importlib.util.find_spec(module.split(".")[0]):
-                importlib.import_module(module)
-            elif isinstance(json.loads(node["context"] or "null"), list):
-                node = {**node, "type": "builtins.dict"}
-        return {**node, "children_spec": [fix(c) for c in node.get("children_spec", [])]}
 
+_CONTAINERS = {"builtins.tuple": tuple, "builtins.list": list, "builtins.dict": dict,
+               "collections.OrderedDict": collections.OrderedDict}
+
+
+def _treespec(node: dict):
+    kind, context, children = node["type"], node["context"], [_treespec(c) for c in node["children_spec"]]
+    if kind is None:
+        if children or context is not None:
+            raise ValueError("a leaf with children")
+        return pytree.treespec_leaf()
+    if not isinstance(kind, str) or (context is not None and not isinstance(context, str)):
+        raise ValueError(f"malformed node of type {kind!r}")
+    if kind in ("builtins.tuple", "builtins.list"):
+        return pytree.TreeSpec(_CONTAINERS[kind], None, children)
+    keys = _keys(context, len(children))
+    if keys is None:
+        return pytree.TreeSpec(tuple, None, children)
+    registered = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(kind)
+    plain_context = registered in pytree.SUPPORTED_SERIALIZED_TYPES and \
+        pytree.SUPPORTED_SERIALIZED_TYPES[registered].from_dumpable_context is None
+    if kind in _CONTAINERS or (plain_context and kind not in ("collections.defaultdict", "collections.deque")):
+        return pytree.TreeSpec(_CONTAINERS.get(kind, registered), keys, children)
+    return pytree.TreeSpec(dict, keys, children)
+
+
+def _keys(context: str | None, n: int) -> list | None:
+    """The key list a dict-like node's context holds (None if it holds something else)."""
     try:
-        return pytree.treespec_loads(json.dumps([protocol, fix(schema)]))
-    except NotImplementedError:
-        return pytree.treespec_loads(json.dumps([protocol, _as_dicts(schema)]))
-
-
-def _foreign(kind) -> bool:
-    """A pytree node type from outside Python's and torch's own containers."""
-    return bool(kind) and not kind.startswith(("builtins.", "collections.", "torch."))
-
-
-def _as_dicts(node):
-    if _foreign(node.get("type")):
-        node = {**node, "type": "builtins.dict"}
-    return {**node, "children_spec": [_as_dicts(c) for c in node.get("children_spec", [])]}
+        keys = json.loads(context) if context is not None else None
+    except ValueError:
+        return None
+    plain = isinstance(keys, list) and len(keys) == n and all(isinstance(k, (str, int)) and not isinstance(k, bool)
+                                                              for k in keys)
+    return keys if plain else None
 
 
 def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str, torch.Tensor]]:
@@ -195,6 +272,8 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
         for o in data["ops"]:
             target = resolve_target(o["target"])
             args, kwargs = decode(o["args"]), decode(o["kwargs"])
+            if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+                raise GraphFormatError(f"op {o['name']!r}: malformed arguments")
             inputs, roles, attrs = bind_call(target, args, kwargs)
             if inputs != o["inputs"]:
                 raise GraphFormatError(f"op {o['name']!r}: arguments name inputs {inputs}, the graph says {o['inputs']}")
@@ -212,11 +291,13 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
         if "propagation" in meta:
             from .passes.propagate import PropagationReport
             g.meta["propagation"] = PropagationReport.from_json(meta["propagation"])
-    except (KeyError, TypeError, ValueError) as exc:
+        g.validate()
+    except GraphFormatError:
+        raise
+    except (SpartaError, KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
         raise GraphFormatError(f"malformed saved graph: {type(exc).__name__}: {exc}") from exc
-    g.validate()
     return g
 
 
-__all__ = ["graph_to_json", "graph_from_json", "encode", "decode", "target_name", "resolve_target",
-           "GraphFormatError"]
+__all__ = ["graph_to_json", "graph_from_json", "encode", "decode", "target_name", "resolve_target", "refusal",
+           "load_treespec", "GraphFormatError"]

@@ -1,10 +1,13 @@
 """Cache of propagation + transformation results, so an unchanged re-compile skips both.
 
-The key hashes everything those passes read: the graph's structure (ops, attributes,
-tensor names, shapes, dtypes, kinds), every TeSA after the user's TeSAs are attached,
-the target's hardware profile, the passes' options and the source of ``sparta.passes``.
-Weight *values* are not part of it: propagation and planning read only TeSAs (the
-kernels, which do pack the values, have their own cache). The entry holds every
+The key hashes everything those passes read: the graph's structure (ops, their arguments
+and attributes, inputs, outputs, aliases, tensor names, shapes, dtypes, kinds), every TeSA
+after the user's TeSAs are attached, which tensors carry data and of what dtype, the *values*
+of every non-floating-point tensor (index buffers, masks, position ids: propagation runs ops
+on them, ``passes/scramble.py``), the target, the passes' options and the source of
+``sparta.passes`` (rules and shipped hardware profiles). Floating-point weight values are not
+part of it: propagation and planning read only their TeSAs (calibration, which reads them,
+bypasses this cache; the kernels, which pack them, have their own). The entry holds every
 propagated TeSA (compact encoding), the propagation report and the plan JSON, in one
 file whose SHA-256 the kernel cache checks; a bad entry is recomputed.
 """
@@ -16,6 +19,8 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+
+import torch
 
 from .codegen import cache
 from .graph import Graph
@@ -40,14 +45,23 @@ def _passes_digest() -> str:
 def pipeline_key(graph: Graph, target: str, options: dict) -> str:
     """Content hash of what propagation and transformation depend on."""
     h = hashlib.sha256()
-    h.update(json.dumps({"target": target, "options": options, "passes": _passes_digest()},
+    h.update(json.dumps({"target": target, "options": options, "passes": _passes_digest(), "inputs": graph.inputs,
+                         "outputs": graph.outputs, "aliases": graph.meta.get("aliases", {})},
                         sort_keys=True, default=str).encode())
     for op in graph.ops():
-        h.update(json.dumps([op.name, op.op, op.inputs, op.outputs, op.roles, str(op.target), op.attrs],
-                            sort_keys=True, default=repr).encode())
+        h.update(json.dumps([op.name, op.op, op.inputs, op.outputs, op.roles, str(op.target), op.attrs,
+                             repr(op.args), repr(op.kwargs), op.multi_output], sort_keys=True, default=repr).encode())
     for v in graph.tensors():
-        h.update(f"{v.name}|{v.shape}|{v.dtype}|{v.kind}|{v.tesa.digest()}".encode())
+        data = None if v.data is None else str(v.data.dtype)
+        h.update(f"{v.name}|{v.shape}|{v.dtype}|{v.kind}|{v.is_parameter}|{data}|{v.tesa.digest()}".encode())
+        if v.data is not None and not v.data.dtype.is_floating_point:
+            h.update(value_bytes(v.data))
     return h.hexdigest()[:32]
+
+
+def value_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor's values (what a key hashes)."""
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def load(key: str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def check_saved_spec(op_name: str, folder, spec, load=None) -> None:
     path = Path(folder) / "spec.json"
     if not path.is_file():
         return
-    built = load(folder) if load is not None else type(spec)(**json.loads(path.read_text()))
+    built = load(folder) if load is not None else type(spec)(**json.loads(kernel_file(folder, "spec.json")))
     if built != spec:
         raise CudaRuntimeError(f"op {op_name!r}: kernel folder {Path(folder).name} was built for a different spec")
 
@@ -79,15 +80,57 @@ class GraphWeightLayout:
         return w.t().contiguous() if self.weight_transposed else w
 
 
+def check_launch(folder) -> dict:
+    """``launch.json`` of a kernel folder, refused unless every field has the type and range the runtime
+    needs and every cubin it names is a plain file inside the folder."""
+    folder = Path(folder)
+    try:
+        launch = json.loads(kernel_file(folder, "launch.json"))
+    except (OSError, ValueError) as exc:
+        raise CudaRuntimeError(f"no readable launch.json in {folder}: {exc}") from exc
+
+    def ints(v, n, low):
+        return isinstance(v, list) and len(v) == n and all(type(x) is int and x >= low for x in v)
+
+    args = launch.get("args") if isinstance(launch, dict) else None
+    cubins = launch.get("cubins") if isinstance(launch, dict) else None
+    ok = (isinstance(args, list) and isinstance(cubins, dict) and isinstance(launch.get("name"), str)
+          and isinstance(launch.get("entry"), str) and ints(launch.get("grid"), 3, 1) and ints(launch.get("block"), 3, 1)
+          and type(launch.get("shared_bytes", 0)) is int and launch.get("shared_bytes", 0) >= 0
+          and all(isinstance(a, dict) and isinstance(a.get("name"), str) and a.get("dtype") in _DTYPES
+                  and isinstance(a.get("shape"), list) and all(e is None or type(e) is int and e >= 0 for e in a["shape"])
+                  for a in args)
+          and all(isinstance(c, dict) and isinstance(c.get("sha256"), str) for c in cubins.values()))
+    if not ok:
+        raise CudaRuntimeError(f"malformed launch.json in {folder}")
+    for info in cubins.values():
+        _plain_name(folder, info.get("file"))
+    return launch
+
+
+def _plain_name(folder: Path, name) -> Path:
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise CudaRuntimeError(f"kernel folder {folder} names a file outside itself: {name!r}")
+    return folder / name
+
+
+def kernel_file(folder, name: str) -> bytes:
+    """The bytes of the file ``name`` directly inside ``folder`` (no paths, no symbolic links)."""
+    path = _plain_name(Path(folder), name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise CudaRuntimeError(f"cannot read {path} (a missing file or a symbolic link): {exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 class CudaKernel:
     """One compiled kernel, loaded lazily per device; call it with torch CUDA tensors."""
 
     def __init__(self, folder):
         self.folder = Path(folder)
-        try:
-            self.launch = json.loads((self.folder / "launch.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise CudaRuntimeError(f"no readable launch.json in {self.folder}: {exc}") from exc
+        self.launch = check_launch(self.folder)
         self.name = self.launch["name"]
         self._functions = {}
 
@@ -100,7 +143,7 @@ class CudaKernel:
         if info is None:
             raise CudaRuntimeError(f"kernel {self.name!r} has no cubin for {arch} "
                                    f"(built for {sorted(self.launch.get('cubins', {}))})")
-        blob = (self.folder / info["file"]).read_bytes()
+        blob = kernel_file(self.folder, info["file"])
         if hashlib.sha256(blob).hexdigest() != info["sha256"]:
             raise CudaRuntimeError(f"kernel {self.name!r}: {info['file']} does not match its recorded SHA-256")
         driver = _driver()
@@ -214,4 +257,4 @@ class PreparedLaunch:
 
 def argument_order(folder) -> list[str]:
     """The launch order of a kernel's tensor arguments (as in launch.json)."""
-    return [a["name"] for a in json.loads((Path(folder) / "launch.json").read_text())["args"]]
+    return [a["name"] for a in check_launch(folder)["args"]]

@@ -1,0 +1,220 @@
+"""Checks of a saved model's folder, made before anything in it is used (``docs/saved-models.md``).
+
+A folder is refused with :class:`SavedModelError` unless it holds only folders and regular files
+(no symbolic links), every file but the manifest is listed in the manifest and matches its
+SHA-256, and the manifest is one this sparta reads: its format, an integer version from 1 to
+:data:`VERSION` that covers the features the model uses, and fields of the expected types.
+The stored tensors are then checked against the shapes and dtypes the graph declares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from .codegen.cache import file_digest
+from .errors import SpartaError
+
+MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
+VERSION = 4   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+#               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
+#               4: W8A8 GEMV modules (w8a8_gemv_cuda)
+TARGETS = ("cpu", "cuda")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_REQUIRED = {"format": str, "version": int, "target": str, "graph": dict, "modules": dict, "files": dict}
+_OPTIONAL = {"plan": (dict, type(None)), "kernels": list, "timings": (dict, type(None)), "sparta": str,
+             "torch": str}
+_ENTRY = {"type": str, "config": dict, "tensors": list, "kernels": list}
+_ENTRY_OPTIONAL = ("restores", "weight_name", "reference_dtype")
+
+
+class SavedModelError(SpartaError):
+    """A saved model that cannot be written or read: missing, altered, malformed, or from a newer sparta."""
+
+
+def folder_entries(root: Path) -> tuple[set[str], set[str]]:
+    """``(files, folders)`` under ``root`` as relative POSIX paths; refuses symbolic links and special files."""
+    files, folders, stack = set(), set(), [root]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for e in entries:
+                rel = Path(e.path).relative_to(root).as_posix()
+                if e.is_symlink():
+                    raise SavedModelError(f"saved model {root}: {rel} is a symbolic link; a saved model holds "
+                                          "only its own files")
+                if e.is_dir(follow_symlinks=False):
+                    folders.add(rel)
+                    stack.append(Path(e.path))
+                elif e.is_file(follow_symlinks=False):
+                    files.add(rel)
+                else:
+                    raise SavedModelError(f"saved model {root}: {rel} is not a regular file")
+    return files, folders
+
+
+def parse_manifest(root: Path) -> dict:
+    """The manifest's JSON (not yet checked); refuses a folder without one."""
+    try:
+        fd = os.open(root / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise SavedModelError(f"{root} is not a saved sparta model (no {MANIFEST})") from None
+    except OSError as exc:
+        raise SavedModelError(f"{root / MANIFEST} cannot be read: {exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise SavedModelError(f"{root / MANIFEST} is not valid JSON: {exc}") from exc
+
+
+def is_sparta_manifest(manifest) -> bool:
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
+
+
+def read_manifest(path) -> dict:
+    """The manifest of a saved model, after checking the folder's files and the manifest's structure."""
+    root = Path(path)
+    if not root.is_dir():
+        raise SavedModelError(f"{root} is not a saved sparta model (no such folder)")
+    files, _ = folder_entries(root)
+    manifest = parse_manifest(root)
+    check_structure(manifest, root)
+    listed = manifest["files"]
+    unlisted = sorted(files - set(listed) - {MANIFEST})
+    if unlisted:
+        raise SavedModelError(f"saved model {root}: {unlisted[0]} is not listed in {MANIFEST} "
+                              "(every file of a saved model is listed with its SHA-256)")
+    for rel, digest in listed.items():
+        if rel not in files:
+            raise SavedModelError(f"saved model {root} is missing {rel}")
+        if file_digest(root / rel) != digest:
+            raise SavedModelError(f"saved model {root}: {rel} was altered (SHA-256 mismatch)")
+    if TENSORS not in listed:
+        raise SavedModelError(f"saved model {root} lists no {TENSORS}")
+    check_version_features(manifest, root)
+    return manifest
+
+
+def check_relative(rel, root: Path) -> None:
+    """Refuse a listed path that is not a plain relative path inside the folder."""
+    pure = PurePosixPath(rel) if isinstance(rel, str) else None
+    if pure is None or pure.is_absolute() or ".." in pure.parts or pure.as_posix() != rel or "\\" in rel:
+        raise SavedModelError(f"saved model {root} lists a file outside its folder: {rel!r}")
+
+
+def check_structure(manifest, root: Path) -> None:
+    """Refuse a manifest whose format, version or fields are not what this sparta writes."""
+    if not is_sparta_manifest(manifest):
+        fmt = manifest.get("format") if isinstance(manifest, dict) else None
+        raise SavedModelError(f"{root} is not a saved sparta model (format {fmt!r})")
+    version = manifest.get("version")
+    if type(version) is not int:
+        raise SavedModelError(f"saved model {root}: format version must be an integer, got {version!r}")
+    if version > VERSION:
+        raise SavedModelError(f"{root} was saved by a newer sparta (format version {version}); "
+                              f"this one reads version {VERSION}")
+    if version < 1:
+        raise SavedModelError(f"saved model {root}: format version {version} was never written by sparta")
+    _check_fields(manifest, _REQUIRED, _OPTIONAL, f"saved model {root}: manifest")
+    if manifest["target"] not in TARGETS:
+        raise SavedModelError(f"saved model {root}: unknown target {manifest['target']!r} (expected one of {TARGETS})")
+    for rel, digest in manifest["files"].items():
+        check_relative(rel, root)
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise SavedModelError(f"saved model {root}: the SHA-256 of {rel!r} is malformed")
+    for op_name, entry in manifest["modules"].items():
+        what = f"saved model {root}: kernel module entry {op_name!r}"
+        if not isinstance(entry, dict):
+            raise SavedModelError(f"{what} is malformed (not an object)")
+        _check_fields(entry, _ENTRY, {k: str for k in _ENTRY_OPTIONAL}, what)
+        for key in ("tensors", "kernels"):
+            if not all(isinstance(x, str) for x in entry[key]):
+                raise SavedModelError(f"{what} is malformed: {key} must be names")
+        if any(not key.isascii() or not key.isalnum() for key in entry["kernels"]):
+            raise SavedModelError(f"{what}: kernel folder names must be plain keys")
+    if not all(isinstance(row, dict) for row in manifest.get("kernels", [])):
+        raise SavedModelError(f"saved model {root}: malformed kernel report (rows must be objects)")
+
+
+def _check_fields(obj: dict, required: dict, optional: dict, what: str) -> None:
+    for key, kind in required.items():
+        if key not in obj:
+            raise SavedModelError(f"{what} is malformed: it lacks {key!r}")
+    for key, kind in {**required, **optional}.items():
+        if key in obj and (not isinstance(obj[key], kind) or isinstance(obj[key], bool) and kind is int):
+            raise SavedModelError(f"{what} is malformed: {key!r} has type {type(obj[key]).__name__}")
+
+
+def check_version_features(manifest: dict, root: Path) -> None:
+    """Refuse a manifest that declares an older format version than the features it uses."""
+    for need, feature in _features(manifest):
+        if manifest["version"] < need:
+            raise SavedModelError(f"saved model {root} declares format version {manifest['version']} but uses "
+                                  f"{feature}, which version {need} introduced")
+
+
+def _features(manifest: dict):
+    for op_name, entry in manifest["modules"].items():
+        config, kind = entry["config"], entry["type"]
+        spec = config.get("spec") if isinstance(config.get("spec"), dict) else {}
+        if "reference_dtype" in entry:
+            yield 2, f"a reference weight rebuilt from packed weights (op {op_name!r})"
+        if kind == "w4a16_gemv_cuda" and spec.get("ksplit", 1) != 1:
+            yield 3, f"a split-K W4A16 GEMV (op {op_name!r})"
+        if kind == "layer_norm_cuda" and config.get("residual_name"):
+            yield 3, f"a LayerNorm with a fused residual add (op {op_name!r})"
+        if kind == "w8a8_gemv_cuda":
+            yield 4, f"a W8A8 GEMV module (op {op_name!r})"
+
+
+def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor], root: Path) -> None:
+    """Refuse stored tensors the manifest does not name, and graph weights whose stored shape or
+    dtype differ from the graph's declaration (weights a kernel module restores are checked on restore)."""
+    expected = set()
+    restored = {e["restores"] for e in manifest["modules"].values() if "restores" in e}
+    for op_name, entry in manifest["modules"].items():
+        expected |= {f"module/{op_name}/{t}" for t in entry["tensors"]}
+        if "weight_name" in entry and "reference_dtype" not in entry:
+            expected.add(f"module/{op_name}/reference_weight")
+    for v in _declared(manifest, root):
+        if v["data"] and v["name"] not in restored:
+            expected.add("graph/" + v["name"])
+            stored = tensors.get("graph/" + v["name"])
+            if stored is not None:
+                check_declared(v, stored, root)
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise SavedModelError(f"saved model {root}: {TENSORS} holds {extra[0]!r}, which the manifest does not name")
+
+
+def check_declared(value: dict, tensor: torch.Tensor, root: Path) -> None:
+    """Refuse ``tensor`` unless it has the shape and dtype the graph declares for ``value``."""
+    shape, dtype = tuple(value["shape"]), value["dtype"]
+    if tuple(tensor.shape) != shape or str(tensor.dtype).removeprefix("torch.") != dtype:
+        raise SavedModelError(f"saved model {root}: weight {value['name']!r} is stored as {tensor.dtype} "
+                              f"{list(tensor.shape)}, the graph declares {dtype} {list(shape)}")
+
+
+def _declared(manifest: dict, root: Path) -> list[dict]:
+    values = manifest["graph"].get("tensors")
+    ok = isinstance(values, list) and all(
+        isinstance(v, dict) and isinstance(v.get("name"), str) and isinstance(v.get("shape"), list)
+        and all(type(s) is int for s in v["shape"]) and isinstance(v.get("dtype"), str) and isinstance(v.get("data"), bool)
+        for v in values)
+    if not ok:
+        raise SavedModelError(f"saved model {root}: malformed graph tensor list")
+    return values
+
+
+def declared_values(manifest: dict, root: Path) -> dict[str, dict]:
+    """The graph's tensor declarations by name."""
+    return {v["name"]: v for v in _declared(manifest, root)}
+
+
+__all__ = ["SavedModelError", "read_manifest", "check_tensors", "check_declared", "declared_values",
+           "folder_entries", "parse_manifest", "is_sparta_manifest", "MANIFEST", "TENSORS", "FORMAT", "VERSION"]
