@@ -11,10 +11,12 @@ from ..graph import Graph
 from .torch_export import KEEP, from_torch
 
 
-def from_onnx(model_or_path, example_inputs=None) -> Graph:
-    """Import an ONNX model (see :mod:`sparta.frontend.onnx_import`; onnx imported lazily)."""
+def from_onnx(model_or_path, example_inputs=None, *, parameters=None) -> Graph:
+    """Import an ONNX model (see :mod:`sparta.frontend.onnx_import`; onnx imported lazily).
+
+    ``parameters`` (a ``state_dict``) lets TeSAs be attached by those names to renamed initializers."""
     from .onnx_import import from_onnx as _from_onnx
-    return _from_onnx(model_or_path, example_inputs)
+    return _from_onnx(model_or_path, example_inputs, parameters=parameters)
 
 
 def to_onnx(graph: Graph, path=None, **kwargs):
@@ -23,12 +25,16 @@ def to_onnx(graph: Graph, path=None, **kwargs):
     return _to_onnx(graph, path, **kwargs)
 
 
-def capture(model_or_onnx, example_inputs=(), example_kwargs=None) -> Graph:
-    """Turn a ``torch.nn.Module``, an ONNX ``ModelProto`` or an ``.onnx`` path into a Graph."""
+def capture(model_or_onnx, example_inputs=(), example_kwargs=None, *, parameters=None) -> Graph:
+    """Turn a ``torch.nn.Module``, an ONNX ``ModelProto`` or an ``.onnx`` path into a Graph.
+
+    For ONNX, ``parameters`` (the source model's ``state_dict``) names its initializers after them."""
     if isinstance(model_or_onnx, torch.nn.Module):
+        if parameters is not None:
+            raise CaptureError("parameters= is for ONNX models; a torch module's weights keep their names")
         graph = from_torch(model_or_onnx, example_inputs, example_kwargs)
     elif isinstance(model_or_onnx, (str, os.PathLike)) or type(model_or_onnx).__name__ == "ModelProto":
-        graph = from_onnx(model_or_onnx, example_inputs if example_inputs != () else None)
+        graph = from_onnx(model_or_onnx, example_inputs if example_inputs != () else None, parameters=parameters)
         example_inputs = example_inputs or None
     else:
         raise CaptureError(f"cannot capture a {type(model_or_onnx).__name__}: "

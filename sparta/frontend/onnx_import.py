@@ -6,12 +6,13 @@ rest of sparta sees one vocabulary. Initializers (and ``Constant`` nodes) become
 tensors named as in the ONNX file. Any other node is kept as an opaque op executed by
 ONNX's reference evaluator, never dropped. Shapes come from running the graph once on
 the example inputs (random data when none are given and the inputs are static).
-TeSAs stored by :func:`sparta.frontend.onnx_export.to_onnx` are re-attached.
+TeSAs stored by :func:`sparta.frontend.onnx_export.to_onnx` are re-attached to the initializers holding
+the weights they were computed for, and a user's parameter names are mapped onto renamed initializers
+(:mod:`sparta.frontend.onnx_tesa`, :mod:`sparta.frontend.onnx_identity`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -23,9 +24,9 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError
 from ..graph import Graph, Op, TensorRef, Value, bind_call, substitute
 from ..tesa import TeSA, bits_of_dtype
+from .onnx_tesa import TESA_PREFIX, attach, prepare
 
 A = torch.ops.aten
-TESA_PREFIX = "sparta.tesa."
 _DTYPES = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.FLOAT16: torch.float16,
            onnx.TensorProto.BFLOAT16: torch.bfloat16, onnx.TensorProto.DOUBLE: torch.float64,
            onnx.TensorProto.INT64: torch.int64, onnx.TensorProto.INT32: torch.int32,
@@ -72,6 +73,9 @@ class _Importer:
         self.example_inputs = example_inputs
         self.counter = 0
         self.op_names: set[str] = set()
+        self.weights: set[str] = set()        # floating-point initializers: never folded away
+        self.linears: dict[int, tuple] = {}   # MatMul node index -> (weight, bias, output, name)
+        self.skip: set[int] = set()           # nodes another node's op covers
 
     # -- tensors ---------------------------------------------------------------------------
     def add_value(self, name, tensor, kind, data=None):
@@ -81,7 +85,8 @@ class _Importer:
                                 is_parameter=kind == "weight" and tensor.dtype.is_floating_point))
 
     def weight(self, name, array):
-        t = torch.from_numpy(np.array(array, copy=True))
+        t = array if isinstance(array, torch.Tensor) else torch.from_numpy(np.array(array, copy=True))
+        t = t.clone(memory_format=torch.contiguous_format) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
         self.consts[name] = t
         self.add_value(name, t, "weight", data=t)
 
@@ -102,6 +107,10 @@ class _Importer:
         except Exception as exc:  # noqa: BLE001 - report which node failed
             raise CaptureError(f"ONNX node {node.name or node.op_type!r} ({node.op_type}) failed: {exc}") from exc
         outs = list(out) if multi else [out]
+        if inputs and node.op_type not in RANDOM and all(i in self.consts and i not in self.weights for i in inputs):
+            for name, t in zip(outputs, outs):   # computed from constants alone (shapes, masks): a constant
+                self.weight(name, t)
+            return
         for name, t in zip(outputs, outs):
             self.add_value(name, t, "activation")
         name = op_name or node.name or f"{node.op_type.lower()}_{self.counter}"
@@ -116,6 +125,9 @@ class _Importer:
         graph = self.model.graph
         for init in graph.initializer:
             self.weight(init.name, numpy_helper.to_array(init))
+            if self.consts[init.name].dtype.is_floating_point:
+                self.weights.add(init.name)
+        self.find_linears()
         init_names = {i.name for i in graph.initializer}
         real_inputs = [i for i in graph.input if i.name not in init_names]
         examples = self.example_inputs
@@ -126,7 +138,14 @@ class _Importer:
         for info, x in zip(real_inputs, examples):
             self.add_value(info.name, torch.as_tensor(x), "input")
             self.g.inputs.append(info.name)
-        for node in graph.node:
+        for index, node in enumerate(graph.node):
+            if index in self.skip:
+                continue
+            if index in self.linears:
+                weight, bias, output, name = self.linears[index]
+                self.emit(node, A.linear.default, (TensorRef(node.input[0]), TensorRef(weight),
+                                                   TensorRef(bias) if bias else None), outputs=[output], op_name=name)
+                continue
             handler = getattr(self, "op_" + node.op_type, None) if node.domain in ("", "ai.onnx") else None
             if handler is None or handler(node, _attrs(node)) is False:
                 self.opaque(node)
@@ -138,13 +157,40 @@ class _Importer:
         outs = self.g.outputs
         self.g.meta["out_spec"] = pytree.tree_structure(0 if len(outs) == 1 else tuple(range(len(outs))))
         self.g.out_spec = pytree.treespec_dumps(self.g.meta["out_spec"])
-        for prop in self.model.metadata_props:
-            if prop.key.startswith(TESA_PREFIX):
-                name = prop.key[len(TESA_PREFIX):]
-                if self.g.has_tensor(name):
-                    self.g.set_tesa(name, TeSA.from_json(json.loads(prop.value)))
         self.g.validate()
         return self.g
+
+    def find_linears(self):
+        """``MatMul(x, Transpose(W))`` [+ ``Add(·, b)``] with W a 2-D initializer — how the exporter writes
+        ``linear`` when it does not fold the transpose — becomes one ``linear`` op on W."""
+        nodes = self.model.graph.node
+        graph_outputs = {o.name for o in self.model.graph.output}
+        readers: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            for name in set(node.input):
+                readers.setdefault(name, []).append(i)
+        for t, node in enumerate(nodes):
+            w = node.input[0] if node.op_type == "Transpose" and node.input else None
+            if w not in self.weights or self.consts[w].dim() != 2 or list(_attrs(node).get("perm", [1, 0])) != [1, 0]:
+                continue
+            uses = readers.get(node.output[0], [])
+            if node.output[0] in graph_outputs or not uses or any(
+                    nodes[m].op_type != "MatMul" or list(nodes[m].input) [1:] != [node.output[0]] or
+                    nodes[m].input[0] == node.output[0] for m in uses):
+                continue
+            self.skip.add(t)
+            for m in uses:
+                mm = nodes[m]
+                bias, output, name = None, mm.output[0], mm.name or None
+                after = readers.get(mm.output[0], [])
+                if len(after) == 1 and mm.output[0] not in graph_outputs and nodes[after[0]].op_type == "Add":
+                    add = nodes[after[0]]
+                    other = [i for i in add.input if i != mm.output[0]]
+                    if len(other) == 1 and other[0] in self.consts and tuple(self.consts[other[0]].shape) == (
+                            self.consts[w].shape[0],):
+                        bias, output, name = other[0], add.output[0], add.name or name
+                        self.skip.add(after[0])
+                self.linears[m] = (w, bias, output, name)
 
     def opaque(self, node):
         fn = OnnxNodeFunction(node, self.opset)
@@ -240,9 +286,17 @@ class _Importer:
 
     def op_Constant(self, n, a):
         value = a.get("value")
-        if value is None:
-            return False
-        self.weight(n.output[0], numpy_helper.to_array(value))
+        if value is None:   # value_float(s) / value_int(s) / sparse_value: onnx evaluates them
+            self.weight(n.output[0], OnnxNodeFunction(n, self.opset)()[0])
+        else:
+            self.weight(n.output[0], numpy_helper.to_array(value))
+
+    def op_Shape(self, n, a):   # sparta specialises to the example shapes: a shape is a constant
+        shape = list(self.env[n.input[0]].shape)
+        self.weight(n.output[0], torch.tensor(shape[a.get("start", 0):a.get("end", len(shape))], dtype=torch.int64))
+
+    def op_Size(self, n, a):
+        self.weight(n.output[0], torch.tensor(self.env[n.input[0]].numel(), dtype=torch.int64))
 
     def op_Concat(self, n, a):
         self.emit(n, A.cat.default, ([TensorRef(i) for i in n.input], a.get("axis", 0)))
@@ -251,6 +305,18 @@ class _Importer:
         if a.get("axis", 0) != 0 or n.input[0] not in self.consts:
             return False
         self.emit(n, A.embedding.default, (TensorRef(n.input[0]), TensorRef(n.input[1])))
+
+    def op_GatherElements(self, n, a):
+        # torch.gather, not onnx.reference (whose GatherElements mis-handles more than 32 choices)
+        data, index = n.input[0], n.input[1]
+        axis = a.get("axis", 0) % max(self.env[data].dim(), 1)
+        if index in self.consts and bool((self.consts[index] >= 0).all()):
+            self.emit(n, A.gather.default, (TensorRef(data), axis, TensorRef(index)))
+            return
+        wrapped = f"{n.output[0]}.index"   # ONNX allows negative indices; torch.gather does not
+        self.emit(n, A.remainder.Scalar, (TensorRef(index), self.env[data].shape[axis]), outputs=[wrapped],
+                  op_name=f"{n.name or 'gather_elements'}.wrap")
+        self.emit(n, A.gather.default, (TensorRef(data), axis, TensorRef(wrapped)))
 
     def op_MaxPool(self, n, a):
         k = list(a["kernel_shape"])
@@ -281,6 +347,9 @@ class _Importer:
                                              False))
 
 
+RANDOM = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli")
+
+
 def _op_name(target):
     from .torch_export import normalise_op_name
     return normalise_op_name(target)
@@ -299,13 +368,24 @@ def _random_input(info) -> torch.Tensor:
     return torch.zeros(dims, dtype=dtype)
 
 
-def from_onnx(model_or_path, example_inputs=None) -> Graph:
-    """Import an ONNX ``ModelProto`` or file; ``example_inputs`` fix dynamic shapes."""
+def from_onnx(model_or_path, example_inputs=None, *, parameters=None) -> Graph:
+    """Import an ONNX ``ModelProto`` or file; ``example_inputs`` fix dynamic shapes.
+
+    ``parameters`` (a ``state_dict``, or the module) names the file's initializers after the parameters
+    whose values they hold, as they are or transposed: ``graph.tesa("fc.weight")`` then reaches an
+    initializer the exporter called ``val_12``. Initializers the exporter merged because several
+    parameters were equal are split by the module each reader was exported from."""
+    owned = not isinstance(model_or_path, onnx.ModelProto)
     try:
-        model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else onnx.load(str(model_or_path))
+        model = model_or_path if not owned else onnx.load(str(model_or_path))
     except Exception as exc:  # noqa: BLE001 - unreadable file
         raise CaptureError(f"cannot read ONNX model {model_or_path!r}: {exc}") from exc
     if example_inputs is not None and not isinstance(example_inputs, (list, tuple)):
         example_inputs = (example_inputs,)
+    model, plan = prepare(model, owned, parameters)
     with torch.no_grad():
-        return _Importer(model, example_inputs).run()
+        graph = _Importer(model, example_inputs).run()
+    return attach(graph, plan)
+
+
+__all__ = ["from_onnx", "TESA_PREFIX", "OnnxNodeFunction"]
