@@ -229,6 +229,11 @@ def resolve(em: EditableModel, claims: list[Claim]) -> Resolution:
         init = mine[0] if mine else _fallback(c, candidates[c.name], owned, res)
         if init is None:
             continue
+        if not mine and c.consumers and len(readers[init]) > len(c.consumers):
+            res.errors.append((c.name, f"initializer {init!r} holds its values but is read by {len(readers[init])} "
+                                       f"nodes (the weight by {len(c.consumers)} at export): it was merged with "
+                                       "other tensors and the file does not say which reader is whose"))
+            continue
         perms = candidates[c.name][init]
         if len(perms) > 1:
             if c.perm not in perms:

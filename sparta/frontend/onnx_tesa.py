@@ -2,7 +2,7 @@
 
 Every record is ``metadata_props["sparta.tesa.<tensor>"]``, JSON with ``"format": 2``:
 
-- a weight: its TeSA, the initializer that holds it (``initializer``, and ``perm`` when the file stores
+- a weight (every one, dense or not): its TeSA, the initializer that holds it (``initializer``, and ``perm`` when the file stores
   it permuted: the weight is ``initializer.permute(perm)``), the SHA-256 of its values and of its
   transpose, and the nodes that read that initializer. On import the record binds to the initializer
   with those contents that those nodes read (:mod:`sparta.frontend.onnx_identity`), whatever it is
@@ -47,10 +47,10 @@ def write_records(graph: Graph, model: onnx.ModelProto) -> list[str]:
             readers.setdefault(name, []).append(node.name)
     by_digest: dict[str, list[tuple[str, tuple | None]]] | None = None
     aliases = graph.meta.get("aliases", {})
-    targets = {a["tensor"] for a in aliases.values()}
     skipped = []
 
     def locate(v):
+        """(initializer, perm, digest, transposed digest) of a weight; None where the file does not hold it."""
         nonlocal by_digest
         digest, digest_t = digests(v.data)
         if v.name in inits and tensor_digest(initializer_tensor(inits[v.name])) == digest:
@@ -60,19 +60,24 @@ def write_records(graph: Graph, model: onnx.ModelProto) -> list[str]:
             for name, init in inits.items():
                 by_digest.setdefault(tensor_digest(initializer_tensor(init)), []).append(name)
         found = [(n, None) for n in by_digest.get(digest, [])] + [(n, (1, 0)) for n in by_digest.get(digest_t, [])]
-        if len(found) != 1:
+        if len(found) == 1:
+            return (*found[0], digest, digest_t)
+        if v.tesa.uniform != bits_of_dtype(v.dtype):
             where = f"several initializers hold it ({', '.join(n for n, _ in found)})" if found else \
                 "no initializer of the exported file holds it"
             raise CaptureError(f"ONNX export of {graph.name!r}: cannot store the TeSA of weight {v.name!r}: {where}")
-        return (*found[0], digest, digest_t)
+        return None
 
     read = {t for o in graph.ops() for t in o.inputs} | set(graph.outputs)
     for v in graph.tensors():
         dense = v.tesa.uniform == bits_of_dtype(v.dtype)
-        if v.kind == "weight":
-            if (dense and v.name not in targets) or v.data is None or v.name not in read:
+        if v.kind == "weight":   # every weight: its name survives whatever renames the file later
+            if v.data is None or v.name not in read:
                 continue
-            init, perm, digest, digest_t = locate(v)
+            found = locate(v)
+            if found is None:
+                continue
+            init, perm, digest, digest_t = found
             record = {"kind": "weight", "initializer": init, "perm": perm, "sha256": digest, "sha256_t": digest_t,
                       "consumers": readers.get(init, []), "tesa": None if dense else v.tesa.to_json()}
         elif dense:
