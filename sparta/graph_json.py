@@ -281,8 +281,13 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
                         o["source"], o["multi_output"]))
         g.inputs, g.outputs = list(data["inputs"]), list(data["outputs"])
         meta = data["meta"]
-        g.meta["input_leaves"] = meta["input_leaves"]
-        g.meta["input_ranges"] = {k: tuple(v) for k, v in meta["input_ranges"].items()}
+        leaves, ranges = meta["input_leaves"], meta["input_ranges"]
+        if leaves is not None and not (isinstance(leaves, list) and all(x is None or isinstance(x, str) for x in leaves)):
+            raise GraphFormatError(f"malformed input_leaves {leaves!r}")
+        if not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in ranges.values()):
+            raise GraphFormatError(f"malformed input_ranges {ranges!r}")
+        g.meta["input_leaves"] = leaves
+        g.meta["input_ranges"] = {k: tuple(v) for k, v in ranges.items()}
         for name, alias in meta.get("aliases", {}).items():
             g.add_alias(name, alias["tensor"], alias["perm"])
         for key in ("in_spec", "out_spec"):

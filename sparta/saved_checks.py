@@ -109,7 +109,7 @@ def check_relative(rel, root: Path) -> None:
 
 def check_structure(manifest, root: Path) -> None:
     """Refuse a manifest whose format, version or fields are not what this sparta writes."""
-    if not is_sparta_manifest(manifest):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         fmt = manifest.get("format") if isinstance(manifest, dict) else None
         raise SavedModelError(f"{root} is not a saved sparta model (format {fmt!r})")
     version = manifest.get("version")

@@ -89,7 +89,11 @@ class TempFolder:
         fd = _lock(self.dest)                         # locked while aside: no recovery takes it back meanwhile
         try:
             os.rename(self.dest, old)
-            os.rename(self.path, self.dest)
+            try:
+                os.rename(self.path, self.dest)
+            except OSError:
+                os.rename(old, self.dest)
+                raise
             os.rename(old, self.path)                 # what __exit__ deletes
         finally:
             os.close(fd)

@@ -42,3 +42,37 @@ def test_corrupt_entry_is_recomputed(tmp_path, monkeypatch):
     again = _compile(model, tesa, x)
     assert "propagate" in again.timings
     assert "plan_cache" in _compile(model, tesa, x).timings
+
+
+class IndexedLinear(torch.nn.Module):
+    """A linear whose output features an int64 buffer selects: propagation reads the buffer's values."""
+
+    def __init__(self, idx):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(16, 16, bias=False)
+        self.register_buffer("idx", idx)
+        self.eval()
+
+    def forward(self, x):
+        return self.fc(x).index_select(1, self.idx)
+
+
+def test_values_of_integer_constants_are_part_of_the_key(tmp_path, monkeypatch):
+    """Two models that differ only in an index buffer: the second must not reuse the first's TeSAs."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "shared"))
+    x = torch.randn(4, 16)
+    mask = torch.zeros(16, 16, dtype=torch.bool)
+    mask[8:] = True                                            # output features 0-7 pruned
+    tesa = {"fc.weight": TeSA.from_mask(mask)}
+    first = _compile(IndexedLinear(torch.arange(0, 8)), tesa, x)
+    second = _compile(IndexedLinear(torch.arange(8, 16)), tesa, x)
+    assert "propagate" in second.timings, "another index buffer is another entry"
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "fresh"))
+    alone = _compile(IndexedLinear(torch.arange(8, 16)), tesa, x)
+    for v in alone.graph.tensors():
+        assert second.graph.tesa(v.name) == v.tesa, v.name
+    assert second.plan.to_json() == alone.plan.to_json() and first.graph.name == second.graph.name
+    keys = {pipeline_cache.pipeline_key(sparta.capture(IndexedLinear(torch.tensor(i)), (x,)), "cpu", {})
+            for i in ([0, 1], [1, 0], [0, 1, 2])}
+    assert len(keys) == 3

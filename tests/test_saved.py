@@ -1,9 +1,14 @@
 """compiled.save(dir) / sparta.load(dir): round trips, hash checks, no pickle, allowlisted ops."""
 
 import json
+import multiprocessing
+import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ from models import MLP, SmallCNN, tiny_bert
 import sparta
 from sparta import TeSA
 from sparta.graph_json import GraphFormatError, decode, encode, resolve_target, target_name
+from sparta import saved_folder
 from sparta.saved import SavedModelError
 
 
@@ -45,15 +51,153 @@ def test_cpu_model_round_trips(compiled_mlp, tmp_path):
     assert not list(Path(path).rglob("*.pt")) and not list(Path(path).rglob("*.pkl"))
 
 
+def _tree(path: Path) -> dict:
+    return {p.relative_to(path).as_posix(): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
 def test_saving_again_replaces_and_refuses_foreign_folders(compiled_mlp, tmp_path):
     compiled_mlp.save(tmp_path / "m")
     compiled_mlp.save(tmp_path / "m")                      # an earlier save is replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"], "no temporary folders are left"
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "cat.jpg").write_bytes(b"meow")
     with pytest.raises(SavedModelError, match="not a saved sparta model"):
         compiled_mlp.save(foreign)
     assert (foreign / "cat.jpg").read_bytes() == b"meow", "nothing of the user's is lost"
+
+
+def test_a_folder_with_its_own_sparta_json_is_not_a_save(compiled_mlp, tmp_path):
+    thesis = tmp_path / "thesis"
+    (thesis / "data").mkdir(parents=True)
+    (thesis / "sparta.json").write_text('{"my": "config"}')
+    (thesis / "thesis.tex").write_text("\\section{Results}")
+    (thesis / "data" / "runs.csv").write_text("1,2,3")
+    before = _tree(thesis)
+    with pytest.raises(SavedModelError, match="not a saved sparta model"):
+        compiled_mlp.save(thesis)
+    assert _tree(thesis) == before
+
+
+@pytest.mark.parametrize("extra", ["notes.txt", "kernels/notes.txt", "results/", "kernels/mine/"])
+def test_an_earlier_save_holding_other_files_is_not_replaced(compiled_mlp, tmp_path, extra):
+    path = Path(compiled_mlp.save(tmp_path / "m"))
+    (path / extra).parent.mkdir(parents=True, exist_ok=True)
+    if extra.endswith("/"):
+        (path / extra).mkdir()
+    else:
+        (path / extra).write_text("mine")
+    before = _tree(path)
+    with pytest.raises(SavedModelError, match="not part of the saved sparta model"):
+        compiled_mlp.save(path)
+    assert _tree(path) == before
+
+
+def test_saving_into_a_file_or_a_symbolic_link_is_refused(compiled_mlp, tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(SavedModelError, match="not a folder"):
+        compiled_mlp.save(tmp_path / "file")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(SavedModelError, match="symbolic link"):
+        compiled_mlp.save(tmp_path / "link")
+    assert (tmp_path / "file").read_text() == "mine" and not any((tmp_path / "real").iterdir())
+
+
+@pytest.fixture(scope="module")
+def dense_mlp():
+    """A model of compiled_mlp's input shape without kernel modules: another set of files to save."""
+    torch.manual_seed(1)
+    return sparta.compile(MLP(d_in=128, d_hidden=64, d_out=10).eval(), {}, (torch.randn(5, 128),))
+
+
+def _resave_forever(models, dest, exchange: bool):
+    torch.set_num_threads(1)      # a forked child must not wait on the parent's OpenMP pool
+    if not exchange:              # as on a file system without renameat2(RENAME_EXCHANGE)
+        saved_folder._exchange = lambda a, b: False
+    while True:
+        for model in models:
+            model.save(dest)
+
+
+def _which(path, models, x) -> int:
+    """Which of ``models`` the save at ``path`` holds (by its output on ``x``)."""
+    out = sparta.load(path)(x)
+    matches = [i for i, m in enumerate(models) if torch.equal(out, m(x))]
+    assert matches, "the folder holds neither the old nor the new save"
+    return matches[0]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_killed_resaves_leave_the_old_or_the_new_save(compiled_mlp, dense_mlp, tmp_path, exchange):
+    """SIGKILL a process re-saving two models in turn at random moments: every time the folder loads as one
+    of them, and the next save leaves no temporary folder behind. ``SPARTA_SAVE_KILLS`` sets the count."""
+    models, dest, x = (compiled_mlp, dense_mlp), tmp_path / "m", torch.randn(5, 128)
+    t0 = time.perf_counter()
+    for model in models:
+        model.save(dest)
+    period = time.perf_counter() - t0
+    rng, seen = random.Random(0), set()
+    for _ in range(int(os.environ.get("SPARTA_SAVE_KILLS", "12"))):
+        child = multiprocessing.get_context("fork").Process(target=_resave_forever, args=(models, dest, exchange))
+        child.start()
+        time.sleep(rng.uniform(0, 2 * period))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        seen.add(_which(dest, models, x))
+    assert seen == {0, 1}
+    compiled_mlp.save(dest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def _save_and_die(model, dest, step: int, exchange: bool):
+    """Save ``model`` to ``dest``, dying (as by SIGKILL) right after ``step`` renames of the replacement
+    (0: before any), by ``renameat2`` exchange or, without it, in two renames."""
+    torch.set_num_threads(1)
+    real_rename, done = os.rename, []
+
+    def rename(a, b):
+        real_rename(a, b)
+        done.append((a, b))
+        if len(done) == step:
+            os._exit(9)
+
+    def exchange_then_die(a, b):
+        assert real_exchange(a, b)
+        os._exit(9)
+
+    real_exchange = saved_folder._exchange
+    os.rename = rename
+    saved_folder._exchange = exchange_then_die if exchange else (lambda a, b: False)
+    if step == 0:
+        saved_folder._sync_tree = lambda root: os._exit(9)
+    model.save(dest)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("exchange, step", [(True, 0), (True, 1), (False, 1), (False, 2), (False, 3)])
+def test_a_save_killed_at_each_step_of_a_replacement_is_recovered(compiled_mlp, dense_mlp, tmp_path, exchange, step):
+    models, dest, x = (compiled_mlp, dense_mlp), tmp_path / "m", torch.randn(5, 128)
+    compiled_mlp.save(dest)
+    child = multiprocessing.get_context("fork").Process(target=_save_and_die, args=(dense_mlp, dest, step, exchange))
+    child.start()
+    child.join()
+    assert child.exitcode == 9
+    expected = 0 if step == 0 or (not exchange and step == 1) else 1
+    assert _which(dest, models, x) == expected       # the load moves a save set aside back where needed
+    dense_mlp.save(dest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert _which(dest, models, x) == 1
+
+
+def test_cleaning_spares_the_temporary_folder_of_a_running_save(compiled_mlp, tmp_path):
+    dest = tmp_path / "m"
+    with saved_folder.TempFolder(dest) as running:
+        (running.path / "tensors.safetensors").write_bytes(b"half written")
+        compiled_mlp.save(dest)                       # cleans up before it saves: must leave `running` alone
+        assert running.path.is_dir() and (running.path / "tensors.safetensors").is_file()
+    compiled_mlp.save(dest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 @pytest.mark.parametrize("victim", ["tensors.safetensors", "kernels"])
@@ -84,7 +228,7 @@ def test_malformed_module_entries_are_refused(compiled_mlp, tmp_path):
     path = Path(compiled_mlp.save(tmp_path / "m"))
     manifest = json.loads((path / "sparta.json").read_text())
     entry = manifest["modules"]["linear"]
-    for broken, match in ((dict(entry, tensors=["nope"]), "malformed kernel module"),
+    for broken, match in ((dict(entry, tensors=entry["tensors"] + ["nope"]), "malformed kernel module"),
                           (dict(entry, kernels=["../../elsewhere"]), "plain keys"),
                           (dict(entry, type="pickle"), "does not know")):
         manifest["modules"]["linear"] = broken
