@@ -39,7 +39,7 @@ def to_onnx(graph: Graph, path=None, *, opset: int = 18) -> onnx.ModelProto:
     if skipped:
         warnings.warn(f"ONNX export of {graph.name!r}: the TeSAs of {len(skipped)} intermediate activations "
                       f"({', '.join(skipped[:3])}…) are not stored (an ONNX value cannot be tied to them); "
-                      "propagation re-derives them from the weights after import", stacklevel=2)
+                      "propagation re-derives them from the weights after import", stacklevel=3)
     if path is not None:
         onnx.save(model, str(path))
     return model

@@ -178,7 +178,7 @@ def _refuse_unidentified(plan: ImportPlan) -> None:
     for name in weights:
         if name in res.unmatched or any(name == n for n, _ in res.errors):
             if plan.records[name]["tesa"] is None:
-                plan.dropped[name] = "its initializer could not be identified (alias target)"
+                plan.dropped[name] = "no initializer of the file could be identified as holding it"
     tesa_errors = [(n, m) for n, m in res.errors if plan.records.get(n, {}).get("tesa") is not None]
     if tesa_errors:
         raise TeSAError("cannot tell which ONNX initializer holds these weights, so their TeSAs cannot be "
@@ -199,10 +199,10 @@ def attach(graph: Graph, plan: ImportPlan) -> Graph:
             binding = res.bindings.get(name)
             if binding is None:
                 continue
-            target = _address(graph, name, binding.initializer, binding.perm, report)
+            _address(graph, name, binding.initializer, binding.perm, report)
             if tesa is None:
                 continue
-            _put_weight(graph, name, target, binding, tesa, set_by)
+            _put_weight(graph, name, binding, tesa, set_by)
             report["tesas"][name] = binding.initializer
         else:
             _put_io(graph, name, record, tesa, report)
@@ -224,19 +224,18 @@ def attach(graph: Graph, plan: ImportPlan) -> Graph:
     return graph
 
 
-def _address(graph, name, tensor, perm, report) -> str | None:
-    """Make ``name`` reach ``tensor`` (an alias unless it is its own name); None if the name is taken."""
+def _address(graph, name, tensor, perm, report) -> None:
+    """Make ``name`` reach ``tensor`` (an alias unless it is its own name)."""
     if name == tensor and perm is None:
-        return name
+        return
     if graph.has_tensor(name):
         report["dropped"][name] = f"the file has another tensor of that name; reach it as {tensor!r}"
-        return None
+        return
     graph.add_alias(name, tensor, perm)
     report["aliases"][name] = {"tensor": tensor, "perm": list(perm) if perm else None}
-    return name
 
 
-def _put_weight(graph, name, alias, binding, tesa, set_by) -> None:
+def _put_weight(graph, name, binding, tesa, set_by) -> None:
     perm = binding.perm
     if perm is not None:   # into the initializer's orientation (the weight is initializer.permute(perm))
         inverse = sorted(range(len(perm)), key=perm.__getitem__)
@@ -278,14 +277,14 @@ def _warn(report, graph) -> None:
     if report["dropped"]:
         names = ", ".join(list(report["dropped"])[:5])
         warnings.warn(f"ONNX import of {graph.name!r}: {len(report['dropped'])} stored TeSAs or names not attached "
-                      f"({names}…); see graph.meta['onnx_import']['dropped']", stacklevel=3)
+                      f"({names}…); see graph.meta['onnx_import']['dropped']", stacklevel=5)
     if report["shared"]:
         lines = "; ".join(f"{init}: {', '.join(ps)}" for init, ps in report["shared"].items())
         warnings.warn(f"ONNX import of {graph.name!r}: these parameters are one initializer in the file (merged "
                       f"by the exporter, readers not attributable), so a TeSA on one applies to all: {lines}",
-                      stacklevel=3)
+                      stacklevel=5)
     if report["unmatched_parameters"]:
         names = ", ".join(report["unmatched_parameters"][:5])
         warnings.warn(f"ONNX import of {graph.name!r}: {len(report['unmatched_parameters'])} parameters are held by "
                       f"no initializer of the file, exactly or transposed ({names}…); they cannot be named",
-                      stacklevel=3)
+                      stacklevel=5)

@@ -104,3 +104,23 @@ def test_onnx_errors(tmp_path):
     model, _ = handmade_model()
     with pytest.raises(CaptureError, match="1 inputs, got 2"):
         sparta.from_onnx(model, (torch.randn(4, 8), torch.randn(1)))
+
+
+def test_onnx_gather_elements_runs_as_torch_gather():
+    """onnx.reference's GatherElements fails beyond 32 choices (BERT's token-type ids); negative indices wrap."""
+    const = numpy_helper.from_array(torch.arange(64).reshape(1, 64).numpy(), "table")
+    index = numpy_helper.from_array(torch.arange(40).reshape(1, 40).numpy(), "positions")
+    nodes = [helper.make_node("GatherElements", ["table", "positions"], ["ids"], axis=1),
+             helper.make_node("GatherElements", ["x", "idx"], ["y"], axis=1)]
+    graph = helper.make_graph(
+        nodes, "gather", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 50]),
+                          helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 3])],
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 40]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [const, index])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x, idx = torch.randn(2, 50), torch.tensor([[0, 45, -1], [-50, 3, 49]])
+    back = sparta.from_onnx(model, (x, idx))
+    ids, y = sparta.compile(model, {}, (x, idx))(x, idx)
+    assert torch.equal(ids, torch.arange(40).reshape(1, 40))
+    assert torch.equal(y, torch.gather(x, 1, idx % 50))
+    assert "gather" in {o.op for o in back.ops()}
