@@ -2,9 +2,9 @@
 
 Every record is ``metadata_props["sparta.tesa.<tensor>"]``, JSON with ``"format": 2``:
 
-- a weight (every one, dense or not): its TeSA, the initializer that holds it (``initializer``, and ``perm`` when the file stores
-  it permuted: the weight is ``initializer.permute(perm)``), the SHA-256 of its values and of its
-  transpose, and the nodes that read that initializer. On import the record binds to the initializer
+- a weight (every one, dense or not): its TeSA, the initializer that holds it (``initializer``, and
+  ``perm`` when the file stores it permuted: the weight is ``initializer.permute(perm)``), the SHA-256 of
+  its values and of its transpose, and the nodes that read that initializer. On import the record binds to the initializer
   with those contents that those nodes read (:mod:`sparta.frontend.onnx_identity`), whatever it is
   called by then, never to a tensor that merely has the name;
 - a graph input or output: its TeSA and its position (the exporter is given the names and order).
@@ -28,8 +28,8 @@ import torch
 from ..errors import CaptureError, TeSAError
 from ..graph import Graph
 from ..tesa import TeSA, bits_of_dtype
-from .onnx_identity import (Claim, EditableModel, Resolution, digests, fold_identity_constants, raise_errors,
-                            resolve, same_name)
+from .onnx_identity import (Claim, EditableModel, Resolution, digests, fold_identity_constants, initializer_tensor,
+                            raise_errors, resolve, same_name, tensor_digest)
 
 TESA_PREFIX = "sparta.tesa."
 ALIASES_KEY = "sparta.aliases"
@@ -39,7 +39,6 @@ FORMAT = 2
 # -- export -----------------------------------------------------------------------------------------
 def write_records(graph: Graph, model: onnx.ModelProto) -> list[str]:
     """Add the graph's TeSAs and aliases to ``model``; returns the activations whose TeSAs are not stored."""
-    from .onnx_identity import initializer_tensor, tensor_digest
     inits = {i.name: i for i in model.graph.initializer}
     readers: dict[str, list[str]] = {}
     for node in model.graph.node:
@@ -174,7 +173,7 @@ def _refuse_unidentified(plan: ImportPlan) -> None:
     lost = [n for n in weights if n in res.unmatched and plan.records[n]["tesa"] is not None]
     if lost:
         raise TeSAError("no initializer of the ONNX file holds the weights these TeSAs were computed for "
-                        f"(their contents changed since export): {', '.join(lost)}")
+                        f"(changed or removed since export): {', '.join(lost)}")
     for name in weights:
         if name in res.unmatched or any(name == n for n, _ in res.errors):
             if plan.records[name]["tesa"] is None:
@@ -191,6 +190,7 @@ def attach(graph: Graph, plan: ImportPlan) -> Graph:
     """Put the stored TeSAs, aliases and parameter names on the imported graph; fills ``meta['onnx_import']``."""
     res = plan.resolution
     report = {"tesas": {}, "aliases": {}, "split": res.split, "shared": {}, "dropped": dict(plan.dropped),
+              "identities_folded": plan.folded,
               "unmatched_parameters": [p for p in plan.parameters if plan.tied.get(p, p) in res.unmatched]}
     set_by: dict[str, tuple[str, TeSA]] = {}
     for name, record in plan.records.items():
