@@ -85,12 +85,13 @@ def store(key: str, filename: str, write, info: dict) -> Path:
         if _publish(tmp, root / key):
             return root / key / filename
         with _locked(root):                      # the key exists: a lost race (a hit) or a broken entry
-            hit = lookup(key, filename)
-            if hit is not None:
-                return hit
-            _discard(root, key)
-            os.rename(tmp, root / key)
-            return root / key / filename
+            while True:                          # (a lock-free publish may land between discard and rename)
+                hit = lookup(key, filename)
+                if hit is not None:
+                    return hit
+                _discard(root, key)
+                if _publish(tmp, root / key):
+                    return root / key / filename
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
