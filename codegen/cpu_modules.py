@@ -183,7 +183,8 @@ def check_saved_sub(template, spec, packed: dict[str, torch.Tensor], config: dic
         raise ValueError(f"saved kernel spec {getattr(spec, 'name', '?')!r} is out of range or malformed")
     expected = template.pack(spec, torch.zeros(spec.n, spec.k))
     if set(packed) != set(expected):
-        raise ValueError(f"saved kernel {spec.name!r}: packed tensors {sorted(packed)}, its spec packs {sorted(expected)}")
+        raise ValueError(f"saved kernel {spec.name!r}: packed tensors {sorted(packed)}, "
+                         f"its spec packs {sorted(expected)}")
     for name, t in packed.items():
         e = expected[name]
         if t.shape != e.shape or t.dtype != e.dtype or (name in _INDEX_ARGS and not torch.equal(t, e)):
@@ -192,7 +193,11 @@ def check_saved_sub(template, spec, packed: dict[str, torch.Tensor], config: dic
 
 def _need_tvm() -> None:
     from ..errors import CodegenError
-    if importlib.util.find_spec("tvm") is None:
+    try:
+        present = importlib.util.find_spec("tvm") is not None
+    except ImportError:
+        present = False
+    if not present:
         raise CodegenError("this saved CPU model's kernels are rebuilt from their specs, which needs TVM "
                            "(pip install apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post1); "
                            "sparta.load(path, trust_kernels=True) loads the folder's compiled libraries instead, "

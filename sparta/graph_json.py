@@ -282,7 +282,8 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
         g.inputs, g.outputs = list(data["inputs"]), list(data["outputs"])
         meta = data["meta"]
         leaves, ranges = meta["input_leaves"], meta["input_ranges"]
-        if leaves is not None and not (isinstance(leaves, list) and all(x is None or isinstance(x, str) for x in leaves)):
+        if leaves is not None and not (isinstance(leaves, list)
+                                       and all(x is None or isinstance(x, str) for x in leaves)):
             raise GraphFormatError(f"malformed input_leaves {leaves!r}")
         if not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in ranges.values()):
             raise GraphFormatError(f"malformed input_ranges {ranges!r}")

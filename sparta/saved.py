@@ -205,9 +205,11 @@ def _load_modules(root: Path, manifest: dict, tensors: dict, trust_kernels: bool
                 module = cls.from_saved(entry["config"], mtensors, folders, **options)
         except SavedModelError:
             raise
+        except SpartaError as exc:
+            raise SavedModelError(f"saved model {root}: kernel module {op_name!r} cannot be restored: {exc}") from exc
         except _MALFORMED as exc:
             raise SavedModelError(f"saved model {root}: kernel module {op_name!r} cannot be restored "
-                                  f"(malformed kernel module entry? {type(exc).__name__}: {exc})") from exc
+                                  f"(malformed kernel module entry: {type(exc).__name__}: {exc})") from exc
         for name in (entry.get("weight_name"), entry.get("restores")):
             if name is not None and name not in declared:
                 raise SavedModelError(f"saved model {root}: kernel module {op_name!r} names an unknown weight {name!r}")

@@ -204,8 +204,8 @@ def _declared(manifest: dict, root: Path) -> list[dict]:
     values = manifest["graph"].get("tensors")
     ok = isinstance(values, list) and all(
         isinstance(v, dict) and isinstance(v.get("name"), str) and isinstance(v.get("shape"), list)
-        and all(type(s) is int for s in v["shape"]) and isinstance(v.get("dtype"), str) and isinstance(v.get("data"), bool)
-        for v in values)
+        and all(type(s) is int for s in v["shape"]) and isinstance(v.get("dtype"), str)
+        and isinstance(v.get("data"), bool) for v in values)
     if not ok:
         raise SavedModelError(f"saved model {root}: malformed graph tensor list")
     return values

@@ -319,6 +319,27 @@ assert not any(k.startswith("tvm") for k in sys.modules)
     assert "refused:" in out.stdout and "compiled for CUDA" in out.stdout
 
 
+def test_a_cpu_model_without_tvm_asks_for_trust_instead_of_loading_its_libraries(compiled_mlp, tmp_path):
+    path = compiled_mlp.save(tmp_path / "m")
+    code = f"""
+import sys
+class NoTVM:
+    def find_spec(self, name, path=None, target=None):
+        if name == "tvm" or name.startswith(("tvm.", "tvm_ffi")):
+            raise ImportError("TVM is blocked in this test")
+sys.meta_path.insert(0, NoTVM())
+import sparta
+try:
+    sparta.load({str(path)!r})
+except sparta.SavedModelError as e:
+    print("refused:", e)
+assert not any(k.startswith("tvm") for k in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused:" in out.stdout and "needs TVM" in out.stdout and "trust_kernels=True" in out.stdout
+
+
 def test_cuda_weights_only_kernels_read_are_restored_from_the_packed_blocks(cuda_mlp, tmp_path):
     model, mask, compiled = cuda_mlp
     path = Path(compiled.save(tmp_path / "m"))

@@ -269,7 +269,8 @@ def test_stored_tensors_must_match_the_declared_shapes_and_dtypes(saved):
 
 def test_output_structures_never_import_modules(saved, tmp_path, monkeypatch):
     marker = tmp_path / "imported"
-    (tmp_path / "evil_outputs.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nclass Output(dict): pass\n")
+    (tmp_path / "evil_outputs.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n"
+                                              "class Output(dict): pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     leaf = {"type": None, "context": None, "children_spec": []}
     enum_key = json.dumps([{"__enum__": True, "fqn": "evil_outputs:Output", "name": "A"}])

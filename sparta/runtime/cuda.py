@@ -94,12 +94,13 @@ def check_launch(folder) -> dict:
 
     args = launch.get("args") if isinstance(launch, dict) else None
     cubins = launch.get("cubins") if isinstance(launch, dict) else None
+    shared = launch.get("shared_bytes", 0) if isinstance(launch, dict) else None
     ok = (isinstance(args, list) and isinstance(cubins, dict) and isinstance(launch.get("name"), str)
-          and isinstance(launch.get("entry"), str) and ints(launch.get("grid"), 3, 1) and ints(launch.get("block"), 3, 1)
-          and type(launch.get("shared_bytes", 0)) is int and launch.get("shared_bytes", 0) >= 0
+          and isinstance(launch.get("entry"), str) and ints(launch.get("grid"), 3, 1)
+          and ints(launch.get("block"), 3, 1) and type(shared) is int and shared >= 0
           and all(isinstance(a, dict) and isinstance(a.get("name"), str) and a.get("dtype") in _DTYPES
-                  and isinstance(a.get("shape"), list) and all(e is None or type(e) is int and e >= 0 for e in a["shape"])
-                  for a in args)
+                  and isinstance(a.get("shape"), list)
+                  and all(e is None or type(e) is int and e >= 0 for e in a["shape"]) for a in args)
           and all(isinstance(c, dict) and isinstance(c.get("sha256"), str) for c in cubins.values()))
     if not ok:
         raise CudaRuntimeError(f"malformed launch.json in {folder}")
