@@ -69,10 +69,11 @@ class Claim:
     def names(self) -> tuple:
         return (self.name, *self.also)
 
-    def module_depth(self, scope: str) -> int:
-        """Length of the longest owning module path that matches ``scope`` (-1: none does)."""
-        modules = [n.rpartition(".")[0] for n in self.names]
-        return max((len(m) for m in modules if _in_module(m, scope)), default=-1)
+    @staticmethod
+    def module_depth_of(name: str, scope: str) -> int:
+        """Length of the module path owning parameter ``name`` if it matches ``scope``, else -1."""
+        module = name.rpartition(".")[0]
+        return len(module) if _in_module(module, scope) else -1
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Resolution:
     unmatched: list = field(default_factory=list)    # claims no initializer holds
     split: dict = field(default_factory=dict)        # initializer -> {claim: copy}
     errors: list = field(default_factory=list)       # (claim, message): identity not established
+    tied_apart: dict = field(default_factory=dict)   # tied claim -> {name: initializer} (held apart)
 
 
 class EditableModel:
@@ -196,11 +198,16 @@ def resolve(em: EditableModel, claims: list[Claim]) -> Resolution:
     opaque_reads = _subgraph_names(g) | {o.name for o in g.output}
     present = {n.name for n in g.node if n.name}
     recorded_present = any(name in present for c in claims for name in c.consumers)
+    claim_of = {n: c.name for c in claims for n in c.names}
     owned: dict[str, dict[str, list[int]]] = {}   # initializer -> claim -> nodes it owns
+    owning_names = defaultdict(set)               # initializer -> the names (of tied claims) that own it
     for init, cs in claimed_by.items():
         owners = defaultdict(list)
         for idx in readers[init]:
-            owners[_owner(g.node[idx], cs, recorded_present)].append(idx)
+            who = _owner(g.node[idx], cs, recorded_present)
+            owners[claim_of.get(who, who)].append(idx)
+            if who in claim_of:
+                owning_names[init].add(who)
         if init in opaque_reads:
             owners[_UNKNOWN].append(-1)
         owned[init] = owners
@@ -222,6 +229,8 @@ def resolve(em: EditableModel, claims: list[Claim]) -> Resolution:
         if c.name in res.unmatched:
             continue
         mine = bound.get(c.name, [])
+        if len(mine) > 1 and _bind_tied_apart(em, c, mine, owning_names, candidates, res):
+            continue
         if len(mine) > 1:
             res.errors.append((c.name, f"its values are held by several initializers ({', '.join(mine)}), "
                                        "each read where it is used"))
@@ -250,8 +259,43 @@ def resolve(em: EditableModel, claims: list[Claim]) -> Resolution:
     return res
 
 
+def _bind_tied_apart(em: EditableModel, c: Claim, inits: list, owning_names: dict, candidates: dict,
+                     res: Resolution) -> bool:
+    """Tied parameters the file holds as several initializers (an embedding as it is, the tied output layer
+    transposed), each read only where one of the names is used: bind each name to its own."""
+    names = [owning_names[i] for i in inits]
+    if any(len(n) != 1 for n in names) or len(set().union(*names)) != len(inits):
+        return False
+    if any(len(candidates[c.name][i]) > 1 for i in inits):
+        return False
+    held = {}
+    for init, (name,) in zip(inits, names):
+        perms = candidates[c.name][init]
+        if init in c.names and init != name and name not in em.names():
+            _rename(em, init, name)   # the exporter named it after the other use: free that name for its own
+            candidates[c.name][name] = perms
+            init = name
+        res.bindings[name] = Binding(init, next(iter(perms)))
+        held[name] = init
+    res.tied_apart[c.name] = held
+    return True
+
+
+def _rename(em: EditableModel, old: str, new: str) -> None:
+    """Rename an initializer everywhere the top-level graph names it."""
+    g = em.edit().graph
+    for v in (*g.initializer, *g.input, *g.output, *g.value_info):
+        if v.name == old:
+            v.name = new
+    for node in g.node:
+        for j, i in enumerate(node.input):
+            if i == old:
+                node.input[j] = new
+
+
 def _owner(node: onnx.NodeProto, claims: list[Claim], recorded_present: bool) -> str:
-    """The claim a node reading a candidate initializer belongs to, or _OTHER / _UNKNOWN."""
+    """The claim (for tied parameters: the name) a node reading a candidate initializer belongs to, or
+    _OTHER / _UNKNOWN."""
     recorded = [c for c in claims if node.name and node.name in c.consumers]
     if len(recorded) == 1:
         return recorded[0].name
@@ -260,7 +304,7 @@ def _owner(node: onnx.NodeProto, claims: list[Claim], recorded_present: bool) ->
     scope = node_scope(node)
     scoped = [c for c in claims if c.scoped]
     if scope is not None and scoped:
-        depth = {c.name: c.module_depth(scope) for c in scoped}
+        depth = {n: Claim.module_depth_of(n, scope) for c in scoped for n in c.names}
         deepest = max(depth.values())
         if deepest < 0:
             return _OTHER

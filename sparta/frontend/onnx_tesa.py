@@ -190,8 +190,9 @@ def attach(graph: Graph, plan: ImportPlan) -> Graph:
     """Put the stored TeSAs, aliases and parameter names on the imported graph; fills ``meta['onnx_import']``."""
     res = plan.resolution
     report = {"tesas": {}, "aliases": {}, "split": res.split, "shared": {}, "dropped": dict(plan.dropped),
-              "identities_folded": plan.folded,
-              "unmatched_parameters": [p for p in plan.parameters if plan.tied.get(p, p) in res.unmatched]}
+              "identities_folded": plan.folded, "tied_apart": res.tied_apart,
+              "unmatched_parameters": [p for p in plan.parameters if plan.tied.get(p, p) in res.unmatched
+                                       and p not in res.bindings]}
     set_by: dict[str, tuple[str, TeSA]] = {}
     for name, record in plan.records.items():
         tesa = None if record["tesa"] is None else TeSA.from_json(record["tesa"])
@@ -214,7 +215,7 @@ def attach(graph: Graph, plan: ImportPlan) -> Graph:
         perm = _compose(binding.perm, spec["perm"])
         _address(graph, alias, binding.initializer, perm, report)
     for name in plan.parameters:
-        binding = res.bindings.get(plan.tied.get(name, name))
+        binding = res.bindings.get(name) or res.bindings.get(plan.tied.get(name, name))
         if binding is not None:
             _address(graph, name, binding.initializer, binding.perm, report)
             if any(not same_name(other, name) for other in binding.shared_with):
@@ -283,6 +284,10 @@ def _warn(report, graph) -> None:
         warnings.warn(f"ONNX import of {graph.name!r}: these parameters are one initializer in the file (merged "
                       f"by the exporter, readers not attributable), so a TeSA on one applies to all: {lines}",
                       stacklevel=5)
+    if report["tied_apart"]:
+        lines = "; ".join(", ".join(f"{n} -> {i}" for n, i in held.items()) for held in report["tied_apart"].values())
+        warnings.warn(f"ONNX import of {graph.name!r}: tied parameters are separate initializers in the file, so a "
+                      f"TeSA set through one name reaches only that name's use: {lines}", stacklevel=5)
     if report["unmatched_parameters"]:
         names = ", ".join(report["unmatched_parameters"][:5])
         warnings.warn(f"ONNX import of {graph.name!r}: {len(report['unmatched_parameters'])} parameters are held by "

@@ -281,3 +281,22 @@ def test_parameters_merged_into_one_initializer_share_it_with_a_warning():
     assert graph.resolve("p.weight") == graph.resolve("q.weight") == ("A", [1, 0])
     with pytest.raises(CaptureError, match="ONNX models"):
         sparta.capture(TwoNorms(), (torch.randn(2, 3, 16),), parameters={})
+
+
+def test_tied_parameters_the_exporter_holds_apart_keep_their_names(tmp_path):
+    """GPT-2's output layer is tied to its embedding; the exporter keeps the embedding and a transposed copy."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100,
+                                                                 n_positions=64, use_cache=False)).eval()
+    x = (torch.randint(0, 100, (2, 8)),)
+    _export(model, x, tmp_path / "lm.onnx", "dynamo")
+    with pytest.warns(UserWarning, match="reaches only that name's use"):
+        graph = sparta.from_onnx(tmp_path / "lm.onnx", x, parameters=model.state_dict())
+    assert graph.resolve("lm_head.weight")[1] == [1, 0] and graph.resolve("transformer.wte.weight")[1] is None
+    mask = torch.rand(100, 32, generator=torch.Generator().manual_seed(0)) < 0.5
+    graph.set_tesa("lm_head.weight", TeSA.from_mask(mask))
+    from sparta.backend.fx import to_graph_module
+    from sparta.compiler import masked_weights
+    got = to_graph_module(graph, masked_weights(graph))(*x)[0]
+    want = model.transformer(*x).last_hidden_state @ (model.lm_head.weight * mask).T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
