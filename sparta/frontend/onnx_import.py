@@ -175,7 +175,7 @@ class _Importer:
                 continue
             uses = readers.get(node.output[0], [])
             if node.output[0] in graph_outputs or not uses or any(
-                    nodes[m].op_type != "MatMul" or list(nodes[m].input) [1:] != [node.output[0]] or
+                    nodes[m].op_type != "MatMul" or list(nodes[m].input)[1:] != [node.output[0]] or
                     nodes[m].input[0] == node.output[0] for m in uses):
                 continue
             self.skip.add(t)

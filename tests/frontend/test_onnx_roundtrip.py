@@ -20,11 +20,18 @@ transformers = pytest.importorskip("transformers")
 H, FFN = 64, 128
 
 
+def token_ids(seed):
+    return (torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(seed)),)
+
+
+def image(seed):
+    return (torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed)),)
+
+
 def tiny(kind):
-    """A 2-layer model of the family and a function making its inputs."""
+    """A 2-layer model of the family and a function making its inputs from a seed."""
     torch.manual_seed(0)
     T = transformers
-    ids = lambda seed: (torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(seed)),)  # noqa: E731
     common = dict(vocab_size=100, max_position_embeddings=64)
     if kind == "bert":
         model = T.BertModel(T.BertConfig(num_hidden_layers=2, hidden_size=H, num_attention_heads=2,
@@ -40,14 +47,14 @@ def tiny(kind):
     elif kind == "vit":
         model = T.ViTModel(T.ViTConfig(num_hidden_layers=2, hidden_size=H, num_attention_heads=2,
                                        intermediate_size=FFN, image_size=16, patch_size=8))
-        return model.eval(), lambda seed: (torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed)),)
+        return model.eval(), image
     elif kind == "t5":
         model = T.T5EncoderModel(T.T5Config(num_layers=2, d_model=H, d_ff=FFN, num_heads=2, d_kv=32, vocab_size=100))
     elif kind == "bart":
         from transformers.models.bart.modeling_bart import BartEncoder
         model = BartEncoder(T.BartConfig(encoder_layers=2, d_model=H, encoder_ffn_dim=FFN, encoder_attention_heads=2,
                                          **common))
-    return model.eval(), ids
+    return model.eval(), token_ids
 
 
 def block_mask(shape, seed, block=32, keep=0.2):
