@@ -61,12 +61,14 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 
 
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
-            target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
+            parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
             quant_tolerance=None, dismantle: str | None = None) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
-    ``initial_tesa`` maps parameter/tensor names to :class:`TeSA` (or bool masks).
+    ``initial_tesa`` maps parameter/tensor names to :class:`TeSA` (or bool masks). For an ONNX file
+    exported by ``torch.onnx.export``, ``parameters`` (the model's ``state_dict`` or the module) maps the
+    user's parameter names onto the file's renamed initializers (see ``sparta.from_onnx``).
     ``dismantle`` ("full", "tile", "none") overrides the plan's per-op dismantle level,
     which by default follows the target's measured profile.
     ``calibration`` (batches of example inputs) with ``quant_tolerance`` (the relative output MSE
@@ -86,7 +88,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     quantize = _quantizer(calibration, quant_tolerance, target)
     timings = {}
     t0 = time.perf_counter()
-    graph = capture(model, example_inputs, example_kwargs)
+    graph = capture(model, example_inputs, example_kwargs, parameters=parameters)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against

@@ -307,3 +307,17 @@ def test_tied_parameters_the_exporter_holds_apart_keep_their_names(tmp_path):
     got = to_graph_module(graph, masked_weights(graph))(*x)[0]
     want = model.transformer(*x).last_hidden_state @ (model.lm_head.weight * mask).T
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_takes_parameters_for_a_user_export(tmp_path):
+    """``sparta.compile(path, {user's names: masks}, x, parameters=model)`` equals compiling the module itself."""
+    model, make_inputs = tiny("bert")
+    x = make_inputs(0)
+    path = tmp_path / "bert.onnx"
+    _export(model, x, path, "dynamo")
+    tesas = {n: t for n, t in masks_for(dict(model.state_dict())).items() if t.ndim == 2}
+    from_file = sparta.compile(str(path), tesas, x, parameters=model)
+    from_module = sparta.compile(model, tesas, x)
+    assert len(from_file.kernels) == len(from_module.kernels) > 0
+    fresh = make_inputs(5)
+    torch.testing.assert_close(leaves(from_file(*fresh))[0], leaves(from_module(*fresh))[0], rtol=1e-4, atol=1e-5)
