@@ -111,13 +111,14 @@ def dense_mlp():
     return sparta.compile(MLP(d_in=128, d_hidden=64, d_out=10).eval(), {}, (torch.randn(5, 128),))
 
 
-def _resave_forever(models, dest, exchange: bool):
+def _resave_forever(models, dest, exchange: bool, saves):
     torch.set_num_threads(1)      # a forked child must not wait on the parent's OpenMP pool
     if not exchange:              # as on a file system without renameat2(RENAME_EXCHANGE)
         saved_folder._exchange = lambda a, b: False
     while True:
         for model in models:
             model.save(dest)
+            saves.value += 1
 
 
 def _which(path, models, x) -> int:
@@ -137,15 +138,19 @@ def test_killed_resaves_leave_the_old_or_the_new_save(compiled_mlp, dense_mlp, t
     for model in models:
         model.save(dest)
     period = time.perf_counter() - t0
-    rng, seen = random.Random(0), set()
+    rng, ctx = random.Random(0), multiprocessing.get_context("fork")
     for _ in range(int(os.environ.get("SPARTA_SAVE_KILLS", "12"))):
-        child = multiprocessing.get_context("fork").Process(target=_resave_forever, args=(models, dest, exchange))
+        saves = ctx.Value("i", 0, lock=False)
+        child = ctx.Process(target=_resave_forever, args=(models, dest, exchange, saves))
         child.start()
-        time.sleep(rng.uniform(0, 2 * period))
+        wanted = rng.randint(1, 2)          # kill during the save after the first or second (a load-proof clock)
+        while saves.value < wanted and child.is_alive():
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, period / 2))
         os.kill(child.pid, signal.SIGKILL)
         child.join()
-        seen.add(_which(dest, models, x))
-    assert seen == {0, 1}
+        assert child.exitcode == -signal.SIGKILL and saves.value >= wanted, "the child saved until it was killed"
+        _which(dest, models, x)
     compiled_mlp.save(dest)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
