@@ -45,7 +45,8 @@ def _passes_digest() -> str:
 def pipeline_key(graph: Graph, target: str, options: dict) -> str:
     """Content hash of what propagation and transformation depend on."""
     h = hashlib.sha256()
-    h.update(json.dumps({"target": target, "options": options, "passes": _passes_digest(), "inputs": graph.inputs,
+    h.update(json.dumps({"target": target, "options": options, "passes": _passes_digest(), "rules": _rules_digest(),
+                         "inputs": graph.inputs,
                          "outputs": graph.outputs, "aliases": graph.meta.get("aliases", {})},
                         sort_keys=True, default=str).encode())
     for op in graph.ops():
@@ -61,7 +62,22 @@ def pipeline_key(graph: Graph, target: str, options: dict) -> str:
 
 def value_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor's values (what a key hashes)."""
+    if not t.numel():
+        return memoryview(b"")
     return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _rules_digest() -> str:
+    """Hash of the rule table as registered now: a rule a user registers (or replaces) changes the key."""
+    from .passes.rules import RULES
+    h = hashlib.sha256()
+    for op_type, fn in sorted(RULES.items()):
+        code = getattr(fn, "__code__", None)
+        h.update(f"{op_type}|{getattr(fn, '__module__', '')}|{getattr(fn, '__qualname__', repr(fn))}".encode())
+        if code is not None:
+            h.update(code.co_code)
+            h.update(repr(code.co_consts).encode())
+    return h.hexdigest()[:16]
 
 
 def load(key: str):

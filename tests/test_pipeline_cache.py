@@ -76,3 +76,29 @@ def test_values_of_integer_constants_are_part_of_the_key(tmp_path, monkeypatch):
     keys = {pipeline_cache.pipeline_key(sparta.capture(IndexedLinear(torch.tensor(i)), (x,)), "cpu", {})
             for i in ([0, 1], [1, 0], [0, 1, 2])}
     assert len(keys) == 3
+
+
+def test_a_rule_registered_by_the_user_is_part_of_the_key(tmp_path, monkeypatch):
+    from sparta.passes.rules import RULES, rule
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    model, x = MLP().eval(), torch.randn(3, 24)
+    _compile(model, {}, x)
+    saved = RULES["relu"]
+
+    @rule("relu")
+    def relu_prunes_column_0(op, ins, outs):
+        keep = torch.ones(outs[0].shape, dtype=torch.bool)
+        keep[..., 0] = False
+        return ins, [TeSA.from_mask(keep & outs[0].mask)]
+
+    try:
+        again = _compile(model, {}, x)
+    finally:
+        RULES["relu"] = saved
+    assert "propagate" in again.timings, "a changed rule table must not hit the entry computed without it"
+    assert again.tesa("relu").density < 1.0
+
+
+def test_empty_integer_constants_hash(tmp_path):
+    assert bytes(pipeline_cache.value_bytes(torch.zeros(0, dtype=torch.int64))) == b""
+    assert bytes(pipeline_cache.value_bytes(torch.from_numpy(__import__("numpy").zeros((0, 3), "int64")))) == b""
