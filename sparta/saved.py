@@ -109,6 +109,7 @@ def _write(compiled, root: Path) -> None:
         for key, folder in folders.items():
             _copy_kernel(Path(folder), root / "kernels" / key)
         modules[op_name] = entry
+    source = _source_json(compiled, tensors)
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(root / TENSORS))
     files = {p.relative_to(root).as_posix(): file_digest(p) for p in sorted(root.rglob("*")) if p.is_file()}
     kernels = [{k: v for k, v in row.items() if k != "artifact"} for row in compiled.kernels]
@@ -116,7 +117,28 @@ def _write(compiled, root: Path) -> None:
                 "target": compiled.target, "graph": graph_json,
                 "plan": compiled.plan.to_json() if compiled.plan is not None else None,
                 "kernels": kernels, "timings": compiled.timings, "modules": modules, "files": files}
+    if source is not None:
+        manifest["source"] = source
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _source_json(compiled, tensors: dict) -> dict | None:
+    """The source graph (the model with only the user's TeSAs) as JSON; its weights are the compiled
+    graph's where they are the same tensor (``shared``: read back from ``graph/``), else stored as ``source/``."""
+    from .graph_json import graph_to_json
+
+    source = getattr(compiled, "source_graph", None)
+    if source is None:
+        return None
+    data, own = graph_to_json(source, prefix="source/")
+    shared = []
+    for key, t in own.items():
+        name = key.removeprefix("source/")
+        if compiled.graph.has_tensor(name) and compiled.graph.tensor(name).data is t:
+            shared.append(name)
+        else:
+            tensors[key] = t
+    return {**data, "shared": sorted(shared)}
 
 
 def _restorable_weights(compiled) -> set[str]:
@@ -178,10 +200,18 @@ def _build(root: Path, manifest: dict, trust_kernels: bool):
     check_tensors(manifest, tensors, root)
     replacements = _load_modules(root, manifest, tensors, trust_kernels)
     graph = graph_from_json(manifest["graph"], tensors)
+    source = None
+    if "source" in manifest:    # weights a kernel restored stand in for the originals it does not keep
+        shared = {"source/" + n: tensors.get("graph/" + n) for n in manifest["source"]["shared"]}
+        if any(t is None for t in shared.values()):
+            raise SavedModelError(f"saved model {root}: the source graph shares a weight the model does not hold")
+        source_tensors = {**shared, **{k: v for k, v in tensors.items() if k.startswith("source/")}}
+        source_json = {k: v for k, v in manifest["source"].items() if k != "shared"}
+        source = graph_from_json(source_json, source_tensors, prefix="source/")
     plan = Plan.from_json(manifest["plan"]) if manifest.get("plan") is not None else None
     kernels = [dict(row) for row in manifest.get("kernels", [])]
     return CompiledModel(graph, target=manifest["target"], plan=plan, replacements=replacements,
-                         timings=manifest.get("timings"), kernels=kernels)
+                         timings=manifest.get("timings"), kernels=kernels, source=source)
 
 
 def _load_modules(root: Path, manifest: dict, tensors: dict, trust_kernels: bool) -> dict:

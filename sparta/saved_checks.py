@@ -20,14 +20,15 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 4   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+VERSION = 5   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
 #               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
 #               4: W8A8 GEMV modules (w8a8_gemv_cuda)
+#               5: the source graph (the model with only the user's TeSAs) that verify() checks against
 TARGETS = ("cpu", "cuda")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = {"format": str, "version": int, "target": str, "graph": dict, "modules": dict, "files": dict}
 _OPTIONAL = {"plan": (dict, type(None)), "kernels": list, "timings": (dict, type(None)), "sparta": str,
-             "torch": str}
+             "torch": str, "source": dict}
 _ENTRY = {"type": str, "config": dict, "tensors": list, "kernels": list}
 _ENTRY_OPTIONAL = ("restores", "weight_name", "reference_dtype")
 
@@ -170,6 +171,8 @@ def _features(manifest: dict):
             yield 3, f"a LayerNorm with a fused residual add (op {op_name!r})"
         if kind == "w8a8_gemv_cuda":
             yield 4, f"a W8A8 GEMV module (op {op_name!r})"
+    if "source" in manifest:
+        yield 5, "a source graph"
 
 
 def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor], root: Path) -> None:
@@ -187,6 +190,16 @@ def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor], root: Path) 
             stored = tensors.get("graph/" + v["name"])
             if stored is not None:
                 check_declared(v, stored, root)
+    source = manifest.get("source")
+    if source is not None:
+        shared = source.get("shared", [])
+        if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
+            raise SavedModelError(f"saved model {root}: malformed source graph (shared must be names)")
+        for v in _declared({"graph": source}, root):
+            if v["data"] and v["name"] not in shared:
+                expected.add("source/" + v["name"])
+                if (stored := tensors.get("source/" + v["name"])) is not None:
+                    check_declared(v, stored, root)
     extra = sorted(set(tensors) - expected)
     if extra:
         raise SavedModelError(f"saved model {root}: {TENSORS} holds {extra[0]!r}, which the manifest does not name")

@@ -364,3 +364,16 @@ def test_output_classes_of_unknown_packages_come_back_as_dicts():
     text = torch.utils._pytree.treespec_dumps(spec).replace("builtins.dict", "nosuch.module.Output")
     back = load_treespec(text)
     assert torch.utils._pytree.tree_unflatten([1, 2], back) == {"last_hidden_state": 1, "pooler_output": 2}
+
+
+def test_a_loaded_model_verifies_against_its_source_graph(compiled_mlp, tmp_path):
+    path = compiled_mlp.save(tmp_path / "m")
+    loaded = sparta.load(path)
+    assert loaded.source_graph is not None and loaded.source_graph.tesa("fc1.weight") == compiled_mlp.source_graph.tesa("fc1.weight")
+    loaded.verify()
+    manifest = json.loads((Path(path) / "sparta.json").read_text())
+    value = next(v for v in manifest["graph"]["tensors"] if v["name"] == "fc3.weight")
+    value["tesa"] = TeSA.pruned(tuple(value["shape"])).to_json()    # a propagated TeSA that prunes what matters
+    (Path(path) / "sparta.json").write_text(json.dumps(manifest))
+    with pytest.raises(sparta.VerificationError, match="only the initial TeSAs"):
+        sparta.load(path).verify()
