@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from ...errors import QuantizationError
 from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
+from ..transform.plan import WeightQuant
 from .report import Decision, QuantReport
 from .scheme import (CLIPS, FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows,
                      fake_quant_static, fit_weight)
@@ -367,7 +368,8 @@ class _Calibration:
             if bits < self.model_bits[w] and w not in self.fixed:
                 v = self.g.tensor(w)
                 self.g.set_tesa(w, v.tesa.meet(TeSA.dense(v.shape, bits)))
-        self.g.meta["act_scales"] = dict(self.static)      # codegen: kernels that write these as int8 codes
+        report.static_scales = dict(self.static)           # kernels that write these as int8 codes
+        self.g.meta["act_scales"] = dict(self.static)
         for x, bits in self.abits.items():
             v = self.g.tensor(x)
             self.g.set_tesa(x, v.tesa.meet(TeSA.dense(v.shape, bits)))
@@ -379,6 +381,8 @@ class _Calibration:
                 p = self.params[site.weight].get(rb)
                 if p is not None:
                     stored[site.weight] = {rb: p}
+                    report.weights[site.weight] = WeightQuant.of(p, self.cfg.scheme(rb)["granularity"],
+                                                                 "calibration")
         runs = {}
         for site in self.sites.values():
             rb = self.run_weight_bits(site)

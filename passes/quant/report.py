@@ -32,6 +32,8 @@ class QuantReport:
     tolerance: float
     model_tolerance: float | None
     seconds: float
+    weights: dict = field(default_factory=dict)          # weight -> WeightQuant: the fitted integer scales
+    static_scales: dict[str, float] = field(default_factory=dict)   # int8 activations at one static scale
 
     def lowered(self) -> list[Decision]:
         return [d for d in self.decisions if d.bits < d.bits_before and not d.reverted]

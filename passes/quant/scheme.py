@@ -118,6 +118,15 @@ def fit_weight(w: torch.Tensor, bits: int, channel_sse: Callable[[torch.Tensor],
     return QuantParams(bits, scale, zero, tried[0][0].group, clip), errs[pick, rows]
 
 
+def fit_to_weight(w: torch.Tensor, bits: int, *, symmetric: bool = True, granularity: str = "channel",
+                  group: int = 128) -> QuantParams:
+    """Scales fitted to the weight alone (no calibration data): per channel, the clip ratio that minimises
+    the weight's own squared rounding error ‖w − Q(w)‖²."""
+    w = w.detach().float()
+    return fit_weight(w, bits, lambda dq: (dq - w).pow(2).sum(1), symmetric=symmetric, granularity=granularity,
+                      group=group)[0]
+
+
 def fake_quant_float(t: torch.Tensor, bits: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Round ``t`` through a 16-bit float format (fp16 unless ``dtype`` says bf16)."""
     return t.to(dtype or FLOAT_WIDTHS[bits]).to(t.dtype)

@@ -9,14 +9,22 @@ from .bitround import BitGroup, groupings, round_bits
 from .cover import ShapeCover, block_cover, check_cover, cover_cost
 from .plan import Candidate, OpPlan, Plan, SubOp
 from .profile import HardwareProfile, KernelCosts, load_profile
-from .transform_op import gemm_view, transform_gemm
+from .transform_op import gemm_view, transform_gemm, weight_quantisation
 
 
-def transform(graph: Graph, target: str = "cpu", *, profile=None, sparse_ops=None) -> Plan:
+def transform(graph: Graph, target: str = "cpu", *, profile=None, sparse_ops=None, quantization=None) -> Plan:
     """Plan every op of ``graph`` for ``target``: GEMM-like ops get the cheapest sub-operator
-    plan by the hardware profile's cost model; the others stay torch ops."""
+    plan by the hardware profile's cost model; the others stay torch ops.
+
+    Every sub-operator that runs an integer weight width gets its scales in the plan
+    (``OpPlan.weight_quant``): calibration's where ``quantization`` (a :class:`QuantReport`, by
+    default the graph's last one) fitted that width, else fitted to the weight alone. Calibration's
+    static activation scales become ``Plan.static_scales``."""
     prof = load_profile(profile or target)
     plan = Plan(target, {"device": prof.device, "date": prof.date, "source": prof.source})
+    quantization = quantization if quantization is not None else graph.meta.get("quantization")
+    fitted = dict(getattr(quantization, "weights", {}) or {})
+    plan.static_scales = dict(getattr(quantization, "static_scales", {}) or {})
     ops_with_templates = sparse_ops if sparse_ops is not None else prof.sparse_ops
     for op in graph.ops():
         p = transform_gemm(graph, op, prof, ops_with_templates)
@@ -24,6 +32,8 @@ def transform(graph: Graph, target: str = "cpu", *, profile=None, sparse_ops=Non
             nbytes = sum(_nbytes(graph, t) for t in [*op.inputs, *op.outputs])
             us = prof.memory_us(nbytes)
             p = OpPlan(op.name, op.op, "torch", us, us)
+        else:
+            p.weight_quant = weight_quantisation(graph, op, p, fitted)
         plan.ops[op.name] = p
     return plan
 

@@ -9,7 +9,10 @@ estimated µs) so the choice can be inspected. Unknown fields raise :class:`Plan
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +45,48 @@ class SubOp:
             self.block = tuple(int(b) for b in self.block)
 
 
+GRANULARITIES = ("tensor", "channel", "group")
+QUANT_SOURCES = ("calibration", "weight")
+
+
+@dataclass
+class WeightQuant:
+    """How an op's integer weight is quantised, fitted by calibration or, without calibration data, to
+    the weight alone: scales (and zero points) per ``group`` columns of the (N, K) weight, from its range
+    clipped by ``clip`` (one ratio per output channel; one in all for ``granularity="tensor"``)."""
+
+    bits: int
+    granularity: str
+    group: int
+    symmetric: bool
+    clip: list[float]
+    source: str
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES or self.source not in QUANT_SOURCES:
+            raise PlanError(f"weight quantisation: granularity {self.granularity!r} / source {self.source!r} "
+                            f"not in {GRANULARITIES} / {QUANT_SOURCES}")
+        self.clip = [float(c) for c in self.clip]
+
+    def params(self, w):
+        """The :class:`~sparta.passes.quant.QuantParams` of the (N, K) weight ``w`` (masked as the kernel holds it)."""
+        import torch
+
+        from ..quant.scheme import per_tensor, weight_params
+        if self.granularity == "tensor":
+            return per_tensor(w, self.bits, symmetric=self.symmetric, clip=self.clip[0])
+        group = self.group if self.granularity == "group" else None
+        return weight_params(w, self.bits, symmetric=self.symmetric, group=group,
+                             clip=torch.tensor(self.clip, dtype=torch.float32))
+
+    @classmethod
+    def of(cls, params, granularity: str, source: str) -> WeightQuant:
+        """The plan's record of fitted :class:`QuantParams` (which its clip ratios reproduce exactly)."""
+        clip = params.clip.tolist() if params.clip is not None else [1.0]
+        return cls(params.bits, granularity, int(params.group), params.zero is None,
+                   clip[:1] if granularity == "tensor" else clip, source)
+
+
 @dataclass
 class Candidate:
     name: str
@@ -67,6 +112,8 @@ class OpPlan:
     epilogue: list[str] = field(default_factory=list)
     dismantle: str = "none"
     candidates: list[Candidate] = field(default_factory=list)
+    weight_quant: dict[int, WeightQuant] = field(default_factory=dict)   # integer width -> how its scales are fitted
+    note: str = ""                                 # what the plan could not honour, and why
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -87,6 +134,7 @@ class Plan:
     target: str
     profile: dict[str, Any]
     ops: dict[str, OpPlan] = field(default_factory=dict)
+    static_scales: dict[str, float] = field(default_factory=dict)   # int8 activations at one calibrated scale
 
     def __getitem__(self, op_name: str) -> OpPlan:
         if op_name not in self.ops:
@@ -106,7 +154,7 @@ class Plan:
     def report(self, only_gemm: bool = False) -> str:
         """A table: op, type, kind, density, bits, chosen blocks, estimated µs, dense µs."""
         from ...compiler import _table
-        rows = [("op", "type", "kind", "density", "bits", "blocks", "est µs", "dense µs")]
+        rows = [("op", "type", "kind", "density", "bits", "blocks", "est µs", "dense µs", "note")]
         for p in self.ops.values():
             if only_gemm and p.gemm is None:
                 continue
@@ -114,7 +162,7 @@ class Plan:
                                 if s.block else f"dense@W{s.weight_bits}A{s.act_bits}" for s in p.subops)
             bits = " ".join(f"{b}:{c}" for b, c in sorted(p.bits.items())) if p.bits else ""
             rows.append((p.op, p.op_type, p.kind, f"{p.density:.3f}" if p.gemm else "", bits, blocks,
-                         f"{p.est_us:.1f}", f"{p.dense_us:.1f}"))
+                         f"{p.est_us:.1f}", f"{p.dense_us:.1f}", p.note))
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
                 f"({self.profile.get('device', '')})"
         return _table(rows) + "\n" + total
@@ -122,14 +170,16 @@ class Plan:
     # ---- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"target": self.target, "profile": self.profile,
-                "ops": {name: _op_to_json(p) for name, p in self.ops.items()}}
+                "ops": {name: _op_to_json(p) for name, p in self.ops.items()},
+                "static_scales": dict(self.static_scales)}
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
         _check_fields(Plan, data, "plan")
         try:
             ops = {name: _op_from_json(d) for name, d in data.get("ops", {}).items()}
-            return cls(data["target"], dict(data["profile"]), ops)
+            scales = {str(t): float(s) for t, s in data.get("static_scales", {}).items()}
+            return cls(data["target"], dict(data["profile"]), ops, scales)
         except KeyError as exc:
             raise PlanError(f"plan JSON lacks field {exc}") from exc
 
@@ -154,7 +204,25 @@ def _op_to_json(p: OpPlan) -> dict:
     d["candidates"] = [dataclasses.asdict(c) for c in p.candidates]
     d["bits"] = {str(k): v for k, v in p.bits.items()}
     d["gemm"] = list(p.gemm) if p.gemm else None
+    d["weight_quant"] = {str(b): {**dataclasses.asdict(q), "clip": _pack_floats(q.clip)} for b, q in p.weight_quant.items()}
     return d
+
+
+def _pack_floats(values: list[float]) -> str:
+    """float32 values as base64 of zlib (a clip ratio per channel: thousands of repeats of a few values)."""
+    return base64.b64encode(zlib.compress(struct.pack(f"<{len(values)}f", *values))).decode()
+
+
+def _unpack_floats(text) -> list[float]:
+    if isinstance(text, list):
+        return [float(v) for v in text]
+    try:
+        raw = zlib.decompress(base64.b64decode(text, validate=True))
+    except (ValueError, TypeError, zlib.error) as exc:
+        raise PlanError(f"malformed float list in plan JSON: {exc}") from exc
+    if len(raw) % 4:
+        raise PlanError("malformed float list in plan JSON (length)")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 def _op_from_json(d: dict) -> OpPlan:
@@ -170,5 +238,10 @@ def _op_from_json(d: dict) -> OpPlan:
     for c in d.get("candidates", []):
         _check_fields(Candidate, c, "candidate")
         cands.append(Candidate(**c))
-    fields = {**d, "subops": subs, "candidates": cands, "bits": {int(k): v for k, v in d.get("bits", {}).items()}}
+    quant = {}
+    for bits, q in (d.get("weight_quant") or {}).items():
+        _check_fields(WeightQuant, q, "weight quantisation")
+        quant[int(bits)] = WeightQuant(**{**q, "clip": _unpack_floats(q.get("clip", []))})
+    fields = {**d, "subops": subs, "candidates": cands, "bits": {int(k): v for k, v in d.get("bits", {}).items()},
+              "weight_quant": quant}
     return OpPlan(**fields)

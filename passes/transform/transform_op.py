@@ -24,7 +24,7 @@ from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
 from .bitround import groupings
 from .cover import block_cover
-from .plan import Candidate, OpPlan, SubOp
+from .plan import Candidate, OpPlan, SubOp, WeightQuant
 from .profile import HardwareProfile
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d")
@@ -140,6 +140,7 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
             seen.add(name)
             candidates.append(Candidate(name, cost))
             options.append((cost, [s for _, subs, _ in combo for s in subs]))
+    base["note"] = _rounding_note(wtesa, widths, act_bits, profile.target)
     cost, subops = choose(options)
     if subops is None:
         sub = SubOp("dense", model_bits, act_model_bits, None, 0, wtesa.numel(), dense_us)
@@ -149,6 +150,15 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
     small = blocks <= profile.full_max_blocks and nnz <= FULL_DISMANTLE_MAX_NNZ
     dismantle = "full" if small else profile.large_dismantle
     return OpPlan(kind="sparse", est_us=cost, subops=subops, candidates=candidates, dismantle=dismantle, **base)
+
+
+def _rounding_note(wtesa: TeSA, widths: list[int], act_bits: int, target: str) -> str:
+    """Why a weight width the TeSA asks for does not run as such (rounded up to one the target runs)."""
+    asked = sorted(b for b in wtesa.bit_histogram() if b and b not in widths)
+    if not asked:
+        return ""
+    return (f"{'/'.join(map(str, asked))}-bit weights run at the next width {target} has for A{act_bits} "
+            f"activations (W{', W'.join(map(str, widths))}): no W{asked[0]}A{act_bits} kernel")
 
 
 def choose(options):
@@ -195,4 +205,37 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, m: int, model
     return options
 
 
-__all__ = ["transform_gemm", "gemm_view", "GEMM_OPS"]
+def weight_matrix(graph: Graph, op: Op) -> torch.Tensor:
+    """The op's weight as (N, K) fp32 (transposed for addmm/mm/matmul, flattened for conv)."""
+    w = graph.tensor(gemm_view(graph, op)[1]).data.to(torch.float32)
+    if op.op in ("addmm", "mm", "matmul"):
+        return w.t().contiguous()
+    return w.reshape(w.shape[0], -1)
+
+
+def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict) -> dict:
+    """Per integer width the op's sub-operators run: calibration's scales where it fitted that width
+    (``fitted``: weight -> WeightQuant), else scales fitted to the (masked) weight alone, in the scheme
+    calibration uses by default (8 bits: symmetric per channel; 4: symmetric per 128 columns)."""
+    from ..quant.calibrate import QuantConfig
+    from ..quant.scheme import fit_to_weight
+
+    widths = sorted({s.weight_bits for s in plan.subops if s.weight_bits < 16})
+    if not widths:
+        return {}
+    out, w = {}, None
+    for bits in widths:
+        given = fitted.get(plan.weight)
+        if given is not None and given.bits == bits:
+            out[bits] = given
+            continue
+        if w is None:
+            _, _, tesa, _, n, k = gemm_view(graph, op)
+            w = torch.where(tesa.view().reshape(n, k) != 0, weight_matrix(graph, op), 0.0)
+        scheme = QuantConfig(0.0).scheme(bits)
+        params = fit_to_weight(w, bits, **scheme)
+        out[bits] = WeightQuant.of(params, scheme["granularity"], "weight")
+    return out
+
+
+__all__ = ["transform_gemm", "gemm_view", "GEMM_OPS", "weight_matrix", "weight_quantisation"]
