@@ -4,9 +4,7 @@
     python benchmarks/bench_cuda_w4a16.py [--batches 16]   # GPU machine (torch + cuda-bindings, no TVM)
 
 Shapes N×K = 4096×4096, 11008×4096, 4096×11008 at batch 1 and 16; int4 weights, group 128, with zero
-points (sparta: asymmetric uint8 zeros; tinygemm: its scale-and-zero pairs). At batch 1 also sparta's
-dp4a W4A8 GEMV (``templates/cuda_q4_gemv.py``: q4 weights and q8 activations in blocks of 32, the
-llama.cpp formats), with and without its activation quantiser. Kernel-only time: CUDA
+points (sparta: asymmetric uint8 zeros; tinygemm: its scale-and-zero pairs). Kernel-only time: CUDA
 graphs of 40 calls rotating weight sets whose total exceeds 2.4× the 50 MB L2. The HBM floor is
 (int4 weight bytes + fp16 scale bytes) / measured device-to-device copy bandwidth (read + write); beside
 it, the time of a plain one-pass read of the same bytes (``read_probe.py``): what any kernel can reach.
@@ -28,8 +26,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import gpu_kernel_us, save  # noqa: E402
 
 from sparta.runtime.cuda import CudaKernel  # noqa: E402
-from sparta.runtime.q4_gemv import Q4GemvOp  # noqa: E402
-from sparta.templates import cuda_q4_gemv  # noqa: E402
 from sparta.templates.cuda_w4a16 import (W4A16Spec, codes_of, pack_codes, quantize, reference,  # noqa: E402
                                          split_buffers)
 
@@ -107,7 +103,6 @@ def bench_shape(shape, n, k, m, bw):
                            "sqnr_db": sqnr_db(y, ref) if ref is not None else None}
     except Exception as exc:  # noqa: BLE001
         res["tinygemm"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    res.update(dp4a_q4(w, xs, ys, shape, m, sets, bw))
     wf = [w.half() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
     res["cublas_fp16"] = {"kernel_us": gpu_kernel_us(lambda i: F.linear(xs[i % sets], wf[i]), len(wf))}
     timed = [(v["kernel_us"], kk) for kk, v in res.items() if kk.startswith("sparta") and "kernel_us" in v]
@@ -147,36 +142,6 @@ def read_probe_us(shape, nbytes, sets) -> float | None:
         us = gpu_kernel_us(lambda i: prep.launch(P=bufs[i], O=out), sets)
         best = us if best is None else min(best, us)
     return best
-
-
-def dp4a_q4(w, xs, ys, shape, m, sets, bw) -> dict:
-    """sparta's dp4a W4A8 GEMV (q4 weights per 32, q8 activations per 32; ``templates/cuda_q4_gemv.py``):
-    quantiser + GEMV, and the GEMV alone; its own floor (4.5 bits per weight) and SQNR vs the fp32 product."""
-    n, k = w.shape
-    folder, quant = ROOT / f"q4gemv_{shape}_m{m}", ROOT / f"q8quant_{k}_m{m}"
-    if not folder.is_dir():
-        return {}
-    try:
-        wq, dw = cuda_q4_gemv.quantize_weight(w)
-        nsets = max(2, math.ceil(ROTATE_BYTES / (wq.numel() * 4 + dw.numel() * 2)))
-        ops = [Q4GemvOp(folder, quant, wq.clone(), dw.clone()) for _ in range(nsets)]
-        ops[0](xs[0], out=ys[0])
-        torch.cuda.synchronize()
-        exact = F.linear(xs[0].float(), w.float())
-        sq = sqnr_db(ys[0], exact)
-        err = ((ys[0].float() - cuda_q4_gemv.reference(xs[0], wq, dw).float()).abs().max() / exact.abs().max()).item()
-        floor = (wq.numel() * 4 + dw.numel() * 2) / bw / 1e3
-        both = gpu_kernel_us(lambda i: ops[i](xs[i % sets], out=ys[i % sets]), nsets)
-        gemv = gpu_kernel_us(lambda i: ops[i].gemv_only(ys[i % sets]), nsets)
-        out = {}
-        for key, us in (("q4dp4a", both), ("q4dp4a_gemv_only", gemv)):
-            out[key] = {"kernel_us": us, "sqnr_db_vs_fp32": sq, "max_rel_err_vs_reference": err,
-                        "own_floor_us": floor, "x_own_floor": us / floor}
-        print(f"   dp4a q4 (W4A8, blocks of 32): {both:.2f} us with quantiser, {gemv:.2f} us GEMV "
-              f"({gemv / floor:.2f}x its floor {floor:.2f} us), SQNR {sq:.1f} dB vs fp32", flush=True)
-        return out
-    except Exception as exc:  # noqa: BLE001 - report, keep going
-        return {"q4dp4a": {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}}
 
 
 def main():

@@ -23,9 +23,7 @@ from common import bench_mask  # noqa: E402
 from sparta.codegen.cuda_build import build_cuda, save_dir
 from sparta.codegen.specialize_cuda import int8_dense_tiles
 from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
-from sparta.templates.cuda_fine import FineSpec, fine_linear
 from sparta.templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
-from sparta.templates.cuda_q4_gemv import Q4GemvSpec, Q8QuantSpec, q4_gemv, quantize_q8_kernel
 from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
 from sparta.templates.cuda_quant import pick_threads as pick_quant_threads
 from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, w8a8_gemv
@@ -153,7 +151,7 @@ def _pattern(mask: torch.Tensor) -> tuple:
     return tuple(map(tuple, torch.nonzero(mask).tolist()))
 
 
-def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
+def kernels() -> dict[str, BsrSpec | QuantRowsSpec | LayerNormSpec | W8A8GemvSpec]:
     specs = {
         # correctness: odd M, partial last block row (N) and block column (K), every epilogue
         "t_odd_gelu": BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu"),
@@ -287,20 +285,6 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     specs["t_q_odd"] = QuantRowsSpec(37, 200, threads=32)              # W8A8 activation quantiser: warp per row
     specs["t_q_cta"] = QuantRowsSpec(45, 1000, threads=128)            # CTA per row, ragged last chunk
     specs["t_q_wide"] = QuantRowsSpec(6, 4104, threads=32)             # 17 chunks per lane, M not a multiple of 4
-    # fine-grained (CSR) sparse: odd shapes, both row tilings; FFN kernels for bench_cuda_fine.py
-    specs["t_fine_odd_relu"] = FineSpec(200, 100, 72, tm=32, npb=64, act="relu")
-    specs["t_fine_k3072_gelu"] = FineSpec(130, 700, 3072, tm=16, npb=128, act="gelu_erf")
-    specs["t_fine_nobias"] = FineSpec(64, 96, 128, tm=32, npb=32, warps=1, bias=False)
-    specs["fine_ffn1"] = FineSpec(*FFN1, tm=32, npb=256)
-    specs["fine_ffn1_n128"] = FineSpec(*FFN1, tm=32, npb=128)
-    specs["fine_ffn2"] = FineSpec(*FFN2, tm=16, npb=128)
-    specs["fine_ffn2_n256"] = FineSpec(*FFN2, tm=16, npb=256)
-    # dp4a q4 GEMV (W4A8, llama.cpp style): odd shapes (K blocks not a multiple of 32 lanes), every M
-    specs["t_q4_odd_bias"] = Q4GemvSpec(3, 100, 96, warps=2, bias=True)
-    specs["t_q4_ragged"] = Q4GemvSpec(1, 37, 1056)
-    specs["t_q4_m8"] = Q4GemvSpec(8, 64, 4096, warps=8, bias=True)
-    for m, k in ((3, 96), (1, 1056), (8, 4096)):
-        specs[f"t_q8_{m}x{k}"] = Q8QuantSpec(m, k)
     # W8A8 GEMV (dp4a, per-channel weights, per-token activations): N not a multiple of the warps, K not of the
     # 512 bytes a warp loads, batches shorter than the group, every M up to 16, the epilogues, pdl
     specs["t_w8g_odd_relu"] = W8A8GemvSpec(3, 101, 1040, group=2, bias=True, act="relu")
@@ -320,9 +304,6 @@ def kernels() -> dict[str, BsrSpec | QuantRowsSpec | FineSpec]:
     specs["t_w8g_mma_q8_gelu_late"] = W8A8GemvSpec(9, 200, 2080, warps=8, bias=True, act="gelu_erf", pdl="late",
                                                    mma=True, out="int8")
     specs.update(w8a8_gemv_bench_kernels())
-    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008)):      # bench_cuda_w4a16.py, batch 1
-        specs[f"q4gemv_{n}x{k}_m1"] = Q4GemvSpec(1, n, k)
-        specs[f"q8quant_{k}_m1"] = Q8QuantSpec(1, k)
     specs["q_ffn1"] = QuantRowsSpec(*FFN1[::2])
     specs["q_ffn2"] = QuantRowsSpec(*FFN2[::2])
     # LayerNorm (+ per-token int8): odd rows, ragged chunks per thread, a CTA per row, no affine
@@ -501,8 +482,8 @@ class _PostLNBlock(torch.nn.Module):
         return self.ln2(self.ln(self.fc(x) + x))
 
 
-TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, FineSpec: fine_linear, Q4GemvSpec: q4_gemv,
-             Q8QuantSpec: quantize_q8_kernel, LayerNormSpec: layer_norm_kernel, W8A8GemvSpec: w8a8_gemv}
+TEMPLATES = {BsrSpec: bsr_linear, QuantRowsSpec: quantize_rows_kernel, LayerNormSpec: layer_norm_kernel,
+             W8A8GemvSpec: w8a8_gemv}
 
 
 def build_all(specs: dict, out: Path, jobs: int, templates=TEMPLATES) -> None:

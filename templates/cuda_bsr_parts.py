@@ -16,12 +16,6 @@ if TYPE_CHECKING:
     from .cuda_bsr import BsrSpec
 
 
-def tir_epilogue(v, bias, act: str):
-    """fp32 ``v`` (+ fp16 ``bias`` if given), activation, cast to fp16 — as TIR (shared by the CUDA templates)."""
-    from tvm.script import tirx as T
-    return T.Cast("float16", tir_activate(v, bias, act))
-
-
 def tir_activate(v, bias, act: str):
     """fp32 ``v`` (+ fp16 ``bias`` if given), activation — the fp32 value of the epilogue, as TIR."""
     from tvm.script import tirx as T

@@ -359,33 +359,6 @@ def test_row_quantizer_builds_with_vector_loads_and_half_even_rounding(tmp_path,
         QuantRowsSpec(4, 8200)
 
 
-@needs_nvcc
-def test_fine_grained_kernel_builds_with_dynamic_shared_memory(tmp_path, monkeypatch):
-    from sparta.templates.cuda_fine import FineSpec, fine_linear
-    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = FineSpec(130, 700, 3072, tm=16, npb=128, act="gelu_erf", name="probe_fine")
-    art = build_cuda(fine_linear, spec)
-    assert art.launch["shared_bytes"] == spec.shared_bytes > 48 * 1024
-    assert {a["name"] for a in art.launch["args"]} == {"X", "RowPtr", "Cols", "Vals", "B", "Y"}
-    assert art.launch["grid"][:2] == [-(-130 // 16), -(-700 // 128)]
-    with pytest.raises(ValueError, match="shared memory"):
-        FineSpec(64, 64, 8192, tm=32)
-
-
-@pytest.mark.parametrize("density", [0.0, 0.07, 1.0])
-def test_fine_csr_round_trip_and_reference(density):
-    from sparta.templates.cuda_fine import pack_weight, reference, unpack_weight
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(37, 72, generator=g)
-    keep = torch.rand(37, 72, generator=g) < density
-    row_ptr, cols, vals = pack_weight(w, keep)
-    assert int(row_ptr[-1]) == int(keep.sum()) and cols.numel() >= 1
-    assert torch.equal(unpack_weight(row_ptr, cols, vals, 37, 72), (w * keep).half())
-    x = torch.randn(5, 72, generator=g).half()
-    torch.testing.assert_close(reference(x, w, keep, None, "none").float(), x.float() @ (w * keep).half().float().t(),
-                               rtol=2e-3, atol=2e-3)
-
-
 def test_cache_key_covers_the_modules_a_template_imports():
     from sparta.codegen.build import _relative_imports, _source_digest
     from sparta.templates import cuda_bsr, cuda_w4a16
