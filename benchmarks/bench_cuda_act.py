@@ -29,20 +29,21 @@ SETS = 4
 
 
 def specs() -> dict:
-    from sparta.templates.cuda_bsr import TUNED_TILES, BsrSpec
+    from sparta.templates.bsr_linear.spec import TUNED_TILES, BsrSpec
     return {f"act_ffn1_{fam}_{act}": BsrSpec(*FFN1, act=act, **kw, **TUNED_TILES[blk])
             for fam, (kw, blk, _) in FAMILIES.items() for act in ACTS}
 
 
 def build(jobs: int) -> None:
-    from build_cuda_kernels import build_all
-    build_all(specs(), ROOT, jobs)
+    from sparta.codegen.cuda_build import build_folders
+    build_folders(specs(), ROOT, jobs, log=lambda line: print(line, flush=True))
 
 
 def run_family(fam: str) -> dict:
     from bench_cuda_bsr import measure
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.templates.cuda_bsr_ref import quantize_rows, reference, reference_int8
+    from sparta.templates.bsr_linear.spec import reference, reference_int8
+    from sparta.templates.quant.spec import quantize_rows
 
     (kw, blk, sparsity), (m, n, k) = FAMILIES[fam], FFN1
     int8 = kw["dtype"] == "int8"

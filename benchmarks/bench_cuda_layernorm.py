@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from bench_cuda_bsr import ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
 from common import save  # noqa: E402
-from sparta.runtime.bsr_linear import RowQuantizer
 from sparta.runtime.layernorm import LayerNormOp
-from sparta.templates.cuda_bsr_ref import quantize_rows
-from sparta.templates.cuda_layernorm import LayerNormSpec, layer_norm_ref
+from sparta.runtime.quant import RowQuantizer
+from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
+from sparta.templates.quant.spec import quantize_rows
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 OUT_BYTES = {"fp16": 2, "int8": 1, "both": 3}       # written per element, besides the fp16 read

@@ -1,4 +1,4 @@
-"""sparta's per-token int8 quantiser (``templates/cuda_quant.py``) vs torch ops, against the copy floor.
+"""sparta's per-token int8 quantiser (``templates/quant/``) vs torch ops, against the copy floor.
 
     python benchmarks/build_cuda_kernels.py --only q_ffn1 q_ffn2     # machine with TVM + nvcc (no GPU needed)
     python benchmarks/bench_cuda_quant.py                            # GPU machine (torch + cuda-bindings)
@@ -6,7 +6,7 @@
 The W8A8 linears' inputs at BERT-base's shapes (4096 tokens × 768: Q/K/V/O and FFN1; × 3072: FFN2), which
 a model pays where no LayerNorm hands the linear its codes. Kernel-only time through CUDA graphs rotating
 inputs beyond the 50 MB L2; floor = (2 bytes read + 1 byte written per element + 4 per row) / copy bandwidth.
-Outputs checked bit for bit against ``cuda_bsr_ref.quantize_rows``.
+Outputs checked bit for bit against ``quant.spec.quantize_rows``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_cuda_bsr import ROOT, copy_bandwidth  # noqa: E402
 from common import gpu_kernel_us, save  # noqa: E402
 
-from sparta.runtime.bsr_linear import RowQuantizer  # noqa: E402
-from sparta.templates.cuda_bsr_ref import quantize_rows  # noqa: E402
+from sparta.runtime.quant import RowQuantizer  # noqa: E402
+from sparta.templates.quant.spec import quantize_rows  # noqa: E402
 
 SHAPES = {"q_ffn1": (4096, 768), "q_ffn2": (4096, 3072)}
 

@@ -27,8 +27,8 @@ from bench_cuda_w4a16 import tinygemm  # noqa: E402
 from common import bench_mask, save  # noqa: E402
 
 from sparta.runtime.bsr_linear import BsrLinearOp, load_spec  # noqa: E402
-from sparta.templates.cuda_bsr_ref import reference  # noqa: E402
-from sparta.templates.cuda_bsr_w4 import dequantize_w4, expand_groups, pack_w4, quantize_w4  # noqa: E402
+from sparta.templates.bsr_linear.int4_records import dequantize_w4, expand_groups, pack_w4, quantize_w4  # noqa: E402
+from sparta.templates.bsr_linear.spec import reference  # noqa: E402
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}

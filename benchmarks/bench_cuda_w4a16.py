@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import gpu_kernel_us, save  # noqa: E402
 
 from sparta.runtime.cuda import CudaKernel  # noqa: E402
-from sparta.templates.cuda_w4a16 import (W4A16Spec, codes_of, pack_codes, quantize, reference,  # noqa: E402
-                                         split_buffers)
+from sparta.templates.w4a16_gemv.spec import (W4A16Spec, codes_of, pack_codes, quantize, reference,  # noqa: E402
+                                              split_buffers)
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 W4 = ROOT / "w4a16"

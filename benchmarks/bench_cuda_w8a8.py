@@ -7,7 +7,7 @@ against fp16 cuBLAS (``F.linear``) and ``torch._int_mm`` (cuBLASLt int8 → int3
 Kernel-only times replay CUDA graphs over 4 input/weight sets (defeats L2); "eager" is host wall
 time per call. sparta's rows time the GEMM on activations already quantised per token (the
 epilogue applies both scales, bias and writes fp16); ``quant_sparta`` (sparta's one-pass kernel,
-``templates/cuda_quant.py``) and ``quant_torch`` time the standalone per-token quantisation a
+``templates/quant/``) and ``quant_torch`` time the standalone per-token quantisation a
 model without a fused producer pays on top ("with quant" adds the faster one). ``*_q8`` rows are the same
 tiles with the requantising epilogue (``out="int8"``: int8 codes of one static scale, what a W8A8 linear
 reading this one takes, so neither the fp16 write nor the next quantiser pass is paid). ``_int_mm`` returns raw
@@ -27,8 +27,10 @@ import torch.nn.functional as F
 
 from bench_cuda_bsr import SETS, ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
 from common import bench_mask, save  # noqa: E402
-from sparta.runtime.bsr_linear import BsrLinearOp, RowQuantizer, load_spec
-from sparta.templates.cuda_bsr_ref import quantize_rows, reference_int8
+from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+from sparta.runtime.quant import RowQuantizer
+from sparta.templates.bsr_linear.spec import reference_int8
+from sparta.templates.quant.spec import quantize_rows
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}

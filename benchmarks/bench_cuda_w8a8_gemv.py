@@ -10,7 +10,7 @@ Peers in the same process: sparta's int8 tile kernels (``bsr_linear``, mma.sync 
 no scales; it needs more than 16 rows, so X is padded to 32), fp16 cuBLAS ``F.linear``. Kernel-only time: CUDA
 graphs of 40 calls rotating weight sets beyond the L2 (120 MB); the ``_pdl`` tilings chain their launches (each
 overlaps the previous one's tail, as consecutive GEMVs in a model). Floor = (int8 weights + fp32 scales) /
-measured copy bandwidth. "with quantiser" adds sparta's per-token quantiser of X (``templates/cuda_quant.py``).
+measured copy bandwidth. "with quantiser" adds sparta's per-token quantiser of X (``templates/quant/``).
 ``--sparsity 90``: 90% of the 32×32 blocks pruned (rows 1 and 16): the block-sparse GEMV (kept 16×32 chunks only)
 against the dense GEMV on the same weights and the W8A8 block tile kernel ``compile`` used for such ops; its floor
 counts the kept weight bytes.
@@ -38,10 +38,11 @@ ROTATE_BYTES = 120e6
 def bench_shape(shape: str, n: int, k: int, m: int, bw: float, sparsity: int = 0) -> dict:
     from bench_cuda_w4a16 import sqnr_db
 
-    from sparta.runtime.bsr_linear import BsrLinearOp, RowQuantizer, load_spec
+    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.runtime.quant import RowQuantizer
     from sparta.runtime.w8a8_gemv import W8A8GemvOp
-    from sparta.templates.cuda_bsr_ref import quantize_rows
-    from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight, reference
+    from sparta.templates.quant.spec import quantize_rows
+    from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, reference
 
     torch.manual_seed(n + k + m)
     w = torch.randn(n, k, device="cuda") * 0.05

@@ -1,22 +1,25 @@
-"""Build sparta's W4A16 CUDA kernels here (TVM + nvcc, no GPU needed) for the GPU machine, which has no TVM.
+"""Build the W4A16 GEMV kernels the benchmarks time, here (TVM + nvcc, no GPU needed), for the GPU machine (no TVM).
 
     python benchmarks/build_w4a16_kernels.py [--only NAME ...]    # writes artifacts/cuda/w4a16/<name>/
 
-``t_*`` kernels are for ``tests/runtime/test_cuda_w4a16.py`` (odd N, a partial last K chunk, every
-group size, symmetric and asymmetric, bias, fp32 and fp16 accumulation, ragged tilings); the
-others are the shapes and tilings ``benchmarks/bench_cuda_w4a16.py`` times, and ``read_*`` plain reads
-of the same bytes (``read_probe.py``).
+The shapes and tilings ``benchmarks/bench_cuda_w4a16.py`` times, and ``read_*`` plain reads of the same bytes
+(``probes/read_probe.py``). The GPU tests' W4A16 kernels (``t_*``) are built by ``tests/fixtures/build_cuda.py``.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from build_cuda_kernels import arguments, build_all  # noqa: E402  (benchmarks/ is the script's folder)
-from read_probe import ReadProbeSpec, read_probe
-from sparta.templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
+sys.path.insert(0, str(Path(__file__).parent / "probes"))
+from build_cuda_kernels import arguments  # noqa: E402
+from read_probe import ReadProbeSpec, read_probe  # noqa: E402
+
+from sparta.codegen.cuda_build import build_folders  # noqa: E402
+from sparta.templates.w4a16_gemv.kernel import w4a16_gemv  # noqa: E402
+from sparta.templates.w4a16_gemv.spec import W4A16Spec  # noqa: E402
 
 BENCH_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}   # N x K
 # tilings by name: nt<tiles per CTA>w<warps>u<chunks in flight>[_ks<K splits>][f: fold][_b<min CTAs per SM>]; the
@@ -42,35 +45,8 @@ PROBE_CONFIGS = [(528, 512, 2), (1056, 256, 2), (264, 1024, 2), (264, 512, 4), (
 
 
 def kernels() -> dict:
-    specs = {
-        "t_m1_sym_g128": W4A16Spec(1, 333, 1024, group=128),
-        "t_m1_sym_g128_f16acc": W4A16Spec(1, 333, 4096, group=128, acc="float16"),
-        "t_m5_asym_g32_bias": W4A16Spec(5, 203, 544, group=32, sym=False, bias=True),
-        "t_m5_asym_g64_nt4w8u1": W4A16Spec(5, 203, 1152, group=64, sym=False, ntile=4, warps=8, unroll=1),
-        "t_m5_sym_g32_nt1w2u3": W4A16Spec(5, 77, 800, group=32, ntile=1, warps=2, unroll=3, bias=True),
-        "t_m16_asym_g128_bias": W4A16Spec(16, 517, 2048, group=128, sym=False, bias=True),
-        "t_m16_asym_g128_f16acc": W4A16Spec(16, 517, 2048, group=128, sym=False, acc="float16"),
-        "t_m16_sym_g32": W4A16Spec(16, 100, 800, group=32),
-        "t_m9_asym_g32_nt3w1u1": W4A16Spec(9, 61, 416, group=32, sym=False, ntile=3, warps=1, unroll=1),
-        "t_m1_sym_g128_fold": W4A16Spec(1, 333, 1024, group=128, fold=True),
-        "t_m16_asym_g128_bias_fold": W4A16Spec(16, 517, 2048, group=128, sym=False, bias=True, fold=True),
-        "t_m9_asym_g128_nt3w2u2_fold": W4A16Spec(9, 61, 640, group=128, sym=False, ntile=3, warps=2, unroll=2,
-                                                  fold=True),
-        # K split over CTAs: 13 chunks in 3 uneven splits (5, 5, 3); 16 chunks in 4; folded; an unpaired tile
-        "t_m5_asym_g32_bias_ks3": W4A16Spec(5, 203, 1632, group=32, sym=False, bias=True, warps=2, ksplit=3),
-        "t_m16_sym_g128_nt8w4_ks4": W4A16Spec(16, 517, 2048, group=128, ntile=8, warps=4, unroll=1, ksplit=4),
-        "t_m1_asym_g128_fold_nt3_ks5": W4A16Spec(1, 333, 2560, group=128, sym=False, ntile=3, warps=2, fold=True,
-                                                  ksplit=5, bias=True),
-        # registers bounded for 3 CTAs per SM (__launch_bounds__), folded, zero points, bias
-        "t_m1_asym_g128_bias_fold_b3": W4A16Spec(1, 333, 1152, group=128, sym=False, bias=True, fold=True,
-                                                  min_ctas=3),
-        "t_m9_sym_g32_nt3w2u2_b8": W4A16Spec(9, 61, 640, group=32, ntile=3, warps=2, unroll=2, min_ctas=8),
-        # programmatic dependent launch, square (a launch's output is the next one's input): plain; split K with
-        # zero points, bias and the fold
-        "t_m4_sym_g128_sq_pdle": W4A16Spec(4, 1024, 1024, group=128, pdl="early"),
-        "t_m3_asym_g128_sq_ks2f_pdl": W4A16Spec(3, 1024, 1024, group=128, sym=False, bias=True, ntile=4, warps=4,
-                                                unroll=1, fold=True, ksplit=2, pdl="late"),
-    }
+    """Kernel name (its folder under ``artifacts/cuda/w4a16/``) -> spec, for ``bench_cuda_w4a16.py``."""
+    specs = {}
     for shape, (n, k) in BENCH_SHAPES.items():
         for m in (1, 16):
             for name in BENCH_TILINGS:
@@ -88,8 +64,8 @@ def kernels() -> dict:
 
 def main():
     args = arguments(Path(__file__).resolve().parents[1] / "artifacts" / "cuda" / "w4a16")
-    build_all({n: s for n, s in kernels().items() if not args.only or n in args.only}, Path(args.out), args.jobs,
-              {W4A16Spec: w4a16_gemv, ReadProbeSpec: read_probe})
+    build_folders({n: s for n, s in kernels().items() if not args.only or n in args.only}, Path(args.out), args.jobs,
+                  {W4A16Spec: w4a16_gemv, ReadProbeSpec: read_probe}, log=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def nvcc_version() -> str:
 def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     """``template(spec)`` (an IRModule with one PrimFunc ``spec.name``) → cached CUDA artifact, with
     cubins for ``spec.archs`` if the spec names them (e.g. ``sm_90a`` for wgmma), else ``archs``."""
-    archs = tuple(getattr(spec, "archs", None) or archs)
+    archs = _archs(spec, archs)
     key = cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
                            "archs": list(archs), "versions": versions(), "nvcc": nvcc_version(),
                            "source": _source_digest(inspect.getmodule(template))})
@@ -79,6 +80,44 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
 
     path = cache.store(key, "launch.json", write, {"name": spec.name, "kind": "cuda"})
     return CudaArtifact(path.parent, json.loads(path.read_text()), False, time.perf_counter() - t0)
+
+
+def cuda_templates() -> dict:
+    """Spec type → the template that builds it, for every CUDA kernel family of ``sparta.templates``."""
+    from ..templates.bsr_linear.kernel import bsr_linear
+    from ..templates.bsr_linear.spec import BsrSpec
+    from ..templates.layernorm.kernel import layer_norm_kernel
+    from ..templates.layernorm.spec import LayerNormSpec
+    from ..templates.quant.kernel import quantize_rows_kernel
+    from ..templates.quant.spec import QuantRowsSpec
+    from ..templates.w4a16_gemv.kernel import w4a16_gemv
+    from ..templates.w4a16_gemv.spec import W4A16Spec
+    from ..templates.w8a8_gemv.kernel import w8a8_gemv
+    from ..templates.w8a8_gemv.spec import W8A8GemvSpec
+    return {BsrSpec: bsr_linear, W4A16Spec: w4a16_gemv, W8A8GemvSpec: w8a8_gemv, LayerNormSpec: layer_norm_kernel,
+            QuantRowsSpec: quantize_rows_kernel}
+
+
+def build_folders(specs: dict, out: Path, jobs: int = 2, templates: dict | None = None, log=print) -> None:
+    """Build every ``name -> spec`` of ``specs`` through ``templates[type(spec)]`` (default: :func:`cuda_templates`)
+    into ``out/<name>/`` (source, cubins, launch.json, spec.json), ``jobs`` at a time; ``log`` gets a line each."""
+    templates = cuda_templates() if templates is None else templates
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def one(item):
+        name, spec = item
+        t0 = time.perf_counter()
+        art = build_cuda(templates[type(spec)], spec)
+        dest = out / name
+        shutil.rmtree(dest, ignore_errors=True)
+        save_dir(art, dest)
+        return name, art, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(jobs) as pool:
+        for name, art, dt in pool.map(one, specs.items()):
+            log(f"{name}: grid {art.launch['grid']} block {art.launch['block']} smem {art.launch['shared_bytes']} "
+                f"({'cached' if art.cached else f'built in {dt:.1f} s'})")
 
 
 def compile_cubins(folder: Path, archs) -> dict:
@@ -118,6 +157,24 @@ def _nvcc(src: Path, out: Path, arch: str) -> None:
         raise CodegenError(f"nvcc failed for {src.name} ({arch}):\n{r.stderr[-2000:]}")
 
 
+def _archs(spec, default=ARCHS) -> tuple:
+    """The architectures a spec's kernel is built for: the spec's own (``spec.archs``, e.g. wgmma's sm_90a), else
+    ``default``; the source is emitted for the first."""
+    return tuple(getattr(spec, "archs", None) or default)
+
+
+def _emit(mod, name: str, arch: str) -> str:
+    """The CUDA C TVM emits for ``mod``."""
+    t = tvm()
+    target = t.target.Target({"kind": "cuda", "arch": arch})
+    try:
+        with target:
+            ex = t.compile(mod, target=target)
+    except Exception as exc:  # noqa: BLE001 - report which kernel failed
+        raise CodegenError(f"TVM could not build CUDA kernel {name!r}: {exc}") from exc
+    return ex.mod.imports[0].inspect_source()
+
+
 def _lower(mod, name: str, arch: str = ARCHS[0]) -> tuple[str, dict]:
     """CUDA C of ``mod`` and its launch spec (from the lowered device function)."""
     t = tvm()
@@ -125,10 +182,8 @@ def _lower(mod, name: str, arch: str = ARCHS[0]) -> tuple[str, dict]:
     from tvm.tirx.build import split_host_device_mods
 
     target = t.target.Target({"kind": "cuda", "arch": arch})
+    source = _emit(mod, name, arch)
     try:
-        with target:
-            ex = t.compile(mod, target=target)
-        source = ex.mod.imports[0].inspect_source()
         bound = tirx.transform.BindTarget(target.with_host(t.target.Target("llvm")))(mod)
         pipe, _, _ = tirx.get_tir_pipeline("default")
         _, dev_mods = split_host_device_mods(pipe(bound))
@@ -183,4 +238,4 @@ def save_dir(artifact: CudaArtifact, dest: Path) -> Path:
     return dest
 
 
-__all__ = ["build_cuda", "CudaArtifact", "ARCHS", "save_dir"]
+__all__ = ["build_cuda", "build_folders", "cuda_templates", "CudaArtifact", "ARCHS", "save_dir"]

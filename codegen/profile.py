@@ -152,7 +152,9 @@ def _integer_rates(device, m, n, k, timed, iters):
 
 def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
     """Kernel costs of sparta's own CPU templates (replaces the stand-ins for the CPU target)."""
-    from ..templates import cpu_fine, cpu_linear
+    from ..templates.cpu_linear import block_spec, fine_spec
+    from ..templates.cpu_linear.block import block_linear
+    from ..templates.cpu_linear.fine import fine_linear
     from .build import build_cpu
     gen = torch.Generator().manual_seed(0)
     timed = _timer("cpu")
@@ -167,10 +169,10 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
                     continue
                 mask = torch.rand(size, size, generator=gen) < 0.05
                 w = torch.randn(size, size, generator=gen)
-                spec = cpu_fine.spec_from_weight(m, w, mask, "tile", name=f"prof_fine_{m}_{size}")
-                fn = build_cpu(cpu_fine.fine_linear, spec).fn
-                args = {"X": x, "Y": torch.empty(m, size), **cpu_fine.pack(spec, w)}
-                us = timed(lambda: fn(*[args[a] for a in cpu_fine.argument_names(spec)]), iters)
+                spec = fine_spec.spec_from_weight(m, w, mask, "tile", name=f"prof_fine_{m}_{size}")
+                fn = build_cpu(fine_linear, spec).fn
+                args = {"X": x, "Y": torch.empty(m, size), **fine_spec.pack(spec, w)}
+                us = timed(lambda: fn(*[args[a] for a in fine_spec.argument_names(spec)]), iters)
                 blocks[(1, 1)] = us * 1e3 / (spec.nnz * m)
                 continue
             if wb == 4 and bh % 2:
@@ -178,15 +180,15 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
             keep = torch.rand(size // bh, size // bw, generator=gen) < 0.1
             keep[0, 0] = True
             rows = tuple(tuple(torch.nonzero(keep[i]).flatten().tolist()) for i in range(size // bh))
-            spec = cpu_linear.BlockLinearSpec(m, size, size, (bh, bw), rows, wb, dismantle="tile",
+            spec = block_spec.BlockLinearSpec(m, size, size, (bh, bw), rows, wb, dismantle="tile",
                                               name=f"prof_{wb}_{bh}x{bw}_{m}_{size}")
-            fn = build_cpu(cpu_linear.block_linear, spec).fn
-            args = {"Y": torch.empty(m, size), **cpu_linear.pack(spec, torch.randn(size, size, generator=gen))}
+            fn = build_cpu(block_linear, spec).fn
+            args = {"Y": torch.empty(m, size), **block_spec.pack(spec, torch.randn(size, size, generator=gen))}
             if wb == 8:
-                args["X"], args["XS"] = cpu_linear.quantize_rows(x)
+                args["X"], args["XS"] = block_spec.quantize_rows(x)
             else:
                 args["X"] = x
-            us = timed(lambda: fn(*[args[a] for a in cpu_linear.argument_names(spec)]), iters)
+            us = timed(lambda: fn(*[args[a] for a in block_spec.argument_names(spec)]), iters)
             blocks[(bh, bw)] = us * 1e3 / (spec.n_blocks * m)
         dense = next((k["dense_gflops"] for k in base["kernels"] if (k["weight_bits"], k["act_bits"]) == (wb, ab)),
                      base["kernels"][0]["dense_gflops"])

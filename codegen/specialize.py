@@ -18,9 +18,11 @@ from ..errors import CodegenError
 from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan, SubOp
 from ..passes.transform.transform_op import gemm_view
-from ..templates import cpu_fine, cpu_linear
+from ..runtime.cpu_linear import Passthrough, SparseLinearCPU, SubKernel, block_rows
+from ..templates.cpu_linear import block_spec, fine_spec
+from ..templates.cpu_linear.block import block_linear
+from ..templates.cpu_linear.fine import fine_linear
 from .build import build_cpu
-from .cpu_modules import Passthrough, SparseLinearCPU, SubKernel, block_rows
 
 FULL_FINE_MAX_NNZ = 256  # baked FMAs: ~11 s of LLVM at 855 non-zeros (measured), so bake only small weights
 
@@ -88,9 +90,9 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
         if sub.template == "fine_sparse":
             mode = "full" if sub.nnz <= FULL_FINE_MAX_NNZ else "tile"
             mask = torch.nn.functional.pad(sub.elements.mask.reshape(n, k), (0, k_pad - k, 0, n_pad - n))
-            spec = cpu_fine.spec_from_weight(m, w, mask, mode, **common)
-            template, packed, blocks = cpu_fine, cpu_fine.pack(spec, w), f"{sub.nnz} nnz"
-            fn_template = cpu_fine.fine_linear
+            spec = fine_spec.spec_from_weight(m, w, mask, mode, **common)
+            template, packed, blocks = fine_spec, fine_spec.pack(spec, w), f"{sub.nnz} nnz"
+            fn_template = fine_linear
         else:
             if sub.template == "dense":
                 block = _dense_block(n_pad, k_pad)
@@ -103,13 +105,13 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
                                                       0, n_pad // block[0] - grid.shape[0]))
                 mode = op_plan.dismantle
             scale, zero, group = _fitted_scales(graph, op, sub.weight_bits, (n_pad, k_pad), block[1])
-            spec = cpu_linear.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
+            spec = block_spec.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
                                               dismantle=mode, scale_group=group, **common)
             if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape
                 spec = dataclasses.replace(spec, name=spec.generic_name())
-            template, blocks = cpu_linear, f"{spec.n_blocks}x{block[0]}x{block[1]}"
-            packed = cpu_linear.pack(spec, w, scale, zero)
-            fn_template = cpu_linear.block_linear
+            template, blocks = block_spec, f"{spec.n_blocks}x{block[0]}x{block[1]}"
+            packed = block_spec.pack(spec, w, scale, zero)
+            fn_template = block_linear
         built = build_cpu(fn_template, spec)
         info = {"op": op.name, "template": sub.template, "blocks": blocks, "bits": f"W{sub.weight_bits}A{sub.act_bits}",
                 "dismantle": mode, "build_s": round(built.build_s, 3), "cached": built.cached,
@@ -153,10 +155,10 @@ def _effective_weight(graph: Graph, op: Op, subs: list[SubKernel], n: int, k: in
         return None
     total = torch.zeros(n, k)
     for s in subs:
-        if s.template is cpu_linear:
-            total += cpu_linear.dequantized_weight(s.spec, s.packed)[:n, :k]
+        if s.template is block_spec:
+            total += block_spec.dequantized_weight(s.spec, s.packed)[:n, :k]
         else:
-            total += cpu_fine.dense_weight(s.spec, s.packed)[:n, :k]
+            total += fine_spec.dense_weight(s.spec, s.packed)[:n, :k]
     w = graph.tensor(gemm_view(graph, op)[1])
     return total.t().contiguous() if op.op in ("addmm", "mm", "matmul") else total.reshape(w.shape)
 

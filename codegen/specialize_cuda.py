@@ -1,9 +1,9 @@
 """Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel
 (fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
 W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights;
-a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/cuda_w4a16.py``, and a W8A8
-one of at most 16 rows, dense or sparse, the W8A8 GEMV, ``templates/cuda_w8a8_gemv.py``).
-fp16 LayerNorms become sparta's LayerNorm kernel (``templates/cuda_layernorm.py``): one read by W8A8
+a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/w4a16_gemv/``, and a W8A8
+one of at most 16 rows, dense or sparse, the W8A8 GEMV, ``templates/w8a8_gemv/``).
+fp16 LayerNorms become sparta's LayerNorm kernel (``templates/layernorm/``): one read by W8A8
 linears hands them their per-token int8 codes, so they skip the quantiser; one fed by a residual add
 that nothing else reads adds the two inputs itself. A linear whose output (after its fused activation)
 calibration gave a static int8 scale and only W8A8 linears read writes int8 codes itself (``out="int8"``: the
@@ -33,10 +33,12 @@ from ..passes.transform.transform_op import gemm_view
 from ..runtime.bsr_linear import SparseLinearCUDA
 from ..runtime.layernorm import LayerNormCUDA, quantized_names
 from ..runtime.w8a8_gemv import W8A8GemvCUDA
-from ..templates.cuda_bsr import TUNED_TILES, BsrSpec, bsr_linear
-from ..templates.cuda_bsr_ref import block_mask_of
-from ..templates.cuda_layernorm import LayerNormSpec, layer_norm_kernel, pick_threads
-from ..templates.cuda_w8a8_gemv import w8a8_gemv
+from ..templates.bsr_linear.kernel import bsr_linear
+from ..templates.bsr_linear.packing import block_mask_of
+from ..templates.bsr_linear.spec import TUNED_TILES, BsrSpec
+from ..templates.layernorm.kernel import layer_norm_kernel
+from ..templates.layernorm.spec import LayerNormSpec, pick_threads
+from ..templates.w8a8_gemv.kernel import w8a8_gemv
 from .cuda_build import build_cuda
 from .specialize import _fusable_activation, _weight_matrix
 from .specialize_gemv import (HOPPER_SMS, W8A8_GEMV_ROWS, bind, build_w4a16_gemv, build_w8a8_gemv, gemv_group,
@@ -59,7 +61,7 @@ STREAM_MAX_ROW_BLOCKS = 2     # kept 64-blocks per block row at or below which t
 
 
 def stream_tiles(m: int, mask: torch.Tensor) -> dict | None:
-    """The streaming grid's tile (``templates/cuda_bsr_stream.py``) for an fp16 op in 64-blocks whose block
+    """The streaming grid's tile (``templates/bsr_linear/stream.py``) for an fp16 op in 64-blocks whose block
     rows keep few blocks, else None. Measured on the H200 (benchmarks/RESULTS.md, "Streaming grid"): BERT
     FFN1 at 90% / 95% (1.2 / 0.6 kept blocks per row) runs 10% / 8% faster than one tile per CTA; FFN2
     (4.8 per row) ties. 64-row tiles, 2 stages, about five CTAs per SM: ``groups`` block rows per m tile."""
@@ -75,8 +77,8 @@ PINGPONG_TILES_PER_SM = 3     # 128x192 tiles per SM from which the ping-pong ke
 
 def _pingpong_pays(m: int, n: int) -> bool:
     """Whether a dense W8A8 GEMM writing int8 codes runs fastest on the ping-pong kernel (128x192 tile per consumer
-    warpgroup, ``templates/cuda_bsr_wgmma_ws.py``). Measured on the H100 (benchmarks/RESULTS.md): BERT FFN1, 3.9
-    tiles per SM, 8-15% faster than any cooperative tile; FFN2, at most one tile per SM, 9% slower."""
+    warpgroup, ``templates/bsr_linear/warp_specialized.py``). Measured on the H100 (benchmarks/RESULTS.md): BERT
+    FFN1, 3.9 tiles per SM, 8-15% faster than any cooperative tile; FFN2, at most one tile per SM, 9% slower."""
     return n % 192 == 0 and -(-m // 128) * (n // 192) >= PINGPONG_TILES_PER_SM * HOPPER_SMS
 
 

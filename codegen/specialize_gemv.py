@@ -1,8 +1,8 @@
 """GEMV kernels for the few-row linears of ``target="cuda"`` (decode), and what every CUDA kernel module of
 ``codegen.specialize_cuda`` shares: its report row, the weight it stands for, the int8 scales and the row quantiser.
 
-A dense 4-bit linear of at most 16 rows runs the W4A16 GEMV (``templates/cuda_w4a16.py``), a dense W8A8 one the W8A8
-GEMV (``templates/cuda_w8a8_gemv.py``): both stream the weights over the whole GPU, where the tile kernels' 128-row
+A dense 4-bit linear of at most 16 rows runs the W4A16 GEMV (``templates/w4a16_gemv/``), a dense W8A8 one the W8A8
+GEMV (``templates/w8a8_gemv/``): both stream the weights over the whole GPU, where the tile kernels' 128-row
 tiles make a grid of a few dozen CTAs. Tilings are the fastest measured on the H100 (benchmarks/RESULTS.md).
 """
 
@@ -13,10 +13,13 @@ import torch
 from ..graph import Graph, Op
 from ..runtime.w4a16_gemv import W4A16GemvCUDA
 from ..runtime.w8a8_gemv import W8A8GemvCUDA
-from ..templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
-from ..templates.cuda_quant import pick_threads as pick_quant_threads
-from ..templates.cuda_w4a16 import W4A16Spec, w4a16_gemv
-from ..templates.cuda_w8a8_gemv import W8A8GemvSpec, w8a8_gemv
+from ..templates.quant.kernel import quantize_rows_kernel
+from ..templates.quant.spec import QuantRowsSpec
+from ..templates.quant.spec import pick_threads as pick_quant_threads
+from ..templates.w4a16_gemv.kernel import w4a16_gemv
+from ..templates.w4a16_gemv.spec import W4A16Spec
+from ..templates.w8a8_gemv.kernel import w8a8_gemv
+from ..templates.w8a8_gemv.spec import W8A8GemvSpec
 from .cuda_build import build_cuda
 
 HOPPER_SMS = 132                                        # H100/H200 SXM multiprocessors

@@ -41,7 +41,7 @@ MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from
     "w4a16_gemv_cuda": "sparta.runtime.w4a16_gemv:W4A16GemvCUDA",
     "w8a8_gemv_cuda": "sparta.runtime.w8a8_gemv:W8A8GemvCUDA",
     "layer_norm_cuda": "sparta.runtime.layernorm:LayerNormCUDA",
-    "sparse_linear_cpu": "sparta.codegen.cpu_modules:SparseLinearCPU",
+    "sparse_linear_cpu": "sparta.runtime.cpu_linear:SparseLinearCPU",
 }
 # what a malformed folder can raise from deep inside torch, safetensors or a module's from_saved
 _MALFORMED = (SpartaError, KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError,

@@ -127,15 +127,16 @@ def test_the_cache_root_must_be_the_users_own(tmp_path, monkeypatch):
 
 
 def test_a_missing_tvm_runtime_keeps_an_intact_cached_kernel(tmp_path, monkeypatch):
-    from sparta.templates import cpu_linear
+    from sparta.templates.cpu_linear import block_spec
+    from sparta.templates.cpu_linear.block import block_linear
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = cpu_linear.BlockLinearSpec(4, 8, 8, (4, 4), ((0,), (1,)), name="cache_probe")
-    built = build.build_cpu(cpu_linear.block_linear, spec)
+    spec = block_spec.BlockLinearSpec(4, 8, 8, (4, 4), ((0,), (1,)), name="cache_probe")
+    built = build.build_cpu(block_linear, spec)
     build._LOADED.clear()
 
     def no_runtime():
         raise CodegenError("compiling kernels needs TVM")
     monkeypatch.setattr(build, "runtime", no_runtime)
     with pytest.raises(CodegenError, match="needs TVM"):
-        build.build_cpu(cpu_linear.block_linear, spec)
+        build.build_cpu(block_linear, spec)
     assert cache.lookup(built.key, "kernel.so") is not None, "the entry survives a failed import"

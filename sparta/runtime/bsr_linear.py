@@ -1,12 +1,12 @@
 """A block-sparse linear layer running sparta's CUDA ``bsr_linear`` kernel (no TVM needed).
 
 ``BsrLinearOp(folder, spec, weight, block_mask, bias)`` packs the kept blocks once
-(``sparta.templates.cuda_bsr_ref.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
+(``sparta.templates.bsr_linear.packing.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
 then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream. For an
 int8 (W8A8) kernel the weight is quantised per channel at construction and ``op(x)``
 quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised. A kernel built with
 ``out="int8"`` returns int8 codes of the static ``out_scale`` instead of fp16. A W4A16 kernel
-(``dtype="w4a16"``) holds int4 block records (``templates/cuda_bsr_w4.py``) and takes fp16 ``x``.
+(``dtype="w4a16"``) holds int4 block records (``templates/bsr_linear/int4_records.py``) and takes fp16 ``x``.
 :class:`SparseLinearCUDA` is the graph module ``compile(target="cuda")`` puts in place of
 a sparse linear; it holds the packed weights and saves/loads without TVM.
 """
@@ -19,10 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_bsr import BsrSpec
-from ..templates.cuda_bsr_ref import block_mask_of, out_scale_arg, pack_weight, quantize_rows, unpack_weight
-from ..templates.cuda_bsr_w4 import expand_groups, pack_w4, quantize_w4, unpack_w4
+from ..templates.bsr_linear.int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
+from ..templates.bsr_linear.packing import block_mask_of, pack_weight, unpack_weight
+from ..templates.bsr_linear.spec import BsrSpec
+from ..templates.epilogue_ref import out_scale_arg
+from ..templates.quant.spec import quantize_rows
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec, device_arch
+from .quant import QuantizedInput, RequantizedOutput, RowQuantizer
 
 
 def spec_to_json(spec: BsrSpec) -> dict:
@@ -36,84 +39,6 @@ def spec_from_json(d: dict) -> BsrSpec:
 def load_spec(folder) -> BsrSpec:
     """The spec a kernel folder was built from (``spec.json`` beside ``launch.json``)."""
     return spec_from_json(json.loads((Path(folder) / "spec.json").read_text()))
-
-
-class RowQuantizer:
-    """sparta's per-row int8 quantisation kernel (``templates/cuda_quant.py``): ``q(x) -> (xq, xs)``,
-    bit for bit ``cuda_bsr_ref.quantize_rows``, one pass over ``x``."""
-
-    def __init__(self, folder):
-        self.kernel = CudaKernel(folder)
-        self.m, self.k = next(a["shape"] for a in self.kernel.launch["args"] if a["name"] == "X")
-        self._prepared = None
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        check_fp16_input(self.kernel.name, x, self.m, self.k)
-        xq = torch.empty(self.m, self.k, dtype=torch.int8, device=x.device)
-        xs = torch.empty(self.m, dtype=torch.float32, device=x.device)
-        if self._prepared is None:
-            self._prepared = self.kernel.prepare(X=x, XQ=xq, XS=xs)
-        else:
-            self._prepared.launch(X=x, XQ=xq, XS=xs)
-        return xq, xs
-
-
-class QuantizedInput:
-    """The input side of a W8A8 graph module: fp16 activations quantised per token on the way in (the kernel in
-    ``quant_folder``; torch ops without one), or, after :meth:`use_quantized_input`, the (codes, scales) graph
-    tensors a LayerNorm kernel or a requantising linear wrote. Needs ``op_name``, ``input_names`` and
-    ``quant_folder``; sets ``out_dtype`` (the output's dtype when the input is no float tensor to copy it from)."""
-
-    def use_quantized_input(self, names: list[str], out_dtype: torch.dtype) -> None:
-        """Read per-token int8 codes and fp32 scales (the graph tensors ``names``, e.g. from a LayerNorm
-        kernel that quantises its output) instead of quantising a float input; return ``out_dtype``."""
-        if not self.reads_int8 or len(names) != 2:
-            raise CudaRuntimeError(f"op {self.op_name!r}: only a W8A8 kernel reads (codes, scales) inputs")
-        self.input_names, self.out_dtype, self.quant_folder = list(names), out_dtype, None
-
-    def input_config(self) -> tuple[dict, dict[str, Path]]:
-        """What a save records of the input side: (config entries, kernel folders)."""
-        config, folders = {}, {}
-        if self.quant_folder:
-            config["quantizer"] = Path(self.quant_folder).name
-            folders[config["quantizer"]] = Path(self.quant_folder)
-        if self.out_dtype is not None:
-            config["quantized_input"] = {"names": self.input_names, "dtype": str(self.out_dtype).split(".")[-1]}
-        return config, folders
-
-    def restore_input(self, config: dict) -> None:
-        """The input side of a loaded module, from its :meth:`input_config` entries."""
-        quantized = config.get("quantized_input")
-        if quantized is not None:
-            dtype = getattr(torch, quantized["dtype"], None)
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise CudaRuntimeError(f"op {config['op_name']!r}: unknown output dtype {quantized['dtype']!r}")
-            self.use_quantized_input(quantized["names"], dtype)
-
-
-class RequantizedOutput:
-    """The output side of a W8A8 graph module that may return the int8 codes of its output at one static scale, and
-    that scale per row, as the graph tensors ``output_names`` (what the W8A8 linears reading it take)."""
-
-    def _requantized(self, names: list[str], scale: float, rows: int, device) -> None:
-        if len(names) != 2:
-            raise CudaRuntimeError(f"op {self.op_name!r}: requantising names two tensors (codes, scales)")
-        out_scale_arg(scale)                             # refuses a scale that is not positive and finite
-        self.output_names, self.out_scale, self._op = list(names), float(scale), None
-        self.register_buffer("code_scale", torch.full((rows,), float(scale), dtype=torch.float32, device=device))
-
-    def output_config(self) -> dict:
-        """What a save records of the output side (restored by :meth:`restore_output`)."""
-        if self.out_scale is None:
-            return {}
-        return {"requantized_output": {"names": self.output_names, "scale": self.out_scale}}
-
-    def restore_output(self, config: dict) -> None:
-        """The output side of a loaded module, from its :meth:`output_config` entries (the kernels it was saved with
-        already write codes)."""
-        requantized = config.get("requantized_output")
-        if requantized is not None:
-            self.requantize_output(requantized["names"], requantized["scale"])
 
 
 class BsrLinearOp:
@@ -171,7 +96,7 @@ class BsrLinearOp:
         w4 = self.spec.dtype == "w4a16"
         if w4 and (wp.dtype != torch.uint8 or weight_scale is not None):
             raise CudaRuntimeError(f"{self.spec.name}: the W4A16 kernel takes packed int4 block records "
-                                   "(cuda_bsr_w4.pack_w4, scales inside), no separate scales")
+                                   "(int4_records.pack_w4, scales inside), no separate scales")
         dev = wp.device
         self.wp, self.table = (wp if int8 or w4 else wp.half()).contiguous(), table.to(dev).contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
@@ -393,5 +318,4 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, tor
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 
-__all__ = ["BsrLinearOp", "QuantizedInput", "RequantizedOutput", "RowQuantizer", "SparseLinearCUDA", "load_spec",
-           "spec_from_json", "spec_to_json"]
+__all__ = ["BsrLinearOp", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]

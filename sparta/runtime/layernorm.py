@@ -1,4 +1,4 @@
-"""sparta's LayerNorm kernel (``templates/cuda_layernorm.py``) from torch, without TVM.
+"""sparta's LayerNorm kernel (``templates/layernorm/``) from torch, without TVM.
 
 ``LayerNormOp(folder, spec, weight, bias)(x)`` normalises a contiguous fp16 ``(M, N)`` tensor and
 returns what the kernel was built to emit: ``y``, ``(xq, xs)`` or ``(y, xq, xs)`` (per-token int8
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_layernorm import LayerNormSpec
+from ..templates.layernorm.spec import LayerNormSpec
 from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, check_saved_spec
 
 QUANT_SUFFIXES = (":int8", ":scale")

@@ -1,4 +1,4 @@
-"""A dense 4-bit linear on few rows running sparta's W4A16 GEMV kernel (``templates/cuda_w4a16.py``), no TVM.
+"""A dense 4-bit linear on few rows running sparta's W4A16 GEMV kernel (``templates/w4a16_gemv/``), no TVM.
 
 :class:`W4A16GemvCUDA` is the graph module ``compile(target="cuda")`` puts in place of a dense linear whose
 weights calibration lowered to 4 bits when the op has at most 16 activation rows (decode): int4 codes
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_w4a16 import W4A16Spec, dequantize, pack_codes, split_buffers
+from ..templates.w4a16_gemv.spec import W4A16Spec, dequantize, pack_codes, split_buffers
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
 
 
@@ -26,7 +26,7 @@ class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
         if wq.shape != (spec.tiles, spec.chunks, 32, 4) or wq.dtype != torch.int32 \
                 or scale.shape != (spec.tiles, spec.groups, 8) or (zero is None) != spec.sym:
             raise CudaRuntimeError(f"op {op_name!r}: packed weights {tuple(wq.shape)} / scales {tuple(scale.shape)} "
-                                   f"do not fit {spec.name} (cuda_w4a16.pack_codes)")
+                                   f"do not fit {spec.name} (w4a16_gemv.spec.pack_codes)")
         if spec.bias and bias is None:
             raise CudaRuntimeError(f"op {op_name!r}: the kernel adds a bias; pass one")
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec

@@ -1,10 +1,10 @@
-"""A dense W8A8 linear on few rows running sparta's W8A8 GEMV (``templates/cuda_w8a8_gemv.py``), no TVM.
+"""A W8A8 linear on few rows running sparta's W8A8 GEMV (``templates/w8a8_gemv/``), no TVM.
 
 :class:`W8A8GemvCUDA` is the graph module ``compile(target="cuda")`` puts in place of a dense linear that
 calibration ran at int8 weights and activations when the op has at most 16 activation rows (decode): int8
 codes per channel with their fp32 scales (a sparse op: only its kept 16×32 chunks, with their table), bias and
 activation fused. Its input is quantised per token on the
-way in, or arrives as codes and scales (:class:`~sparta.runtime.bsr_linear.QuantizedInput`). It saves and loads
+way in, or arrives as codes and scales (:class:`~sparta.runtime.quant.QuantizedInput`). It saves and loads
 without TVM like :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`.
 """
 
@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ..templates.cuda_bsr_ref import out_scale_arg, quantize_rows
-from ..templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight, unpack_weight
-from .bsr_linear import QuantizedInput, RequantizedOutput, RowQuantizer
+from ..templates.epilogue_ref import out_scale_arg
+from ..templates.quant.spec import quantize_rows
+from ..templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, unpack_weight
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
+from .quant import QuantizedInput, RequantizedOutput, RowQuantizer
 
 
 def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
@@ -26,7 +27,7 @@ def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale:
     kept = table.numel() - spec.tiles - 1 if table is not None else 0
     want = spec.weight_shape(kept)
     if wq.shape != want or wq.dtype != torch.int8 or weight_scale.shape != (spec.n,):
-        raise CudaRuntimeError(f"{what}: weights must be int8 codes of shape {want} (cuda_w8a8_gemv.pack_weight) and "
+        raise CudaRuntimeError(f"{what}: weights must be int8 codes of shape {want} (w8a8_gemv.spec.pack_weight) and "
                                f"({spec.n},) scales, not {tuple(wq.shape)} {wq.dtype} / {tuple(weight_scale.shape)}")
     if spec.sparse != (table is not None) or (table is not None and (table.dtype != torch.int32 or kept < 0)):
         raise CudaRuntimeError(f"{what}: " + ("the sparse kernel takes the int32 table of pack_weight" if spec.sparse
@@ -35,7 +36,7 @@ def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale:
 
 class W8A8GemvOp:
     """The kernel on device tensors: ``op(xq, xs)`` for per-token int8 codes ``(M, K)`` and fp32 scales ``(M,)``;
-    ``wq`` and (sparse) ``table`` as ``cuda_w8a8_gemv.pack_weight`` returns them."""
+    ``wq`` and (sparse) ``table`` as ``w8a8_gemv.spec.pack_weight`` returns them."""
 
     def __init__(self, folder, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, out_scale: float | None = None, table: torch.Tensor | None = None):

@@ -11,7 +11,8 @@ from sparta import TeSA
 from sparta.codegen import cache
 from sparta.codegen.build import build_cpu
 from sparta.codegen.tvm_env import num_threads
-from sparta.templates.cpu_linear import BlockLinearSpec, block_linear
+from sparta.templates.cpu_linear.block import block_linear
+from sparta.templates.cpu_linear.block_spec import BlockLinearSpec
 
 
 def test_thread_pool_uses_all_cores():

@@ -1,4 +1,4 @@
-"""The streaming ``bsr_linear`` grid (``BsrSpec(groups=G)``, ``templates/cuda_bsr_stream.py``): its table
+"""The streaming ``bsr_linear`` grid (``BsrSpec(groups=G)``, ``templates/bsr_linear/stream.py``): its table
 and a compile-only build (the GPU tests in ``tests/runtime/test_cuda_bsr.py`` run the ``t_stream_*`` kernels)."""
 
 import shutil
@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparta.codegen.cuda_build import build_cuda
-from sparta.templates.cuda_bsr import BsrSpec, bsr_linear
-from sparta.templates.cuda_bsr_ref import build_table, pack_weight, table_parts, unpack_weight
-from sparta.templates.cuda_bsr_w4 import pack_w4, unpack_w4
+from sparta.templates.bsr_linear.int4_records import pack_w4, unpack_w4
+from sparta.templates.bsr_linear.kernel import bsr_linear
+from sparta.templates.bsr_linear.packing import build_table, pack_weight, table_parts, unpack_weight
+from sparta.templates.bsr_linear.spec import BsrSpec
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
-from sparta.templates.cuda_bsr import BsrSpec, argument_names, bsr_linear
-from sparta.templates.cuda_bsr_ref import (block_mask_of, build_table, gelu_erf_fast, gelu_tanh_fast, out_scale_arg,
-                                           pack_weight, quantize_rows, reference, reference_int8, requantize,
-                                           unpack_weight)
+from sparta.templates.bsr_linear.kernel import bsr_linear
+from sparta.templates.bsr_linear.packing import block_mask_of, build_table, pack_weight, unpack_weight
+from sparta.templates.bsr_linear.spec import BsrSpec, argument_names, reference, reference_int8
+from sparta.templates.epilogue_ref import gelu_erf_fast, gelu_tanh_fast, out_scale_arg, requantize
+from sparta.templates.quant.spec import quantize_rows
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -191,9 +192,9 @@ def test_warp_specialised_wgmma_kernel_builds(tmp_path, monkeypatch):
     assert art.launch["grid"] == [2, 1, 1] and art.launch["block"] == [384, 1, 1]
     assert art.launch["shared_bytes"] == spec.shared_bytes
     from sparta.codegen.build import _relative_imports
-    from sparta.templates import cuda_bsr
-    assert {"sparta.templates.cuda_bsr_wgmma_ws", "sparta.templates.cuda_bsr_wgmma"} <= \
-        _relative_imports(cuda_bsr.__name__), "editing the variants changes the cache key"
+    from sparta.templates.bsr_linear import kernel
+    assert {"sparta.templates.bsr_linear.warp_specialized", "sparta.templates.bsr_linear.wgmma"} <= \
+        _relative_imports(kernel.__name__), "editing the variants changes the cache key"
 
 
 @needs_nvcc
@@ -343,7 +344,8 @@ def test_w8a8_pack_and_reference():
 
 @needs_nvcc
 def test_row_quantizer_builds_with_vector_loads_and_half_even_rounding(tmp_path, monkeypatch):
-    from sparta.templates.cuda_quant import QuantRowsSpec, quantize_rows_kernel
+    from sparta.templates.quant.kernel import quantize_rows_kernel
+    from sparta.templates.quant.spec import QuantRowsSpec
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     art = build_cuda(quantize_rows_kernel, QuantRowsSpec(37, 200, threads=32, name="probe_q"))
     src = (art.path / "kernel.cu").read_text()
@@ -361,12 +363,14 @@ def test_row_quantizer_builds_with_vector_loads_and_half_even_rounding(tmp_path,
 
 def test_cache_key_covers_the_modules_a_template_imports():
     from sparta.codegen.build import _relative_imports, _source_digest
-    from sparta.templates import cuda_bsr, cuda_w4a16
-    # the W4A16 block stage and the shared dequantisation macro live in other modules than the template
-    # (imported inside its functions): editing them must change the key of every kernel built with them
-    assert {"sparta.templates.cuda_bsr_w4", "sparta.templates.cuda_w4a16"} <= _relative_imports(cuda_bsr.__name__)
-    assert _relative_imports(cuda_w4a16.__name__) == {cuda_w4a16.__name__}
-    assert _source_digest(cuda_bsr) != _source_digest(cuda_w4a16)
+    from sparta.templates.bsr_linear import kernel as bsr
+    from sparta.templates.w4a16_gemv import kernel as w4a16
+    # the W4A16 block stage and the shared dequantisation macro live in other modules than the template:
+    # editing them must change the key of every kernel built with them
+    assert {"sparta.templates.bsr_linear.warp_mma", "sparta.templates.ptx"} <= _relative_imports(bsr.__name__)
+    assert _relative_imports(w4a16.__name__) == {w4a16.__name__, "sparta.templates.w4a16_gemv.spec",
+                                                 "sparta.templates.ptx"}
+    assert _source_digest(bsr) != _source_digest(w4a16)
 
 
 @needs_nvcc

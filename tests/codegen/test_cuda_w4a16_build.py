@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
-from sparta.templates.cuda_w4a16 import (ORDER, W4A16Spec, argument_names, codes_of, dequantize, pack_codes,
-                                         pack_weight, quantize, reference, split_buffers, unpack,
-                                         w4a16_gemv)
+from sparta.templates.w4a16_gemv.kernel import w4a16_gemv
+from sparta.templates.w4a16_gemv.spec import (ORDER, W4A16Spec, argument_names, codes_of, dequantize, pack_codes,
+                                              pack_weight, quantize, reference, split_buffers, unpack)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from sparta.codegen.cuda_build import build_cuda
-from sparta.templates.cuda_bsr_ref import quantize_rows
-from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, argument_names, reference, w8a8_gemv
+from sparta.templates.quant.spec import quantize_rows
+from sparta.templates.w8a8_gemv.kernel import w8a8_gemv
+from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec, argument_names, reference
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -57,7 +58,7 @@ def test_build_streams_weights_into_dp4a_and_waits_before_reading_x(tmp_path, mo
 
 @pytest.mark.parametrize("n,k", [(37, 96), (16, 32), (200, 2080)])
 def test_mma_packing_puts_each_lanes_a_fragment_in_one_16_byte_load(n, k):
-    from sparta.templates.cuda_w8a8_gemv import pack_mma, unpack_mma
+    from sparta.templates.w8a8_gemv.spec import pack_mma, unpack_mma
     g = torch.Generator().manual_seed(n + k)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     packed = pack_mma(w)
@@ -103,7 +104,7 @@ def test_int8_codes_out_take_the_output_scale(tmp_path, monkeypatch, mma):
 
 @pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
 def test_sparse_packing_keeps_the_chunks_that_hold_a_code(density):
-    from sparta.templates.cuda_w8a8_gemv import chunk_mask, pack_weight, unpack_weight
+    from sparta.templates.w8a8_gemv.spec import chunk_mask, pack_weight, unpack_weight
     spec = W8A8GemvSpec(3, 101, 1056, mma=True, sparse=True)
     g = torch.Generator().manual_seed(int(density * 10))
     keep = torch.rand(spec.tiles, 33, generator=g) < density

@@ -229,7 +229,7 @@ def test_a_linear_with_few_blocks_per_row_compiles_to_the_streaming_grid(tmp_pat
 def test_decode_sized_4bit_linear_folds_group128_scales_into_the_fp32_sum(tmp_path, monkeypatch):
     """Up to 8 rows with calibration's groups of 128, the W4A16 GEMV applies the scale once per chunk
     (measured faster at batch 1); the reference weight is still the dequantised one the kernel applies."""
-    from sparta.templates.cuda_w4a16 import dequantize
+    from sparta.templates.w4a16_gemv.spec import dequantize
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     model, mask = _mlp_and_mask(3)
     model = model.half()
@@ -319,7 +319,7 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
 
 def test_int8_codes_of_a_dense_gemm_with_many_tiles_per_sm_come_from_the_ping_pong_kernel():
     from sparta.codegen.specialize_cuda import HOPPER_SMS, int8_codes_spec, int8_dense_tiles
-    from sparta.templates.cuda_bsr import BsrSpec
+    from sparta.templates.bsr_linear.spec import BsrSpec
     ffn1, ffn2 = (4096, 3072), (4096, 768)
     assert int8_dense_tiles(*ffn1)[1]["bn"] == 256            # fp16 out: 128x256 (measured best)
     tiles, hopper = int8_dense_tiles(*ffn1, requantized=True)
@@ -395,7 +395,7 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
     assert rows["linear"]["template"] == rows["linear_1"]["template"] == "w8a8_gemv", compiled.kernel_report()
     sparse = mods["linear"]
     assert sparse.spec.sparse and not mods["linear_1"].spec.sparse and rows["linear_1"]["blocks"] == "dense"
-    from sparta.templates.cuda_w8a8_gemv import chunk_mask
+    from sparta.templates.w8a8_gemv.spec import chunk_mask
     chunks = chunk_mask(torch.round(compiled.graph.tensor("0.weight").data * mask / sparse.weight_scale[:, None]))
     assert rows["linear"]["blocks"] == f"{int(chunks.sum())}x16x32" and sparse.wq.shape[0] == int(chunks.sum())
     assert torch.equal(sparse.dense_weight() != 0, (sparse.reference_weight != 0)), "pruned chunks stay zero"

@@ -60,7 +60,7 @@ def test_asymmetric_beats_symmetric_on_skewed_weights():
 
 
 def test_activation_rows_match_the_int8_kernel_quantiser():
-    from sparta.templates.cpu_linear import quantize_rows
+    from sparta.templates.cpu_linear.block_spec import quantize_rows
     x = torch.randn(5, 33) * torch.logspace(-2, 2, 5)[:, None]
     q, s = quantize_rows(x)
     torch.testing.assert_close(fake_quant_rows(x, 8), q.float() * s[:, None])

@@ -1,6 +1,6 @@
-"""sparta's block-sparse CUDA linear (``templates/cuda_bsr.py``) against its torch reference, on a GPU.
+"""sparta's block-sparse CUDA linear (``templates/bsr_linear/``) against its torch reference, on a GPU.
 
-Kernels are built beforehand (``python benchmarks/build_cuda_kernels.py``, TVM + nvcc, no GPU)
+Kernels are built beforehand (``python tests/fixtures/build_cuda.py``, TVM + nvcc, no GPU)
 into ``$SPARTA_CUDA_ARTIFACTS`` (default ``artifacts/cuda``); the small ``t_*`` ones cover odd
 M, a partial last block row and block column, every epilogue, both table kinds and a
 dense tile. Fresh random data each run; outputs are poisoned with NaN first.
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.cuda,
 
 
 def _mask(spec, density):
-    from sparta.templates.cuda_bsr import BsrSpec
+    from sparta.templates.bsr_linear.spec import BsrSpec
     if spec.table == "const":
         return spec.pattern_mask()
     assert isinstance(spec, BsrSpec)
@@ -35,8 +35,9 @@ def _check(name, density):
     the product with the dequantised int4 weight, and both, by SQNR, against the fp16 product
     (the quantisation error)."""
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.templates.cuda_bsr_ref import quantize_rows, reference, reference_int8
-    from sparta.templates.cuda_bsr_w4 import unpack_w4
+    from sparta.templates.bsr_linear.int4_records import unpack_w4
+    from sparta.templates.bsr_linear.spec import reference, reference_int8
+    from sparta.templates.quant.spec import quantize_rows
     spec = load_spec(ROOT / name)
     mask = _mask(spec, density)
     x = torch.randn(spec.m, spec.k, device="cuda").half()
@@ -72,7 +73,8 @@ def _check_requantized(name, spec, mask, x, w, bias):
     to even, clamped) — equal but where the fp32 epilogue rounds differently (at most one code apart, rarely);
     the scale clips the largest outputs, so the clamp is exercised too."""
     from sparta.runtime.bsr_linear import BsrLinearOp
-    from sparta.templates.cuda_bsr_ref import quantize_rows, reference, reference_int8
+    from sparta.templates.bsr_linear.spec import reference, reference_int8
+    from sparta.templates.quant.spec import quantize_rows
     exact = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk).float()
     scale = float(exact.abs().max().clamp_min(1e-3)) * 0.8 / 127
     op = BsrLinearOp(ROOT / name, spec, w, mask, bias, out_scale=scale)
@@ -101,7 +103,7 @@ def _fp16_blocks_for_first(dtype):
     """(folder, spec, all-kept mask, weight, fp16 blocks + table packed as if the kernel were fp16) of the
     first small kernel of ``dtype``."""
     from sparta.runtime.bsr_linear import load_spec
-    from sparta.templates.cuda_bsr_ref import pack_weight
+    from sparta.templates.bsr_linear.packing import pack_weight
     names = [n for n in SMALL if load_spec(ROOT / n).dtype == dtype and load_spec(ROOT / n).out == "float16"]
     if not names:
         pytest.skip(f"no {dtype} kernels built")
@@ -123,7 +125,7 @@ def test_w4a16_rejects_fp16_blocks():
 def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
     from sparta.runtime.bsr_linear import BsrLinearOp
     from sparta.runtime.cuda import CudaRuntimeError
-    from sparta.templates.cuda_bsr_ref import quantize_rows
+    from sparta.templates.quant.spec import quantize_rows
     folder, spec, mask, w, wp16, table = _fp16_blocks_for_first("int8")
     bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
     with pytest.raises(CudaRuntimeError, match="int8 blocks"):
@@ -135,8 +137,8 @@ def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
 
 @pytest.mark.parametrize("name", QUANT)
 def test_row_quantizer_is_bit_exact_with_torch(name):
-    from sparta.runtime.bsr_linear import RowQuantizer
-    from sparta.templates.cuda_bsr_ref import quantize_rows
+    from sparta.runtime.quant import RowQuantizer
+    from sparta.templates.quant.spec import quantize_rows
     q = RowQuantizer(ROOT / name)
     x = (torch.randn(q.m, q.k, device="cuda") * torch.rand(q.m, 1, device="cuda") * 10).half()
     x[0] = 0                                           # an all-zero row: scale clamps, codes are 0
@@ -153,7 +155,7 @@ def test_bsr_linear_matches_reference(name, density):
 
 def test_bsr_linear_graph_capture():
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.templates.cuda_bsr_ref import reference
+    from sparta.templates.bsr_linear.spec import reference
     name = SMALL[0]
     spec = load_spec(ROOT / name)
     mask = _mask(spec, 0.5)
@@ -193,7 +195,8 @@ def test_programmatic_dependent_launch_chains_read_what_the_previous_kernel_wrot
     next one's input: fp16, or int8 codes of one static scale read back as codes with that scale per row), eagerly
     and replayed from a CUDA graph, every hop against the reference of the previous hop's actual output."""
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.templates.cuda_bsr_ref import quantize_rows, reference, reference_int8
+    from sparta.templates.bsr_linear.spec import reference, reference_int8
+    from sparta.templates.quant.spec import quantize_rows
     chained = [n for n in SMALL if load_spec(ROOT / n).pdl]
     if not chained:
         pytest.skip("no pdl kernels built")

@@ -1,6 +1,6 @@
-"""sparta's LayerNorm kernel (``templates/cuda_layernorm.py``) on the GPU against torch, and a saved
+"""sparta's LayerNorm kernel (``templates/layernorm/``) on the GPU against torch, and a saved
 W8A8 block whose LayerNorm hands the linear its int8 codes. Kernels are built beforehand where TVM is
-(``benchmarks/build_cuda_kernels.py``)."""
+(``tests/fixtures/build_cuda.py``)."""
 
 import os
 from pathlib import Path
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sparta.runtime.layernorm import LayerNormOp
-from sparta.templates.cuda_bsr_ref import quantize_rows
-from sparta.templates.cuda_layernorm import LayerNormSpec, layer_norm_ref
+from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
+from sparta.templates.quant.spec import quantize_rows
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

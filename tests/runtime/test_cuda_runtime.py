@@ -1,6 +1,6 @@
 """sparta's TVM-free CUDA launcher (cuda-bindings): argument checks and load errors, on a GPU.
 
-Uses the ``t_odd_gelu`` kernel built beforehand by ``python benchmarks/build_cuda_kernels.py``
+Uses the ``t_odd_gelu`` kernel built beforehand by ``python tests/fixtures/build_cuda.py``
 (found in ``$SPARTA_CUDA_ARTIFACTS``, default ``artifacts/cuda``); skips without a GPU or it.
 """
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cuda,
 
 def _args():
     from sparta.runtime.bsr_linear import load_spec
-    from sparta.templates.cuda_bsr_ref import pack_weight
+    from sparta.templates.bsr_linear.packing import pack_weight
     spec = load_spec(KERNEL)
     w = torch.randn(spec.n, spec.k, device="cuda").half()
     wp, tab = pack_weight(w, spec, torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool))

@@ -1,6 +1,6 @@
-"""sparta's W4A16 CUDA kernel (``templates/cuda_w4a16.py``) against its torch reference, on a GPU.
+"""sparta's W4A16 CUDA kernel (``templates/w4a16_gemv/``) against its torch reference, on a GPU.
 
-Kernels are built beforehand (``python benchmarks/build_w4a16_kernels.py``, TVM + nvcc, no GPU) into
+Kernels are built beforehand (``python tests/fixtures/build_cuda.py``, TVM + nvcc, no GPU) into
 ``$SPARTA_CUDA_ARTIFACTS/w4a16`` (default ``artifacts/cuda/w4a16``); the ``t_*`` ones cover batch 1, 5,
 9, 16, odd N, a partial last K chunk, groups 32/64/128, symmetric and asymmetric, bias, fp32 and fp16
 accumulation and ragged tilings. Fresh random weights and inputs each run; outputs are poisoned
@@ -28,12 +28,12 @@ RESULTS = {}
 
 def _load(name):
     from sparta.runtime.cuda import CudaKernel
-    from sparta.templates.cuda_w4a16 import W4A16Spec
+    from sparta.templates.w4a16_gemv.spec import W4A16Spec
     return W4A16Spec(**json.loads((W4 / name / "spec.json").read_text())), CudaKernel(W4 / name)
 
 
 def _operands(spec, gain=None):
-    from sparta.templates.cuda_w4a16 import pack_weight, quantize, split_buffers
+    from sparta.templates.w4a16_gemv.spec import pack_weight, quantize, split_buffers
     w = torch.randn(spec.n, spec.k, device="cuda") * (0.02 + torch.rand(spec.n, 1, device="cuda"))
     if gain is not None:
         w = w * (gain / w.norm(dim=1, keepdim=True))
@@ -52,7 +52,7 @@ def _errors(y, ref):
 
 
 def _run(spec, kernel, ops):
-    from sparta.templates.cuda_w4a16 import reference
+    from sparta.templates.w4a16_gemv.spec import reference
     y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
     kernel.call(**{k: v for k, v in ops.items() if v is not None}, Y=y)
     torch.cuda.synchronize()
@@ -116,7 +116,7 @@ def _graph_replay(name):
     y.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
-    from sparta.templates.cuda_w4a16 import reference
+    from sparta.templates.w4a16_gemv.spec import reference
     sqnr, err = _errors(y, reference(ops["X"], ops["Wq"], ops["S"], ops["Z"], ops["B"], spec))
     RESULTS["graph_" + name] = {"sqnr_db": sqnr, "max_err": err}
     assert sqnr > LIMITS[spec.acc][0] and err < LIMITS[spec.acc][1]
@@ -128,7 +128,7 @@ def test_programmatic_dependent_launch_chains_read_what_the_previous_kernel_wrot
     ends; each reads its X only after ``griddepcontrol.wait``. A chain x → y1 → y2 … through one square kernel (its
     output is the next launch's input; split-K counters shared by all launches) against the reference chain, eagerly
     and replayed from a CUDA graph; every hop checked."""
-    from sparta.templates.cuda_w4a16 import reference
+    from sparta.templates.w4a16_gemv.spec import reference
     chained = [n for n in SMALL if _load(n)[0].pdl]
     if not chained:
         pytest.skip("no pdl kernels built")

@@ -1,6 +1,6 @@
-"""sparta's W8A8 GEMV (``templates/cuda_w8a8_gemv.py``) on a GPU, against the W8A8 reference.
+"""sparta's W8A8 GEMV (``templates/w8a8_gemv/``) on a GPU, against the W8A8 reference.
 
-Kernels built beforehand by ``python benchmarks/build_cuda_kernels.py`` (``t_w8g_*``), dp4a and tensor-core
+Kernels built beforehand by ``python tests/fixtures/build_cuda.py`` (``t_w8g_*``), dp4a and tensor-core
 (``mma``): N not a multiple of the CTA's warps (or of the 16-row tiles), K not a multiple of the 512 bytes a warp
 loads (or of the warps' chunks), batches shorter than the group, M = 1, 3, 8, 9, 16, bias, ReLU and exact GELU,
 programmatic dependent launch, fp16 or int8 codes out. Fresh random data each run (per-row magnitudes vary
@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.cuda,
 
 def _case(name, seed=0, density=1.0):
     from sparta.runtime.w8a8_gemv import W8A8GemvOp
-    from sparta.templates.cuda_bsr_ref import quantize_rows
-    from sparta.templates.cuda_w8a8_gemv import W8A8GemvSpec, pack_weight, reference
+    from sparta.templates.quant.spec import quantize_rows
+    from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, reference
     spec = W8A8GemvSpec(**json.loads((ROOT / name / "spec.json").read_text()))
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(spec.m, spec.k, device="cuda", generator=g) * (torch.rand(spec.m, 1, device="cuda", generator=g)
@@ -46,7 +46,7 @@ def _case(name, seed=0, density=1.0):
 
 
 def _check(spec, y, xq, xs, wq, ws, bias, scale):
-    from sparta.templates.cuda_w8a8_gemv import reference
+    from sparta.templates.w8a8_gemv.spec import reference
     if spec.out == "int8":
         codes = reference(xq, xs, wq, ws, bias, spec.act, scale).int()
         diff = (y.int() - codes).abs()
@@ -82,7 +82,7 @@ def test_w8a8_gemv_matches_the_int8_reference(name):
 @pytest.mark.parametrize("density", [0.0, 0.35, 1.0])
 def test_sparse_w8a8_gemv_skips_pruned_chunks_exactly(name, density):
     """The block-sparse GEMV at 0% (no chunk kept: bias and activation only), 35% and 100% of its 16x32 chunks."""
-    from sparta.templates.cuda_w8a8_gemv import chunk_mask
+    from sparta.templates.w8a8_gemv.spec import chunk_mask
     spec, op, (xq, xs), wq, ws, bias, scale = _case(name, seed=3, density=density)
     kept = op.table.numel() - spec.tiles - 1
     assert kept == int(chunk_mask(wq).sum()) and (kept == 0) == (density == 0)

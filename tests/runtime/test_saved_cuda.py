@@ -1,4 +1,4 @@
-"""A model compiled for CUDA and saved where TVM is (``benchmarks/build_cuda_kernels.py``), loaded and run on a GPU.
+"""A model compiled for CUDA and saved where TVM is (``tests/fixtures/build_cuda.py``), loaded and run on a GPU.
 
 The GPU machine has no TVM: this is the path a user's saved model takes.
 """
@@ -75,7 +75,7 @@ needs_w8a8 = pytest.mark.skipif(not (W8A8 / "sparta.json").is_file(), reason=f"n
 @needs_w8a8
 def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math():
     import sparta
-    from sparta.templates.cuda_bsr_ref import quantize_rows
+    from sparta.templates.quant.spec import quantize_rows
     model = sparta.load(W8A8).to("cuda")
     mods = {k: m for k, m in model.module_replacements().items() if type(m).__name__ == "SparseLinearCUDA"}
     assert len(mods) == 2 and all(m.spec.dtype == "int8" and m.quant_folder for m in mods.values())
@@ -113,7 +113,7 @@ def test_w8a8_model_with_a_static_scale_hands_int8_codes_between_linears():
     """The first linear's epilogue (ReLU) writes int8 codes at calibration's static scale, which the second
     (dense, wgmma on Hopper) reads with no quantiser in between: against the fake-quantised math."""
     import sparta
-    from sparta.templates.cuda_bsr_ref import quantize_rows
+    from sparta.templates.quant.spec import quantize_rows
     model = sparta.load(W8A8_STATIC).to("cuda")
     mods = model.module_replacements()
     fc1, fc2 = mods["linear"], mods["linear_1"]
@@ -174,8 +174,9 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
     the same math in torch (per-token codes of the LayerNorm, codes of the GELU at the static scale, the dequantised
     weights), eagerly and from a CUDA graph."""
     import sparta
-    from sparta.templates.cuda_bsr_ref import quantize_rows, requantize
-    from sparta.templates.cuda_w8a8_gemv import unpack_weight
+    from sparta.templates.epilogue_ref import requantize
+    from sparta.templates.quant.spec import quantize_rows
+    from sparta.templates.w8a8_gemv.spec import unpack_weight
     model = sparta.load(DECODE_W8A8).to("cuda")
     mods = model.module_replacements()
     fc1, fc2, norm = mods["linear"], mods["linear_1"], mods["layer_norm"]

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from sparta.codegen.build import build_cpu
-from sparta.templates.cpu_fine import argument_names, dense_weight, fine_linear, pack, reference, spec_from_weight
+from sparta.templates.cpu_linear.fine import fine_linear
+from sparta.templates.cpu_linear.fine_spec import argument_names, dense_weight, pack, reference, spec_from_weight
 
 
 @pytest.mark.parametrize("m, n, k, density, mode, act", [
@@ -28,5 +29,5 @@ def test_fine_linear_matches_reference(m, n, k, density, mode, act):
 
 def test_full_needs_values():
     with pytest.raises(ValueError, match="values"):
-        from sparta.templates.cpu_fine import FineLinearSpec
+        from sparta.templates.cpu_linear.fine_spec import FineLinearSpec
         FineLinearSpec(2, 1, 2, ((0,),), dismantle="full")

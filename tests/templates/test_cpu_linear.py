@@ -7,8 +7,9 @@ import torch
 
 from sparta.codegen.build import build_cpu
 from sparta.codegen.dismantle import before_after
-from sparta.templates.cpu_linear import (BlockLinearSpec, argument_names, block_linear, dequantized_weight, pack,
-                                         quantize_rows, reference)
+from sparta.templates.cpu_linear.block import block_linear
+from sparta.templates.cpu_linear.block_spec import (BlockLinearSpec, argument_names, dequantized_weight, pack,
+                                                    quantize_rows, reference)
 
 
 def rows_of(keep):

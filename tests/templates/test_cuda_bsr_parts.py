@@ -1,13 +1,13 @@
-"""The requantising epilogue's arithmetic (``cuda_bsr_parts.unit_value`` + ``requantize_bits``), emulated in fp32
-torch ops, against the reference ``cuda_bsr_ref.requantize``: z = sat(y·r/span + offset/span), the code the low byte
+"""The requantising epilogue's arithmetic (``epilogue.unit_value`` + ``requantize_bits``), emulated in fp32
+torch ops, against the reference ``epilogue_ref.requantize``: z = sat(y·r/span + offset/span), the code the low byte
 of fp32 fma(z, span, M − offset). Equal to round(y·r) clamped to ±127 except next to a rounding tie, by one."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparta.templates.cuda_bsr_parts import ROUND_MAGIC, code_span
-from sparta.templates.cuda_bsr_ref import out_scale_arg, requantize
+from sparta.templates.epilogue import ROUND_MAGIC, code_span
+from sparta.templates.epilogue_ref import out_scale_arg, requantize
 
 
 def fma32(a, b, c) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""``bsr_linear``'s W4A16 kernel, torch side and compile-only: int4 block records (``cuda_bsr_w4``), the
+"""``bsr_linear``'s W4A16 kernel, torch side and compile-only: int4 block records (``bsr_linear/int4_records.py``), the
 B-fragment layout the in-register dequantisation reads, spec checks and the build."""
 
 import shutil
@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparta.templates.cuda_bsr import BsrSpec, bsr_linear
-from sparta.templates.cuda_bsr_w4 import (dequantize_w4, expand_groups, pack_w4, quantize_w4, record_lanes,
-                                          unpack_w4)
-from sparta.templates.cuda_w4a16 import ORDER
+from sparta.templates.bsr_linear.int4_records import dequantize_w4, expand_groups, pack_w4, quantize_w4, unpack_w4
+from sparta.templates.bsr_linear.kernel import bsr_linear
+from sparta.templates.bsr_linear.spec import BsrSpec, record_lanes
+from sparta.templates.w4a16_gemv.spec import ORDER
 
 
 def _codes(n, k, group, zero, seed):

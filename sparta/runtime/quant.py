@@ -1,0 +1,98 @@
+"""sparta's per-token int8 quantiser from torch, and the int8 input and output sides the W8A8 graph modules share
+(no TVM needed).
+
+:class:`RowQuantizer` runs the quantiser kernel (``templates/quant/``): ``q(x) -> (xq, xs)``, bit for bit
+``quant.spec.quantize_rows``, one pass over ``x``. :class:`QuantizedInput` and :class:`RequantizedOutput` are the
+mixins of :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA` and :class:`~sparta.runtime.w8a8_gemv.W8A8GemvCUDA`:
+an input that arrives as int8 codes and scales, an output returned as int8 codes at a static scale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..templates.epilogue_ref import out_scale_arg
+from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
+
+
+class RowQuantizer:
+    """sparta's per-row int8 quantisation kernel (``templates/quant/``): ``q(x) -> (xq, xs)``,
+    bit for bit ``quant.spec.quantize_rows``, one pass over ``x``."""
+
+    def __init__(self, folder):
+        self.kernel = CudaKernel(folder)
+        self.m, self.k = next(a["shape"] for a in self.kernel.launch["args"] if a["name"] == "X")
+        self._prepared = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        check_fp16_input(self.kernel.name, x, self.m, self.k)
+        xq = torch.empty(self.m, self.k, dtype=torch.int8, device=x.device)
+        xs = torch.empty(self.m, dtype=torch.float32, device=x.device)
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(X=x, XQ=xq, XS=xs)
+        else:
+            self._prepared.launch(X=x, XQ=xq, XS=xs)
+        return xq, xs
+
+
+class QuantizedInput:
+    """The input side of a W8A8 graph module: fp16 activations quantised per token on the way in (the kernel in
+    ``quant_folder``; torch ops without one), or, after :meth:`use_quantized_input`, the (codes, scales) graph
+    tensors a LayerNorm kernel or a requantising linear wrote. Needs ``op_name``, ``input_names`` and
+    ``quant_folder``; sets ``out_dtype`` (the output's dtype when the input is no float tensor to copy it from)."""
+
+    def use_quantized_input(self, names: list[str], out_dtype: torch.dtype) -> None:
+        """Read per-token int8 codes and fp32 scales (the graph tensors ``names``, e.g. from a LayerNorm
+        kernel that quantises its output) instead of quantising a float input; return ``out_dtype``."""
+        if not self.reads_int8 or len(names) != 2:
+            raise CudaRuntimeError(f"op {self.op_name!r}: only a W8A8 kernel reads (codes, scales) inputs")
+        self.input_names, self.out_dtype, self.quant_folder = list(names), out_dtype, None
+
+    def input_config(self) -> tuple[dict, dict[str, Path]]:
+        """What a save records of the input side: (config entries, kernel folders)."""
+        config, folders = {}, {}
+        if self.quant_folder:
+            config["quantizer"] = Path(self.quant_folder).name
+            folders[config["quantizer"]] = Path(self.quant_folder)
+        if self.out_dtype is not None:
+            config["quantized_input"] = {"names": self.input_names, "dtype": str(self.out_dtype).split(".")[-1]}
+        return config, folders
+
+    def restore_input(self, config: dict) -> None:
+        """The input side of a loaded module, from its :meth:`input_config` entries."""
+        quantized = config.get("quantized_input")
+        if quantized is not None:
+            dtype = getattr(torch, quantized["dtype"], None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise CudaRuntimeError(f"op {config['op_name']!r}: unknown output dtype {quantized['dtype']!r}")
+            self.use_quantized_input(quantized["names"], dtype)
+
+
+class RequantizedOutput:
+    """The output side of a W8A8 graph module that may return the int8 codes of its output at one static scale, and
+    that scale per row, as the graph tensors ``output_names`` (what the W8A8 linears reading it take)."""
+
+    def _requantized(self, names: list[str], scale: float, rows: int, device) -> None:
+        if len(names) != 2:
+            raise CudaRuntimeError(f"op {self.op_name!r}: requantising names two tensors (codes, scales)")
+        out_scale_arg(scale)                             # refuses a scale that is not positive and finite
+        self.output_names, self.out_scale, self._op = list(names), float(scale), None
+        self.register_buffer("code_scale", torch.full((rows,), float(scale), dtype=torch.float32, device=device))
+
+    def output_config(self) -> dict:
+        """What a save records of the output side (restored by :meth:`restore_output`)."""
+        if self.out_scale is None:
+            return {}
+        return {"requantized_output": {"names": self.output_names, "scale": self.out_scale}}
+
+    def restore_output(self, config: dict) -> None:
+        """The output side of a loaded module, from its :meth:`output_config` entries (the kernels it was saved with
+        already write codes)."""
+        requantized = config.get("requantized_output")
+        if requantized is not None:
+            self.requantize_output(requantized["names"], requantized["scale"])
+
+
+__all__ = ["QuantizedInput", "RequantizedOutput", "RowQuantizer"]

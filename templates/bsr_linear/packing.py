@@ -1,0 +1,85 @@
+"""The block table and the packing of kept fp16 / int8 blocks of ``bsr_linear`` kernels (TVM-free)."""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import BsrSpec
+
+
+def block_mask_of(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """(row_blocks, k_blocks) bool: which ``bn × bk`` blocks of ``w`` hold a nonzero."""
+    n, k = w.shape
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=w.dtype, device=w.device)
+    pad[:n, :k] = w
+    return pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).ne(0).any(dim=(1, 3))
+
+
+def build_table(block_mask: torch.Tensor, groups: int = 0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Table (int32: per slot row, first packed block, count; then the packed blocks' K
+    indices) and the packed order of kept blocks. Slots are sorted by decreasing count.
+
+    ``groups > 0`` (the streaming grid): slots are dealt to ``groups`` groups, heaviest first to the
+    lightest group (a row costs its blocks plus one for its output tile), each group's slots
+    contiguous; (first slot, first packed block) per group and an end mark follow the slots."""
+    mask = block_mask.cpu().bool()
+    counts = mask.sum(dim=1).tolist()
+    order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
+    if groups:
+        bins: list[list[int]] = [[] for _ in range(groups)]
+        load = [0] * groups
+        for r in order:
+            g = min(range(groups), key=lambda i: (load[i], i))
+            bins[g].append(r)
+            load[g] += counts[r] + 1
+        order = [r for b in bins for r in b]
+    head, kidx, packed = [], [], []
+    for r in order:
+        ks = torch.nonzero(mask[r]).flatten().tolist()
+        head += [r, len(packed), len(ks)]
+        packed += [(r, kb) for kb in ks]
+        kidx += ks
+    tail = []
+    if groups:
+        slot, first = 0, 0
+        for b in bins:
+            tail += [slot, first]
+            slot, first = slot + len(b), first + sum(counts[r] for r in b)
+        tail += [slot, first]
+    return torch.tensor(head + tail + kidx, dtype=torch.int32), packed
+
+
+def table_parts(table: torch.Tensor, spec: BsrSpec) -> tuple[list[list[int]], list[int]]:
+    """``(slots, kidx)`` of a table: (row, first packed block, count) per slot, the K index per packed block."""
+    head = table[: 3 * spec.row_blocks].reshape(-1, 3).tolist()
+    return head, table[spec.table_head:].tolist()
+
+
+def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wp, table)``: the kept ``bn × bk`` blocks of ``w`` (zero-padded at the edges), fp16
+    (int8 codes for ``dtype="int8"``), contiguous in table order, and the int32 table. ``Wp`` has
+    at least one block."""
+    table, packed = build_table(block_mask, spec.groups)
+    n, k = w.shape
+    dtype = torch.int8 if spec.dtype == "int8" else torch.float16
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=dtype, device=w.device)
+    pad[:n, :k] = w
+    blocks = pad.reshape(spec.row_blocks, spec.bn, spec.k_blocks, spec.bk).permute(0, 2, 1, 3)
+    if packed:
+        rows = torch.tensor([r for r, _ in packed], device=w.device)
+        cols = torch.tensor([c for _, c in packed], device=w.device)
+        wp = blocks[rows, cols].contiguous()
+    else:
+        wp = torch.zeros(1, spec.bn, spec.bk, dtype=dtype, device=w.device)
+    return wp, table.to(w.device)
+
+
+def unpack_weight(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: the dense ``(N, K)`` fp16 weight, zero where no block is kept."""
+    head, kidx = table_parts(table, spec)
+    pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=wp.dtype, device=wp.device)
+    for row, first, count in head:
+        for j in range(first, first + count):
+            kb = kidx[j]
+            pad[row * spec.bn:(row + 1) * spec.bn, kb * spec.bk:(kb + 1) * spec.bk] = wp[j]
+    return pad[: spec.n, : spec.k].contiguous()

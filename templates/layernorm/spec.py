@@ -1,0 +1,73 @@
+"""The LayerNorm kernel's spec and torch reference (TVM-free).
+
+``Y[m, :] = (X[m, :] - mean) · rsqrt(var + eps) · G + B`` over the last dimension, fp16 in and out; ``out="int8"``
+or ``"both"`` also (or only) emits the per-token int8 codes and scales the W8A8 kernels read, bit for bit
+``quant.spec.quantize_rows`` of the fp16 ``Y``; ``residual=True`` normalises ``X + R``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+OUTPUTS = ("fp16", "int8", "both")
+
+
+@dataclass(frozen=True)
+class LayerNormSpec:
+    m: int
+    n: int                      # normalised width, a multiple of 8 (16-byte rows)
+    eps: float = 1e-5
+    affine: bool = True         # G (fp16 weight)
+    bias: bool = True           # B (fp16 bias)
+    out: str = "fp16"           # "fp16": Y; "int8": XQ, XS; "both"
+    residual: bool = False      # normalise X + R (the fp16 sum, as torch's add): the residual add fused
+    threads: int = 32           # threads per row: 32 = a warp per row, 64..1024 = a CTA per row
+    name: str = "layer_norm"
+
+    def __post_init__(self):
+        bad = []
+        if self.m <= 0 or self.n <= 0 or self.n % 8:
+            bad.append(f"M and N must be positive and N={self.n} a multiple of 8")
+        if self.threads not in (32, 64, 128, 256, 512, 1024):
+            bad.append("threads must be a power of two from 32 to 1024")
+        if self.out not in OUTPUTS:
+            bad.append(f"out must be one of {OUTPUTS}")
+        if not self.eps > 0:
+            bad.append("eps must be positive")
+        if self.bias and not self.affine:
+            bad.append("a bias needs the affine weight (torch's layer_norm takes either both or none)")
+        if bad:
+            raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 4 if self.threads == 32 else 1
+
+    @property
+    def per_thread(self) -> int:
+        """16-byte chunks each thread holds in registers."""
+        return -(-(self.n // 8) // self.threads)
+
+    def key(self) -> dict:
+        return asdict(self)
+
+
+def argument_names(spec: LayerNormSpec) -> list[str]:
+    names = ["X"] + ["R"] * spec.residual + ["G"] * spec.affine + ["B"] * spec.bias
+    return names + ["Y"] * (spec.out != "int8") + ["XQ", "XS"] * (spec.out != "fp16")
+
+
+def pick_threads(n: int) -> int:
+    """Threads per row for width ``n``: a warp while each lane holds at most 32 values (OneFlow's
+    warp kernel up to 1024 columns), else enough threads for 16 values each, up to 1024."""
+    if n <= 1024:
+        return 32
+    return min(1024, max(64, 1 << (-(-n // 16) - 1).bit_length()))
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The fp32 LayerNorm of fp16 ``x`` over its last dimension, rounded to fp16."""
+    return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], None if weight is None else weight.float(),
+                                          None if bias is None else bias.float(), eps).half()

@@ -1,0 +1,53 @@
+"""The per-token int8 quantiser's spec and torch reference (TVM-free): ``quantize_rows`` is what the kernel
+(``kernel.py``) computes bit for bit, and the per-token quantisation every W8A8 reference and module uses.
+
+``XQ[m, :] = clamp(round(X[m, :] / s[m]), ±127)``, ``s[m] = max|X[m, :]| · (1/127)`` (fp32 division, round half to
+even). ``threads=32``: a warp per row, four rows per CTA; more: a CTA per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantRowsSpec:
+    m: int
+    k: int                      # a multiple of 8 (16-byte rows)
+    threads: int = 32           # threads per row: 32 = a warp per row (4 rows per CTA), 64..512 = a CTA per row
+    name: str = "quantize_rows"
+
+    def __post_init__(self):
+        if self.m <= 0 or self.k <= 0 or self.k % 8:
+            raise ValueError(f"spec {self.name}: M and K must be positive and K={self.k} a multiple of 8")
+        if self.threads not in (32, 64, 128, 256, 512):
+            raise ValueError(f"spec {self.name}: threads must be a power of two from 32 to 512")
+        if -(-self.k // 8 // self.threads) > 32:
+            raise ValueError(f"spec {self.name}: K={self.k} needs more than 32 chunks per thread; use more threads")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 4 if self.threads == 32 else 1
+
+    def key(self) -> dict:
+        return asdict(self)
+
+
+def pick_threads(k: int) -> int:
+    """A warp per row up to 16 chunks (4096 columns) per lane, else a CTA per row with at most 16 per thread."""
+    chunks, threads = -(-k // 8), 32
+    while threads < 512 and -(-chunks // threads) > 16:
+        threads *= 2
+    return threads
+
+
+def argument_names(spec: QuantRowsSpec) -> list[str]:
+    return ["X", "XQ", "XS"]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 codes and fp32 scales (activations per token; weights per channel)."""
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) * (1.0 / 127.0)   # the reciprocal, as the kernel does
+    return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale

@@ -1,0 +1,167 @@
+"""W8A8 GEMV for decode, llama.cpp's ``mul_mat_vec_q`` on sparta's W8A8 scheme: spec, weight layouts, reference.
+
+``Y = act((XQ · WQᵀ) · xs · ws + b)`` for ``M`` = 1..16 activation rows. ``XQ`` is ``(M, K)`` int8 per-token codes
+with fp32 scales ``XS`` — what sparta's per-row quantiser (``templates/quant/``) or a LayerNorm kernel
+(``templates/layernorm/``) writes for the W8A8 linears reading it — and ``WQ`` is ``(N, K)`` int8 per-channel
+codes with fp32 scales ``WS``. ``Y`` is ``(M, N)`` fp16 or, ``out="int8"``, int8 codes of one static scale (the tile
+kernels' requantising epilogue: what a W8A8 linear behind this one reads, with no quantiser pass between).
+
+The tile kernels (``bsr_linear``, ``dtype="int8"``) compute 128 rows per CTA: with one row, a dense 4096-wide
+linear is a grid of 16-32 CTAs streaming all the weights, a fraction of the GPU. Two kernels stream them over the
+whole GPU instead: ``mma=True`` (``mma.py``; what ``compile`` builds where K is a multiple of 32) on
+``mma.sync.m16n8k32.s8`` with the weights stored in fragment order (``pack_mma``), ``sparse=True`` only over the
+kept 16×32 chunks (``pack_sparse``); the default, ``dp4a.py``, one warp per output row with ``dp4a`` on the
+codes as they are. Both apply the tile kernels' epilogue, ``(acc · xs) · ws + b`` in fp32 and the activation
+(``bsr_linear.spec.reference_int8`` is the reference of both). ``pdl`` ("early" / "late") builds them for
+programmatic dependent launch (sm_90), as the W4A16 GEMV: the first batch of weights and the column constants
+load before ``griddepcontrol.wait``, ``XQ``, ``XS`` and the writes after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..bsr_linear.spec import reference_int8
+from ..epilogue_ref import ACTIVATIONS, OUTPUTS
+
+CHUNK = 16                 # bytes of a row per lane and load
+MMA_K = 32                 # K of one mma.sync.m16n8k32
+MAX_K = 133_000            # int32 sums of int8 products stay exact below this K
+
+
+@dataclass(frozen=True)
+class W8A8GemvSpec:
+    """Shape, epilogue and tiling of one kernel."""
+    m: int
+    n: int
+    k: int
+    warps: int = 4             # output rows per CTA, one per warp
+    group: int = 8             # 16-byte chunks per lane in one batch of loads
+    bias: bool = False
+    act: str = "none"
+    pdl: str = ""              # programmatic dependent launch (sm_90): "", "early" or "late"
+    mma: bool = False          # tensor cores (weights in fragment order, ``pack_mma``) instead of dp4a
+    out: str = "float16"       # Y: fp16, or "int8" codes of one static scale (argument OS, as ``bsr_linear``'s)
+    sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
+    name: str = "w8a8_gemv"
+
+    def __post_init__(self):
+        bad = []
+        if not 1 <= self.m <= 16:
+            bad.append(f"M={self.m} must be 1..16 (a GEMV for decode; more rows want the tile kernels)")
+        if self.n <= 0 or self.k <= 0 or self.k % CHUNK or self.k > MAX_K:
+            bad.append(f"N and K must be positive, K={self.k} a multiple of {CHUNK} and below {MAX_K}")
+        if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.group <= 16:
+            bad.append(f"warps {self.warps} must be 1, 2, 4, 8 or 16 and group {self.group} 1..16")
+        if self.act not in ACTIVATIONS:
+            bad.append(f"activation {self.act!r} not in {ACTIVATIONS}")
+        if self.pdl not in ("", "early", "late"):
+            bad.append(f"pdl {self.pdl!r} must be '', 'early' or 'late'")
+        if self.out not in OUTPUTS:
+            bad.append(f"out {self.out!r} must be one of {OUTPUTS}")
+        if self.mma and self.k % MMA_K:
+            bad.append(f"mma: K={self.k} must be a multiple of {MMA_K}")
+        if self.sparse and not self.mma:
+            bad.append("sparse: for the tensor-core kernel (mma=True)")
+        if bad:
+            raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    @property
+    def chunks(self) -> int:
+        """16-byte chunks per lane (the last ones of a row may fall past K)."""
+        return -(-self.k // (CHUNK * 32))
+
+    @property
+    def tiles(self) -> int:
+        """mma: 16-row tiles of the weight (the last one zero-padded)."""
+        return -(-self.n // 16)
+
+    def weight_shape(self, kept: int = 0) -> tuple:
+        """Shape of the int8 weight argument as the kernel takes it (``pack_mma``'s for the mma kernel; the sparse one
+        holds the ``kept`` chunks, at least one)."""
+        if self.sparse:
+            return (max(kept, 1), 32, 16)
+        return (self.tiles, self.k // MMA_K, 32, 16) if self.mma else (self.n, self.k)
+
+    def key(self) -> dict:
+        d = asdict(self)
+        for f, default in (("mma", False), ("out", "float16"), ("sparse", False)):
+            if d[f] == default:            # the keys of kernels built before the field existed
+                del d[f]
+        return d
+
+
+def argument_names(spec: W8A8GemvSpec) -> list[str]:
+    return ["XQ", "XS", "WQ", "WS", *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []),
+            *(["Tab"] if spec.sparse else []), "Y"]
+
+
+def reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+              bias: torch.Tensor | None = None, act: str = "none", out_scale: float | None = None) -> torch.Tensor:
+    """What the kernel computes: the W8A8 tile kernels' reference on every block kept (``out_scale``: int8 codes)."""
+    return reference_int8(xq, xs, wq, ws, None, bias, act, 1, 1, out_scale)
+
+
+def pack_mma(wq: torch.Tensor) -> torch.Tensor:
+    """int8 ``(N, K)`` codes in the mma kernel's order, ``(tiles, K/32, 32, 16)``: per 16-row tile and 32-K chunk,
+    lane ``4g + t`` holds its A fragment of ``mma.m16n8k32`` — rows ``g`` and ``g + 8``, K ``8t .. 8t+7`` of the
+    chunk, as [row g, K 8t..+3], [row g+8, same], [row g, K 8t+4..+7], [row g+8, same] — so one 16-byte load per
+    lane is the fragment, and a warp reads 512 contiguous bytes. (The MMA's K order is permuted alike in A and B:
+    its lane ``t`` multiplies K ``8t .. 8t+7`` of the chunk, an 8-byte load of each X row.)"""
+    n, k = wq.shape
+    tiles = -(-n // 16)
+    w = torch.zeros(tiles * 16, k, dtype=torch.int8, device=wq.device)
+    w[:n] = wq
+    w = w.reshape(tiles, 2, 8, k // MMA_K, 4, 2, 4)          # tile, row half, g, chunk, t, K half, 4 bytes
+    return w.permute(0, 3, 2, 4, 5, 1, 6).reshape(tiles, k // MMA_K, 32, 16).contiguous()
+
+
+def unpack_mma(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mma`: the int8 ``(N, K)`` codes."""
+    tiles, chunks = packed.shape[:2]
+    w = packed.reshape(tiles, chunks, 8, 4, 2, 2, 4).permute(0, 5, 2, 1, 3, 4, 6)
+    return w.reshape(tiles * 16, chunks * MMA_K)[:n].contiguous()
+
+
+def chunk_mask(codes: torch.Tensor) -> torch.Tensor:
+    """(tiles, K/32) bool: which 16-row × 32-K chunks of int8 ``(N, K)`` codes hold a nonzero."""
+    n, k = codes.shape
+    pad = torch.zeros(-(-n // 16) * 16, k, dtype=torch.bool, device=codes.device)
+    pad[:n] = codes != 0
+    return pad.reshape(-1, 16, k // MMA_K, MMA_K).any(dim=(1, 3))
+
+
+def pack_sparse(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(WQ, Tab)`` of the sparse kernel: the kept chunks of ``pack_mma(codes)`` in tile order, ``(max(kept, 1), 32,
+    16)``, and the int32 table — for each tile the offset of its first kept chunk (``tiles + 1`` entries, CSR), then
+    each kept chunk's K index."""
+    mask = chunk_mask(codes)
+    tiles, chunks = torch.nonzero(mask, as_tuple=True)
+    packed = pack_mma(codes)[tiles, chunks]
+    if not len(tiles):
+        packed = torch.zeros(1, 32, 16, dtype=torch.int8, device=codes.device)
+    offsets = torch.zeros(mask.shape[0] + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(mask.sum(dim=1).cpu(), 0)
+    return packed.contiguous(), torch.cat([offsets, chunks.cpu()]).to(torch.int32).to(codes.device)
+
+
+def pack_weight(spec: W8A8GemvSpec, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int8 ``(N, K)`` codes in the layout the kernel reads, and its table (None but for ``sparse``)."""
+    if spec.sparse:
+        return pack_sparse(codes)
+    return (pack_mma(codes) if spec.mma else codes.contiguous()), None
+
+
+def unpack_weight(spec: W8A8GemvSpec, packed: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: the int8 ``(N, K)`` codes (pruned chunks zero)."""
+    if not spec.sparse:
+        return unpack_mma(packed, spec.n) if spec.mma else packed
+    tiles, chunks = spec.tiles, spec.k // MMA_K
+    full = torch.zeros(tiles, chunks, 32, 16, dtype=torch.int8, device=packed.device)
+    table = table.long().cpu()
+    for tile in range(tiles):
+        first, last = int(table[tile]), int(table[tile + 1])
+        full[tile, table[tiles + 1 + first: tiles + 1 + last]] = packed[first:last]
+    return unpack_mma(full, spec.n)
