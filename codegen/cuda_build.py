@@ -82,6 +82,11 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     return CudaArtifact(path.parent, json.loads(path.read_text()), False, time.perf_counter() - t0)
 
 
+def cuda_source(template, spec) -> str:
+    """The CUDA C TVM emits for ``template(spec)``, the ``kernel.cu`` that ``build_cuda`` compiles (no nvcc)."""
+    return _emit(template(spec), spec.name, _archs(spec)[0])
+
+
 def cuda_templates() -> dict:
     """Spec type → the template that builds it, for every CUDA kernel family of ``sparta.templates``."""
     from ..templates.bsr_linear.kernel import bsr_linear
@@ -238,4 +243,4 @@ def save_dir(artifact: CudaArtifact, dest: Path) -> Path:
     return dest
 
 
-__all__ = ["build_cuda", "build_folders", "cuda_templates", "CudaArtifact", "ARCHS", "save_dir"]
+__all__ = ["build_cuda", "build_folders", "cuda_source", "cuda_templates", "CudaArtifact", "ARCHS", "save_dir"]
