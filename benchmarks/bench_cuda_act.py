@@ -29,8 +29,10 @@ SETS = 4
 
 
 def specs() -> dict:
-    from sparta.templates.bsr_linear.spec import TUNED_TILES, BsrSpec
-    return {f"act_ffn1_{fam}_{act}": BsrSpec(*FFN1, act=act, **kw, **TUNED_TILES[blk])
+    from sparta.target import load_target
+    from sparta.templates.bsr_linear.spec import BsrSpec
+    CUDA = load_target("cuda")
+    return {f"act_ffn1_{fam}_{act}": BsrSpec(*FFN1, act=act, **kw, **CUDA.tiles("fp16_tiles", blk))
             for fam, (kw, blk, _) in FAMILIES.items() for act in ACTS}
 
 

@@ -21,12 +21,15 @@ from bench_cuda_layernorm import LN_SHAPES  # noqa: E402
 from common import bench_mask  # noqa: E402
 
 from sparta.codegen.cuda_build import build_folders  # noqa: E402
-from sparta.codegen.specialize_cuda import int8_dense_tiles  # noqa: E402
-from sparta.templates.bsr_linear.spec import TUNED_TILES, BsrSpec  # noqa: E402
+from sparta.codegen.select_cuda import int8_dense_tiles  # noqa: E402
+from sparta.target import load_target  # noqa: E402
+from sparta.templates.bsr_linear.spec import BsrSpec  # noqa: E402
 from sparta.templates.layernorm.spec import LayerNormSpec, pick_threads  # noqa: E402
 from sparta.templates.quant.spec import QuantRowsSpec  # noqa: E402
 from sparta.templates.quant.spec import pick_threads as pick_quant_threads  # noqa: E402
 from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec  # noqa: E402
+
+CUDA = load_target("cuda")                # the measured tile tables compile picks from
 
 FFN1, FFN2 = (4096, 3072, 768), (4096, 768, 3072)     # BERT-base FFN, 4096 tokens: (M, N, K)
 DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, stages=4),
@@ -38,13 +41,13 @@ DENSE_TILES = {"t128x128k32": dict(bn=128, bk=32, tm=128, warps_m=2, warps_n=2, 
 SPARSE_TILES = {"b32_t128": dict(bn=32, bk=32, tm=128, warps_m=4, warps_n=1, stages=4),
                 "b32_t256": dict(bn=32, bk=32, tm=256, warps_m=4, warps_n=1, stages=4),
                 "b32_t64": dict(bn=32, bk=32, tm=64, warps_m=2, warps_n=1, stages=4),
-                "b32_t128w2": TUNED_TILES[32],
-                "b64_t128": TUNED_TILES[64],
+                "b32_t128w2": CUDA.tiles("fp16_tiles", 32),
+                "b64_t128": CUDA.tiles("fp16_tiles", 64),
                 "b64_t256": dict(bn=64, bk=64, tm=256, warps_m=4, warps_n=1, stages=3),
                 "b64_t64": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=3),
                 "b64_t64s2": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2),
                 # streaming grid (templates/bsr_linear/stream.py): CTA (m tile, group) runs the group's rows
-                "b64_t128g12": dict(TUNED_TILES[64], groups=12),
+                "b64_t128g12": dict(CUDA.tiles("fp16_tiles", 64), groups=12),
                 **{f"b64_t64s2g{g}": dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=g)
                    for g in (6, 8, 10, 12)},
                 **{f"b64_t32s2g{g}": dict(bn=64, bk=64, tm=32, warps_m=1, warps_n=2, stages=2, groups=g)
@@ -214,7 +217,7 @@ def w8a8_gemv_bench_kernels() -> dict:
                 specs[f"w8g_{shape}_m{m}_{tiling}"] = W8A8GemvSpec(m, n, k, **kw)
             specs[f"w8q_{m}x{k}"] = QuantRowsSpec(m, k, threads=pick_quant_threads(k))
             if m in (1, 16):
-                sync, hopper = int8_dense_tiles(m, n)
+                sync, hopper = int8_dense_tiles(m, n, CUDA)
                 specs[f"w8t_{shape}_m{m}_sync"] = BsrSpec(m, n, k, bias=False, dtype="int8", **sync)
                 specs[f"w8t_{shape}_m{m}_wgmma"] = BsrSpec(m, n, k, bias=False, dtype="int8", **hopper)
                 # 90% of 32x32 blocks pruned (--sparsity): the sparse GEMV and the W8A8 block tile compile used before

@@ -16,8 +16,9 @@ import torch
 
 from ..errors import CodegenError
 from ..graph import Graph, Op
+from ..passes.transform.fusion import fused_activation
 from ..passes.transform.plan import OpPlan, Plan, SubOp
-from ..passes.transform.transform_op import gemm_view
+from ..passes.transform.transform_op import gemm_view, weight_matrix
 from ..runtime.cpu_linear import Passthrough, SparseLinearCPU, SubKernel, block_rows
 from ..templates.cpu_linear import block_spec, fine_spec
 from ..templates.cpu_linear.block import block_linear
@@ -44,14 +45,6 @@ def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
     return replacements, report
 
 
-def _weight_matrix(graph: Graph, op: Op) -> torch.Tensor:
-    """The op's weight as (N, K) fp32 (transposed for addmm/mm/matmul, flattened for conv)."""
-    w = graph.tensor(gemm_view(graph, op)[1]).data.to(torch.float32)
-    if op.op in ("addmm", "mm", "matmul"):
-        return w.t().contiguous()
-    return w.reshape(w.shape[0], -1)
-
-
 def _padding(subs: list[SubOp]) -> tuple[int, int]:
     bh = bw = 1
     for s in subs:
@@ -69,7 +62,7 @@ def _dense_block(n_pad: int, k_pad: int) -> tuple[int, int]:
 
 def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
     x_name, _, _, m, n, k = gemm_view(graph, op)
-    weight = _weight_matrix(graph, op)
+    weight = weight_matrix(graph, op)
     ph, pw = _padding(op_plan.subops)
     n_pad, k_pad = -(-n // ph) * ph, -(-k // pw) * pw
     bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
@@ -79,7 +72,7 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
         extra_bias, bias = bias, None  # e.g. addmm with a full (M, N) addend
     if bias is not None:
         bias = graph.tesa(bias_name).apply(bias.to(torch.float32))
-    fused = _fusable_activation(graph, op, op_plan, single=len(op_plan.subops) == 1 and extra_bias is None)
+    fused = fused_activation(graph, op, op_plan) if len(op_plan.subops) == 1 and extra_bias is None else None
     act = fused.op if fused is not None else None
     subs, rows = [], []
     for i, sub in enumerate(op_plan.subops):
@@ -104,7 +97,7 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
                 grid = torch.nn.functional.pad(grid, (0, k_pad // block[1] - grid.shape[1],
                                                       0, n_pad // block[0] - grid.shape[0]))
                 mode = op_plan.dismantle
-            scale, zero, group = _fitted_scales(graph, op, sub.weight_bits, (n_pad, k_pad), block[1])
+            scale, zero, group = _fitted_scales(op_plan, weight, sub.weight_bits, (n_pad, k_pad), block[1])
             spec = block_spec.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
                                               dismantle=mode, scale_group=group, **common)
             if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape
@@ -123,20 +116,24 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
     module.weight_name = gemm_view(graph, op)[1]
     module.reference_weight = _effective_weight(graph, op, subs, n, k)
     if fused is None and len(op_plan.subops) > 1:
-        nxt = _fusable_activation(graph, op, op_plan, single=True)
+        nxt = fused_activation(graph, op, op_plan)
         if nxt is not None:  # several sub-ops: apply the activation once, after the sum
             module.post_activation = nxt.op
             fused = nxt
     return module, rows, fused
 
 
-def _fitted_scales(graph: Graph, op: Op, bits: int, padded: tuple[int, int], block_width: int):
-    """Element-wise scale and zero point calibration fitted for the op's weight at ``bits``, padded
-    to the kernel's shape, and the kernel's scale group (None, None, 0 when nothing was fitted)."""
-    _, weight, _, _, _, k = gemm_view(graph, op)
-    params = graph.meta.get("quant_params", {}).get(weight, {}).get(bits)
-    if params is None or bits not in (8, 4):
+def _fitted_scales(op_plan: OpPlan, weight: torch.Tensor, bits: int, padded: tuple[int, int], block_width: int):
+    """Element-wise scale and zero point of the plan's quantisation of ``weight`` (N, K) at ``bits``, padded
+    to the kernel's shape, and the kernel's scale group (None, None, 0 for a float width)."""
+    if bits not in (8, 4):
         return None, None, 0
+    quant = op_plan.weight_quant.get(bits)
+    if quant is None:
+        raise CodegenError(f"op {op_plan.op!r}: the plan runs {bits}-bit weights but holds no scales for them "
+                           "(OpPlan.weight_quant; transform fills it)")
+    k = weight.shape[1]
+    params = quant.params(torch.where(op_plan.kept(*weight.shape), weight, 0.0))
 
     def pad(t):  # padded columns repeat the last one (per-channel scales stay per channel); rows get ones
         if t is None:
@@ -161,18 +158,6 @@ def _effective_weight(graph: Graph, op: Op, subs: list[SubKernel], n: int, k: in
             total += fine_spec.dense_weight(s.spec, s.packed)[:n, :k]
     w = graph.tensor(gemm_view(graph, op)[1])
     return total.t().contiguous() if op.op in ("addmm", "mm", "matmul") else total.reshape(w.shape)
-
-
-def _fusable_activation(graph: Graph, op: Op, op_plan: OpPlan, single: bool) -> Op | None:
-    if not single or len(op_plan.epilogue) < 1 or op_plan.epilogue[-1] == "bias":
-        return None
-    users = graph.consumers(op.outputs[0])
-    nxt = graph.op(users[0]) if len(users) == 1 else None
-    if nxt is None or nxt.op != op_plan.epilogue[-1] or len(nxt.inputs) != 1:
-        return None
-    if nxt.op == "gelu" and nxt.attrs.get("approximate", "none") != "none":
-        return None
-    return nxt
 
 
 def _cname(name: str) -> str:

@@ -30,107 +30,62 @@ from ..backend.fx import Fused, Passthrough
 from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_view
+from ..target import Target, load_target
 from ..runtime.bsr_linear import SparseLinearCUDA
 from ..runtime.layernorm import LayerNormCUDA, quantized_names
 from ..runtime.w8a8_gemv import W8A8GemvCUDA
 from ..templates.bsr_linear.kernel import bsr_linear
 from ..templates.bsr_linear.packing import block_mask_of
-from ..templates.bsr_linear.spec import TUNED_TILES, BsrSpec
+from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.layernorm.kernel import layer_norm_kernel
 from ..templates.layernorm.spec import LayerNormSpec, pick_threads
 from ..templates.w8a8_gemv.kernel import w8a8_gemv
 from .cuda_build import build_cuda
-from .specialize import _fusable_activation, _weight_matrix
-from .specialize_gemv import (HOPPER_SMS, W8A8_GEMV_ROWS, bind, build_w4a16_gemv, build_w8a8_gemv, gemv_group,
-                              int8_weight_scale, report_row, row_quantizer, torch_row, w4_codes)
+from .select_cuda import fused_activation, gemm_site, pingpong_pays, select_kernels
+from .specialize_gemv import (bind, build_w4a16_gemv, build_w8a8_gemv, int8_weight_scale, report_row, row_quantizer,
+                              torch_row, w4_codes)
 
-FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # only exact GELU reaches here (_fusable_activation)
-# W8A8 tiles measured best on the H100 (benchmarks/RESULTS.md, bench_cuda_w8a8): per block side, and dense
-INT8_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
-              64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
-# W4A16 dense tiles by M, measured on the H100 (benchmarks/RESULTS.md, bench_cuda_w4_gemm): up to 16 rows
-# the int4 kernel beats cuBLAS fp16 (1.0-1.9x); from 17 to 255 rows it is 2x slower (32 CTAs of 128
-# columns, no split-K), so such ops stay cuBLAS on the dequantised weights
-W4_DENSE_TILES = ((16, dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4)),
-                  (255, None),
-                  (1024, dict(tm=64, bn=128, bk=128, warps_m=1, warps_n=4, stages=4)),
-                  (None, dict(tm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=4)))
-
-
-STREAM_MAX_ROW_BLOCKS = 2     # kept 64-blocks per block row at or below which the streaming grid runs the op
-
-
-def stream_tiles(m: int, mask: torch.Tensor) -> dict | None:
-    """The streaming grid's tile (``templates/bsr_linear/stream.py``) for an fp16 op in 64-blocks whose block
-    rows keep few blocks, else None. Measured on the H200 (benchmarks/RESULTS.md, "Streaming grid"): BERT
-    FFN1 at 90% / 95% (1.2 / 0.6 kept blocks per row) runs 10% / 8% faster than one tile per CTA; FFN2
-    (4.8 per row) ties. 64-row tiles, 2 stages, about five CTAs per SM: ``groups`` block rows per m tile."""
-    rows = mask.shape[0]
-    if mask.all() or mask.sum() > STREAM_MAX_ROW_BLOCKS * rows:
-        return None
-    groups = min(rows, max(1, round(5 * HOPPER_SMS / -(-m // 64))))
-    return dict(bn=64, bk=64, tm=64, warps_m=2, warps_n=2, stages=2, groups=groups)
-
-
-PINGPONG_TILES_PER_SM = 3     # 128x192 tiles per SM from which the ping-pong kernel writes int8 codes fastest
-
-
-def _pingpong_pays(m: int, n: int) -> bool:
-    """Whether a dense W8A8 GEMM writing int8 codes runs fastest on the ping-pong kernel (128x192 tile per consumer
-    warpgroup, ``templates/bsr_linear/warp_specialized.py``). Measured on the H100 (benchmarks/RESULTS.md): BERT
-    FFN1, 3.9 tiles per SM, 8-15% faster than any cooperative tile; FFN2, at most one tile per SM, 9% slower."""
-    return n % 192 == 0 and -(-m // 128) * (n // 192) >= PINGPONG_TILES_PER_SM * HOPPER_SMS
-
-
-def int8_dense_tiles(m: int, n: int, requantized: bool = False) -> tuple[dict, dict]:
-    """(mma.sync tiles, wgmma tiles) of a dense W8A8 GEMM, over the same blocks. The wgmma tile
-    measured best on the H100 (bench_cuda_w8a8): 128x192 where one wave of them covers the output
-    (BERT FFN2, with 5 stages: 3 K blocks in flight), else 128x256 (4 stages: shared memory) — but 128x192 for
-    an output that will be ``requantized`` (int8 codes) where the ping-pong kernel pays (``int8_codes_spec``)."""
-    one_wave = n % 192 == 0 and -(-m // 128) * (n // 192) <= HOPPER_SMS
-    bn = 192 if one_wave or (requantized and _pingpong_pays(m, n)) else 256
-    hopper = dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=1 if bn == 192 else 2, stages=5 if bn == 192 else 4,
-                  mma="wgmma")
-    return dict(bn=bn, bk=128, tm=128, warps_m=2, warps_n=bn // 64, stages=3), hopper
-
-
-def int8_codes_spec(spec: BsrSpec) -> BsrSpec:
+def int8_codes_spec(spec: BsrSpec, target: Target) -> BsrSpec:
     """The int8-code-writing (``out="int8"``) twin of a W8A8 kernel; for a dense 128x192 wgmma tile where it pays,
     the ping-pong schedule (a producer and two consumer warpgroups on alternate tiles, persistent over the SMs, 4
     stages: its two output tiles fit beside them only as int8)."""
     q8 = dataclasses.replace(spec, out="int8", name=spec.name + "_q8")
     if spec.dtype == "int8" and spec.mma == "wgmma" and (spec.bn, spec.tm, spec.warps_n) == (192, 128, 1) \
-            and _pingpong_pays(spec.m, spec.n):
-        q8 = dataclasses.replace(q8, stages=4, producer=True, ctas=HOPPER_SMS, pingpong=True, name=spec.name + "_pp_q8")
+            and pingpong_pays(spec.m, spec.n, target):
+        q8 = dataclasses.replace(q8, stages=target.tiles("pingpong", "stages"), producer=True, ctas=target.sms,
+                                 pingpong=True, name=spec.name + "_pp_q8")
     return q8
 
 
-def specialize_cuda(graph: Graph, plan: Plan):
-    """Build a kernel for every sparse GEMM of ``plan``; returns (replacements, kernel report rows)."""
+def specialize_cuda(graph: Graph, plan: Plan, target: Target | None = None):
+    """Build the kernel selection chose for every sparse GEMM of ``plan`` (choosing first where the plan has no
+    choice yet); returns (replacements, kernel report rows)."""
+    target = target if target is not None else load_target("cuda")
+    if any(p.kind == "sparse" and p.kernel is None for p in plan.ops.values()):
+        select_kernels(graph, plan, target)
     replacements, report = {}, []
     for op_plan in plan.ops.values():
         if op_plan.kind != "sparse":
             continue
         op = graph.op(op_plan.op)
-        built = _build_op(graph, op, op_plan)
-        if isinstance(built, str):
-            report.append(torch_row(op, "W16A16", built))
+        if op_plan.kernel.kernel == "torch":
+            report.append(torch_row(op, "W16A16", op_plan.kernel.reason))
             continue
-        module, row, fused = built
+        module, row, fused = _build_op(graph, op, op_plan)
         replacements[op.name] = module
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report.append(row)
-    _requantized_outputs(graph, replacements, {r["op"]: r for r in report})
+    _requantized_outputs(graph, plan, target, replacements, {r["op"]: r for r in report})
     report += _cuda_norms(graph, replacements)
     return replacements, report
 
 
-def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
-    """Linears whose output (or fused activation's output) has a static int8 scale from calibration and is
-    read only by W8A8 linears: rebuilt with the requantising epilogue (``out="int8"``), they hand their
+def _requantized_outputs(graph: Graph, plan: Plan, target: Target, replacements: dict, rows: dict) -> None:
+    """Linears whose output (or fused activation's output) has a static int8 scale in the plan (calibration's) and
+    is read only by W8A8 linears: rebuilt with the requantising epilogue (``out="int8"``), they hand their
     readers int8 codes and the scale, and the per-token quantiser pass over an fp16 tensor is gone."""
-    for t, scale in graph.meta.get("act_scales", {}).items():
+    for t, scale in plan.static_scales.items():
         readers = graph.consumers(t)
         if not readers or t in graph.outputs or not all(_reads_int8(replacements.get(r), t) for r in readers):
             continue
@@ -144,9 +99,9 @@ def _requantized_outputs(graph: Graph, replacements: dict, rows: dict) -> None:
             kernel, hopper = build_cuda(w8a8_gemv, spec), None
             module.requantize_output(quantized_names(t), scale, (kernel.path, spec))
         elif isinstance(module, SparseLinearCUDA) and module.output_names is None and module.spec.dtype != "w4a16":
-            spec = int8_codes_spec(module.spec)
+            spec = int8_codes_spec(module.spec, target)
             kernel = build_cuda(bsr_linear, spec)
-            h_spec = int8_codes_spec(module.hopper[1]) if module.hopper else None
+            h_spec = int8_codes_spec(module.hopper[1], target) if module.hopper else None
             hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
             module.requantize_output(quantized_names(t), scale, (kernel.path, spec),
                                      (hopper.path, h_spec) if hopper else None)
@@ -254,103 +209,56 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
 
 
 def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
+    """The kernel module of ``op_plan.kernel`` for ``op``: (module, report row, fused activation op or None)."""
+    choice = op_plan.kernel
     view = gemm_view(graph, op)
-    if view is None or op.op not in ("linear", "addmm", "mm", "matmul"):
-        return f"not a GEMM the CUDA template takes ({op.op})"
     x_name, _, _, m, n, k = view
-    if k % 8:
-        return f"K={k} is not a multiple of 8"
+    site = gemm_site(graph, op, op_plan)
+    weight = site.weight
     bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
-    bias = graph.tensor(bias_name).data if bias_name else None
-    if bias is not None and tuple(bias.shape) != (n,):
-        return "bias is not a vector"
-    side = 64 if max((max(s.block) for s in op_plan.subops if s.block is not None), default=32) >= 64 else 32
-    keep = torch.zeros(n, k, dtype=torch.bool)
-    for s in op_plan.subops:
-        keep |= s.elements.mask.reshape(n, k)
-    weight = torch.where(keep, _weight_matrix(graph, op), 0.0)
-    if bias is not None:
-        bias = graph.tesa(bias_name).apply(bias.float())
-    fused = _fusable_activation(graph, op, op_plan, single=True)
-    act = FUSED.get(fused.op) if fused is not None else None
-    fused = fused if act else None
-    int8 = all(s.weight_bits == 8 and s.act_bits == 8 for s in op_plan.subops) and k % 16 == 0
-    w4, w4_refusal = _w4_params(graph, view[1], op_plan, k)
-    mask = block_mask_of(weight, side, side)
-    tiles, hopper_tiles = TUNED_TILES[side], None
-    if w4 is not None and keep.all() and m <= 16 and gemv_group(w4, k):
-        return build_w4a16_gemv(graph, op, view, weight, bias, w4, gemv_group(w4, k))
-    if w4 is not None and keep.all():
-        tiles = next(t for top, t in W4_DENSE_TILES if top is None or m <= top)
-        if tiles is None:
-            return (f"W4A16 dense GEMM at M={m} is slower than cuBLAS fp16 on the dequantised weights "
-                    "(measured, bench_cuda_w4_gemm); runs as a torch op")
+    bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.float()) if bias_name else None
+    fused = fused_activation(graph, op, op_plan)
+    act = site.act
+    if choice.kernel == "w4a16_gemv":
+        return build_w4a16_gemv(graph, op, op_plan, view, weight, bias, op_plan.weight_quant[4].params(weight))
+    if choice.kernel == "w8a8_gemv":
+        return build_w8a8_gemv(graph, op, op_plan, view, weight, bias, act, fused)
+    dtype, tiles = choice.dtype, dict(choice.tiles)
+    if choice.rule in ("w4a16_dense_tile", "w8a8_dense_tile"):
+        # every block computed, zeros included (a dense tile does not skip empty blocks)
         mask = torch.ones_like(block_mask_of(weight, tiles["bn"], tiles["bk"]))
-    if side == 64 and not int8 and w4 is None and (stream := stream_tiles(m, mask)) is not None:
-        tiles = stream
-    if int8 and m <= W8A8_GEMV_ROWS and (k % 32 == 0 or (keep.all() and k % 16 == 0)):
-        return build_w8a8_gemv(graph, op, view, weight, bias, act or "none", fused, sparse=not bool(keep.all()))
-    if int8:
-        dense = bool(keep.all())
-        out = (fused or op).outputs[0]              # its int8 codes may be written (_requantized_outputs)
-        requantized = out in graph.meta.get("act_scales", {})
-        tiles, hopper_tiles = int8_dense_tiles(m, n, requantized) if dense else (INT8_TILES[side], None)
-        if not dense and side == 64:
-            # programmatic dependent launch, the next kernel launching once every CTA finished its main loop: the
-            # tail of the previous kernel in the stream overlaps this one's start (BERT FFN 90% on the H100, chains
-            # of launches: FFN1 12.8 -> 11.7 us, FFN2 9.0 -> 8.4 with int8 codes out; triggering right after the wait
-            # instead is faster on FFN1, 11.5, and slower on one-wave FFN2, 10.6)
-            tiles = {**tiles, "pdl": "tail"}
+    else:
         mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
-        if dense:   # every block computed, zeros included (a dense tile does not skip empty blocks)
-            mask = torch.ones_like(mask)
-    dtype = "int8" if int8 else "w4a16" if w4 is not None else "float16"
-    spec = BsrSpec(m, n, k, bias=bias is not None, act=act or "none", dtype=dtype,
+    w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
+    spec = BsrSpec(m, n, k, bias=bias is not None, act=act, dtype=dtype,
                    zero=w4 is not None and w4.zero is not None, **tiles)
     tag = {"int8": "i8_", "w4a16": "w4_", "float16": ""}[dtype]
     spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
                                           f"{f'_g{spec.groups}' if spec.groups else ''}_"
-                                          f"{act or 'none'}{'_bias' if spec.bias else ''}")
+                                          f"{act}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
     hopper = None
-    if hopper_tiles is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
-        h_spec = dataclasses.replace(spec, **hopper_tiles, name=spec.name + "_wgmma")
+    if choice.hopper is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
+        h_spec = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma")
         hopper = (build_cuda(bsr_linear, h_spec), h_spec)
     out_shape = graph.tensor(op.outputs[0]).shape
-    scale, quant = None, None
-    if int8:
-        scale, quant = int8_weight_scale(graph, view[1], k), row_quantizer(m, k)
-    if w4 is not None:                 # calibration's codes, scales and zero points
+    if w4 is not None:
         scale, zero = w4.expand(k)
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
                                                 mask, bias, out_shape)
     else:
+        scale, quant = (int8_weight_scale(op_plan, weight, k), row_quantizer(m, k)) if dtype == "int8" else (None, None)
         module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
                                               weight_scale=scale, quant_folder=quant,
                                               hopper=(hopper[0].path, hopper[1]) if hopper else None)
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
-    bind(module, graph, op, view, reference=int8 or w4 is not None)
+    bind(module, graph, op, view, reference=dtype != "float16")
     row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
-               {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
-               f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
-               [art] + ([hopper[0]] if hopper else []))
-    if hopper:
-        row["note"] = f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"
-    planned = sorted({f"W{s.weight_bits}A{s.act_bits}" for s in op_plan.subops} - {row["bits"], "W16A16", "W32A32"})
-    if planned:  # a width without a CUDA kernel for this op: say so rather than hide it
-        row["note"] = f"plan asked for {', '.join(planned)}; runs the fp16 kernel" + \
-            (f" ({w4_refusal})" if w4_refusal else "")
-    return module, row, fused
-
-
-def _w4_params(graph: Graph, weight: str, op_plan: OpPlan, k: int):
-    """(QuantParams, None) when the plan runs the op as W4A16 and calibration's scales suit the kernel
-    (one scale per 32 columns at least); else (None, why not or None)."""
-    if not all(s.weight_bits == 4 and s.act_bits == 16 for s in op_plan.subops):
-        return None, None
-    params = graph.meta.get("quant_params", {}).get(weight, {}).get(4)
-    if params is None:
-        return None, "no fitted 4-bit scales"
-    if params.group < k and params.group % 32:
-        return None, f"W4A16 kernels need scale groups of a multiple of 32 columns, not {params.group}"
-    return params, None
+                     {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
+                     f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
+                     [art] + ([hopper[0]] if hopper else []))
+    notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
+             if hopper else []) + ([choice.note] if choice.note else [])
+    if notes:
+        row["note"] = "; ".join(notes)
+    return module, row, fused if act != "none" else None

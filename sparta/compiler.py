@@ -105,9 +105,15 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         replacements, kernels = specialize(graph, plan, target)
         timings["codegen"] = time.perf_counter() - t0
     elif target == "cuda":
+        from .codegen.select_cuda import select_kernels
         from .codegen.specialize_cuda import specialize_cuda
+        from .target import load_target
         t0 = time.perf_counter()
-        replacements, kernels = specialize_cuda(graph, plan)
+        cuda = load_target("cuda")
+        select_kernels(graph, plan, cuda)
+        timings["select"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        replacements, kernels = specialize_cuda(graph, plan, cuda)
         timings["codegen"] = time.perf_counter() - t0
     compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
                              kernels=kernels, source=source)
@@ -155,8 +161,10 @@ def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dic
             graph.set_tesa(name, tesa)
         if report is not None:
             graph.meta["propagation"] = PropagationReport.from_json(report)
+        plan = Plan.from_json(plan)
+        _refit_weight_quant(graph, plan)
         timings["plan_cache"] = time.perf_counter() - t0
-        return graph, Plan.from_json(plan)
+        return graph, plan
     if propagate:
         t0 = time.perf_counter()
         graph = run_propagation(graph)
@@ -172,6 +180,14 @@ def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dic
         report = graph.meta.get("propagation")
         pipeline_cache.store(key, graph, report.to_json() if report is not None else None, plan.to_json())
     return graph, plan
+
+
+def _refit_weight_quant(graph: Graph, plan) -> None:
+    """Scales a cached plan fitted to the weights alone, fitted again: the cache key hashes no float weight values."""
+    from .passes.transform import weight_quantisation
+    for p in plan.ops.values():
+        if p.weight_quant:
+            p.weight_quant = weight_quantisation(graph, graph.op(p.op), p, {})
 
 
 class CompiledModel(torch.nn.Module):

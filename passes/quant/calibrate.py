@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from ...errors import QuantizationError
 from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
+from ..transform.fusion import epilogue_producer
 from ..transform.plan import WeightQuant
 from .report import Decision, QuantReport
 from .scheme import (CLIPS, FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows,
@@ -286,14 +287,10 @@ class _Calibration:
 
     def _requantizable(self, name: str, readers: list[WeightSite]) -> bool:
         """Whether a kernel could write ``name`` as int8 codes: GEMMs read nothing but it, and a GEMM's
-        epilogue makes it (the GEMM itself, or a ReLU/GELU that is the GEMM output's only reader)."""
+        epilogue makes it (the GEMM itself, or the activation it fuses: ``passes/transform/fusion.py``)."""
         if len(readers) != len(self.g.consumers(name)) or name in self.g.outputs:
             return False
-        p = self.g.producer(name)
-        op = self.g.op(p) if p is not None else None
-        if op is not None and op.op in ("relu", "gelu") and len(op.inputs) == 1 \
-                and self.g.consumers(op.inputs[0]) == [op.name]:
-            p = self.g.producer(op.inputs[0])
+        p = epilogue_producer(self.g, name, self.profile.target if self.profile is not None else "cuda")
         return p is not None and p in self.sites and self.sites[p].gemm
 
     def _try_static(self, name: str, d: Decision, readers: list[WeightSite], targets: dict, walk) -> None:
@@ -369,18 +366,15 @@ class _Calibration:
                 v = self.g.tensor(w)
                 self.g.set_tesa(w, v.tesa.meet(TeSA.dense(v.shape, bits)))
         report.static_scales = dict(self.static)           # kernels that write these as int8 codes
-        self.g.meta["act_scales"] = dict(self.static)
         for x, bits in self.abits.items():
             v = self.g.tensor(x)
             self.g.set_tesa(x, v.tesa.meet(TeSA.dense(v.shape, bits)))
-        stored = self.g.meta.setdefault("quant_params", {})
         for site in self.sites.values():
             rb = self.run_weight_bits(site)
             if rb is not None and rb < self.model_bits[site.weight] and site.weight not in self.fixed:
                 self.dequantized(site, rb)          # fits the width if only rounding reached it
                 p = self.params[site.weight].get(rb)
                 if p is not None:
-                    stored[site.weight] = {rb: p}
                     report.weights[site.weight] = WeightQuant.of(p, self.cfg.scheme(rb)["granularity"],
                                                                  "calibration")
         runs = {}
@@ -403,8 +397,8 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     relative output MSE one op may add (or a full :class:`QuantConfig`; ``options`` fill one).
     ``target`` picks the widths tried from its hardware profile (None: 16, 8, 4).
     ``weights`` overrides weight values (default: the graph's, with pruned elements zeroed).
-    Lowers the graph's TeSAs in place, stores fitted scales in ``graph.meta["quant_params"]``
-    and returns the report (also in ``graph.meta["quantization"]``).
+    Lowers the graph's TeSAs in place and returns the report (also in ``graph.meta["quantization"]``), whose
+    fitted weight scales and static activation scales the planner copies into the plan.
     """
     from ..transform import load_profile
 

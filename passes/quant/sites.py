@@ -9,7 +9,6 @@ import torch
 
 from ...errors import QuantizationError, SpartaError
 from ...graph import Graph
-from .scheme import fake_quant_float
 
 CONV_OPS = ("conv1d", "conv2d", "conv3d")
 
@@ -73,12 +72,17 @@ def parse_batches(graph: Graph, calibration) -> list[list[torch.Tensor]]:
 
 
 def fake_quantized_weights(graph: Graph) -> dict[str, torch.Tensor]:
-    """The calibrated weights as the kernels apply them (dequantised), by parameter name."""
+    """The calibrated weights as the kernels apply them (dequantised), by parameter name: the last calibration
+    report's fitted scales (``graph.meta["quantization"].weights``) applied to the masked weights."""
+    report = graph.meta.get("quantization")
+    fitted = getattr(report, "weights", {}) or {}
     out = {}
     for site in weight_sites(graph).values():
-        for bits, params in graph.meta.get("quant_params", {}).get(site.weight, {}).items():
-            v = graph.tensor(site.weight)
-            w = v.tesa.apply(v.data)
-            q = fake_quant_float(site.to_nk(w).float(), bits) if params is None else params.dequantize(site.to_nk(w))
-            out[site.weight] = site.from_nk(q, w.shape).to(w.dtype)
+        quant = fitted.get(site.weight)
+        if quant is None:
+            continue
+        v = graph.tensor(site.weight)
+        w = v.tesa.apply(v.data)
+        w_nk = site.to_nk(w).float()
+        out[site.weight] = site.from_nk(quant.params(w_nk).dequantize(w_nk), w.shape).to(w.dtype)
     return out

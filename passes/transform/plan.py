@@ -88,6 +88,25 @@ class WeightQuant:
 
 
 @dataclass
+class KernelChoice:
+    """Which kernel runs an op, chosen by a target's selection table (``codegen/select_<target>.py``)."""
+
+    kernel: str                    # a kernel family ("bsr_linear", "w4a16_gemv", "w8a8_gemv") or "torch"
+    rule: str                      # the selection rule that chose it
+    reason: str                    # why, in words (for "torch": why no sparta kernel runs it)
+    dtype: str = "float16"         # what the kernel computes in ("float16", "int8", "w4a16")
+    tiles: dict = field(default_factory=dict)      # the template's tiling parameters
+    hopper: dict | None = None     # tiling of the sm_90 twin over the same packed weights (wgmma), if any
+    note: str = ""                 # what the plan asked for that this kernel does not run, and why
+
+    def describe(self) -> str:
+        if self.kernel == "torch":
+            return f"torch ({self.reason})"
+        tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
+        return f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]"
+
+
+@dataclass
 class Candidate:
     name: str
     est_us: float
@@ -114,6 +133,15 @@ class OpPlan:
     candidates: list[Candidate] = field(default_factory=list)
     weight_quant: dict[int, WeightQuant] = field(default_factory=dict)   # integer width -> how its scales are fitted
     note: str = ""                                 # what the plan could not honour, and why
+    kernel: KernelChoice | None = None             # the kernel selection chose (sparse ops; see codegen/select_*)
+
+    def kept(self, n: int, k: int):
+        """The (N, K) weight elements the sub-operators compute (bool)."""
+        import torch
+        keep = torch.zeros(n, k, dtype=torch.bool)
+        for s in self.subops:
+            keep |= s.elements.mask.reshape(n, k) if s.elements is not None else True
+        return keep
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -152,17 +180,23 @@ class Plan:
         return sum(p.dense_us for p in self.ops.values())
 
     def report(self, only_gemm: bool = False) -> str:
-        """A table: op, type, kind, density, bits, chosen blocks, estimated µs, dense µs."""
+        """A table: op, type, kind, density, bits, chosen blocks, the kernel that runs them (with its fused
+        epilogue), estimated µs, dense µs, and notes: why that kernel, and what the plan could not honour."""
         from ...compiler import _table
-        rows = [("op", "type", "kind", "density", "bits", "blocks", "est µs", "dense µs", "note")]
+        rows = [("op", "type", "kind", "density", "bits", "blocks", "kernel", "est µs", "dense µs", "note")]
         for p in self.ops.values():
             if only_gemm and p.gemm is None:
                 continue
             blocks = " + ".join(f"{s.n_blocks}x{s.block[0]}x{s.block[1]}@W{s.weight_bits}A{s.act_bits}"
                                 if s.block else f"dense@W{s.weight_bits}A{s.act_bits}" for s in p.subops)
             bits = " ".join(f"{b}:{c}" for b, c in sorted(p.bits.items())) if p.bits else ""
-            rows.append((p.op, p.op_type, p.kind, f"{p.density:.3f}" if p.gemm else "", bits, blocks,
-                         f"{p.est_us:.1f}", f"{p.dense_us:.1f}", p.note))
+            kernel = p.kernel.describe() if p.kernel is not None else ("vendor" if p.kind == "dense" else "")
+            if p.kind == "sparse" and p.epilogue and (p.kernel is None or p.kernel.kernel != "torch"):
+                kernel += " +" + "+".join(p.epilogue)
+            why = p.kernel.reason if p.kernel is not None and p.kernel.kernel != "torch" else ""
+            note = "; ".join(x for x in (p.note, why, p.kernel.note if p.kernel is not None else "") if x)
+            rows.append((p.op, p.op_type, p.kind, f"{p.density:.3f}" if p.gemm else "", bits, blocks, kernel,
+                         f"{p.est_us:.1f}", f"{p.dense_us:.1f}", note))
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
                 f"({self.profile.get('device', '')})"
         return _table(rows) + "\n" + total
@@ -205,6 +239,7 @@ def _op_to_json(p: OpPlan) -> dict:
     d["bits"] = {str(k): v for k, v in p.bits.items()}
     d["gemm"] = list(p.gemm) if p.gemm else None
     d["weight_quant"] = {str(b): {**dataclasses.asdict(q), "clip": _pack_floats(q.clip)} for b, q in p.weight_quant.items()}
+    d["kernel"] = dataclasses.asdict(p.kernel) if p.kernel is not None else None
     return d
 
 
@@ -242,6 +277,10 @@ def _op_from_json(d: dict) -> OpPlan:
     for bits, q in (d.get("weight_quant") or {}).items():
         _check_fields(WeightQuant, q, "weight quantisation")
         quant[int(bits)] = WeightQuant(**{**q, "clip": _unpack_floats(q.get("clip", []))})
+    kernel = d.get("kernel")
+    if kernel is not None:
+        _check_fields(KernelChoice, kernel, "kernel choice")
+        kernel = KernelChoice(**kernel)
     fields = {**d, "subops": subs, "candidates": cands, "bits": {int(k): v for k, v in d.get("bits", {}).items()},
-              "weight_quant": quant}
+              "weight_quant": quant, "kernel": kernel}
     return OpPlan(**fields)

@@ -24,13 +24,13 @@ from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
 from .bitround import groupings
 from .cover import block_cover
+from .fusion import epilogue
 from .plan import Candidate, OpPlan, SubOp, WeightQuant
 from .profile import HardwareProfile
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d")
-ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 FULL_DISMANTLE_MAX_NNZ = 4096
-TIE_MARGIN = 0.05  # profiles re-measured on this machine agree within about 5% (benchmarks/RESULTS.md)
+TIE_MARGIN = 0.05  # how closely re-measured profiles agree: within it, the simpler plan wins
 
 
 def gemm_view(graph: Graph, op: Op):
@@ -92,16 +92,6 @@ def _menus(shapes):
     return menus
 
 
-def _epilogue(graph: Graph, op: Op) -> list[str]:
-    epi = ["bias"] if (op.input_of("bias") or op.op == "addmm") else []
-    users = graph.consumers(op.outputs[0])
-    if len(users) == 1 and op.outputs[0] not in graph.outputs:
-        nxt = graph.op(users[0])
-        if nxt.op in ACTIVATIONS:
-            epi.append(nxt.op)
-    return epi
-
-
 def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=None) -> OpPlan | None:
     view = gemm_view(graph, op)
     if view is None:
@@ -113,7 +103,7 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
     dense_us = profile.dense_us(m, n, k, profile.round_up(model_bits, profile.act_widths()),
                                 profile.round_up(act_model_bits, profile.act_widths()))
     base = dict(op=op.name, op_type=op.op, weight=w, gemm=(m, n, k), density=wtesa.density,
-                bits=wtesa.bit_histogram(), epilogue=_epilogue(graph, op), dense_us=dense_us)
+                bits=wtesa.bit_histogram(), epilogue=epilogue(graph, op, profile.target), dense_us=dense_us)
     dense_candidate = Candidate("dense", dense_us, f"vendor dense GEMM at W{model_bits}A{act_model_bits}")
     sparse_ok = sparse_ops is None or op.op in sparse_ops
     if wtesa.is_dense and wtesa.uniform == model_bits or not sparse_ok:
@@ -143,6 +133,12 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
     base["note"] = _rounding_note(wtesa, widths, act_bits, profile.target)
     cost, subops = choose(options)
     if subops is None:
+        if lower := sorted(b for b in wtesa.bit_histogram() if 0 < b < model_bits):
+            best = min(candidates[1:], key=lambda c: c.est_us, default=None)
+            base["note"] = "; ".join(x for x in (base["note"], (
+                f"{'/'.join(map(str, lower))}-bit weights run at W{model_bits}A{act_model_bits} on the vendor GEMM: "
+                f"estimated {dense_us:.1f} µs, faster than the cheapest plan that keeps the bits"
+                + (f" ({best.name}, {best.est_us:.1f} µs)" if best is not None else ""))) if x)
         sub = SubOp("dense", model_bits, act_model_bits, None, 0, wtesa.numel(), dense_us)
         return OpPlan(kind="dense", est_us=dense_us, subops=[sub], candidates=candidates, **base)
     blocks = sum(s.n_blocks for s in subops if s.template == "block_sparse")
@@ -230,8 +226,8 @@ def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict) -> dic
             out[bits] = given
             continue
         if w is None:
-            _, _, tesa, _, n, k = gemm_view(graph, op)
-            w = torch.where(tesa.view().reshape(n, k) != 0, weight_matrix(graph, op), 0.0)
+            _, _, _, _, n, k = gemm_view(graph, op)
+            w = torch.where(plan.kept(n, k), weight_matrix(graph, op), 0.0)
         scheme = QuantConfig(0.0).scheme(bits)
         params = fit_to_weight(w, bits, **scheme)
         out[bits] = WeightQuant.of(params, scheme["granularity"], "weight")

@@ -47,9 +47,6 @@ from ..epilogue_ref import ACTIVATIONS, OUTPUTS, activate, to_output
 
 HOPPER_SHARED_BYTES = 227 * 1024                       # the most dynamic shared memory one sm_90 CTA may have
 SETMAXNREG = (40, 232)    # ping-pong with > 96 accumulators: registers per producer / consumer thread (setmaxnreg)
-# measured best tile per square block side (benchmarks/RESULTS.md, H100): what compile() builds
-TUNED_TILES = {32: dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4),
-               64: dict(bn=64, bk=64, tm=128, warps_m=2, warps_n=2, stages=3)}
 KPACK = 32                       # K per word column and per stored scale
 
 

@@ -8,9 +8,18 @@ import pytest
 import torch
 
 import sparta
+from sparta.target import load_target
 from sparta.runtime.cuda import CudaRuntimeError
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+def _plan_scale(compiled, op):
+    """The per-channel int8 scales the plan holds for ``op``'s weight (as the kernel applies them)."""
+    from sparta.passes.transform import weight_matrix
+    p = compiled.plan.ops[op]
+    w = weight_matrix(compiled.graph, compiled.graph.op(op))
+    return p.weight_quant[8].params(torch.where(p.kept(*w.shape), w, 0.0)).scale[:, 0]
 
 
 def _mlp_and_mask(seed=0):
@@ -75,7 +84,7 @@ def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, 
     src = (Path(rows["linear"]["artifact"]) / "kernel.cu").read_text()
     assert "m16n8k32.row.col.s32.s8.s8.s32" in src
     module = compiled.module_replacements()["linear"]
-    fitted = compiled.graph.meta["quant_params"]["0.weight"][8].scale[:, 0]
+    fitted = _plan_scale(compiled, "linear")
     assert torch.equal(module.weight_scale, fitted.float()) and module.quant_folder
     expected = fake_quantized_weights(compiled.graph)["0.weight"]
     torch.testing.assert_close(module.reference_weight.float(), expected.half().float(), rtol=0, atol=2e-3)
@@ -199,15 +208,17 @@ def test_a_layer_norm_feeding_w8a8_linears_emits_their_int8_codes(tmp_path, monk
 
 
 def test_stream_tiles_take_ops_whose_block_rows_keep_few_blocks():
-    from sparta.codegen.specialize_cuda import HOPPER_SMS, STREAM_MAX_ROW_BLOCKS, stream_tiles
+    from sparta.codegen.select_cuda import stream_tiles
+    cuda = load_target("cuda")
+    stream = cuda.tiles("stream")
     few = torch.zeros(48, 12, dtype=torch.bool)
     few[torch.arange(48), torch.arange(48) % 12] = True                 # one block per row
-    assert stream_tiles(4096, few)["groups"] == round(5 * HOPPER_SMS / 64)
-    assert stream_tiles(128, few)["groups"] == 48, "no more groups than block rows"
+    assert stream_tiles(4096, few, cuda)["groups"] == round(stream["ctas_per_sm"] * cuda.sms / 64)
+    assert stream_tiles(128, few, cuda)["groups"] == 48, "no more groups than block rows"
     many = torch.rand(48, 12) < 0.5
-    many[:, : STREAM_MAX_ROW_BLOCKS + 1] = True
-    assert stream_tiles(4096, many) is None
-    assert stream_tiles(4096, torch.ones(48, 2, dtype=torch.bool)) is None, "dense ops keep the one-tile grid"
+    many[:, : stream["max_row_blocks"] + 1] = True
+    assert stream_tiles(4096, many, cuda) is None
+    assert stream_tiles(4096, torch.ones(48, 2, dtype=torch.bool), cuda) is None, "dense ops keep the one-tile grid"
 
 
 def test_a_linear_with_few_blocks_per_row_compiles_to_the_streaming_grid(tmp_path, monkeypatch):
@@ -294,7 +305,7 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
     quant = {"tolerance": 1e-2, "activations": True, "progress": False}
     compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
                               quant_tolerance=quant)
-    scale = compiled.graph.meta["act_scales"]["gelu"]
+    scale = compiled.plan.static_scales["gelu"]
     mods = compiled.module_replacements()
     fc1, fc2 = mods["linear"], mods["linear_1"]
     assert fc1.spec.out == "int8" and fc1.spec.act == "gelu_erf" and fc1.output_names == quantized_names("gelu")
@@ -318,21 +329,23 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
 
 
 def test_int8_codes_of_a_dense_gemm_with_many_tiles_per_sm_come_from_the_ping_pong_kernel():
-    from sparta.codegen.specialize_cuda import HOPPER_SMS, int8_codes_spec, int8_dense_tiles
+    from sparta.codegen.select_cuda import int8_dense_tiles
+    from sparta.codegen.specialize_cuda import int8_codes_spec
     from sparta.templates.bsr_linear.spec import BsrSpec
+    cuda = load_target("cuda")
     ffn1, ffn2 = (4096, 3072), (4096, 768)
-    assert int8_dense_tiles(*ffn1)[1]["bn"] == 256            # fp16 out: 128x256 (measured best)
-    tiles, hopper = int8_dense_tiles(*ffn1, requantized=True)
+    assert int8_dense_tiles(*ffn1, cuda)[1]["bn"] == 256            # fp16 out: 128x256 (measured best)
+    tiles, hopper = int8_dense_tiles(*ffn1, cuda, requantized=True)
     assert tiles["bn"] == hopper["bn"] == 192 and tiles["warps_n"] == 3
-    pp = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="h", **hopper))
-    assert pp.pingpong and pp.producer and pp.ctas == HOPPER_SMS and pp.out == "int8" and pp.stages == 4
+    pp = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="h", **hopper), cuda)
+    assert pp.pingpong and pp.producer and pp.ctas == cuda.sms == 132 and pp.out == "int8" and pp.stages == 4
     assert pp.shared_bytes <= 227 * 1024 and pp.name == "h_pp_q8"
-    sync = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="s", **tiles))   # the mma.sync twin: codes only
+    sync = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="s", **tiles), cuda)   # the mma.sync twin: codes only
     assert sync.out == "int8" and not sync.pingpong and (sync.bn, sync.stages, sync.name) == (192, 3, "s_q8")
     # FFN2 (one wave of tiles) and short M keep the cooperative 128x192 kernel, 5 stages
     for m, n in (ffn2, (256, 3072)):
-        hopper = int8_dense_tiles(m, n, requantized=True)[1]
-        q8 = int8_codes_spec(BsrSpec(m, n, 768, dtype="int8", name="h", **hopper))
+        hopper = int8_dense_tiles(m, n, cuda, requantized=True)[1]
+        q8 = int8_codes_spec(BsrSpec(m, n, 768, dtype="int8", name="h", **hopper), cuda)
         assert (q8.bn, q8.stages, q8.pingpong, q8.out, q8.name) == (192, 5, False, "int8", "h_q8")
 
 
@@ -407,7 +420,7 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
     assert gemv.quant_folder is None and "linear_1" in rows["linear"]["note"]
     assert gemv.spec.mma and "m16n8k32.row.col.s32.s8.s8.s32" in (Path(rows["linear_1"]["artifact"]) /
                                                                  "kernel.cu").read_text()
-    fitted = compiled.graph.meta["quant_params"]["2.weight"][8].scale[:, 0]
+    fitted = _plan_scale(compiled, "linear_1")
     assert torch.equal(gemv.weight_scale, fitted.float()) and gemv.wq.shape == gemv.spec.weight_shape()
     expected = fake_quantized_weights(compiled.graph)["2.weight"]
     torch.testing.assert_close(gemv.reference_weight.float(), expected.half().float(), rtol=0, atol=2e-3)
@@ -428,16 +441,17 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
 
 
 def test_compile_picks_the_measured_w8a8_gemv_tilings():
-    from sparta.codegen.specialize_gemv import w8a8_gemv_tiling
+    from sparta.codegen.select_cuda import w8a8_gemv_tiling
+    cuda = load_target("cuda")
     # N = 4096: 256 tiles of 16 rows, 16 warps each; one row: launched early behind the previous kernel
-    assert w8a8_gemv_tiling(1, 4096, 4096) == dict(warps=16, group=4, mma=True, pdl="early")
-    assert w8a8_gemv_tiling(16, 4096, 11008) == dict(warps=16, group=4, mma=True, pdl="")
+    assert w8a8_gemv_tiling(1, 4096, 4096, cuda) == dict(warps=16, group=4, mma=True, pdl="early")
+    assert w8a8_gemv_tiling(16, 4096, 11008, cuda) == dict(warps=16, group=4, mma=True, pdl="")
     # N = 11008: 688 tiles of 8 warps; two grids would not fit on the SMs at once, so no early launch
-    assert w8a8_gemv_tiling(1, 11008, 4096) == dict(warps=8, group=4, mma=True, pdl="")
+    assert w8a8_gemv_tiling(1, 11008, 4096, cuda) == dict(warps=8, group=4, mma=True, pdl="")
     # K not a multiple of the MMA's 32: dp4a
-    assert w8a8_gemv_tiling(3, 4096, 4112) == dict(warps=4, group=8, pdl="early")
+    assert w8a8_gemv_tiling(3, 4096, 4112, cuda) == dict(warps=4, group=8, pdl="early")
     # block-sparse: 16 warps take a tile's few kept chunks one at a time
-    assert w8a8_gemv_tiling(1, 4096, 4096, sparse=True) == dict(warps=16, group=1, mma=True, sparse=True)
+    assert w8a8_gemv_tiling(1, 4096, 4096, cuda, sparse=True) == dict(warps=16, group=1, mma=True, sparse=True)
 
 
 def test_decode_w8a8_gemvs_hand_each_other_int8_codes(tmp_path, monkeypatch):
@@ -453,9 +467,39 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes(tmp_path, monkeypatch):
     first, second = mods["linear"], mods["linear_1"]
     assert type(first).__name__ == type(second).__name__ == "W8A8GemvCUDA", compiled.kernel_report()
     assert first.spec.out == "int8" and first.spec.act == "relu" and first.output_names == second.input_names
-    assert first.out_scale == compiled.graph.meta["act_scales"]["relu"] and second.quant_folder is None
+    assert first.out_scale == compiled.plan.static_scales["relu"] and second.quant_folder is None
     assert "__saturatef" in (Path(rows["linear"]["artifact"]) / "kernel.cu").read_text()
     assert "writes int8 codes of relu" in rows["linear"]["note"]
     again = sparta.load(compiled.save(tmp_path / "chain")).module_replacements()
     assert again["linear"].output_names == first.output_names and again["linear"].out_scale == first.out_scale
     assert again["linear"].spec == first.spec and again["linear_1"].input_names == second.input_names
+
+
+def test_a_4bit_tesa_without_calibration_runs_w4a16_and_the_report_says_why(tmp_path, monkeypatch):
+    """The user's own 4-bit TeSA on an fp16 4096x4096 linear, no calibration data: at one row the W4A16 GEMV
+    runs with scales fitted to the weight, and the saved model holds its weights in at most 0.4x the fp16 bytes;
+    at 4096 rows the plan report names the kernel and why; an 8-bit TeSA says why it runs at 16 bits."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4096, 4096).half().eval()
+    four = sparta.TeSA.dense((4096, 4096), 4)
+    one = sparta.compile(lin, {"weight": four}, (torch.randn(1, 4096).half(),), target="cuda")
+    p = one.plan.ops["linear"]
+    assert (p.kernel.kernel, p.kernel.rule) == ("w4a16_gemv", "w4a16_gemv") and p.weight_quant[4].source == "weight"
+    assert "w4a16_gemv[w4a16] +bias" in one.plan_report() and "GEMV streams them" in one.plan_report()
+    assert [(k["template"], k["bits"]) for k in one.kernels] == [("w4a16_gemv", "W4A16")]
+    module = one.module_replacements()["linear"]
+    w = torch.where(p.kept(4096, 4096), lin.weight.detach().float(), 0.0)
+    params = p.weight_quant[4].params(w)                      # the kernel holds fp16 scales
+    assert torch.allclose(module.graph_weight().float(), params.dequantize(w), rtol=2e-3, atol=1e-6)
+    assert torch.equal(module.graph_weight().float() != 0, params.codes(w) != 0)
+    one.save(tmp_path / "one")
+    saved = (tmp_path / "one" / "tensors.safetensors").stat().st_size
+    assert saved <= 0.4 * lin.weight.numel() * 2, saved
+    many = sparta.compile(lin, {"weight": four}, (torch.randn(4096, 4096).half(),), target="cuda")
+    report = many.plan_report()
+    assert many.plan.ops["linear"].kind == "dense" and "vendor" in report
+    assert "4-bit weights run at W16A16 on the vendor GEMM" in report and "cheapest plan that keeps the bits" in report
+    eight = sparta.compile(lin, {"weight": sparta.TeSA.dense((4096, 4096), 8)}, (torch.randn(1, 4096).half(),),
+                           target="cuda")
+    assert "8-bit weights run at the next width cuda has for A16" in eight.plan_report()

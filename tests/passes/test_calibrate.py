@@ -68,7 +68,7 @@ def test_wide_dynamic_range_is_refused():
     report = calibrate(graph, batches, 1e-2, activations=True, progress=False)
     assert [d.bits for d in report.decisions] == [32, 32]
     assert report.decisions[0].trials[4] > 0.5 and report.decisions[1].trials[8] > 0.5
-    assert graph.tesa("weight").uniform == 32 and not graph.meta["quant_params"]
+    assert graph.tesa("weight").uniform == 32 and not report.weights
 
 
 def test_tolerance_zero_changes_nothing():
@@ -148,7 +148,7 @@ def test_pruned_elements_stay_pruned_and_user_bits_stay_fixed():
     bits = graph.tesa("fc1.weight").bits
     assert torch.equal(bits == 0, ~mask) and set(bits[mask].unique().tolist()) == {4}
     assert (fake_quantized_weights(graph)["fc1.weight"][~mask] == 0).all()
-    assert graph.tesa("fc2.weight").uniform == 8 and "fc2.weight" not in graph.meta["quant_params"]
+    assert graph.tesa("fc2.weight").uniform == 8 and "fc2.weight" not in graph.meta["quantization"].weights
 
 
 def test_deterministic():
@@ -192,7 +192,7 @@ def test_gemm_outputs_get_a_static_scale_where_it_is_accurate_enough():
     graph = sparta.capture(model, batches[0])
     report = calibrate(graph, batches, 1e-2, activations=True, target="cuda", progress=False)
     acts = {d.tensor: d for d in report.decisions if d.kind == "activation"}
-    static = graph.meta["act_scales"]
+    static = report.static_scales
     assert set(static) and set(static) <= {t for t, d in acts.items() if d.bits == 8}
     for t, scale in static.items():
         d = acts[t]
@@ -213,11 +213,11 @@ def test_gemm_outputs_get_a_static_scale_where_it_is_accurate_enough():
         ref = [[model(*b) for b in batches]]
         assert relative_mse(ref, [[forward(*b) for b in batches]]) == pytest.approx(report.model_error, rel=1e-3)
     again = sparta.capture(model, batches[0])
-    calibrate(again, batches, 1e-2, activations=True, target="cuda", static_activations=False, progress=False)
-    assert again.meta["act_scales"] == {}
+    assert calibrate(again, batches, 1e-2, activations=True, target="cuda", static_activations=False,
+                     progress=False).static_scales == {}
     cpu = sparta.capture(model, batches[0])
-    calibrate(cpu, batches, 1e-2, activations=True, progress=False)       # the CPU kernels quantise per token
-    assert cpu.meta["act_scales"] == {}
+    # the CPU kernels quantise per token
+    assert calibrate(cpu, batches, 1e-2, activations=True, progress=False).static_scales == {}
 
 
 def test_report_table_and_plot(tmp_path):
@@ -271,6 +271,7 @@ def test_int4_kernels_apply_the_fitted_scales(tmp_path):
     from sparta.codegen.specialize import specialize
     from sparta.compiler import CompiledModel
     from sparta.passes import transform
+    from sparta.passes.transform import weight_quantisation
     from sparta.passes.transform.plan import SubOp
 
     torch.manual_seed(0)
@@ -284,7 +285,10 @@ def test_int4_kernels_apply_the_fitted_scales(tmp_path):
         if op_plan.gemm is not None:
             w = graph.tesa(op_plan.weight)
             sub = SubOp("dense", 4, 32, None, 0, w.numel(), 1.0, elements=sparta.TeSA.from_mask(w.mask, 4))
-            plan.pin(op_plan.op, kind="sparse", subops=[sub])
+            pinned = op_plan.replace(kind="sparse", subops=[sub])
+            quant = weight_quantisation(graph, graph.op(op_plan.op), pinned, report.weights)
+            assert {q.source for q in quant.values()} == {"calibration"}
+            plan.pin(op_plan.op, kind="sparse", subops=[sub], weight_quant=quant)
     replacements, kernels = specialize(graph, plan, "cpu")
     assert {k["bits"] for k in kernels} == {"W4A32"}
     compiled = CompiledModel(graph, plan=plan, replacements=replacements, kernels=kernels)

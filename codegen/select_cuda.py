@@ -1,0 +1,274 @@
+"""Kernel selection for ``target="cuda"``: which kernel runs each planned GEMM, as an ordered table of rules.
+
+Each rule is a small function ``(site, target) -> KernelChoice | None`` (TVM dlight's schedule rules, torchao's
+``(condition, impl)`` table); the first that answers wins, and the last always does. A site is what the plan and
+the graph say about one GEMM (:class:`GemmSite`); the measured tile tables come from the :class:`~sparta.target.Target`
+(``passes/profiles/cuda_kernels.json``). The choice lands in the plan (``OpPlan.kernel``), which the plan report
+shows and codegen builds exactly; where no kernel honours the plan (a width it cannot run, an op it cannot take)
+the choice says so in ``note``. Nothing here needs TVM or a GPU.
+
+Adding a kernel variant: its family folder under ``templates/``, one rule here, its tests (``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..graph import Graph, Op
+from ..passes.transform.fusion import fused_activation
+from ..passes.transform.plan import KernelChoice, OpPlan, Plan
+from ..passes.transform.transform_op import gemm_view, weight_matrix
+from ..target import Target
+from ..templates.bsr_linear.packing import block_mask_of
+
+GEMM_OPS = ("linear", "addmm", "mm", "matmul")
+FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # the plan's epilogue names -> the CUDA epilogue's
+
+
+@dataclass
+class GemmSite:
+    """What selection reads about one planned GEMM."""
+
+    op: Op
+    plan: OpPlan
+    m: int
+    n: int
+    k: int
+    bits: str                      # "W8A8", "W4A16", "W16A16" (the plan's sub-operators), or "mixed"
+    dense: bool                    # every weight element kept
+    side: int                      # block side of the plan's cover (32 or 64)
+    bias: str                      # "none" | "vector" | "other"
+    act: str                       # the fused epilogue activation ("none", "relu", "gelu_erf")
+    requantized: bool              # its (activated) output is written as int8 codes at a static scale
+    weight: torch.Tensor           # (N, K) fp32, pruned elements zero
+    w4_group: int                  # the W4A16 GEMV's scale group for the plan's 4-bit scales, 0 if none fits
+    w4_refusal: str                # why the 4-bit scales do not suit the kernels ("" where they do)
+
+
+def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
+           hopper: dict | None = None, note: str = "") -> KernelChoice:
+    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note)
+
+
+# ---- the rules, in order ---------------------------------------------------------------------------------------
+def not_a_gemm(site: GemmSite, target: Target):
+    if site.op.op not in GEMM_OPS:
+        return choice("torch", "not_a_gemm", f"not a GEMM the CUDA template takes ({site.op.op})")
+    return None
+
+
+def k_alignment(site: GemmSite, target: Target):
+    if site.k % 8:
+        return choice("torch", "k_alignment", f"K={site.k} is not a multiple of 8")
+    return None
+
+
+def bias_shape(site: GemmSite, target: Target):
+    if site.bias == "other":
+        return choice("torch", "bias_shape", "bias is not a constant vector")
+    return None
+
+
+def w4a16_gemv(site: GemmSite, target: Target):
+    if site.bits == "W4A16" and not site.w4_refusal and site.dense and site.w4_group \
+            and site.m <= target.tiles("gemv_max_rows", "w4a16"):
+        return choice("w4a16_gemv", "w4a16_gemv", f"dense 4-bit weights, {site.m} rows: the GEMV streams them over "
+                      "the whole GPU", "w4a16", dict(gemv_tiling(site.m, site.n, site.k, site.w4_group),
+                                                     group=site.w4_group))
+    return None
+
+
+def w4a16_dense_tile(site: GemmSite, target: Target):
+    if site.bits != "W4A16" or site.w4_refusal or not site.dense:
+        return None
+    tiles = next(t for top, t in target.tiles("w4a16_dense_tiles") if top is None or site.m <= top)
+    if tiles is None:
+        return choice("torch", "w4a16_dense_tile", f"W4A16 dense GEMM at M={site.m} is slower than cuBLAS fp16 "
+                      "(measured, bench_cuda_w4_gemm); runs as a torch op")
+    return choice("bsr_linear", "w4a16_dense_tile", "dense 4-bit weights: the tile kernel dequantises in registers",
+                  "w4a16", tiles)
+
+
+def w8a8_gemv(site: GemmSite, target: Target):
+    if site.bits == "W8A8" and site.k % 16 == 0 and site.m <= target.tiles("gemv_max_rows", "w8a8") \
+            and (site.k % 32 == 0 or site.dense):
+        sparse = not site.dense
+        return choice("w8a8_gemv", "w8a8_gemv", f"{'block-sparse' if sparse else 'dense'} W8A8, {site.m} rows: the "
+                      "GEMV streams the weights over the whole GPU", "int8",
+                      w8a8_gemv_tiling(site.m, site.n, site.k, target, sparse))
+    return None
+
+
+def w8a8_dense_tile(site: GemmSite, target: Target):
+    if site.bits == "W8A8" and site.k % 16 == 0 and site.dense:
+        tiles, hopper = int8_dense_tiles(site.m, site.n, target, site.requantized)
+        return choice("bsr_linear", "w8a8_dense_tile", "dense W8A8: int8 tensor cores (wgmma on sm_90)", "int8",
+                      tiles, hopper)
+    return None
+
+
+def w8a8_sparse_tile(site: GemmSite, target: Target):
+    if site.bits == "W8A8" and site.k % 16 == 0:
+        return choice("bsr_linear", "w8a8_sparse_tile", f"block-sparse W8A8 in {site.side}x{site.side} blocks",
+                      "int8", target.tiles("int8_sparse_tiles", site.side))
+    return None
+
+
+def fp16_stream(site: GemmSite, target: Target):
+    if site.side == 64 and not _runs_w4(site) and (tiles := stream_tiles(site.m, block_mask_of(
+            site.weight, 64, 64), target)) is not None:
+        return choice("bsr_linear", "fp16_stream", "few kept 64-blocks per block row: the streaming grid", "float16",
+                      tiles, note=_unhonoured(site))
+    return None
+
+
+def bsr_tile(site: GemmSite, target: Target):
+    dtype = "w4a16" if _runs_w4(site) else "float16"
+    return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype,
+                  target.tiles("fp16_tiles", site.side), note=_unhonoured(site))
+
+
+GEMM_RULES = (not_a_gemm, k_alignment, bias_shape, w4a16_gemv, w4a16_dense_tile, w8a8_gemv, w8a8_dense_tile,
+              w8a8_sparse_tile, fp16_stream, bsr_tile)
+
+
+def _runs_w4(site: GemmSite) -> bool:
+    return site.bits == "W4A16" and not site.w4_refusal
+
+
+def _unhonoured(site: GemmSite) -> str:
+    """What the plan asked for that the fp16 kernel does not run, and why."""
+    if site.bits in ("W16A16", "W32A32", "W32A16", "W16A32") or _runs_w4(site):
+        return ""
+    why = site.w4_refusal or (f"K={site.k} is not a multiple of 16" if site.bits == "W8A8" else
+                              "no kernel runs this mix of widths")
+    return f"plan asked for {site.bits}; runs the fp16 kernel ({why})"
+
+
+# ---- tilings the rules read ------------------------------------------------------------------------------------
+def stream_tiles(m: int, mask: torch.Tensor, target: Target) -> dict | None:
+    """The streaming grid's tile for an fp16 op in 64-blocks whose block rows keep few blocks, else None:
+    about ``ctas_per_sm`` CTAs per SM, ``groups`` block rows per m tile (measured: benchmarks/RESULTS.md)."""
+    stream = target.tiles("stream")
+    rows = mask.shape[0]
+    if mask.all() or mask.sum() > stream["max_row_blocks"] * rows:
+        return None
+    groups = min(rows, max(1, round(stream["ctas_per_sm"] * target.sms / -(-m // stream["tile"]["tm"]))))
+    return dict(stream["tile"], groups=groups)
+
+
+def pingpong_pays(m: int, n: int, target: Target) -> bool:
+    """Whether a dense W8A8 GEMM writing int8 codes runs fastest on the ping-pong kernel (a 128x192 tile per
+    consumer warpgroup): from ``tiles_per_sm`` such tiles per SM (measured: docs/notes/w8a8-tuning.md)."""
+    return n % 192 == 0 and -(-m // 128) * (n // 192) >= target.tiles("pingpong", "tiles_per_sm") * target.sms
+
+
+def int8_dense_tiles(m: int, n: int, target: Target, requantized: bool = False) -> tuple[dict, dict]:
+    """(mma.sync tiles, wgmma tiles) of a dense W8A8 GEMM, over the same blocks: 128x192 where one wave of them
+    covers the output, else 128x256 — but 128x192 for an output written as int8 codes where the ping-pong
+    kernel pays."""
+    one_wave = n % 192 == 0 and -(-m // 128) * (n // 192) <= target.sms
+    bn = 192 if one_wave or (requantized and pingpong_pays(m, n, target)) else 256
+    dense = target.tiles("int8_dense")
+    return dict(dense["mma"], bn=bn, warps_n=bn // 64), dict(dense["wgmma"][str(bn)], bn=bn, mma="wgmma")
+
+
+def w8a8_gemv_tiling(m: int, n: int, k: int, target: Target, sparse: bool = False) -> dict:
+    """The W8A8 GEMV tiling: tensor cores where K allows, dp4a else; 16 warps per 16-row tile where 8 would leave
+    fewer than 32 warps per SM, else 8; up to 4 rows launched as a programmatic dependent where two grids fit on
+    the SMs at once. ``sparse`` (the kept 16x32 chunks only): 16 warps, one chunk at a time (measured:
+    benchmarks/RESULTS.md, "CUDA W8A8 GEMV for decode")."""
+    if sparse:
+        return dict(warps=16, group=1, mma=True, sparse=True)
+    if k % 32:
+        return dict(warps=4, group=8, pdl="early" if m <= 4 else "")
+    tiles = -(-n // 16)
+    warps = 16 if tiles * 8 < target.sms * 32 else 8
+    return dict(warps=warps, group=4, mma=True, pdl="early" if m <= 4 and tiles * warps <= target.sms * 32 else "")
+
+
+def gemv_tiling(m: int, n: int, k: int, group: int) -> dict:
+    """The W4A16 GEMV tiling (measured: docs/notes/w4a16-gemv-tuning.md): up to 8 rows two 8-row tiles per CTA
+    over 16 warps, launched as a programmatic dependent ("early"), four tiles of 8 warps bounded to 3 CTAs per SM
+    where N >= 8192, 2 CTAs per SM for long rows; more rows four tiles over 8 warps, the "late" trigger, 3 CTAs per
+    SM where N >= 8192, K split over two CTAs for long rows; the group-128 scale folded into the fp32 sum per chunk
+    for two tiles per CTA."""
+    tiling = dict(ntile=2, warps=16, unroll=1) if m <= 8 else dict(ntile=4, warps=8, unroll=1)
+    if m <= 8 and group == 128:
+        tiling["pdl"] = "early"
+        if n >= 8192:
+            tiling.update(ntile=4, warps=8, min_ctas=3)
+        elif k >= 2 * n:
+            tiling.update(min_ctas=2)
+    if m > 8:
+        tiling["pdl"] = "late"
+        if n >= 8192:
+            tiling["min_ctas"] = 3
+        elif k >= 2 * n:
+            tiling["ksplit"] = 2
+    tiling["fold"] = group == 128 and m <= 8 and tiling["ntile"] == 2
+    return tiling
+
+
+# ---- sites and the pass ----------------------------------------------------------------------------------------
+def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -> GemmSite | None:
+    """The facts selection reads about a planned GEMM (None: not a GEMM sparta can see as one)."""
+    view = gemm_view(graph, op)
+    if view is None:
+        return None
+    _, weight_name, _, m, n, k = view
+    widths = {(s.weight_bits, s.act_bits) for s in op_plan.subops}
+    bits = f"W{next(iter(widths))[0]}A{next(iter(widths))[1]}" if len(widths) == 1 else "mixed"
+    keep = op_plan.kept(n, k)
+    side = 64 if max((max(s.block) for s in op_plan.subops if s.block is not None), default=32) >= 64 else 32
+    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias = "none" if bias_name is None else \
+        "vector" if graph.tensor(bias_name).shape == (n,) and graph.tensor(bias_name).data is not None else "other"
+    fused = fused_activation(graph, op, op_plan)
+    act = FUSED[fused.op] if fused is not None else "none"
+    out = (fused or op).outputs[0]
+    group, refusal = 0, ""
+    if bits == "W4A16":
+        quant = op_plan.weight_quant.get(4)
+        if quant is None:
+            refusal = "no fitted 4-bit scales"
+        elif quant.group < k and quant.group % 32:
+            refusal = f"W4A16 kernels need scale groups of a multiple of 32 columns, not {quant.group}"
+        else:
+            group = gemv_group(quant.group, k)
+    weight = torch.where(keep, weight_matrix(graph, op), 0.0) if op.op in GEMM_OPS else torch.zeros(0, 0)
+    requantized = plan is not None and out in plan.static_scales
+    return GemmSite(op, op_plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
+                    weight, group, refusal)
+
+
+def gemv_group(group: int, k: int) -> int:
+    """The W4A16 GEMV's scale group for scales of ``group`` columns (32, 64 or 128 dividing K), 0 if none fits."""
+    g = 128 if group >= 128 else group
+    return g if g in (32, 64, 128) and k % g == 0 and (group >= k or group % g == 0) else 0
+
+
+def select_gemm(site: GemmSite, target: Target) -> KernelChoice:
+    for rule in GEMM_RULES:
+        picked = rule(site, target)
+        if picked is not None:
+            return picked
+    raise AssertionError("the last rule always answers")
+
+
+def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
+    """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``), in place; returns the plan."""
+    for op_plan in plan.ops.values():
+        if op_plan.kind != "sparse":
+            continue
+        op = graph.op(op_plan.op)
+        site = gemm_site(graph, op, op_plan, plan)
+        op_plan.kernel = choice("torch", "not_a_gemm", f"not a GEMM the CUDA template takes ({op.op})") \
+            if site is None else select_gemm(site, target)
+    return plan
+
+
+__all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gemm_site", "stream_tiles",
+           "int8_dense_tiles", "pingpong_pays", "w8a8_gemv_tiling", "gemv_tiling", "gemv_group"]
