@@ -67,10 +67,10 @@ class PropagationReport:
         for name in (self.changed() if only_changed else list(self.after)):
             (d0, _), (d1, bits) = self.before[name], self.after[name]
             rows.append((name, f"{d0:.3f}", f"{d1:.3f}", " ".join(f"{b}:{c}" for b, c in sorted(bits.items()))))
-        from ..compiler import _table
+        from ..text import table
         head = (f"propagation: {self.evaluations} rule evaluations, {self.changes} TeSA changes, "
                 f"{self.seconds:.2f} s; scrambled: {len(self.scrambled)} ops; no rule: {len(self.no_rule)} ops")
-        return head + "\n" + _table(rows)
+        return head + "\n" + table(rows)
 
 
 def _stats(t: TeSA):

@@ -13,6 +13,7 @@ from .errors import GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
 from .sampling import random_inputs
+from .text import table
 from .tesa import TeSA
 
 TARGETS = ("cpu", "cuda")
@@ -325,7 +326,7 @@ class CompiledModel(torch.nn.Module):
         if not self.kernels:
             return "no sparta kernels (every op runs as a torch op)"
         cols = ("op", "template", "blocks", "bits", "dismantle", "build_s", "cached", "code_bytes")
-        return _table([cols] + [tuple(str(k[c]) for c in cols) for k in self.kernels])
+        return table([cols] + [tuple(str(k[c]) for c in cols) for k in self.kernels])
 
     def report(self) -> str:
         """A table of every tensor whose TeSA is not dense: kind, shape, density, bits."""
@@ -338,17 +339,10 @@ class CompiledModel(torch.nn.Module):
                 bits = " ".join(f"{b}:{c}" for b, c in sorted(s["bits"].items()))
                 name = " = ".join([s["name"], *sorted(aliases.get(s["name"], []))])
                 rows.append((name, s["kind"], "x".join(map(str, s["shape"])), f"{s['density']:.3f}", bits))
-        return _table(rows)
+        return table(rows)
 
 
 def _tolerance(dtype, rtol, atol):
     defaults = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-4, 1e-5)}
     r, a = defaults.get(dtype, (0.0, 0.0))
     return (r if rtol is None else rtol), (a if atol is None else atol)
-
-
-def _table(rows) -> str:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

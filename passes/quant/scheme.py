@@ -145,7 +145,6 @@ def fake_quant_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
     kernels apply it to their activations at run time."""
     if bits in FLOAT_WIDTHS:
         return fake_quant_float(x, bits)
-    top = 2 ** (bits - 1) - 1
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / top
-    return (torch.round(xf / scale).clamp(-top, top) * scale).to(x.dtype)
+    from ...templates.quant.spec import quantize_rows
+    codes, scale = quantize_rows(x, bits)
+    return (codes.float() * scale[..., None]).to(x.dtype)

@@ -182,7 +182,7 @@ class Plan:
     def report(self, only_gemm: bool = False) -> str:
         """A table: op, type, kind, density, bits, chosen blocks, the kernel that runs them (with its fused
         epilogue), estimated µs, dense µs, and notes: why that kernel, and what the plan could not honour."""
-        from ...compiler import _table
+        from ...text import table
         rows = [("op", "type", "kind", "density", "bits", "blocks", "kernel", "est µs", "dense µs", "note")]
         for p in self.ops.values():
             if only_gemm and p.gemm is None:
@@ -199,7 +199,7 @@ class Plan:
                          f"{p.est_us:.1f}", f"{p.dense_us:.1f}", note))
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
                 f"({self.profile.get('device', '')})"
-        return _table(rows) + "\n" + total
+        return table(rows) + "\n" + total
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:

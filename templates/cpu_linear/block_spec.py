@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..quant.spec import quantize_rows  # noqa: F401  (the per-token int8 rule, shared)
+
 from .epilogue import torch_epilogue
 
 
@@ -161,12 +163,6 @@ def dequantized_weight(spec: BlockLinearSpec, packed: dict[str, torch.Tensor]) -
             w[i, :, j, :] = wp[p].t()
             p += 1
     return w.reshape(spec.n, spec.k)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantisation of activations: (int8 values, fp32 scales)."""
-    scale = x.abs().amax(1).clamp_min(1e-12) / 127.0
-    return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(torch.float32)
 
 
 def reference(spec: BlockLinearSpec, x: torch.Tensor, packed: dict, bias=None, y=None) -> torch.Tensor:

@@ -47,7 +47,11 @@ def argument_names(spec: QuantRowsSpec) -> list[str]:
     return ["X", "XQ", "XS"]
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 codes and fp32 scales (activations per token; weights per channel)."""
-    scale = x.float().abs().amax(-1).clamp_min(1e-12) * (1.0 / 127.0)   # the reciprocal, as the kernel does
-    return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row codes and fp32 scales over the last dimension (activations per token; weights per
+    channel): scale = max|x| · (1/top) in fp32, code = round(x / scale) clamped to ±top, top = 2^(bits-1) - 1.
+    The one definition of this rounding rule: the CUDA kernels, the CPU W8A8 path and calibration all use it."""
+    top = 2 ** (bits - 1) - 1
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) * (1.0 / top)   # the reciprocal, as the kernel does
+    codes = torch.round(x.float() / scale[..., None]).clamp(-top, top)
+    return codes.to(torch.int8) if bits <= 8 else codes, scale

@@ -1,0 +1,97 @@
+"""Kernel selection for the CUDA target: the ordered rule table, read against the measured tile tables."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparta.codegen.select_cuda import GEMM_RULES, GemmSite, select_gemm
+from sparta.passes.transform.plan import KernelChoice, OpPlan, Plan
+from sparta.target import load_target
+
+CUDA = load_target("cuda")
+
+
+def site(m=4096, n=768, k=3072, bits="W16A16", density=0.1, side=32, bias="vector", act="none", op="linear",
+         requantized=False, w4_group=0, w4_refusal="", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.rand(-(-n // side), -(-k // side), generator=g) < density
+    if density >= 1:
+        blocks[:] = True
+    keep = blocks.repeat_interleave(side, 0).repeat_interleave(side, 1)[:n, :k]
+    weight = torch.where(keep, torch.randn(n, k, generator=g), 0.0)
+    plan = OpPlan("op", op, "sparse", 1.0, 2.0)
+    return GemmSite(SimpleNamespace(op=op), plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
+                    weight, w4_group, w4_refusal)
+
+
+def test_the_last_rule_always_answers_and_every_rule_answers_a_choice_or_none():
+    cases = [site(), site(bits="W8A8"), site(bits="W4A16", density=1, w4_group=128), site(op="conv2d"),
+             site(k=3070), site(bias="other"), site(bits="mixed"), site(side=64, density=0.02)]
+    for s in cases:
+        for rule in GEMM_RULES:
+            picked = rule(s, CUDA)
+            assert picked is None or isinstance(picked, KernelChoice)
+        assert GEMM_RULES[-1](s, CUDA) is not None
+        assert select_gemm(s, CUDA).reason
+
+
+@pytest.mark.parametrize("kw, kernel, rule", [
+    (dict(op="conv2d"), "torch", "not_a_gemm"),
+    (dict(k=3068), "torch", "k_alignment"),
+    (dict(bias="other"), "torch", "bias_shape"),
+    (dict(m=1, bits="W4A16", density=1, w4_group=128), "w4a16_gemv", "w4a16_gemv"),
+    (dict(m=16, bits="W4A16", density=1, w4_group=128), "w4a16_gemv", "w4a16_gemv"),
+    (dict(m=64, bits="W4A16", density=1, w4_group=128), "torch", "w4a16_dense_tile"),
+    (dict(m=512, bits="W4A16", density=1, w4_group=128), "bsr_linear", "w4a16_dense_tile"),
+    (dict(m=512, bits="W4A16", w4_group=128), "bsr_linear", "bsr_tile"),
+    (dict(m=4, bits="W8A8", density=1), "w8a8_gemv", "w8a8_gemv"),
+    (dict(m=4, bits="W8A8"), "w8a8_gemv", "w8a8_gemv"),
+    (dict(m=4096, bits="W8A8", density=1), "bsr_linear", "w8a8_dense_tile"),
+    (dict(m=4096, bits="W8A8"), "bsr_linear", "w8a8_sparse_tile"),
+    (dict(m=4096, side=64, density=0.02), "bsr_linear", "fp16_stream"),
+    (dict(m=4096, side=64, density=0.5), "bsr_linear", "bsr_tile"),
+    (dict(m=4096), "bsr_linear", "bsr_tile"),
+])
+def test_each_gemm_goes_to_the_rule_that_takes_it(kw, kernel, rule):
+    picked = select_gemm(site(**kw), CUDA)
+    assert (picked.kernel, picked.rule) == (kernel, rule), picked
+
+
+def test_choices_carry_the_measured_tiles_of_the_target():
+    tile = select_gemm(site(side=64, density=0.5), CUDA)
+    assert tile.tiles == CUDA.tiles("fp16_tiles", 64) and tile.dtype == "float16" and tile.hopper is None
+    dense8 = select_gemm(site(bits="W8A8", density=1), CUDA)
+    assert dense8.dtype == "int8" and dense8.hopper["mma"] == "wgmma" and dense8.hopper["bn"] == dense8.tiles["bn"]
+    sparse8 = select_gemm(site(bits="W8A8", side=64, density=0.5), CUDA)
+    assert sparse8.tiles == CUDA.tiles("int8_sparse_tiles", 64) and sparse8.tiles["pdl"] == "tail"
+    stream = select_gemm(site(side=64, density=0.02), CUDA)
+    assert stream.tiles["groups"] >= 1 and stream.tiles["tm"] == CUDA.tiles("stream")["tile"]["tm"]
+
+
+def test_a_width_no_kernel_runs_is_reported_not_hidden():
+    mixed = select_gemm(site(bits="mixed"), CUDA)
+    assert mixed.kernel == "bsr_linear" and mixed.dtype == "float16" and "plan asked for mixed" in mixed.note
+    refused = select_gemm(site(bits="W4A16", w4_refusal="scale groups of 48 columns"), CUDA)
+    assert refused.dtype == "float16" and "scale groups of 48 columns" in refused.note
+    odd8 = select_gemm(site(bits="W8A8", k=3080), CUDA)
+    assert odd8.dtype == "float16" and "K=3080 is not a multiple of 16" in odd8.note
+
+
+def test_a_kernel_choice_survives_the_plan_json():
+    plan = Plan("cuda", {"device": CUDA.device})
+    op_plan = OpPlan("linear", "linear", "sparse", 1.0, 2.0)
+    op_plan.kernel = select_gemm(site(bits="W8A8", density=1), CUDA)
+    plan.ops["linear"] = op_plan
+    again = Plan.from_json(plan.to_json())
+    assert again.ops["linear"].kernel == op_plan.kernel
+    assert "bsr_linear[int8 128x" in again.report() and "+wgmma" in again.report()
+
+
+def test_the_target_reads_its_measured_tables_and_refuses_unknown_ones():
+    assert CUDA.sms == 132 and CUDA.tiles("gemv_max_rows", "w4a16") == 16
+    assert "device" in CUDA.kernels and "command" in CUDA.kernels and "date" in CUDA.kernels
+    with pytest.raises(Exception, match="no measured 'nope' tiles"):
+        CUDA.tiles("nope")
+    with pytest.raises(Exception, match="unknown target"):
+        load_target("tpu")
