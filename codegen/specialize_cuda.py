@@ -1,22 +1,15 @@
-"""Specialisation for ``target="cuda"``: every sparse linear of the plan becomes a ``bsr_linear`` kernel
-(fp16; W8A8 int8 with a per-token activation quantiser where the plan chose 8-bit weights and inputs;
-W4A16, int4 weights with calibration's scales dequantised in registers, where it chose 4-bit weights;
-a dense 4-bit linear of at most 16 rows runs the W4A16 GEMV instead, ``templates/w4a16_gemv/``, and a W8A8
-one of at most 16 rows, dense or sparse, the W8A8 GEMV, ``templates/w8a8_gemv/``).
-fp16 LayerNorms become sparta's LayerNorm kernel (``templates/layernorm/``): one read by W8A8
-linears hands them their per-token int8 codes, so they skip the quantiser; one fed by a residual add
-that nothing else reads adds the two inputs itself. A linear whose output (after its fused activation)
-calibration gave a static int8 scale and only W8A8 linears read writes int8 codes itself (``out="int8"``: the
-block kernels and the W8A8 GEMV), so they skip the quantiser too.
+"""Specialisation for ``target="cuda"``: build the kernel selection chose for each GEMM of the plan
+(``OpPlan.kernel``, ``codegen/select_cuda.py``) and bind it to the packed weights: the block-sparse kernel
+(``templates/bsr_linear/``: fp16, W8A8 with a per-token activation quantiser, W4A16 with the plan's 4-bit scales
+dequantised in registers; a dense W8A8 op also its Hopper ``wgmma`` twin over the same blocks), the W4A16 GEMV
+or the W8A8 GEMV (``codegen/specialize_gemv.py``).
 
-Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for
-sm_80/sm_90), not run. Each op's kept elements (the union of its sub-operators) are
-covered by the template's square blocks of the plan's largest block side (32 or 64); the
-block list goes in a table argument, so ops of one shape share one kernel. A dense W8A8 op also
-gets a Hopper ``wgmma`` kernel (sm_90a) over the same blocks, which the runtime runs on sm_90
-GPUs (1.1-1.4x fp16 cuBLAS there, where ``mma.sync`` int8 is not faster). Ops the template
-cannot take (K not a multiple of 8, conv, a full-matrix addend) stay torch ops, with the
-reason in the report.
+fp16 LayerNorms become sparta's LayerNorm kernel (``templates/layernorm/``): one read by W8A8 linears hands them
+their per-token int8 codes, so they skip the quantiser; one fed by a residual add that nothing else reads adds the
+two inputs itself. A linear whose output (after its fused activation) has a static int8 scale in the plan and that
+only W8A8 linears read writes int8 codes itself (``out="int8"``), so they skip the quantiser too.
+
+Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubins for sm_80/sm_90), not run.
 """
 
 from __future__ import annotations
@@ -128,7 +121,7 @@ def _reads_int8(module, t: str) -> bool:
 
 
 def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
-    """fp16 LayerNorms become sparta's LayerNorm kernel (OneFlow-style Welford, 1.3-2x torch's): one whose
+    """fp16 LayerNorms become sparta's LayerNorm kernel (OneFlow-style Welford): one whose
     output W8A8 linears read hands them per-token int8 codes and scales (bit for bit their own quantiser's
     on its fp16 output), so they skip a pass over the activations; one fed by a residual add that nothing
     else reads normalises the add's two inputs itself (the add becomes :class:`Fused`). fp32 LayerNorms

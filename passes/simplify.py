@@ -11,7 +11,7 @@ only fed the mask are removed.
 
 ``drop_copies`` removes value-preserving copies (``clone`` — what an exported eval-mode dropout
 becomes —, ``alias``, ``detach``) whose input and output carry the same TeSA: their readers read the
-input instead. On the GPU each was a pass over its tensor (90 µs of a BERT-base forward), and a
+input instead. On the GPU each was a pass over its tensor, and a
 copy between a LayerNorm and the W8A8 linears it feeds hid the linears from the LayerNorm kernel
 that hands them their int8 codes.
 """

@@ -5,12 +5,12 @@ plan sub-operators that hardware runs well, and run kernels specialised to the e
 sparsity. See README.md and docs/.
 """
 
-from .compiler import CompiledModel, VerificationError, attach_tesa, compile  # noqa: A004
+from .compiler import CompiledModel, VerificationError, attach_tesa, compile, load  # noqa: A004
 from .errors import (CaptureError, CodegenError, GraphError, PlanError, PropagationError, SpartaError,
                      TeSAError)
 from .frontend import capture, from_onnx, from_torch, to_onnx
 from .graph import Graph, Op, Value
-from .saved import SavedModelError, load
+from .saved import SavedModelError
 from .tesa import TeSA
 
 __version__ = "0.1.0"

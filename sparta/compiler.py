@@ -123,6 +123,18 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     return compiled
 
 
+def load(path, trust_kernels: bool = False) -> CompiledModel:
+    """Load a model written by ``compiled.save(path)``; CUDA models need no TVM.
+
+    A CPU model's kernels are rebuilt from their saved specs (TVM needed; a kernel this machine
+    built before comes from the kernel cache). ``trust_kernels=True`` loads the compiled
+    libraries in the folder instead: native code that runs in this process, so only for folders
+    you trust as you would a Python package.
+    """
+    from .saved import read
+    return read(path, CompiledModel, trust_kernels)
+
+
 def _quantizer(calibration, quant_tolerance, target: str):
     """The calibration pass ``compile`` runs between propagation and transformation (or None)."""
     if calibration is None and quant_tolerance is None:

@@ -165,30 +165,24 @@ def _copy_kernel(src: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def load(path, trust_kernels: bool = False):
-    """Load a model written by ``compiled.save(path)``; CUDA models need no TVM.
-
-    A CPU model's kernels are rebuilt from their saved specs (TVM needed; a kernel this machine
-    built before comes from the kernel cache). ``trust_kernels=True`` loads the compiled
-    libraries in the folder instead: native code that runs in this process, so only for folders
-    you trust as you would a Python package.
-    """
+def read(path, build, trust_kernels: bool = False):
+    """The model written by ``compiled.save(path)``, made by ``build`` (the ``CompiledModel`` class) from the
+    folder's graph, plan, kernel modules and reports; ``sparta.load`` is the public entry."""
     root = Path(path)
     saved_folder.recover(Path(os.path.abspath(path)))
     manifest = read_manifest(root)
     try:
-        return _build(root, manifest, trust_kernels)
+        return _build(root, manifest, trust_kernels, build)
     except SavedModelError:
         raise
     except _MALFORMED as exc:
         raise SavedModelError(f"saved model {root} is malformed: {type(exc).__name__}: {exc}") from exc
 
 
-def _build(root: Path, manifest: dict, trust_kernels: bool):
+def _build(root: Path, manifest: dict, trust_kernels: bool, build):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from .compiler import CompiledModel
     from .graph_json import graph_from_json
     from .passes.transform.plan import Plan
 
@@ -210,8 +204,8 @@ def _build(root: Path, manifest: dict, trust_kernels: bool):
         source = graph_from_json(source_json, source_tensors, prefix="source/")
     plan = Plan.from_json(manifest["plan"]) if manifest.get("plan") is not None else None
     kernels = [dict(row) for row in manifest.get("kernels", [])]
-    return CompiledModel(graph, target=manifest["target"], plan=plan, replacements=replacements,
-                         timings=manifest.get("timings"), kernels=kernels, source=source)
+    return build(graph, target=manifest["target"], plan=plan, replacements=replacements,
+                 timings=manifest.get("timings"), kernels=kernels, source=source)
 
 
 def _load_modules(root: Path, manifest: dict, tensors: dict, trust_kernels: bool) -> dict:
