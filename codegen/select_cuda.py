@@ -24,7 +24,6 @@ from ..target import Target
 from ..templates.bsr_linear.packing import block_mask_of
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
-FUSED = {"relu": "relu", "gelu": "gelu_erf"}           # the plan's epilogue names -> the CUDA epilogue's
 
 
 @dataclass
@@ -40,7 +39,7 @@ class GemmSite:
     dense: bool                    # every weight element kept
     side: int                      # block side of the plan's cover (32 or 64)
     bias: str                      # "none" | "vector" | "other"
-    act: str                       # the fused epilogue activation ("none", "relu", "gelu_erf")
+    act: str                       # the fused epilogue activation ("none", "relu", "gelu": exact)
     requantized: bool              # its (activated) output is written as int8 codes at a static scale
     weight: torch.Tensor           # (N, K) fp32, pruned elements zero
     w4_group: int                  # the W4A16 GEMV's scale group for the plan's 4-bit scales, 0 if none fits
@@ -227,7 +226,7 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     bias = "none" if bias_name is None else \
         "vector" if graph.tensor(bias_name).shape == (n,) and graph.tensor(bias_name).data is not None else "other"
     fused = fused_activation(graph, op, op_plan)
-    act = FUSED[fused.op] if fused is not None else "none"
+    act = op_plan.epilogue[-1] if fused is not None else "none"
     out = (fused or op).outputs[0]
     group, refusal = 0, ""
     if bits == "W4A16":

@@ -20,10 +20,12 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 5   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+VERSION = 6   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
 #               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
 #               4: W8A8 GEMV modules (w8a8_gemv_cuda)
 #               5: the source graph (the model with only the user's TeSAs) that verify() checks against
+#               6: CUDA epilogues name the exact GELU "gelu" and the tanh form "gelu_tanh" (before: "gelu_erf", "gelu")
+CUDA_SINCE = 6     # older CUDA models name their GELUs otherwise: refused, not run with the other GELU
 TARGETS = ("cpu", "cuda")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = {"format": str, "version": int, "target": str, "graph": dict, "modules": dict, "files": dict}
@@ -124,6 +126,9 @@ def check_structure(manifest, root: Path) -> None:
     _check_fields(manifest, _REQUIRED, _OPTIONAL, f"saved model {root}: manifest")
     if manifest["target"] not in TARGETS:
         raise SavedModelError(f"saved model {root}: unknown target {manifest['target']!r} (expected one of {TARGETS})")
+    if manifest["target"] == "cuda" and version < CUDA_SINCE:
+        raise SavedModelError(f"saved model {root} was written by an older sparta (format version {version}) whose "
+                              "CUDA kernels name their GELUs differently; compile and save the model again")
     for rel, digest in manifest["files"].items():
         check_relative(rel, root)
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):

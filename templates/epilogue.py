@@ -18,9 +18,9 @@ def tir_activate(v, bias, act: str):
         v = v + T.Cast("float32", bias)
     if act == "relu":
         v = T.max(v, T.float32(0))
-    elif act == "gelu":
+    elif act == "gelu_tanh":
         v = gelu_tanh(v)
-    elif act == "gelu_erf":
+    elif act == "gelu":
         v = gelu_erf(v)
     return v
 

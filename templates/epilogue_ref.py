@@ -11,7 +11,7 @@ import math
 
 import torch
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf")    # gelu: the tanh form; gelu_erf: exact
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh")    # gelu: exact (erf), as torch's default; gelu_tanh: the tanh form
 OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
 
 # The epilogue's GELUs (``epilogue.gelu_erf`` / ``gelu_tanh``) and their fp32 twins here. Exact GELU:
@@ -45,9 +45,9 @@ def activate(y: torch.Tensor, act: str) -> torch.Tensor:
     """torch's ``act`` of fp32 ``y`` (the exact functions the kernels' fast GELUs approximate)."""
     if act == "relu":
         return torch.relu(y)
-    if act == "gelu":
+    if act == "gelu_tanh":
         return torch.nn.functional.gelu(y, approximate="tanh")
-    if act == "gelu_erf":
+    if act == "gelu":
         return torch.nn.functional.gelu(y)
     return y
 

@@ -255,6 +255,13 @@ def test_a_version_older_than_the_features_used_is_refused(saved):
     refused(saved, "version 4 introduced")
 
 
+def test_a_cuda_model_from_before_the_gelu_names_is_refused(saved):
+    data = manifest(saved)
+    data.update(version=5, target="cuda")      # its "gelu" kernels computed the tanh form
+    write_manifest(saved, data)
+    refused(saved, "name their GELUs differently")
+
+
 def test_stored_tensors_must_match_the_declared_shapes_and_dtypes(saved):
     tensors = load_file(str(saved / "tensors.safetensors"))
     name = next(k for k in tensors if k.startswith("graph/") and k.endswith("bias"))

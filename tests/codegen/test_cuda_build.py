@@ -19,7 +19,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 @needs_nvcc
 def test_bsr_template_builds_cubins_for_every_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu", name="probe_bsr")
+    spec = BsrSpec(200, 96, 72, bn=32, bk=32, tm=64, warps_m=2, stages=3, act="gelu_tanh", name="probe_bsr")
     art = build_cuda(bsr_linear, spec)
     src = (art.path / "kernel.cu").read_text()
     for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4",
@@ -44,24 +44,24 @@ def test_bsr_template_builds_cubins_for_every_arch(tmp_path, monkeypatch):
 def test_gelu_epilogues_use_one_ex2_and_one_rcp(tmp_path, monkeypatch):
     """Both GELUs are built from the SFU's ``ex2.approx`` / ``rcp.approx`` (no ``erff`` / ``tanhf``)."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    for act in ("gelu_erf", "gelu"):
+    for act in ("gelu", "gelu_tanh"):
         art = build_cuda(bsr_linear, BsrSpec(130, 64, 96, bn=32, bk=32, tm=64, warps_m=2, stages=2, act=act,
                                              name=f"probe_{act}"))
         src = (art.path / "kernel.cu").read_text()
         assert "ex2.approx.ftz.f32" in src and "rcp.approx.ftz.f32" in src
         assert "erff(" not in src and "tanhf(" not in src
     x, w = torch.randn(3, 16).half(), torch.randn(8, 16).half()
-    torch.testing.assert_close(reference(x, w, None, None, "gelu_erf", 16, 16).float(),
+    torch.testing.assert_close(reference(x, w, None, None, "gelu", 16, 16).float(),
                                torch.nn.functional.gelu(x.float() @ w.float().t()), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("act", ["gelu_erf", "gelu"])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
 def test_fast_gelu_arithmetic_is_within_6e7_of_the_exact_gelu(act):
     """The kernels' GELU arithmetic (its fp32 twin, the same constants) against float64 GELU on [-12, 12]: absolute
     error below 6e-7 (torch's own fp32 GELUs: 4.5e-7 / 4.3e-7), relative below 2e-4 where |GELU| > 1e-3."""
     x = torch.linspace(-12, 12, 400_001)
-    fast = gelu_erf_fast(x) if act == "gelu_erf" else gelu_tanh_fast(x)
-    exact = torch.nn.functional.gelu(x.double(), approximate="none" if act == "gelu_erf" else "tanh")
+    fast = gelu_erf_fast(x) if act == "gelu" else gelu_tanh_fast(x)
+    exact = torch.nn.functional.gelu(x.double(), approximate="none" if act == "gelu" else "tanh")
     err = (fast.double() - exact).abs()
     assert err.max() < 6e-7 and (err / exact.abs().clamp_min(1e-3)).max() < 2e-4
     assert fast[x < -11].abs().max() < 1e-20 and torch.equal(fast[x > 11], x[x > 11])
@@ -159,7 +159,7 @@ def test_epilogue_reads_column_constants_once_per_tile(tmp_path, monkeypatch, kw
     """Bias and weight scales are loaded once per CTA into shared memory (fp32, a float4 per column pair), not per
     output element; two outputs leave per shared store (half2, or two int8 codes)."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    base = dict(bn=64, bk=32, tm=128, warps_m=2, stages=3, act="gelu_erf")
+    base = dict(bn=64, bk=32, tm=128, warps_m=2, stages=3, act="gelu")
     spec = BsrSpec(257, 192, 320, name="probe_epi", **{**base, **kw})
     assert spec.shared_bytes % 16 == 0 and spec.shared_bytes >= max(
         spec.stages * (spec.tm * spec.bk // spec.elems_per_half + spec.w_lanes), spec.out_lanes) * 2 + pairs * 16
@@ -177,7 +177,7 @@ def test_warp_specialised_wgmma_kernel_builds(tmp_path, monkeypatch):
     """A producer warpgroup loads, the consumers wait on mbarriers; the persistent grid has ``ctas`` CTAs and
     shared memory for the stages, the output tile, two constant buffers and the barrier rings."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = BsrSpec(257, 192, 320, bn=64, bk=128, tm=128, warps_m=2, stages=4, act="gelu_erf", dtype="int8",
+    spec = BsrSpec(257, 192, 320, bn=64, bk=128, tm=128, warps_m=2, stages=4, act="gelu", dtype="int8",
                    out="int8", mma="wgmma", producer=True, ctas=2, name="probe_ws")
     stage = spec.tm * spec.bk // 2 + spec.w_lanes
     assert spec.threads == 384 and spec.shared_bytes == -(-(4 * stage + spec.out_lanes) * 2 // 16) * 16 + \
@@ -231,7 +231,7 @@ def test_wgmma_kernel_builds_for_sm90a_only(tmp_path, monkeypatch, dtype, bk, in
     """The Hopper variant: wgmma from shared-memory descriptors (swizzle mode from the row width),
     async-proxy fence after the cp.async copies, one warpgroup per 64 rows, an sm_90a cubin only."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = BsrSpec(257, 192, 320, bn=64, bk=bk, tm=128, warps_m=2, stages=4, act="gelu_erf", dtype=dtype,
+    spec = BsrSpec(257, 192, 320, bn=64, bk=bk, tm=128, warps_m=2, stages=4, act="gelu", dtype=dtype,
                    mma="wgmma", name="probe_wg")
     art = build_cuda(bsr_linear, spec)
     src = (art.path / "kernel.cu").read_text()
@@ -273,7 +273,7 @@ def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
     plus ½ is saturated to [0, 1] and the code is the low byte of its fma by 254 plus 1.5·2²³ − 127 (rounded half
     to even by that fma; no float→int conversion, no clamp), and the tile leaves in 16-byte rows (N % 16 == 0); the fp16-output kernel of the same spec has neither."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = BsrSpec(257, 384, 320, act="gelu_erf", dtype="int8", out="int8", name="probe_q8", **kw)
+    spec = BsrSpec(257, 384, 320, act="gelu", dtype="int8", out="int8", name="probe_q8", **kw)
     art = build_cuda(bsr_linear, spec)
     src = (art.path / "kernel.cu").read_text()
     args = {a["name"]: (a["dtype"], a["shape"]) for a in art.launch["args"]}
@@ -284,7 +284,7 @@ def test_requantizing_epilogue_builds_int8_output(tmp_path, monkeypatch, kw):
     assert "__float2int_rn" not in src and "nearbyintf" not in src
     assert "*(int4*)(Y_ptr" in src
     assert art.launch["shared_bytes"] == spec.shared_bytes
-    fp16 = BsrSpec(257, 384, 320, act="gelu_erf", dtype="int8", name="probe_f16out", **kw)
+    fp16 = BsrSpec(257, 384, 320, act="gelu", dtype="int8", name="probe_f16out", **kw)
     assert "out" not in fp16.key() and spec.key()["out"] == "int8"
     assert spec.out_lanes == spec.tm * (spec.bn + 16) // 2 and fp16.out_lanes == spec.tm * (spec.bn + 8)
     with pytest.raises(ValueError, match="out"):
@@ -305,7 +305,7 @@ def test_int8_output_folds_the_reciprocal_scale_into_the_column_constants(tmp_pa
     span = "0x1.fcp+6f" if kw.get("act") == "relu" else "0x1.fcp+7f"
     assert "__saturatef(__fmaf_rn(" in src and "kc_ptr[2]));" in src and f"__fmaf_rn(yv_ptr[0], {span}" in src
     assert "OS_ptr[1] * " in src and "__fadd_rn" not in src and "__fmul_rn" not in src
-    gelu = BsrSpec(257, 384, 320, out="int8", name="probe_fold", **{"dtype": "int8", **kw, "act": "gelu"})
+    gelu = BsrSpec(257, 384, 320, out="int8", name="probe_fold", **{"dtype": "int8", **kw, "act": "gelu_tanh"})
     src = (build_cuda(bsr_linear, gelu).path / "kernel.cu").read_text()
     assert "(OS_ptr[1] * 0x1.0204081020408p-8f" in src and "0x1p-1f" in src
 

@@ -74,7 +74,7 @@ def test_mma_packing_puts_each_lanes_a_fragment_in_one_16_byte_load(n, k):
 @needs_nvcc
 def test_mma_build_issues_int8_mmas_on_fragment_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = W8A8GemvSpec(9, 200, 2080, warps=8, group=4, bias=True, act="gelu_erf", pdl="early", mma=True,
+    spec = W8A8GemvSpec(9, 200, 2080, warps=8, group=4, bias=True, act="gelu", pdl="early", mma=True,
                         name="probe_w8g_mma")
     art = build_cuda(w8a8_gemv, spec)
     src = (art.path / "kernel.cu").read_text()
@@ -92,7 +92,7 @@ def test_mma_build_issues_int8_mmas_on_fragment_loads(tmp_path, monkeypatch):
 def test_int8_codes_out_take_the_output_scale(tmp_path, monkeypatch, mma):
     """``out="int8"``: Y is int8 codes at the static scale ``OS`` (the tile kernels' saturating requantisation)."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
-    spec = W8A8GemvSpec(5, 100, 1056, bias=True, act="gelu_erf", out="int8", mma=mma, name=f"probe_w8g_q8{mma}")
+    spec = W8A8GemvSpec(5, 100, 1056, bias=True, act="gelu", out="int8", mma=mma, name=f"probe_w8g_q8{mma}")
     art = build_cuda(w8a8_gemv, spec)
     args = {a["name"]: a for a in art.launch["args"]}
     assert set(args) == set(argument_names(spec)) and args["Y"]["dtype"] == "int8" and args["OS"]["shape"] == [2]
