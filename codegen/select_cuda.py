@@ -111,7 +111,7 @@ def w8a8_dense_tile(site: GemmSite, target: Target):
 def w8a8_sparse_tile(site: GemmSite, target: Target):
     if site.bits == "W8A8" and site.k % 16 == 0:
         return choice("bsr_linear", "w8a8_sparse_tile", f"block-sparse W8A8 in {site.side}x{site.side} blocks",
-                      "int8", target.tiles("int8_sparse_tiles", site.side))
+                      "int8", target.tiles("int8_sparse_tiles", site.side), note=_cover_note(site))
     return None
 
 
@@ -137,13 +137,24 @@ def _runs_w4(site: GemmSite) -> bool:
     return site.bits == "W4A16" and not site.w4_refusal
 
 
-def _unhonoured(site: GemmSite) -> str:
-    """What the plan asked for that the fp16 kernel does not run, and why."""
-    if site.bits in ("W16A16", "W32A32", "W32A16", "W16A32") or _runs_w4(site):
+def _cover_note(site: GemmSite) -> str:
+    """How the block kernel's one square cover differs from the plan's sub-operators, if it does."""
+    shapes = {("fine" if s.template == "fine_sparse" else "dense" if s.block is None else "%dx%d" % s.block)
+              for s in site.plan.subops}
+    if not shapes or shapes == {f"{site.side}x{site.side}"}:
         return ""
+    return (f"the plan's {' + '.join(sorted(shapes))} cover runs as one {site.side}x{site.side} block cover of its "
+            "kept elements (one block shape per kernel)")
+
+
+def _unhonoured(site: GemmSite) -> str:
+    """What the plan asked for that the kernel does not run as planned, and why."""
+    cover = _cover_note(site)
+    if site.bits in ("W16A16", "W32A32", "W32A16", "W16A32") or _runs_w4(site):
+        return cover
     why = site.w4_refusal or (f"K={site.k} is not a multiple of 16" if site.bits == "W8A8" else
                               "no kernel runs this mix of widths")
-    return f"plan asked for {site.bits}; runs the fp16 kernel ({why})"
+    return "; ".join(x for x in (f"plan asked for {site.bits}; runs the fp16 kernel ({why})", cover) if x)
 
 
 # ---- tilings the rules read ------------------------------------------------------------------------------------

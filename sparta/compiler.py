@@ -13,6 +13,7 @@ from .errors import GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
 from .sampling import random_inputs
+from .target import load_target
 from .text import table
 from .tesa import TeSA
 
@@ -108,7 +109,6 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     elif target == "cuda":
         from .codegen.select_cuda import select_kernels
         from .codegen.specialize_cuda import specialize_cuda
-        from .target import load_target
         t0 = time.perf_counter()
         cuda = load_target("cuda")
         select_kernels(graph, plan, cuda)
@@ -187,7 +187,7 @@ def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dic
         quantize(graph)
         timings["calibrate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plan = transform(graph, target)
+    plan = transform(graph, load_target(target))
     timings["transform"] = time.perf_counter() - t0
     if key is not None:
         report = graph.meta.get("propagation")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ...graph import Graph
+from ...target import Target
 from .bitround import BitGroup, groupings, round_bits
 from .cover import ShapeCover, block_cover, check_cover, cover_cost
 from .plan import Candidate, OpPlan, Plan, SubOp
@@ -12,15 +13,19 @@ from .profile import HardwareProfile, KernelCosts, load_profile
 from .transform_op import gemm_view, transform_gemm, weight_matrix, weight_quantisation
 
 
-def transform(graph: Graph, target: str = "cpu", *, profile=None, sparse_ops=None, quantization=None) -> Plan:
-    """Plan every op of ``graph`` for ``target``: GEMM-like ops get the cheapest sub-operator
-    plan by the hardware profile's cost model; the others stay torch ops.
+def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quantization=None) -> Plan:
+    """Plan every op of ``graph`` for ``target`` (``"cpu"``/``"cuda"`` or a :class:`~sparta.target.Target`, whose
+    cost model it reads): GEMM-like ops get the cheapest sub-operator plan by the hardware profile's cost model;
+    the others stay torch ops.
 
     Every sub-operator that runs an integer weight width gets its scales in the plan
     (``OpPlan.weight_quant``): calibration's where ``quantization`` (a :class:`QuantReport`, by
     default the graph's last one) fitted that width, else fitted to the weight alone. Calibration's
     static activation scales become ``Plan.static_scales``."""
-    prof = load_profile(profile or target)
+    if isinstance(target, Target):
+        prof, target = (load_profile(profile) if profile is not None else target.profile), target.name
+    else:
+        prof = load_profile(profile or target)
     plan = Plan(target, {"device": prof.device, "date": prof.date, "source": prof.source})
     quantization = quantization if quantization is not None else graph.meta.get("quantization")
     fitted = dict(getattr(quantization, "weights", {}) or {})

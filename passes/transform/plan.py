@@ -190,7 +190,8 @@ class Plan:
             blocks = " + ".join(f"{s.n_blocks}x{s.block[0]}x{s.block[1]}@W{s.weight_bits}A{s.act_bits}"
                                 if s.block else f"dense@W{s.weight_bits}A{s.act_bits}" for s in p.subops)
             bits = " ".join(f"{b}:{c}" for b, c in sorted(p.bits.items())) if p.bits else ""
-            kernel = p.kernel.describe() if p.kernel is not None else ("vendor" if p.kind == "dense" else "")
+            kernel = p.kernel.describe() if p.kernel is not None else ("vendor" if p.kind == "dense" else
+                                                                       _cpu_kernels(p) if p.kind == "sparse" else "")
             if p.kind == "sparse" and p.epilogue and (p.kernel is None or p.kernel.kernel != "torch"):
                 kernel += " +" + "+".join(p.epilogue)
             why = p.kernel.reason if p.kernel is not None and p.kernel.kernel != "torch" else ""
@@ -230,6 +231,12 @@ def _sub_to_json(s: SubOp) -> dict:
     d["blocks"] = s.blocks.to_json() if s.blocks is not None else None
     d["elements"] = s.elements.to_json() if s.elements is not None else None
     return d
+
+
+def _cpu_kernels(p: OpPlan) -> str:
+    """The CPU kernels of a sparse op: one ``cpu_linear`` kernel per sub-operator (block, fine; dense = full grid)."""
+    kinds = {"dense": "block", "block_sparse": "block", "fine_sparse": "fine"}
+    return "cpu_linear[" + ", ".join(kinds[s.template] for s in p.subops) + "]"
 
 
 def _op_to_json(p: OpPlan) -> dict:

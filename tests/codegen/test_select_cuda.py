@@ -95,3 +95,12 @@ def test_the_target_reads_its_measured_tables_and_refuses_unknown_ones():
         CUDA.tiles("nope")
     with pytest.raises(Exception, match="unknown target"):
         load_target("tpu")
+
+
+def test_a_cover_the_kernel_runs_otherwise_is_noted():
+    from sparta.passes.transform.plan import SubOp
+    s = site(side=64, density=0.5)
+    s.plan.subops = [SubOp("block_sparse", 16, 16, (32, 32), 10, 0, 1.0), SubOp("block_sparse", 16, 16, (64, 64), 3, 0, 1.0)]
+    assert "32x32 + 64x64 cover runs as one 64x64 block cover" in select_gemm(s, CUDA).note
+    s.plan.subops = [SubOp("block_sparse", 16, 16, (64, 64), 3, 0, 1.0)]
+    assert select_gemm(s, CUDA).note == ""
