@@ -24,6 +24,7 @@ from ..target import Target
 from ..templates.bsr_linear.packing import block_mask_of
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
+EPILOGUE_OF = {"w4a16_gemv": ("bias",), "torch": ()}   # kernels whose epilogue computes less than the plan's
 
 
 @dataclass
@@ -277,6 +278,9 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         site = gemm_site(graph, op, op_plan, plan)
         op_plan.kernel = choice("torch", "not_a_gemm", f"not a GEMM the CUDA template takes ({op.op})") \
             if site is None else select_gemm(site, target)
+        fuses = EPILOGUE_OF.get(op_plan.kernel.kernel)
+        if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
+            op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
     return plan
 
 

@@ -137,6 +137,29 @@ def test_w8a8_model_with_a_static_scale_hands_int8_codes_between_linears():
 
 
 DECODE = ROOT / "saved_decode_w4a16"
+TESA_W4 = ROOT / "saved_tesa_w4a16"
+
+
+@pytest.mark.skipif(not (TESA_W4 / "sparta.json").is_file(), reason=f"no saved model in {TESA_W4}")
+def test_4bit_tesas_without_calibration_run_w4a16_kernels_on_the_weights_own_scales():
+    """The user's 4-bit TeSAs and no calibration: the dense linear runs the W4A16 GEMV, the block-sparse one a 4-bit
+    kernel, both on scales fitted to the weight (the plan's), and the model matches the dequantised math."""
+    import sparta
+    model = sparta.load(TESA_W4).to("cuda")
+    mods = model.module_replacements()
+    assert type(mods["linear"]).__name__ == "W4A16GemvCUDA"
+    assert {p.weight_quant[4].source for p in model.plan.ops.values() if p.weight_quant} == {"weight"}
+    assert {k["bits"] for k in model.kernels} == {"W4A16"}, model.kernel_report()
+    assert max(model.verify(trials=2).values()) < 1e-2
+    g = model.graph
+    b0, b2 = g.tensor("0.bias").data.cuda().float(), g.tensor("2.bias").data.cuda().float()
+    w0, w2 = (mods[n].dense_weight().cuda().float() for n in ("linear", "linear_1"))
+    x = torch.randn(1, 4096, device="cuda").half()
+    h = torch.relu(torch.nn.functional.linear(x.float(), w0, b0)).half()
+    ref = torch.nn.functional.linear(h.float(), w2, b2)
+    err = ((model(x).float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, err
+    replay_on_new_input(model, x)
 
 
 @pytest.mark.skipif(not (DECODE / "sparta.json").is_file(), reason=f"no saved model in {DECODE}")
