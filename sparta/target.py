@@ -8,6 +8,7 @@ them). Nothing else in the code holds a device's numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
@@ -49,10 +50,23 @@ def load_target(target="cpu", profile=None) -> Target:
     (a profile JSON path or a HardwareProfile) if given."""
     from .passes.transform.profile import load_profile
     if isinstance(target, Target):
-        return target if profile is None else Target(target.name, load_profile(profile), target.kernels)
+        return target if profile is None else \
+            Target(target.name, runnable(load_profile(profile), target.kernels.get("block_shapes")), target.kernels)
     if target not in TARGETS:
         raise PlanError(f"unknown target {target!r}; expected one of {TARGETS}")
-    return Target(target, load_profile(profile or target), _kernel_tables(target))
+    tables = _kernel_tables(target)
+    return Target(target, runnable(load_profile(profile or target), tables.get("block_shapes")), tables)
+
+
+def runnable(profile, shapes):
+    """``profile`` with only the block shapes the target's kernels run (all where ``shapes`` is None): a plan then
+    holds no cover that codegen would have to run as another."""
+    if shapes is None:
+        return profile
+    keep = {tuple(int(x) for x in s.split("x")) for s in shapes}
+    kernels = tuple(dataclasses.replace(k, blocks={b: c for b, c in k.blocks.items() if b in keep})
+                    for k in profile.kernels)
+    return dataclasses.replace(profile, kernels=kernels)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,4 +75,4 @@ def _kernel_tables(name: str) -> dict:
     return json.loads(path.read_text()) if Path(str(path)).is_file() else {}
 
 
-__all__ = ["Target", "load_target", "TARGETS"]
+__all__ = ["Target", "load_target", "runnable", "TARGETS"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ...graph import Graph
-from ...target import Target
+from ...target import TARGETS, Target, load_target
 from .bitround import BitGroup, groupings, round_bits
 from .cover import ShapeCover, block_cover, check_cover, cover_cost
 from .plan import Candidate, OpPlan, Plan, SubOp
@@ -22,8 +22,9 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
     (``OpPlan.weight_quant``): calibration's where ``quantization`` (a :class:`QuantReport`, by
     default the graph's last one) fitted that width, else fitted to the weight alone. Calibration's
     static activation scales become ``Plan.static_scales``."""
-    if isinstance(target, Target):
-        prof, target = (load_profile(profile) if profile is not None else target.profile), target.name
+    if isinstance(target, Target) or target in TARGETS:
+        chosen = load_target(target, profile)
+        prof, target = chosen.profile, chosen.name
     else:
         prof = load_profile(profile or target)
     plan = Plan(target, {"device": prof.device, "date": prof.date, "source": prof.source})
