@@ -58,9 +58,13 @@ def runtime():
 
 
 def load_kernel(path, name: str):
-    """The function ``name`` of a compiled kernel library, without importing the compiler."""
+    """The function ``name`` of a compiled kernel library, without importing the compiler; its parallel loops run on
+    torch's OpenMP threads (``sparta/runtime/cpu_threads.py``)."""
+    from ..runtime.cpu_threads import share_torch_pool
     check_library(path)
-    return runtime().load_module(str(path))[name]
+    fn = runtime().load_module(str(path))[name]
+    share_torch_pool(path)
+    return fn
 
 
 _ELF_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")

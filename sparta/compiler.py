@@ -338,7 +338,11 @@ class CompiledModel(torch.nn.Module):
         if not self.kernels:
             return "no sparta kernels (every op runs as a torch op)"
         cols = ("op", "template", "blocks", "bits", "dismantle", "build_s", "cached", "code_bytes")
-        return table([cols] + [tuple(str(k[c]) for c in cols) for k in self.kernels])
+        text = table([cols] + [tuple(str(k[c]) for c in cols) for k in self.kernels])
+        if self.target == "cpu":
+            from .runtime.cpu_threads import describe
+            text += "\n" + describe()
+        return text
 
     def report(self) -> str:
         """A table of every tensor whose TeSA is not dense: kind, shape, density, bits."""
