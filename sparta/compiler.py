@@ -64,7 +64,7 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
-            quant_tolerance=None, dismantle: str | None = None) -> CompiledModel:
+            quant_tolerance=None, dismantle: str | None = None, profile=None) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -72,7 +72,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     exported by ``torch.onnx.export``, ``parameters`` (the model's ``state_dict`` or the module) maps the
     user's parameter names onto the file's renamed initializers (see ``sparta.from_onnx``).
     ``dismantle`` ("full", "tile", "none") overrides the plan's per-op dismantle level,
-    which by default follows the target's measured profile.
+    which by default follows the target's measured profile. ``profile`` (a profile JSON path, e.g. one measured on
+    this machine by ``python -m sparta.codegen.profile --target cpu --kernels sparta -o host.json``, or a
+    ``HardwareProfile``) replaces the target's shipped cost model; the plan report names the one used.
     ``calibration`` (batches of example inputs) with ``quant_tolerance`` (the relative output MSE
     one op may add; or a ``sparta.passes.QuantConfig``, or a dict of its options) lowers each
     weight's bits as far as calibration allows (``sparta.passes.calibrate``); the chosen bits
@@ -95,7 +97,8 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
     graph = simplify(graph)
-    graph, plan = _propagate_and_plan(graph, target, propagate, timings, quantize)
+    chosen = _target(target, profile)
+    graph, plan = _propagate_and_plan(graph, chosen, propagate, timings, quantize)
     if dismantle is not None:
         for op_plan in list(plan.ops.values()):
             if op_plan.kind == "sparse":
@@ -110,7 +113,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         from .codegen.select_cuda import select_kernels
         from .codegen.specialize_cuda import specialize_cuda
         t0 = time.perf_counter()
-        cuda = load_target("cuda")
+        cuda = chosen
         select_kernels(graph, plan, cuda)
         timings["select"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -155,7 +158,36 @@ def _quantizer(calibration, quant_tolerance, target: str):
     return lambda graph: calibrate(graph, calibration, config, target=target)
 
 
-def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dict, quantize=None):
+def _target(name: str, profile):
+    """The Target ``compile`` plans for: ``name``'s, its cost model replaced by ``profile`` if given; warns once
+    where a shipped CPU profile was measured on another CPU model than this one."""
+    from .passes.transform.profile import load_profile
+    try:
+        chosen = load_target(name, load_profile(profile) if profile is not None else None)
+    except Exception as exc:  # noqa: BLE001 - a bad path or JSON: one clear error
+        raise SpartaError(f"profile {profile!r}: {exc}") from None
+    if profile is None and name == "cpu":
+        _warn_foreign_profile(chosen.profile.device)
+    return chosen
+
+
+_WARNED: set = set()
+
+
+def _warn_foreign_profile(device: str) -> None:
+    import warnings
+    try:
+        here = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+    except (OSError, StopIteration):
+        return
+    if device.split(" (")[0] != here and device not in _WARNED:
+        _WARNED.add(device)
+        warnings.warn(f"sparta's shipped CPU profile was measured on {device!r}, this machine is {here!r}: plans may "
+                      "misjudge what pays. Measure one (python -m sparta.codegen.profile --target cpu --kernels "
+                      "sparta -o host.json) and pass compile(..., profile='host.json').", stacklevel=3)
+
+
+def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, quantize=None):
     """Propagation, calibration (when asked) and transformation; without calibration both
     passes are read back from the pipeline cache when nothing they read changed."""
     from . import pipeline_cache
@@ -166,7 +198,8 @@ def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dic
 
     t0 = time.perf_counter()
     # calibration reads weight values and data, which the key does not hash: it bypasses the cache
-    key = pipeline_cache.pipeline_key(graph, target, {"propagate": propagate}) if quantize is None else None
+    options = {"propagate": propagate, "profile": target.profile.to_json()}
+    key = pipeline_cache.pipeline_key(graph, target.name, options) if quantize is None else None
     hit = pipeline_cache.load(key) if key is not None else None
     if hit is not None:
         tesas, report, plan = hit
@@ -187,7 +220,7 @@ def _propagate_and_plan(graph: Graph, target: str, propagate: bool, timings: dic
         quantize(graph)
         timings["calibrate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plan = transform(graph, load_target(target))
+    plan = transform(graph, target)
     timings["transform"] = time.perf_counter() - t0
     if key is not None:
         report = graph.meta.get("propagation")

@@ -199,7 +199,7 @@ class Plan:
             rows.append((p.op, p.op_type, p.kind, f"{p.density:.3f}" if p.gemm else "", bits, blocks, kernel,
                          f"{p.est_us:.1f}", f"{p.dense_us:.1f}", note))
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
-                f"({self.profile.get('device', '')})"
+                f"(profile: {self.profile.get('device', '')}, {self.profile.get('date', '')})"
         return table(rows) + "\n" + total
 
     # ---- JSON ---------------------------------------------------------------------------------
