@@ -38,10 +38,10 @@ def build(name: str):
     if name == "distilbert":
         return t.DistilBertModel(t.DistilBertConfig()), (ids,)
     if name == "gpt2":
-        return t.GPT2Model(t.GPT2Config()), (ids,)
+        return t.GPT2Model(t.GPT2Config(use_cache=False)), (ids,)
     if name == "llama":
         cfg = t.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
-                            num_key_value_heads=16, vocab_size=32000)
+                            num_key_value_heads=16, vocab_size=32000, use_cache=False)
         return t.LlamaModel(cfg), (ids,)
     if name == "vit":
         return t.ViTModel(t.ViTConfig(), add_pooling_layer=False), (torch.randn(1, 3, 224, 224),)
@@ -99,6 +99,7 @@ def main():
     ap.add_argument("--sparsity", nargs="*", type=float, default=[0.9])
     ap.add_argument("--threads", nargs="*", default=["openmp"], choices=["openmp", "tvm"])
     ap.add_argument("--reps", type=int, default=31)
+    ap.add_argument("--name", default="cpu_models", help="results/<name>-cpu-<date>.json")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)       # model sparsity, in a child process
     args = ap.parse_args()
     if args.one:
@@ -112,12 +113,16 @@ def main():
                 out = subprocess.run([sys.executable, __file__, "--one", name, str(s), "--reps", str(args.reps)],
                                      capture_output=True, text=True, env=env)
                 if out.returncode:
-                    raise SystemExit(out.stderr[-3000:])
+                    error = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+                    rows.append({"model": name, "sparsity": s, "threads": mode, "error": error})
+                    print(f"{mode:6s} {name:10s} {s:.0%}  failed: {error}", flush=True)
+                    continue
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 rows.append(row)
                 print(f"{mode:6s} {name:10s} {s:.0%}  eager {row['eager_ms']:7.1f} ms  sparta {row['sparta_ms']:7.1f} ms"
                       f"  {row['speedup']:.2f}x  rel err {row['rel_err']:.1e}", flush=True)
-    print(save("cpu_models", {"rows": rows}))
+                path = save(args.name, {"rows": rows})
+    print(path)
 
 
 if __name__ == "__main__":

@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from . import fast_math
 
 ACTIVATIONS = (None, "relu", "gelu", "silu", "tanh", "sigmoid")
 
 
 def tir_activation(name: str | None, v):
-    """The activation applied to TIR expression ``v`` (float32)."""
-    from tvm import tirx
-    if name is None:
-        return v
-    if name == "relu":
-        return tirx.max(v, tirx.const(0.0, "float32"))
-    if name == "gelu":  # exact (erf) GELU, as torch's default
-        return v * tirx.const(0.5, "float32") * (tirx.const(1.0, "float32") +
-                                                 tirx.erf(v * tirx.const(1 / math.sqrt(2.0), "float32")))
-    if name == "silu":
-        return v / (tirx.const(1.0, "float32") + tirx.exp(-v))
-    if name == "tanh":
-        return tirx.tanh(v)
-    if name == "sigmoid":
-        return tirx.const(1.0, "float32") / (tirx.const(1.0, "float32") + tirx.exp(-v))
-    raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
+    """The activation applied to TIR expression ``v`` (float32), in vector registers (``fast_math``: polynomial
+    erf and exp, within ``fast_math.BOUNDS`` of the exact functions)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
+    return fast_math.tir_activation(name, v)
 
 
 def torch_activation(name: str | None, y: torch.Tensor) -> torch.Tensor:
