@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import struct
+import types
 from pathlib import Path
 
 import torch
@@ -76,9 +77,18 @@ def _rules_digest() -> str:
         code = getattr(fn, "__code__", None)
         h.update(f"{op_type}|{getattr(fn, '__module__', '')}|{getattr(fn, '__qualname__', repr(fn))}".encode())
         if code is not None:
-            h.update(code.co_code)
-            h.update(repr(code.co_consts).encode())
+            _hash_code(code, h)
     return h.hexdigest()[:16]
+
+
+def _hash_code(code, h) -> None:
+    """Bytecode and constants, nested functions' too (a code object's repr holds its address: not stable)."""
+    h.update(code.co_code)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _hash_code(const, h)
+        else:
+            h.update(repr(const).encode())
 
 
 def load(key: str):

@@ -102,3 +102,16 @@ def test_a_rule_registered_by_the_user_is_part_of_the_key(tmp_path, monkeypatch)
 def test_empty_integer_constants_hash(tmp_path):
     assert bytes(pipeline_cache.value_bytes(torch.zeros(0, dtype=torch.int64))) == b""
     assert bytes(pipeline_cache.value_bytes(torch.from_numpy(__import__("numpy").zeros((0, 3), "int64")))) == b""
+
+
+def test_the_key_is_the_same_in_every_process():
+    """The key hashes the rule table by bytecode: nested code objects (whose repr holds an address) included by
+    content, so a new process finds the plan an earlier one stored."""
+    import subprocess
+    import sys
+    script = ("import torch, sparta\nfrom sparta import pipeline_cache\n"
+              "g = sparta.capture(torch.nn.Sequential(torch.nn.Linear(8, 8)).eval(), (torch.randn(2, 8),))\n"
+              "print(pipeline_cache.pipeline_key(g, 'cpu', {}))\n")
+    keys = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+            .stdout.split()[-1] for _ in range(2)}
+    assert len(keys) == 1
