@@ -90,11 +90,8 @@ def gpu_wall_us(fn, variants: int, iters: int = 50) -> float:
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
-    except (OSError, StopIteration):
-        model = platform.processor() or "cpu"
-    return f"{model} ({os.cpu_count()} cores)"
+    from sparta.codegen.profile import cpu_model
+    return f"{cpu_model() or platform.processor() or 'cpu'} ({os.cpu_count()} cores)"
 
 
 def save(name: str, payload: dict) -> Path:

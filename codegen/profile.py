@@ -202,12 +202,16 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
     return base
 
 
-def _cpu_name() -> str:
+def cpu_model() -> str | None:
+    """This CPU's model name (``/proc/cpuinfo``), or None where the system does not say."""
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
     except (OSError, StopIteration):
-        model = "cpu"
-    return f"{model} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+        return None
+
+
+def _cpu_name() -> str:
+    return f"{cpu_model() or 'cpu'} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
 def main(argv=None):

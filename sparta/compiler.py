@@ -113,11 +113,10 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         from .codegen.select_cuda import select_kernels
         from .codegen.specialize_cuda import specialize_cuda
         t0 = time.perf_counter()
-        cuda = chosen
-        select_kernels(graph, plan, cuda)
+        select_kernels(graph, plan, chosen)
         timings["select"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        replacements, kernels = specialize_cuda(graph, plan, cuda)
+        replacements, kernels = specialize_cuda(graph, plan, chosen)
         timings["codegen"] = time.perf_counter() - t0
     compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
                              kernels=kernels, source=source)
@@ -164,7 +163,7 @@ def _target(name: str, profile):
     from .passes.transform.profile import load_profile
     try:
         chosen = load_target(name, load_profile(profile) if profile is not None else None)
-    except Exception as exc:  # noqa: BLE001 - a bad path or JSON: one clear error
+    except (SpartaError, OSError, ValueError) as exc:       # a missing file, bad JSON, an invalid profile
         raise SpartaError(f"profile {profile!r}: {exc}") from None
     if profile is None and name == "cpu":
         _warn_foreign_profile(chosen.profile.device)
@@ -176,11 +175,10 @@ _WARNED: set = set()
 
 def _warn_foreign_profile(device: str) -> None:
     import warnings
-    try:
-        here = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
-    except (OSError, StopIteration):
-        return
-    if device.split(" (")[0] != here and device not in _WARNED:
+
+    from .codegen.profile import cpu_model
+    here = cpu_model()
+    if here is not None and device.split(" (")[0] != here and device not in _WARNED:
         _WARNED.add(device)
         warnings.warn(f"sparta's shipped CPU profile was measured on {device!r}, this machine is {here!r}: plans may "
                       "misjudge what pays. Measure one (python -m sparta.codegen.profile --target cpu --kernels "

@@ -61,3 +61,23 @@ def test_bad_target_and_inputs():
     compiled = sparta.compile(MLP().eval(), {}, (torch.randn(2, 24),))
     with pytest.raises(SpartaError, match="1 tensor inputs"):
         compiled(torch.randn(2, 24), torch.randn(2, 24))
+
+
+def test_a_profile_given_to_compile_plans_the_model_and_the_report_names_it(tmp_path, monkeypatch):
+    import json
+    from sparta.passes.transform import load_profile
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256)).eval()
+    keep = (torch.rand(8, 8) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    x = torch.randn(64, 256)
+    shipped = load_profile("cpu").to_json()
+    slow = {**shipped, "device": "a machine whose dense GEMM crawls", "date": "2026-01-01",
+            "kernels": [{**k, "dense_gflops": k["dense_gflops"] / 1000} for k in shipped["kernels"]]}
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(slow))
+    fast = sparta.compile(model, {"0.weight": keep}, (x,), profile=str(path))
+    assert "a machine whose dense GEMM crawls, 2026-01-01" in fast.plan_report()
+    assert fast.plan.ops["linear"].dense_us > 100 * sparta.compile(model, {"0.weight": keep}, (x,)).plan.ops["linear"].dense_us
+    with pytest.raises(sparta.SpartaError, match="profile"):
+        sparta.compile(model, {"0.weight": keep}, (x,), profile=str(tmp_path / "missing.json"))

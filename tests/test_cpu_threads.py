@@ -61,23 +61,3 @@ def test_kernels_on_torchs_pool_compute_the_same_at_any_thread_count(tmp_path, m
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     finally:
         torch.set_num_threads(old)
-
-
-def test_a_profile_given_to_compile_plans_the_model_and_the_report_names_it(tmp_path, monkeypatch):
-    import json
-    from sparta.passes.transform import load_profile
-    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
-    torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256)).eval()
-    keep = (torch.rand(8, 8) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
-    x = torch.randn(64, 256)
-    shipped = load_profile("cpu").to_json()
-    slow = {**shipped, "device": "a machine whose dense GEMM crawls", "date": "2026-01-01",
-            "kernels": [{**k, "dense_gflops": k["dense_gflops"] / 1000} for k in shipped["kernels"]]}
-    path = tmp_path / "host.json"
-    path.write_text(json.dumps(slow))
-    fast = sparta.compile(model, {"0.weight": keep}, (x,), profile=str(path))
-    assert "a machine whose dense GEMM crawls, 2026-01-01" in fast.plan_report()
-    assert fast.plan.ops["linear"].dense_us > 100 * sparta.compile(model, {"0.weight": keep}, (x,)).plan.ops["linear"].dense_us
-    with pytest.raises(sparta.SpartaError, match="profile"):
-        sparta.compile(model, {"0.weight": keep}, (x,), profile=str(tmp_path / "missing.json"))
