@@ -26,8 +26,11 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
+
+from ..runtime import cpu_int8
 
 BLOCKS = [(64, 64), (32, 32), (16, 16), (1, 32), (1, 1)]
 
@@ -138,20 +141,21 @@ def _integer_rates(device, m, n, k, timed, iters):
             out.append((4, 16, 2 * m * n * k / (us * 1e3), "torch._weight_int4pack_mm (tinygemm)"))
         except (RuntimeError, AttributeError):
             pass
-    else:
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lin = torch.nn.Sequential(torch.nn.Linear(k, n))
-            q = torch.ao.quantization.quantize_dynamic(lin, {torch.nn.Linear}, dtype=torch.qint8)
+    elif cpu_int8.available():
+        bits = cpu_int8.host_code_bits()
+        top = 2 ** (bits - 1) - 1
+        codes = torch.randint(-top, top + 1, (n, k), dtype=torch.int8)
+        lin = cpu_int8.Int8LinearCPU("profile", "x", codes, torch.rand(n) + 0.5, torch.randn(n), (m, n), bits)
         x = torch.randn(m, k)
-        us = timed(lambda: q(x), iters)
-        out.append((8, 8, 2 * m * n * k / (us * 1e3), "fbgemm dynamic int8 linear"))
+        us = timed(lambda: lin(x), iters)
+        out.append((8, 8, 2 * m * n * k / (us * 1e3), f"sparta's int8 linear (oneDNN u8·s8, {bits}-bit weight "
+                                                    "codes, per-token quantiser included)"))
     return out
 
 
-def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
-    """Kernel costs of sparta's own CPU templates (replaces the stand-ins for the CPU target)."""
+def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tuple(BLOCKS)) -> dict:
+    """Kernel costs of sparta's own CPU templates (replaces the stand-ins for the CPU target), for the block
+    ``shapes`` given."""
     from ..templates.cpu_linear import block_spec, fine_spec
     from ..templates.cpu_linear.block import block_linear
     from ..templates.cpu_linear.fine import fine_linear
@@ -163,7 +167,7 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
     kernels = []
     for wb, ab in ((32, 32), (8, 8), (4, 32)):
         blocks = {}
-        for bh, bw in BLOCKS:
+        for bh, bw in shapes:
             if (bh, bw) == (1, 1):
                 if wb != 32:
                     continue
@@ -193,13 +197,52 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15) -> dict:
         dense = next((k["dense_gflops"] for k in base["kernels"] if (k["weight_bits"], k["act_bits"]) == (wb, ab)),
                      base["kernels"][0]["dense_gflops"])
         kernels.append({"weight_bits": wb, "act_bits": ab, "dense_gflops": dense,
-                        "blocks": {f"{a}x{b}": v for (a, b), v in blocks.items()}})
+                        "blocks": {f"{a}x{b}": v for (a, b), v in blocks.items()},
+                        **({"weight_code_bits": cpu_int8.host_code_bits()} if wb == 8 else {})})
     base["kernels"] = kernels
     base["source"] = "measured: sparta's CPU kernels (tile-dismantled, 10% blocks kept) by " \
                      "python -m sparta.codegen.profile --target cpu --kernels sparta"
     base["notes"]["blocks"] = "sparta block_linear kernels; 1x1: sparta fine_linear"
     base["notes"]["W4A32"] = "dense: fp32 rate (the dense path dequantises nothing)"
+    if "W8A8" in base["notes"]:
+        base["notes"]["W8A8"] = base["notes"]["W8A8"].split("; blocks")[0] + "; blocks: sparta block_linear int8"
     return base
+
+
+HOST_SHAPES = ((64, 64), (32, 32))     # what a profile measured on first use covers (a few seconds of builds)
+
+
+def host_profile(cache_dir=None):
+    """The CPU profile of this machine: the shipped one where it was measured on this CPU model and core count,
+    else one measured here on first use (:data:`HOST_SHAPES`, sparta's kernels) and kept in the kernel cache per
+    CPU model. ``SPARTA_CPU_PROFILE`` = ``shipped`` | ``host`` (measure or reuse even where the shipped one fits)
+    | a profile JSON path overrides."""
+    from ..passes.transform.profile import HardwareProfile, load_profile
+    from .cache import cache_root
+    choice = os.environ.get("SPARTA_CPU_PROFILE", "")
+    shipped = load_profile("cpu")
+    if choice == "shipped":
+        return shipped
+    if choice not in ("", "host"):
+        return load_profile(choice)
+    here = _cpu_name()
+    if choice != "host" and shipped.device == here:
+        return shipped
+    slug = "".join(c if c.isalnum() else "_" for c in here).strip("_")
+    path = Path(cache_dir or cache_root()) / "profiles" / f"cpu-{slug}.json"
+    if path.is_file():
+        return load_profile(path)
+    t0 = time.perf_counter()
+    data = measure_sparta_cpu(m=128, size=768, iters=7, shapes=HOST_SHAPES)
+    data["dismantle"] = shipped.to_json()["dismantle"]      # a policy measured once (the shipped notes say how)
+    data["notes"]["dismantle"] = shipped.notes.get("dismantle", "")
+    data["source"] = f"measured on this host on first use ({time.perf_counter() - t0:.1f} s): sparta's CPU " \
+                     "kernels, tile-dismantled, 10% blocks kept"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    return HardwareProfile.from_json(data)
 
 
 def cpu_model() -> str | None:

@@ -19,6 +19,7 @@ from ..graph import Graph, Op
 from ..passes.transform.fusion import fused_activation
 from ..passes.transform.plan import OpPlan, Plan, SubOp
 from ..passes.transform.transform_op import gemm_view, weight_matrix
+from ..runtime.cpu_int8 import Int8LinearCPU
 from ..runtime.cpu_linear import Passthrough, SparseLinearCPU, SubKernel, block_rows
 from ..templates.cpu_linear import block_spec, fine_spec
 from ..templates.cpu_linear.block import block_linear
@@ -37,7 +38,9 @@ def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
         if target != "cpu":
             raise CodegenError(f"no kernels for target {target!r} yet (op {op_plan.op!r})")
         op = graph.op(op_plan.op)
-        module, rows, fused = build_linear_cpu(graph, op, op_plan)
+        build = build_int8_linear if op_plan.kernel is not None and op_plan.kernel.kernel == "onednn_int8" \
+            else build_linear_cpu
+        module, rows, fused = build(graph, op, op_plan)
         replacements[op.name] = module
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
@@ -121,6 +124,27 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
             module.post_activation = nxt.op
             fused = nxt
     return module, rows, fused
+
+
+def build_int8_linear(graph: Graph, op: Op, op_plan: OpPlan):
+    """A dense W8A8 op on oneDNN's int8 GEMM (``runtime/cpu_int8.py``); its epilogue is the bias only."""
+    x_name, _, _, m, n, k = gemm_view(graph, op)
+    weight = torch.where(op_plan.kept(n, k), weight_matrix(graph, op), 0.0)
+    quant = op_plan.weight_quant[8]
+    params = quant.params(weight)
+    scale = params.expand(k)[0][:, 0].contiguous()       # symmetric per channel (or tensor): one scale a row
+    codes = params.codes(weight).to(torch.int8)
+    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.to(torch.float32)) if bias_name else None
+    t0 = time.perf_counter()
+    module = Int8LinearCPU(op.name, x_name, codes, scale, bias, graph.tensor(op.outputs[0]).shape, quant.bits)
+    module.weight_name = gemm_view(graph, op)[1]
+    w = graph.tensor(module.weight_name)
+    nk = module.graph_weight_nk()
+    module.reference_weight = nk.t().contiguous() if op.op in ("addmm", "mm", "matmul") else nk.reshape(w.shape)
+    info = {"op": op.name, "template": "onednn_int8", "blocks": "dense", "bits": "W8A8", "dismantle": "none",
+            "build_s": round(time.perf_counter() - t0, 3), "cached": False, "code_bytes": 0, "key": ""}
+    return module, [info], None
 
 
 def _fitted_scales(op_plan: OpPlan, weight: torch.Tensor, bits: int, padded: tuple[int, int], block_width: int):

@@ -105,7 +105,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
                 plan.pin(op_plan.op, dismantle=dismantle)
     replacements, kernels = {}, []
     if target == "cpu":
+        from .codegen.select_cpu import select_kernels
         from .codegen.specialize import specialize
+        select_kernels(graph, plan, chosen)
         t0 = time.perf_counter()
         replacements, kernels = specialize(graph, plan, target)
         timings["codegen"] = time.perf_counter() - t0
@@ -158,31 +160,17 @@ def _quantizer(calibration, quant_tolerance, target: str):
 
 
 def _target(name: str, profile):
-    """The Target ``compile`` plans for: ``name``'s, its cost model replaced by ``profile`` if given; warns once
-    where a shipped CPU profile was measured on another CPU model than this one."""
+    """The Target ``compile`` plans for: ``name``'s, its cost model replaced by ``profile`` if given; on the CPU
+    without one, this machine's (``codegen.profile.host_profile``: measured here on first use where the shipped
+    profile is another CPU's)."""
     from .passes.transform.profile import load_profile
+    if profile is None and name == "cpu":
+        from .codegen.profile import host_profile
+        profile = host_profile()
     try:
-        chosen = load_target(name, load_profile(profile) if profile is not None else None)
+        return load_target(name, load_profile(profile) if profile is not None else None)
     except (SpartaError, OSError, ValueError) as exc:       # a missing file, bad JSON, an invalid profile
         raise SpartaError(f"profile {profile!r}: {exc}") from None
-    if profile is None and name == "cpu":
-        _warn_foreign_profile(chosen.profile.device)
-    return chosen
-
-
-_WARNED: set = set()
-
-
-def _warn_foreign_profile(device: str) -> None:
-    import warnings
-
-    from .codegen.profile import cpu_model
-    here = cpu_model()
-    if here is not None and device.split(" (")[0] != here and device not in _WARNED:
-        _WARNED.add(device)
-        warnings.warn(f"sparta's shipped CPU profile was measured on {device!r}, this machine is {here!r}: plans may "
-                      "misjudge what pays. Measure one (python -m sparta.codegen.profile --target cpu --kernels "
-                      "sparta -o host.json) and pass compile(..., profile='host.json').", stacklevel=3)
 
 
 def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, quantize=None):
@@ -206,7 +194,7 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
         if report is not None:
             graph.meta["propagation"] = PropagationReport.from_json(report)
         plan = Plan.from_json(plan)
-        _refit_weight_quant(graph, plan)
+        _refit_weight_quant(graph, plan, target.profile)
         timings["plan_cache"] = time.perf_counter() - t0
         return graph, plan
     if propagate:
@@ -226,12 +214,12 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
     return graph, plan
 
 
-def _refit_weight_quant(graph: Graph, plan) -> None:
+def _refit_weight_quant(graph: Graph, plan, profile) -> None:
     """Scales a cached plan fitted to the weights alone, fitted again: the cache key hashes no float weight values."""
     from .passes.transform import weight_quantisation
     for p in plan.ops.values():
         if p.weight_quant:
-            p.weight_quant = weight_quantisation(graph, graph.op(p.op), p, {})
+            p.weight_quant = weight_quantisation(graph, graph.op(p.op), p, {}, profile)
 
 
 class CompiledModel(torch.nn.Module):

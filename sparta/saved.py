@@ -42,6 +42,7 @@ MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from
     "w8a8_gemv_cuda": "sparta.runtime.w8a8_gemv:W8A8GemvCUDA",
     "layer_norm_cuda": "sparta.runtime.layernorm:LayerNormCUDA",
     "sparse_linear_cpu": "sparta.runtime.cpu_linear:SparseLinearCPU",
+    "int8_linear_cpu": "sparta.runtime.cpu_int8:Int8LinearCPU",
 }
 # what a malformed folder can raise from deep inside torch, safetensors or a module's from_saved
 _MALFORMED = (SpartaError, KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError,

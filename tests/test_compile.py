@@ -81,3 +81,24 @@ def test_a_profile_given_to_compile_plans_the_model_and_the_report_names_it(tmp_
     assert fast.plan.ops["linear"].dense_us > 100 * sparta.compile(model, {"0.weight": keep}, (x,)).plan.ops["linear"].dense_us
     with pytest.raises(sparta.SpartaError, match="profile"):
         sparta.compile(model, {"0.weight": keep}, (x,), profile=str(tmp_path / "missing.json"))
+
+
+def test_the_cpu_profile_is_this_machines_measured_once_per_cpu_model(tmp_path, monkeypatch):
+    """On a CPU model the shipped profile was not measured on, compile measures one here on first use, keeps it in
+    the kernel cache and names it in the plan report; the next compile reads it back."""
+    from sparta.codegen import profile as profiling
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPARTA_CPU_PROFILE", raising=False)
+    monkeypatch.setattr(profiling, "_cpu_name", lambda: "Imaginary CPU 9000 (2 cores, 2 threads)")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256)).eval()
+    keep = (torch.rand(8, 8) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    x = torch.randn(64, 256)
+    first = sparta.compile(model, {"0.weight": keep}, (x,))
+    saved = list((tmp_path / "cache" / "profiles").glob("cpu-Imaginary_CPU_9000*.json"))
+    assert len(saved) == 1
+    assert "Imaginary CPU 9000" in first.plan_report() and "measured on this host" in first.plan.profile["source"]
+    monkeypatch.setattr(profiling, "measure_sparta_cpu", lambda *a, **k: pytest.fail("measured twice"))
+    second = sparta.compile(model, {"0.weight": keep}, (x,))
+    assert second.plan.profile == first.plan.profile
+    monkeypatch.setenv("SPARTA_CPU_PROFILE", "shipped")
+    assert sparta.compile(model, {"0.weight": keep}, (x,)).plan.profile["device"] != first.plan.profile["device"]

@@ -125,9 +125,10 @@ class _Calibration:
             q = fake_quant_float(w, bits)
             return None, objective(q) if objective else None
         scheme = self.cfg.scheme(bits)
+        code = self.profile.code_bits(bits) if self.profile is not None else bits   # the codes the kernel holds
         if objective is None:   # weights whose bits the user fixed: plain range, no search
-            return fit_weight(w, bits, lambda q: torch.zeros(w.shape[0]), clips=(1.0,), **scheme)[0], None
-        return fit_weight(w, bits, objective, **scheme)
+            return fit_weight(w, code, lambda q: torch.zeros(w.shape[0]), clips=(1.0,), **scheme)[0], None
+        return fit_weight(w, code, objective, **scheme)
 
     def dequantized(self, site: WeightSite, bits: int) -> torch.Tensor:
         """The weight as the kernel at ``bits`` applies it, in the graph's layout (cached)."""

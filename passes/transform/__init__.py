@@ -39,7 +39,7 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
             us = prof.memory_us(nbytes)
             p = OpPlan(op.name, op.op, "torch", us, us)
         else:
-            p.weight_quant = weight_quantisation(graph, op, p, fitted)
+            p.weight_quant = weight_quantisation(graph, op, p, fitted, prof)
         plan.ops[op.name] = p
     return plan
 

@@ -31,6 +31,9 @@ class KernelCosts:
     act_bits: int
     dense_gflops: float
     blocks: dict[tuple[int, int], float]  # (bh, bw) -> ns per block per activation row
+    # integer weights: the code width the kernel's arithmetic holds exactly (0: weight_bits). x86 without VNNI
+    # multiplies u8·s8 pairs into int16 (vpmaddubsw), which saturates unless the weight codes keep 7 bits.
+    weight_code_bits: int = 0
 
     def block_shapes(self) -> list[tuple[int, int]]:
         return sorted(self.blocks, key=lambda s: -s[0] * s[1])
@@ -70,6 +73,11 @@ class HardwareProfile:
                 return k
         raise PlanError(f"profile {self.target!r} has no kernel for W{weight_bits}A{act_bits}")
 
+    def code_bits(self, weight_bits: int) -> int:
+        """The code width integer weights of ``weight_bits`` are quantised to (their kernels' narrowest)."""
+        codes = [k.weight_code_bits or k.weight_bits for k in self.kernels if k.weight_bits == weight_bits]
+        return min(codes) if codes else weight_bits
+
     @staticmethod
     def round_up(bits: int, widths: list[int]) -> int:
         """The smallest supported width holding ``bits`` (the widest if none does)."""
@@ -108,13 +116,16 @@ class HardwareProfile:
                 "dismantle": {"full_max_blocks": self.full_max_blocks, "large": self.large_dismantle},
                 "stream_weights": self.stream_weights,
                 "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
-                             "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()}} for k in self.kernels]}
+                             "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()},
+                             **({"weight_code_bits": k.weight_code_bits} if k.weight_code_bits else {})}
+                            for k in self.kernels]}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
         try:
             kernels = tuple(KernelCosts(int(k["weight_bits"]), int(k["act_bits"]), float(k["dense_gflops"]),
-                                        {tuple(int(x) for x in s.split("x")): float(v) for s, v in k["blocks"].items()})
+                                        {tuple(int(x) for x in s.split("x")): float(v) for s, v in k["blocks"].items()},
+                                        int(k.get("weight_code_bits", 0)))
                             for k in data["kernels"])
             if not kernels:
                 raise ValueError("no kernels")

@@ -209,10 +209,12 @@ def weight_matrix(graph: Graph, op: Op) -> torch.Tensor:
     return w.reshape(w.shape[0], -1)
 
 
-def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict) -> dict:
+def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict,
+                        profile: HardwareProfile | None = None) -> dict:
     """Per integer width the op's sub-operators run: calibration's scales where it fitted that width
     (``fitted``: weight -> WeightQuant), else scales fitted to the (masked) weight alone, in the scheme
-    calibration uses by default (8 bits: symmetric per channel; 4: symmetric per 128 columns)."""
+    calibration uses by default (8 bits: symmetric per channel; 4: symmetric per 128 columns). The codes
+    keep ``profile.code_bits(width)`` bits (7 for int8 on x86 without VNNI)."""
     from ..quant.calibrate import QuantConfig
     from ..quant.scheme import fit_to_weight
 
@@ -221,15 +223,16 @@ def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict) -> dic
         return {}
     out, w = {}, None
     for bits in widths:
+        code = profile.code_bits(bits) if profile is not None else bits
         given = fitted.get(plan.weight)
-        if given is not None and given.bits == bits:
+        if given is not None and given.bits == code:
             out[bits] = given
             continue
         if w is None:
             _, _, _, _, n, k = gemm_view(graph, op)
             w = torch.where(plan.kept(n, k), weight_matrix(graph, op), 0.0)
         scheme = QuantConfig(0.0).scheme(bits)
-        params = fit_to_weight(w, bits, **scheme)
+        params = fit_to_weight(w, code, **scheme)
         out[bits] = WeightQuant.of(params, scheme["granularity"], "weight")
     return out
 

@@ -1,0 +1,119 @@
+"""The CPU int8 linear: a dense W8A8 GEMM on oneDNN's u8·s8 kernel (through ``torch.ops.onednn``).
+
+``y = (codes(x) · Wqᵀ) · s_x[m] · s_w[n] + b``: the activation quantised per token to symmetric int8 codes
+(``templates/quant/spec.quantize_rows``, the rule every W8A8 path shares), handed to oneDNN as ``uint8`` with a zero
+point of 128 (the code's sign bit flipped), and the per-token scale applied after the GEMM (oneDNN takes one scale
+per tensor, so it sees 1.0). The weight codes are packed once into oneDNN's blocked layout.
+
+x86 without VNNI multiplies u8·s8 pairs into saturating int16 (``vpmaddubsw``): with the activation's full 8 bits the
+weight codes must keep 7 (``|q| ≤ 63``) for the sums to be exact. :func:`host_code_bits` says which this CPU needs;
+the module refuses codes wider than that.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..errors import CodegenError
+from ..templates.quant.spec import quantize_rows
+
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where the system does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("flags"))
+        return frozenset(line.split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return frozenset()
+
+
+def host_code_bits() -> int:
+    """The widest weight codes oneDNN's int8 GEMM sums exactly on this CPU (7 on x86 without VNNI)."""
+    flags = cpu_flags()
+    return 7 if flags and "avx2" in flags and not flags & set(VNNI_FLAGS) else 8
+
+
+def available() -> bool:
+    """Whether torch here has oneDNN's int8 linear."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def int8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """What the kernel computes, in fp32 torch ops: per-token codes of ``x`` (M, K) against ``codes`` (N, K)."""
+    q, s = quantize_rows(x.float())
+    y = (q.double() @ codes.double().t()).float() * s[:, None] * scale[None, :]
+    return y + bias if bias is not None else y
+
+
+class Int8LinearCPU(torch.nn.Module):
+    """``y = x · (codes · scale)ᵀ + b`` with ``x`` quantised per token (see the module docstring)."""
+
+    def __init__(self, op_name: str, input_name: str, codes: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_shape: tuple[int, ...], code_bits: int):
+        super().__init__()
+        if not available():
+            raise CodegenError("torch here has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise)")
+        top = 2 ** (code_bits - 1) - 1
+        if codes.dtype != torch.int8 or codes.dim() != 2 or int(codes.abs().max()) > top:
+            raise CodegenError(f"op {op_name!r}: int8 weight codes must be an (N, K) int8 tensor within ±{top}")
+        if code_bits > host_code_bits():
+            raise CodegenError(f"op {op_name!r}: {code_bits}-bit weight codes overflow this CPU's int8 GEMM "
+                               f"(x86 without VNNI sums exactly only {host_code_bits()}-bit codes); plan with "
+                               "this machine's profile")
+        self.op_name, self.input_names = op_name, [input_name]
+        self.n, self.k = codes.shape
+        self.code_bits = code_bits
+        self.out_shape = tuple(out_shape)
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
+        self.register_buffer("zero_points", torch.zeros(self.n, dtype=torch.long), persistent=False)
+        self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.codes.numel() + 4 * self.n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(math.prod(x.shape[:-1]), self.k)
+        q, s = quantize_rows(x2)
+        u = q.view(torch.uint8).bitwise_xor_(0x80)          # code c as the byte c + 128
+        y = torch.ops.onednn.qlinear_pointwise(u, 1.0, 128, self.packed, self.scale, self.zero_points, None,
+                                               1.0, 0, torch.float32, "none", [], "")
+        y = torch.addcmul(self.bias, y, s[:, None]) if self.bias is not None else y.mul_(s[:, None])
+        return y.reshape(self.out_shape).to(x.dtype)
+
+    def graph_weight_nk(self) -> torch.Tensor:
+        """The (N, K) weight the kernel applies."""
+        return self.codes.float() * self.scale[:, None]
+
+    # ---- saved models (sparta.saved): nothing native, the codes are packed again on load --------------
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict]:
+        config = {"op_name": self.op_name, "input_name": self.input_names[0], "out_shape": list(self.out_shape),
+                  "code_bits": self.code_bits}
+        tensors = {"codes": self.codes, "scale": self.scale}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return config, tensors, {}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict) -> Int8LinearCPU:
+        codes, scale, bias = tensors["codes"], tensors["scale"], tensors.get("bias")
+        n = codes.shape[0] if codes.dim() == 2 else -1
+        if scale.shape != (n,) or (bias is not None and bias.shape != (n,)) or config["code_bits"] not in (7, 8):
+            raise ValueError("saved int8 linear: codes, scale and bias shapes disagree")
+        return cls(config["op_name"], config["input_name"], codes, scale, bias, tuple(config["out_shape"]),
+                   int(config["code_bits"]))
+
+    def extra_repr(self) -> str:
+        return f"{self.op_name}: {self.k}->{self.n}, onednn int8 ({self.code_bits}-bit weight codes)"
+
+
+__all__ = ["Int8LinearCPU", "int8_reference", "host_code_bits", "available", "cpu_flags"]
