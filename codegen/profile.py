@@ -21,6 +21,7 @@ No TVM is needed: this runs on the GPU machine too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -153,9 +154,10 @@ def _integer_rates(device, m, n, k, timed, iters):
     return out
 
 
-def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tuple(BLOCKS)) -> dict:
+def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tuple(BLOCKS),
+                       dismantle: str = "none") -> dict:
     """Kernel costs of sparta's own CPU templates (replaces the stand-ins for the CPU target), for the block
-    ``shapes`` given."""
+    ``shapes`` given, at the dismantle level large ops get (the shipped policy: the generic kernel)."""
     from ..templates.cpu_linear import block_spec, fine_spec
     from ..templates.cpu_linear.block import block_linear
     from ..templates.cpu_linear.fine import fine_linear
@@ -184,8 +186,10 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
             keep = torch.rand(size // bh, size // bw, generator=gen) < 0.1
             keep[0, 0] = True
             rows = tuple(tuple(torch.nonzero(keep[i]).flatten().tolist()) for i in range(size // bh))
-            spec = block_spec.BlockLinearSpec(m, size, size, (bh, bw), rows, wb, dismantle="tile",
+            spec = block_spec.BlockLinearSpec(m, size, size, (bh, bw), rows, wb, dismantle=dismantle,
                                               name=f"prof_{wb}_{bh}x{bw}_{m}_{size}")
+            if dismantle == "none":
+                spec = dataclasses.replace(spec, name=spec.generic_name())
             fn = build_cpu(block_linear, spec).fn
             args = {"Y": torch.empty(m, size), **block_spec.pack(spec, torch.randn(size, size, generator=gen))}
             if wb == 8:
@@ -200,13 +204,34 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
                         "blocks": {f"{a}x{b}": v for (a, b), v in blocks.items()},
                         **({"weight_code_bits": cpu_int8.host_code_bits()} if wb == 8 else {})})
     base["kernels"] = kernels
-    base["source"] = "measured: sparta's CPU kernels (tile-dismantled, 10% blocks kept) by " \
+    base["kernel_call_us"] = kernel_call_us(iters)
+    base["source"] = f"measured: sparta's CPU kernels ({dismantle}-dismantled, 10% blocks kept) by " \
                      "python -m sparta.codegen.profile --target cpu --kernels sparta"
     base["notes"]["blocks"] = "sparta block_linear kernels; 1x1: sparta fine_linear"
     base["notes"]["W4A32"] = "dense: fp32 rate (the dense path dequantises nothing)"
     if "W8A8" in base["notes"]:
         base["notes"]["W8A8"] = base["notes"]["W8A8"].split("; blocks")[0] + "; blocks: sparta block_linear int8"
     return base
+
+
+def kernel_call_us(iters: int = 15) -> float:
+    """Host time of one call of a sparta CPU kernel module on a one-block op (what every sparse sub-operator pays
+    beside its blocks)."""
+    from ..runtime.cpu_linear import SparseLinearCPU, SubKernel
+    from ..templates.cpu_linear import block_spec
+    from ..templates.cpu_linear.block import block_linear
+    from .build import build_cpu
+    spec = block_spec.BlockLinearSpec(1, 32, 32, (32, 32), ((0,),), bias=True, name="prof_call_1x32x32")
+    sub = SubKernel(build_cpu(block_linear, spec).fn, block_spec, spec, block_spec.pack(spec, torch.randn(32, 32)),
+                    {"key": ""})
+    module = SparseLinearCPU("profile", "x", [sub], 32, 32, 32, 32, (1, 32), torch.randn(32), None, None)
+    x = torch.randn(1, 32)
+    timed = _timer("cpu")
+
+    def calls():
+        for _ in range(100):
+            module(x)
+    return timed(calls, iters) / 100
 
 
 HOST_SHAPES = ((64, 64), (32, 32))     # what a profile measured on first use covers (a few seconds of builds)

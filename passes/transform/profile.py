@@ -59,6 +59,9 @@ class HardwareProfile:
     # at least their weight bytes / bandwidth, so decode-like shapes favour fewer bits. Off for the CPU
     # profile, whose single-thread copy bandwidth is no such floor (its test models stay in cache).
     stream_weights: bool = False
+    # the host time of one call of a sparta kernel module (argument checks, padding, the FFI call) where it
+    # exceeds ``fixed_us`` (a vendor op's call): a sparse sub-operator pays it once (0: ``fixed_us``)
+    kernel_call_us: float = 0.0
 
     # ---- what the hardware runs ---------------------------------------------------------
     def act_widths(self) -> list[int]:
@@ -101,6 +104,11 @@ class HardwareProfile:
             raise PlanError(f"profile {self.target!r} has no cost for block {shape} at W{weight_bits}A{act_bits}")
         return max(n_blocks * m * ns / 1e3, self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
 
+    @property
+    def sub_op_us(self) -> float:
+        """The fixed cost of one sparse sub-operator's kernel call."""
+        return self.kernel_call_us or self.fixed_us
+
     def memory_us(self, nbytes: int) -> float:
         return nbytes / (self.bandwidth_gbs * 1e3)
 
@@ -115,6 +123,7 @@ class HardwareProfile:
                 "sparse_ops": list(self.sparse_ops),
                 "dismantle": {"full_max_blocks": self.full_max_blocks, "large": self.large_dismantle},
                 "stream_weights": self.stream_weights,
+                **({"kernel_call_us": self.kernel_call_us} if self.kernel_call_us else {}),
                 "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
                              "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()},
                              **({"weight_code_bits": k.weight_code_bits} if k.weight_code_bits else {})}
@@ -136,7 +145,7 @@ class HardwareProfile:
             return cls(data["target"], data.get("device", ""), data.get("date", ""), data.get("source", ""),
                        float(data["fixed_us"]), float(data["bandwidth_gbs"]), kernels, dict(data.get("notes", {})),
                        tuple(data.get("sparse_ops", cls.sparse_ops)), int(dis.get("full_max_blocks", 512)), large,
-                       bool(data.get("stream_weights", False)))
+                       bool(data.get("stream_weights", False)), float(data.get("kernel_call_us", 0.0)))
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise PlanError(f"invalid hardware profile: {exc}") from exc
 
