@@ -82,9 +82,13 @@ def measure(target: str, m: int | None = None, iters: int = 20, size: int | None
         for _ in range(100):
             torch.nn.functional.linear(tiny, tiny)
     fixed = timed(launches, iters) / 100
-    big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    copy_us = timed(big.clone, iters)
-    bandwidth = 2 * big.numel() / (copy_us * 1e3)
+    if device == "cuda":
+        big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        copy_us = timed(big.clone, iters)
+        bandwidth = 2 * big.numel() / (copy_us * 1e3)
+    else:   # what streaming a model's weights gets: a read past the last-level cache on every thread
+        big = torch.ones(64 << 20, dtype=torch.float32)
+        bandwidth = 4 * big.numel() / (timed(big.sum, iters) * 1e3)
     del big
 
     float_kernels = [(32, 32, torch.float32)] + ([(16, 16, torch.float16)] if device == "cuda" else [])
@@ -165,10 +169,11 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
     gen = torch.Generator().manual_seed(0)
     timed = _timer("cpu")
     x = torch.randn(m, size, generator=gen)
+    call_us = kernel_call_us(iters)        # first: a quiet process
     base = measure("cpu", m=m, iters=iters, size=size)
     kernels = []
-    for wb, ab in ((32, 32), (8, 8), (4, 32)):
-        blocks = {}
+    for wb, ab in ((32, 32), (8, 8), (8, 32), (4, 32)):
+        blocks, one_row = {}, {}
         for bh, bw in shapes:
             if (bh, bw) == (1, 1):
                 if wb != 32:
@@ -187,31 +192,61 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
             keep[0, 0] = True
             rows = tuple(tuple(torch.nonzero(keep[i]).flatten().tolist()) for i in range(size // bh))
             spec = block_spec.BlockLinearSpec(m, size, size, (bh, bw), rows, wb, dismantle=dismantle,
-                                              name=f"prof_{wb}_{bh}x{bw}_{m}_{size}")
+                                              name=f"prof_{wb}_{ab}_{bh}x{bw}_{m}_{size}",
+                                              act_bits=ab if wb == 8 else 0)
             if dismantle == "none":
                 spec = dataclasses.replace(spec, name=spec.generic_name())
             fn = build_cpu(block_linear, spec).fn
             args = {"Y": torch.empty(m, size), **block_spec.pack(spec, torch.randn(size, size, generator=gen))}
-            if wb == 8:
+            if spec.int8_activations:
                 args["X"], args["XS"] = block_spec.quantize_rows(x)
             else:
                 args["X"] = x
             us = timed(lambda: fn(*[args[a] for a in block_spec.argument_names(spec)]), iters)
             blocks[(bh, bw)] = us * 1e3 / (spec.n_blocks * m)
+            if dismantle == "none":   # one row, every block: what a decode step pays per block
+                one_row[(bh, bw)] = _one_row_ns(spec, size, iters, gen, timed)
         dense = next((k["dense_gflops"] for k in base["kernels"] if (k["weight_bits"], k["act_bits"]) == (wb, ab)),
                      base["kernels"][0]["dense_gflops"])
         kernels.append({"weight_bits": wb, "act_bits": ab, "dense_gflops": dense,
                         "blocks": {f"{a}x{b}": v for (a, b), v in blocks.items()},
-                        **({"weight_code_bits": cpu_int8.host_code_bits()} if wb == 8 else {})})
+                        "blocks_one_row": {f"{a}x{b}": v for (a, b), v in one_row.items()},
+                        **({"weight_code_bits": cpu_int8.host_code_bits()} if wb == 8 else {}),
+                        **({"dense_blocks": "32x32"} if ab == 32 and wb < 32 and (32, 32) in blocks else {})})
     base["kernels"] = kernels
-    base["kernel_call_us"] = kernel_call_us(iters)
+    base["kernel_call_us"] = call_us
+    base["rows"] = m
+    base["stream_weights"] = True
     base["source"] = f"measured: sparta's CPU kernels ({dismantle}-dismantled, 10% blocks kept) by " \
                      "python -m sparta.codegen.profile --target cpu --kernels sparta"
     base["notes"]["blocks"] = "sparta block_linear kernels; 1x1: sparta fine_linear"
-    base["notes"]["W4A32"] = "dense: fp32 rate (the dense path dequantises nothing)"
+    base["notes"]["W4A32"] = base["notes"]["W8A32"] = "dense: sparta's block kernel over every 32x32 block (no " \
+        "vendor kernel); blocks_one_row: the row-parallel generic kernel at one row over a dense weight"
     if "W8A8" in base["notes"]:
         base["notes"]["W8A8"] = base["notes"]["W8A8"].split("; blocks")[0] + "; blocks: sparta block_linear int8"
     return base
+
+
+def _one_row_ns(spec, size: int, iters: int, gen, timed) -> float:
+    """ns per block of the generic kernel of ``spec``'s shape and bits at one row over a dense ``size`` square
+    weight (the row-parallel path a decode step runs)."""
+    from ..templates.cpu_linear import block_spec
+    from ..templates.cpu_linear.block import block_linear
+    from .build import build_cpu
+    bh, bw = spec.block
+    rows = tuple(tuple(range(size // bw)) for _ in range(size // bh))
+    one = dataclasses.replace(spec, m=1, rows=rows)
+    one = dataclasses.replace(one, name=one.generic_name())
+    fn = build_cpu(block_linear, one).fn
+    args = {"Y": torch.empty(1, size), **block_spec.pack(one, torch.randn(size, size, generator=gen))}
+    x = torch.randn(1, size, generator=gen)
+    if one.int8_activations:
+        args["X"], args["XS"] = block_spec.quantize_rows(x)
+    else:
+        args["X"] = x
+    call = (lambda: fn(*[args[a] for a in block_spec.argument_names(one)]))
+    us = min(timed(call, iters) for _ in range(3))       # the least disturbed of three medians
+    return us * 1e3 / one.n_blocks
 
 
 def kernel_call_us(iters: int = 15) -> float:
@@ -231,7 +266,7 @@ def kernel_call_us(iters: int = 15) -> float:
     def calls():
         for _ in range(100):
             module(x)
-    return timed(calls, iters) / 100
+    return min(timed(calls, iters) for _ in range(3)) / 100
 
 
 HOST_SHAPES = ((64, 64), (32, 32))     # what a profile measured on first use covers (a few seconds of builds)

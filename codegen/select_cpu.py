@@ -28,7 +28,7 @@ class CpuSite:
 
 
 def _dtype(bits: str) -> str:
-    return {"W32A32": "float32", "W8A8": "int8", "W4A32": "w4a32"}.get(bits, "mixed")
+    return {"W32A32": "float32", "W8A8": "int8", "W8A32": "w8a32", "W4A32": "w4a32"}.get(bits, "mixed")
 
 
 def int8_vendor(site: CpuSite, target: Target):

@@ -93,7 +93,7 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
             if sub.template == "dense":
                 block = _dense_block(n_pad, k_pad)
                 grid = torch.ones(n_pad // block[0], k_pad // block[1], dtype=torch.bool)
-                mode = "tile"
+                mode = "none" if m < 2 * block_spec.PANEL else "tile"   # few rows: the row-parallel generic kernel
             else:
                 block = sub.block
                 grid = sub.blocks.mask
@@ -102,7 +102,8 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
                 mode = op_plan.dismantle
             scale, zero, group = _fitted_scales(op_plan, weight, sub.weight_bits, (n_pad, k_pad), block[1])
             spec = block_spec.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
-                                              dismantle=mode, scale_group=group, **common)
+                                              dismantle=mode, scale_group=group, **common,
+                                              act_bits=sub.act_bits if sub.weight_bits == 8 else 0)
             if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape
                 spec = dataclasses.replace(spec, name=spec.generic_name())
             template, blocks = block_spec, f"{spec.n_blocks}x{block[0]}x{block[1]}"

@@ -34,6 +34,10 @@ class KernelCosts:
     # integer weights: the code width the kernel's arithmetic holds exactly (0: weight_bits). x86 without VNNI
     # multiplies u8·s8 pairs into int16 (vpmaddubsw), which saturates unless the weight codes keep 7 bits.
     weight_code_bits: int = 0
+    # (bh, bw) -> ns per block of a one-row call: with ``blocks`` (at the profile's ``rows``) a cost per block that
+    # does not shrink with the rows (loading and dequantising the weights) apart from one per row
+    blocks_one_row: dict[tuple[int, int], float] = field(default_factory=dict)
+    dense_blocks: tuple[int, int] | None = None    # the dense path runs sparta's kernel over these blocks (no vendor)
 
     def block_shapes(self) -> list[tuple[int, int]]:
         return sorted(self.blocks, key=lambda s: -s[0] * s[1])
@@ -55,13 +59,13 @@ class HardwareProfile:
     # "none": the generic kernel, one per shape, shared by every layer of that shape)
     full_max_blocks: int = 512
     large_dismantle: str = "tile"
-    # weights stream from memory on every call (a GPU's L2 holds a layer, not a model): GEMM costs are
-    # at least their weight bytes / bandwidth, so decode-like shapes favour fewer bits. Off for the CPU
-    # profile, whose single-thread copy bandwidth is no such floor (its test models stay in cache).
+    # weights stream from memory on every call (a GPU's L2 or a CPU's L3 holds a layer, not a model): GEMM
+    # costs are at least their weight bytes / bandwidth, so decode-like shapes favour fewer bits.
     stream_weights: bool = False
     # the host time of one call of a sparta kernel module (argument checks, padding, the FFI call) where it
     # exceeds ``fixed_us`` (a vendor op's call): a sparse sub-operator pays it once (0: ``fixed_us``)
     kernel_call_us: float = 0.0
+    rows: int = 0                   # activation rows of the ``blocks`` measurements (0: unknown, cost linear in rows)
 
     # ---- what the hardware runs ---------------------------------------------------------
     def act_widths(self) -> list[int]:
@@ -94,15 +98,26 @@ class HardwareProfile:
         """Launch + the slower of the flops at the kernel's dense rate and streaming its weights
         (few activation rows: decode-like GEMMs are bound by the weight bytes, which low bits cut)."""
         kern = self.kernel(weight_bits, act_bits)
+        if kern.dense_blocks is not None and kern.dense_blocks in kern.blocks:
+            bh, bw = kern.dense_blocks
+            return self.sub_op_us + self.block_us(-(-n // bh) * -(-k // bw), kern.dense_blocks, m, weight_bits,
+                                                  act_bits)
         return self.fixed_us + max(2.0 * m * n * k / (kern.dense_gflops * 1e3),
                                    self.weight_stream_us(n * k, weight_bits))
 
     def block_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int) -> float:
         """The blocks' measured cost per activation row, at least the time to stream their weights."""
-        ns = self.kernel(weight_bits, act_bits).blocks.get(tuple(shape))
+        kern = self.kernel(weight_bits, act_bits)
+        ns = kern.blocks.get(tuple(shape))
         if ns is None:
             raise PlanError(f"profile {self.target!r} has no cost for block {shape} at W{weight_bits}A{act_bits}")
-        return max(n_blocks * m * ns / 1e3, self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
+        one = kern.blocks_one_row.get(tuple(shape))
+        if one is not None and self.rows > 1:     # fixed + per-row cost through the two measured row counts
+            per_row = max((ns * self.rows - one) / (self.rows - 1), 0.0)
+            per_block = max(one - per_row, 0.0) + per_row * m
+        else:
+            per_block = ns * m
+        return max(n_blocks * per_block / 1e3, self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
 
     @property
     def sub_op_us(self) -> float:
@@ -124,17 +139,25 @@ class HardwareProfile:
                 "dismantle": {"full_max_blocks": self.full_max_blocks, "large": self.large_dismantle},
                 "stream_weights": self.stream_weights,
                 **({"kernel_call_us": self.kernel_call_us} if self.kernel_call_us else {}),
+                **({"rows": self.rows} if self.rows else {}),
                 "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
                              "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()},
-                             **({"weight_code_bits": k.weight_code_bits} if k.weight_code_bits else {})}
+                             **({"weight_code_bits": k.weight_code_bits} if k.weight_code_bits else {}),
+                             **({"blocks_one_row": {f"{a}x{b}": v for (a, b), v in k.blocks_one_row.items()}}
+                                if k.blocks_one_row else {}),
+                             **({"dense_blocks": f"{k.dense_blocks[0]}x{k.dense_blocks[1]}"} if k.dense_blocks
+                                else {})}
                             for k in self.kernels]}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
         try:
+            def shapes(table):
+                return {_shape(s): float(v) for s, v in table.items()}
             kernels = tuple(KernelCosts(int(k["weight_bits"]), int(k["act_bits"]), float(k["dense_gflops"]),
-                                        {tuple(int(x) for x in s.split("x")): float(v) for s, v in k["blocks"].items()},
-                                        int(k.get("weight_code_bits", 0)))
+                                        shapes(k["blocks"]), int(k.get("weight_code_bits", 0)),
+                                        shapes(k.get("blocks_one_row", {})),
+                                        _shape(k["dense_blocks"]) if k.get("dense_blocks") else None)
                             for k in data["kernels"])
             if not kernels:
                 raise ValueError("no kernels")
@@ -145,9 +168,15 @@ class HardwareProfile:
             return cls(data["target"], data.get("device", ""), data.get("date", ""), data.get("source", ""),
                        float(data["fixed_us"]), float(data["bandwidth_gbs"]), kernels, dict(data.get("notes", {})),
                        tuple(data.get("sparse_ops", cls.sparse_ops)), int(dis.get("full_max_blocks", 512)), large,
-                       bool(data.get("stream_weights", False)), float(data.get("kernel_call_us", 0.0)))
+                       bool(data.get("stream_weights", False)), float(data.get("kernel_call_us", 0.0)),
+                       int(data.get("rows", 0)))
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise PlanError(f"invalid hardware profile: {exc}") from exc
+
+
+def _shape(text: str) -> tuple[int, int]:
+    bh, bw = (int(x) for x in text.split("x"))
+    return bh, bw
 
 
 def load_profile(target_or_path) -> HardwareProfile:

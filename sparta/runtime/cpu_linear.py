@@ -56,7 +56,7 @@ class SubKernel:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, xq=None) -> None:
         args = dict(self.packed)
-        if getattr(self.spec, "weight_bits", 32) == 8:
+        if getattr(self.spec, "int8_activations", False):
             args["X"], args["XS"] = xq
         else:
             args["X"] = x
@@ -104,7 +104,7 @@ class SparseLinearCPU(torch.nn.Module):
         bias = self.bias
         if bias is not None and self.n_pad != self.n:
             bias = torch.nn.functional.pad(bias, (0, self.n_pad - self.n))
-        xq = quantize_rows(x2) if any(getattr(s.spec, "weight_bits", 32) == 8 for s in self.subs) else None
+        xq = quantize_rows(x2) if any(getattr(s.spec, "int8_activations", False) for s in self.subs) else None
         for i, sub in enumerate(self.subs):
             sub(x2, y, bias if i == 0 and sub.spec.bias else None, xq)
         out = y[:, : self.n] if self.n_pad != self.n else y

@@ -1,17 +1,17 @@
 """The CPU block-sparse linear (``block_spec.BlockLinearSpec``) as a TIR template, built with LLVM.
 
-The kernel walks panels of ``PANEL`` rows of ``X`` in parallel; for each output block row and each ``RV``-wide slice
-of it, a ``MT × RV`` register tile accumulates ``x[m, k] · w[k, r]`` over the row's kept blocks (broadcast-FMA
+The kernel walks panels of ``PANEL`` rows of ``X`` in parallel (with fewer rows than two panels, the generic kernel
+hands block rows to the threads instead); for each output block row and each ``RV``-wide slice of it, a ``MT × RV`` register tile accumulates ``x[m, k] · w[k, r]`` over the row's kept blocks (broadcast-FMA
 micro-kernel, vectorised over ``r``), then the epilogue adds the bias, applies the activation and stores. How the kept
 blocks are found is the spec's dismantle level (see ``block_spec.py``).
 """
 
 from __future__ import annotations
 
-from .block_spec import BlockLinearSpec
+from .block_spec import PANEL, BlockLinearSpec
 from .epilogue import tir_activation
 
-MT, PANEL = 4, 64          # register-tile rows; rows per parallel task
+MT = 4          # register-tile rows
 
 
 def vector_width(bh: int) -> int:
@@ -31,7 +31,8 @@ def block_linear(spec: BlockLinearSpec):
     bh, bw = spec.block
     rv = vector_width(bh)
     nb = max(spec.n_blocks, 1) if spec.dismantle != "none" else tirx.Var("nb", "int32")  # generic: any count
-    int8 = spec.weight_bits == 8
+    int8 = spec.int8_activations            # int8 × int8 → int32; int8 weights with fp32 activations accumulate fp32
+    w8 = spec.weight_bits == 8
     acc_dt = "int32" if int8 else "float32"
     offsets = spec.offsets()
     with IRBuilder() as ib:
@@ -46,8 +47,8 @@ def block_linear(spec: BlockLinearSpec):
                 S = T.arg("S", T.buffer((nb, groups, bh), "float32"))
                 O = T.arg("O", T.buffer((nb, groups, bh), "float32"))
             else:
-                W = T.arg("W", T.buffer((nb, bw, bh), "int8" if int8 else "float32"))
-            WS = T.arg("WS", T.buffer((spec.n,), "float32")) if int8 else None
+                W = T.arg("W", T.buffer((nb, bw, bh), "int8" if w8 else "float32"))
+            WS = T.arg("WS", T.buffer((spec.n,), "float32")) if w8 else None
             C = T.arg("C", T.buffer((nb,), "int32")) if spec.dismantle != "full" else None
             P = T.arg("P", T.buffer((len(spec.rows) + 1,), "int32")) if spec.dismantle == "none" else None
             B = T.arg("B", T.buffer((spec.n,), "float32")) if spec.bias else None
@@ -59,7 +60,9 @@ def block_linear(spec: BlockLinearSpec):
                     nib = tirx.bitwise_and(tirx.shift_right(byte, (r % 2 * 4).astype("uint8")), tirx.const(15, "uint8"))
                     gi = kk // spec.group_columns if spec.group_columns < bw else 0
                     return nib.astype("float32") * S[p, gi, r] + O[p, gi, r]
-                return W[p, kk, r].astype("int32") if int8 else W[p, kk, r]
+                if w8:
+                    return W[p, kk, r].astype("int32" if int8 else "float32")
+                return W[p, kk, r]
 
             packed_x = {}  # inside a panel: the panel's X columns copied into a dense workspace
 
@@ -120,6 +123,8 @@ def block_linear(spec: BlockLinearSpec):
                         v = acc[mi, r]
                         if int8:
                             v = v.astype("float32") * XS[m0 + mi] * WS[col]
+                        elif w8:
+                            v = v * WS[col]
                         if spec.accumulate:
                             v = v + Y[m0 + mi, col]
                         if spec.bias:
@@ -138,27 +143,37 @@ def block_linear(spec: BlockLinearSpec):
             tiles = spec.m // MT
             per_panel = PANEL // MT
             panels = -(-tiles // per_panel)
-            for group in row_groups(spec):  # one parallel region each: LLVM's time grows with function size
-                if tiles:  # block rows outside, the panel's tiles inside: a block row's weights stay in L1
-                    with T.parallel(0, panels) as po:
-                        acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")  # global + small: a stack array
-                        pack_panel(po * PANEL, group)
+            if spec.row_parallel:   # few rows (decode): threads take block rows, each streams its own weights
+                with T.parallel(0, len(spec.rows)) as bi:
+                    acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")
+                    for rh in range(bh // rv):
+                        if tiles:
+                            with T.serial(0, tiles) as mo:
+                                row_tile(acc, mo * MT, MT, bi, rh)
+                        if spec.m % MT:
+                            row_tile(acc, tiles * MT, spec.m % MT, bi, rh)
+            else:
+                for group in row_groups(spec):  # one parallel region each: LLVM's time grows with function size
+                    if tiles:  # block rows outside, the panel's tiles inside: a block row's weights stay in L1
+                        with T.parallel(0, panels) as po:
+                            acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")  # global + small: a stack array
+                            pack_panel(po * PANEL, group)
+                            for bi in block_row_loop(group):
+                                for rh in range(bh // rv):
+                                    with T.serial(0, per_panel) as mq:
+                                        mo = po * per_panel + mq
+                                        if tiles % per_panel:
+                                            with T.If(mo < tiles):
+                                                with T.Then():
+                                                    row_tile(acc, mo * MT, MT, bi, rh)
+                                        else:
+                                            row_tile(acc, mo * MT, MT, bi, rh)
+                        packed_x.clear()
+                    if spec.m % MT:
+                        acc = T.alloc_buffer((spec.m % MT, rv), acc_dt, scope="global")
                         for bi in block_row_loop(group):
                             for rh in range(bh // rv):
-                                with T.serial(0, per_panel) as mq:
-                                    mo = po * per_panel + mq
-                                    if tiles % per_panel:
-                                        with T.If(mo < tiles):
-                                            with T.Then():
-                                                row_tile(acc, mo * MT, MT, bi, rh)
-                                    else:
-                                        row_tile(acc, mo * MT, MT, bi, rh)
-                    packed_x.clear()
-                if spec.m % MT:
-                    acc = T.alloc_buffer((spec.m % MT, rv), acc_dt, scope="global")
-                    for bi in block_row_loop(group):
-                        for rh in range(bh // rv):
-                            row_tile(acc, tiles * MT, spec.m % MT, bi, rh)
+                                row_tile(acc, tiles * MT, spec.m % MT, bi, rh)
     return ib.get()
 
 

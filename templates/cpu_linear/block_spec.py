@@ -11,7 +11,8 @@ dismantle level (``spec.dismantle``):
   but a row's blocks are looped over a compile-time column list, bounding code size.
 
 Weight precisions: 32 (fp32), 8 (int8 × int8 activations, int32 accumulation, per-row
-activation scale × per-channel weight scale), 4 (int4 codes ``u`` dequantised to fp32 in the
+activation scale × per-channel weight scale; or with ``act_bits=32`` int8 weights against fp32 activations,
+fp32 accumulation, the per-channel scale applied once in the epilogue), 4 (int4 codes ``u`` dequantised to fp32 in the
 loop as ``u · S + O``: one scale and offset per block row and ``scale_group`` columns, which
 holds symmetric (``O = -8 S``) and asymmetric (``O = -zero · S``) quantisation).
 """
@@ -25,6 +26,9 @@ import torch
 from ..quant.spec import quantize_rows  # noqa: F401  (the per-token int8 rule, shared)
 
 from .epilogue import torch_epilogue
+
+
+PANEL = 64          # rows of X per parallel task of the kernel (block.py)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class BlockLinearSpec:
     dismantle: str = "full"
     name: str = "block_linear"
     scale_group: int = 0                    # int4: columns per scale inside a block (0: the block width)
+    act_bits: int = 0                       # 32: fp32 activations with int8 weights (weight-only); 0: the width's own
 
     def __post_init__(self):
         bh, bw = self.block
@@ -53,6 +58,17 @@ class BlockLinearSpec:
             raise ValueError(f"spec {self.name}: scale_group {self.scale_group} must divide the block width {bw}")
         if self.dismantle not in ("none", "full", "tile"):
             raise ValueError(f"spec {self.name}: unknown dismantle level {self.dismantle!r}")
+
+    @property
+    def int8_activations(self) -> bool:
+        """int8 weights run against per-token int8 activation codes (W8A8) unless ``act_bits`` says fp32."""
+        return self.weight_bits == 8 and self.act_bits != 32
+
+    @property
+    def row_parallel(self) -> bool:
+        """Whether the kernel parallelises over block rows (the generic kernel at fewer than two panels of rows,
+        ``block.PANEL``): a decode-sized GEMM then runs on every thread."""
+        return self.dismantle == "none" and self.m < 2 * PANEL
 
     @property
     def group_columns(self) -> int:
@@ -83,7 +99,8 @@ class BlockLinearSpec:
         bh, bw = self.block
         tail = "".join(["_b" if self.bias else "", f"_{self.activation}" if self.activation else "",
                         "_acc" if self.accumulate else "",
-                        f"_g{self.scale_group}" if self.weight_bits == 4 and self.scale_group else ""])
+                        f"_g{self.scale_group}" if self.weight_bits == 4 and self.scale_group else "",
+                        "_a32" if self.weight_bits == 8 and not self.int8_activations else ""])
         return f"bsr_m{self.m}_n{self.n}_k{self.k}_{bh}x{bw}_w{self.weight_bits}{tail}"
 
 
@@ -168,14 +185,14 @@ def dequantized_weight(spec: BlockLinearSpec, packed: dict[str, torch.Tensor]) -
 def reference(spec: BlockLinearSpec, x: torch.Tensor, packed: dict, bias=None, y=None) -> torch.Tensor:
     """What the kernel computes, in fp64 torch ops."""
     w = dequantized_weight(spec, packed).double()
-    if spec.weight_bits == 8:
+    if spec.int8_activations:
         q, s = quantize_rows(x)
         x = q.double() * s.double()[:, None]
     return torch_epilogue(spec, x.double() @ w.t(), bias, y)
 
 
 def argument_names(spec: BlockLinearSpec) -> list[str]:
-    names = ["X"] + (["XS"] if spec.weight_bits == 8 else []) + ["W"]
+    names = ["X"] + (["XS"] if spec.int8_activations else []) + ["W"]
     names += ["S", "O"] if spec.weight_bits == 4 else []
     names += ["WS"] if spec.weight_bits == 8 else []
     names += ["C"] if spec.dismantle != "full" else []

@@ -50,6 +50,23 @@ def test_profiler_command_writes_a_loadable_profile(tmp_path):
     prof = load_profile(out)
     assert prof.kernel(32, 32).blocks[(32, 32)] > 0 and prof.kernel(8, 8).dense_gflops > 0
 
+def test_block_costs_through_two_row_counts_and_the_json_round_trip():
+    """With a one-row figure, a block costs its one-row time at one row and its measured per-row time at the
+    profile's rows, linear between; the dense path of a width without a vendor kernel costs its blocks."""
+    from sparta.passes.transform import HardwareProfile
+    data = load_profile("cpu").to_json()
+    data.update(rows=256, stream_weights=False, kernel_call_us=20.0)
+    w4 = next(k for k in data["kernels"] if (k["weight_bits"], k["act_bits"]) == (4, 32))
+    w4.update(blocks={"32x32": 100.0}, blocks_one_row={"32x32": 2000.0}, dense_blocks="32x32")
+    prof = HardwareProfile.from_json(data)
+    assert HardwareProfile.from_json(prof.to_json()) == prof
+    assert prof.block_us(10, (32, 32), 1, 4, 32) == pytest.approx(10 * 2000.0 / 1e3)
+    assert prof.block_us(10, (32, 32), 256, 4, 32) == pytest.approx(10 * 256 * 100.0 / 1e3)
+    mid = prof.block_us(10, (32, 32), 128, 4, 32)
+    assert prof.block_us(10, (32, 32), 1, 4, 32) < mid < prof.block_us(10, (32, 32), 256, 4, 32)
+    assert prof.dense_us(1, 64, 96, 4, 32) == pytest.approx(20.0 + 6 * 2000.0 / 1e3)
+
+
 # ---- bit rounding --------------------------------------------------------------------------
 
 

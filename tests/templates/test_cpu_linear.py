@@ -20,7 +20,7 @@ def run(spec, x, w, b=None, y=None):
     kern = build_cpu(block_linear, spec)
     packed = pack(spec, w)
     args = dict(packed, B=b)
-    if spec.weight_bits == 8:
+    if spec.int8_activations:
         args["X"], args["XS"] = quantize_rows(x)
     else:
         args["X"] = x
@@ -42,6 +42,12 @@ CASES = [  # m, n, k, block, density, bits, dismantle, activation
     (4, 32, 64, (16, 16), 0.7, 8, "tile", "relu"),
     (19, 32, 64, (32, 32), 0.5, 4, "full", None),
     (3, 16, 32, (16, 16), 1.0, 4, "tile", "sigmoid"),
+    # the generic kernel below two panels of rows hands block rows to the threads (decode-sized GEMMs)
+    (1, 64, 64, (32, 32), 0.5, 4, "none", "gelu"),
+    (6, 96, 64, (32, 32), 0.7, 8, "none", None),
+    (67, 64, 96, (16, 16), 1.0, 32, "none", "silu"),
+    (2, 64, 64, (32, 32), 0.0, 32, "none", None),
+    (130, 64, 64, (16, 16), 0.5, 32, "none", "relu"),   # the panel path
 ]
 
 
