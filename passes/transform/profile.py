@@ -38,6 +38,23 @@ class KernelCosts:
     # does not shrink with the rows (loading and dequantising the weights) apart from one per row
     blocks_one_row: dict[tuple[int, int], float] = field(default_factory=dict)
     dense_blocks: tuple[int, int] | None = None    # the dense path runs sparta's kernel over these blocks (no vendor)
+    dense_gflops_rows: dict[int, float] = field(default_factory=dict)   # rows -> the dense rate at so few rows
+
+    def dense_rate(self, m: int) -> float:
+        """The dense GEMM's GFLOP/s at ``m`` rows: ``dense_gflops``, or below the rows of ``dense_gflops_rows``
+        interpolated between them in log(rows)."""
+        import math
+        table = sorted(self.dense_gflops_rows.items())
+        if not table or m >= table[-1][0] * 4:
+            return self.dense_gflops
+        points = table + [(table[-1][0] * 4, self.dense_gflops)]
+        if m <= points[0][0]:
+            return points[0][1]
+        for (m0, r0), (m1, r1) in zip(points, points[1:]):
+            if m0 <= m <= m1:
+                t = (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
+                return r0 + t * (r1 - r0)
+        return self.dense_gflops
 
     def block_shapes(self) -> list[tuple[int, int]]:
         return sorted(self.blocks, key=lambda s: -s[0] * s[1])
@@ -102,7 +119,7 @@ class HardwareProfile:
             bh, bw = kern.dense_blocks
             return self.sub_op_us + self.block_us(-(-n // bh) * -(-k // bw), kern.dense_blocks, m, weight_bits,
                                                   act_bits)
-        return self.fixed_us + max(2.0 * m * n * k / (kern.dense_gflops * 1e3),
+        return self.fixed_us + max(2.0 * m * n * k / (kern.dense_rate(m) * 1e3),
                                    self.weight_stream_us(n * k, weight_bits))
 
     def block_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int) -> float:
@@ -146,7 +163,9 @@ class HardwareProfile:
                              **({"blocks_one_row": {f"{a}x{b}": v for (a, b), v in k.blocks_one_row.items()}}
                                 if k.blocks_one_row else {}),
                              **({"dense_blocks": f"{k.dense_blocks[0]}x{k.dense_blocks[1]}"} if k.dense_blocks
-                                else {})}
+                                else {}),
+                             **({"dense_gflops_rows": {str(r): v for r, v in k.dense_gflops_rows.items()}}
+                                if k.dense_gflops_rows else {})}
                             for k in self.kernels]}
 
     @classmethod
@@ -157,7 +176,8 @@ class HardwareProfile:
             kernels = tuple(KernelCosts(int(k["weight_bits"]), int(k["act_bits"]), float(k["dense_gflops"]),
                                         shapes(k["blocks"]), int(k.get("weight_code_bits", 0)),
                                         shapes(k.get("blocks_one_row", {})),
-                                        _shape(k["dense_blocks"]) if k.get("dense_blocks") else None)
+                                        _shape(k["dense_blocks"]) if k.get("dense_blocks") else None,
+                                        {int(r): float(v) for r, v in k.get("dense_gflops_rows", {}).items()})
                             for k in data["kernels"])
             if not kernels:
                 raise ValueError("no kernels")

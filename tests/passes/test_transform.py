@@ -294,3 +294,11 @@ def test_bert_base_gets_a_plan_for_every_op():
         ffn1 = [p for p in gemms if p.weight and "intermediate" in p.weight]
         assert all(p.kind == "sparse" for p in ffn1), target
         assert "total: est" in plan.report()
+
+
+def test_dense_rate_at_few_rows_follows_the_measured_table():
+    from sparta.passes.transform import KernelCosts
+    k = KernelCosts(32, 32, 100.0, {}, dense_gflops_rows={1: 10.0, 4: 20.0, 64: 80.0})
+    assert k.dense_rate(1) == 10.0 and k.dense_rate(4) == 20.0 and k.dense_rate(2) == pytest.approx(15.0)
+    assert 20.0 < k.dense_rate(16) < 80.0 and k.dense_rate(256) == 100.0 and k.dense_rate(10_000) == 100.0
+    assert KernelCosts(32, 32, 100.0, {}).dense_rate(1) == 100.0
