@@ -106,7 +106,7 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
                 bits=wtesa.bit_histogram(), epilogue=epilogue(graph, op, profile.target), dense_us=dense_us)
     dense_candidate = Candidate("dense", dense_us, f"vendor dense GEMM at W{model_bits}A{act_model_bits}")
     sparse_ok = sparse_ops is None or op.op in sparse_ops
-    if wtesa.is_dense and wtesa.uniform == model_bits or not sparse_ok:
+    if wtesa.is_dense and set(wtesa.bit_histogram()) == {model_bits} or not sparse_ok:
         note = [] if sparse_ok else [Candidate("sparse", math.inf, f"no sparse template for {op.op} on "
                                                                     f"{profile.target}")]
         sub = SubOp("dense", model_bits, act_model_bits, None, 0, wtesa.numel(), dense_us)

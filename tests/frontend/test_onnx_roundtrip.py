@@ -105,7 +105,11 @@ def test_to_onnx_from_onnx_keeps_every_weight_tesa_and_compiles_alike(tmp_path, 
             assert back.tesa(name) == graph.tesa(name), name     # the masked ones, and every other stays dense
     want = sparta.compile(model, tesas, x)
     got = sparta.compile(str(path), {}, x)
-    assert len(got.kernels) == len(want.kernels) > 0
+    # the user's masked weights run on kernels both ways (propagation may prune more on one graph than the other:
+    # an ONNX LayerNormalization and torch's decomposition do not prove the same columns zero)
+    masked = {n for n, t in tesas.items() if t.ndim == 2}
+    ran = [{p.weight for p in c.plan.ops.values() if p.kind == "sparse"} for c in (want, got)]
+    assert got.kernels and want.kernels and all(len(r & masked) == len(ran[0] & masked) for r in ran)
     fresh = make_inputs(7)                                        # not the inputs the export traced
     for a, b in zip(leaves(want(*fresh)), leaves(got(*fresh)), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
