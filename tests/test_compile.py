@@ -73,7 +73,9 @@ def test_a_profile_given_to_compile_plans_the_model_and_the_report_names_it(tmp_
     x = torch.randn(64, 256)
     shipped = load_profile("cpu").to_json()
     slow = {**shipped, "device": "a machine whose dense GEMM crawls", "date": "2026-01-01",
-            "kernels": [{**k, "dense_gflops": k["dense_gflops"] / 1000} for k in shipped["kernels"]]}
+            "kernels": [{**k, "dense_gflops": k["dense_gflops"] / 1000,
+                         "dense_gflops_rows": {r: v / 1000 for r, v in k.get("dense_gflops_rows", {}).items()}}
+                        for k in shipped["kernels"]]}
     path = tmp_path / "host.json"
     path.write_text(json.dumps(slow))
     fast = sparta.compile(model, {"0.weight": keep}, (x,), profile=str(path))
