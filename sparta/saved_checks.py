@@ -20,12 +20,15 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 6   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+VERSION = 7   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
 #               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
 #               4: W8A8 GEMV modules (w8a8_gemv_cuda)
 #               5: the source graph (the model with only the user's TeSAs) that verify() checks against
 #               6: CUDA epilogues name the exact GELU "gelu" and the tanh form "gelu_tanh" (before: "gelu_erf", "gelu")
+#               7: CPU int4 blocks hold each register slice's halves in low/high nibbles; CPU int8 linears
+#                  (int8_linear_cpu); weight-only int8 CPU blocks (act_bits)
 CUDA_SINCE = 6     # older CUDA models name their GELUs otherwise: refused, not run with the other GELU
+CPU_INT4_SINCE = 7  # older CPU int4 blocks pair neighbouring rows in a byte: refused, not run with another packing
 TARGETS = ("cpu", "cuda")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = {"format": str, "version": int, "target": str, "graph": dict, "modules": dict, "files": dict}
@@ -129,6 +132,9 @@ def check_structure(manifest, root: Path) -> None:
     if manifest["target"] == "cuda" and version < CUDA_SINCE:
         raise SavedModelError(f"saved model {root} was written by an older sparta (format version {version}) whose "
                               "CUDA kernels name their GELUs differently; compile and save the model again")
+    if manifest["target"] == "cpu" and version < CPU_INT4_SINCE and _cpu_int4(manifest):
+        raise SavedModelError(f"saved model {root} was written by an older sparta (format version {version}) whose "
+                              "CPU int4 kernels packed their nibbles otherwise; compile and save the model again")
     for rel, digest in manifest["files"].items():
         check_relative(rel, root)
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
@@ -145,6 +151,16 @@ def check_structure(manifest, root: Path) -> None:
             raise SavedModelError(f"{what}: kernel folder names must be plain keys")
     if not all(isinstance(row, dict) for row in manifest.get("kernels", [])):
         raise SavedModelError(f"saved model {root}: malformed kernel report (rows must be objects)")
+
+
+def _cpu_int4(manifest: dict) -> bool:
+    """Whether a CPU model's kernel modules run int4 blocks."""
+    for entry in manifest["modules"].values():
+        subs = entry.get("config", {}).get("subs", []) if isinstance(entry, dict) else []
+        if any(isinstance(s, dict) and isinstance(s.get("spec"), dict) and s["spec"].get("weight_bits") == 4
+               for s in subs if isinstance(subs, list)):
+            return True
+    return False
 
 
 def _check_fields(obj: dict, required: dict, optional: dict, what: str) -> None:
@@ -176,6 +192,12 @@ def _features(manifest: dict):
             yield 3, f"a LayerNorm with a fused residual add (op {op_name!r})"
         if kind == "w8a8_gemv_cuda":
             yield 4, f"a W8A8 GEMV module (op {op_name!r})"
+        if kind == "int8_linear_cpu":
+            yield 7, f"a CPU int8 linear (op {op_name!r})"
+        subs = config.get("subs") if isinstance(config.get("subs"), list) else []
+        if kind == "sparse_linear_cpu" and any(isinstance(s, dict) and isinstance(s.get("spec"), dict)
+                                               and s["spec"].get("act_bits") for s in subs):
+            yield 7, f"a weight-only int8 CPU kernel (op {op_name!r})"
     if "source" in manifest:
         yield 5, "a source graph"
 

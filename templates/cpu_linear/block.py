@@ -8,18 +8,10 @@ blocks are found is the spec's dismantle level (see ``block_spec.py``).
 
 from __future__ import annotations
 
-from .block_spec import PANEL, BlockLinearSpec
+from .block_spec import PANEL, BlockLinearSpec, vector_width
 from .epilogue import tir_activation
 
 MT = 4          # register-tile rows
-
-
-def vector_width(bh: int) -> int:
-    """The register tile's width: the widest of 16, 8, 4, 2 that divides the block height."""
-    for rv in (16, 8, 4, 2):
-        if bh % rv == 0:
-            return rv
-    return 1
 
 
 def block_linear(spec: BlockLinearSpec):
@@ -54,12 +46,16 @@ def block_linear(spec: BlockLinearSpec):
             B = T.arg("B", T.buffer((spec.n,), "float32")) if spec.bias else None
             Y = T.arg("Y", T.buffer((spec.m, spec.n), "float32"))
 
+            def int4_weight(p, kk, r0, high, r):
+                """Row ``r0 + high·RV/2 + r`` of a register slice: the low (high) nibbles of the slice's RV/2 bytes
+                hold its first (second) half, so both halves load contiguous bytes and shift them alike."""
+                byte = W[p, kk, r0 // 2 + r]
+                nib = tirx.bitwise_and(tirx.shift_right(byte, tirx.const(4 * high, "uint8")), tirx.const(15, "uint8"))
+                gi = kk // spec.group_columns if spec.group_columns < bw else 0
+                row = r0 + high * (rv // 2) + r
+                return nib.astype("float32") * S[p, gi, row] + O[p, gi, row]
+
             def weight(p, kk, r):
-                if spec.weight_bits == 4:
-                    byte = W[p, kk, r // 2]
-                    nib = tirx.bitwise_and(tirx.shift_right(byte, (r % 2 * 4).astype("uint8")), tirx.const(15, "uint8"))
-                    gi = kk // spec.group_columns if spec.group_columns < bw else 0
-                    return nib.astype("float32") * S[p, gi, r] + O[p, gi, r]
                 if w8:
                     return W[p, kk, r].astype("int32" if int8 else "float32")
                 return W[p, kk, r]
@@ -77,8 +73,17 @@ def block_linear(spec: BlockLinearSpec):
             def fma(acc, m0, mt, p, col, r0):
                 with T.serial(0, bw) as kk:
                     with T.unroll(0, mt) as mi:
-                        with T.vectorized(0, rv) as r:
-                            T.buffer_store(acc, acc[mi, r] + xval(m0 + mi, col, kk) * weight(p, kk, r0 + r), [mi, r])
+                        if spec.weight_bits == 4:
+                            half = rv // 2
+                            for high in (0, 1):
+                                with T.vectorized(0, half) as r:
+                                    lane = high * half + r
+                                    T.buffer_store(acc, acc[mi, lane] + xval(m0 + mi, col, kk)
+                                                   * int4_weight(p, kk, r0, high, r), [mi, lane])
+                        else:
+                            with T.vectorized(0, rv) as r:
+                                T.buffer_store(acc, acc[mi, r] + xval(m0 + mi, col, kk) * weight(p, kk, r0 + r),
+                                               [mi, r])
 
             def pack_panel(row0, group):
                 """Copy the panel's rows of the block columns this group reads (the GEMM packing step):

@@ -31,6 +31,14 @@ from .epilogue import torch_epilogue
 PANEL = 64          # rows of X per parallel task of the kernel (block.py)
 
 
+def vector_width(bh: int) -> int:
+    """The kernel's register slice: the widest of 16, 8, 4, 2 rows that divides the block height."""
+    for rv in (16, 8, 4, 2):
+        if bh % rv == 0:
+            return rv
+    return 1
+
+
 @dataclass(frozen=True)
 class BlockLinearSpec:
     m: int
@@ -149,7 +157,7 @@ def pack(spec: BlockLinearSpec, weight: torch.Tensor, scale: torch.Tensor | None
         step = s.repeat_interleave(gc, dim=1)
         lo = 1 if zero is None else 0                   # symmetric codes are -7..7 (u = q + 8)
         q = (torch.round(wp / step) + z.repeat_interleave(gc, dim=1)).clamp(lo, 15).to(torch.uint8)
-        out["W"] = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).contiguous()
+        out["W"] = _nibbles(q, vector_width(bh))
         out["S"] = s.contiguous()
         out["O"] = (-z * s).contiguous()
     if spec.dismantle != "full":
@@ -157,6 +165,14 @@ def pack(spec: BlockLinearSpec, weight: torch.Tensor, scale: torch.Tensor | None
     if spec.dismantle == "none":
         out["P"] = torch.tensor(spec.offsets() + [spec.n_blocks], dtype=torch.int32)
     return out
+
+
+def _nibbles(q: torch.Tensor, rv: int) -> torch.Tensor:
+    """int4 codes (nb, bw, bh) as bytes (nb, bw, bh/2): in each slice of ``rv`` rows, byte j holds row j in its low
+    nibble and row j + rv/2 in its high one (the kernel loads each half of a slice as contiguous bytes)."""
+    nb, bw, bh = q.shape
+    s = q.reshape(nb, bw, bh // rv, 2, rv // 2)
+    return (s[:, :, :, 0] | (s[:, :, :, 1] << 4)).reshape(nb, bw, bh // 2).contiguous()
 
 
 def dequantized_weight(spec: BlockLinearSpec, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -169,8 +185,8 @@ def dequantized_weight(spec: BlockLinearSpec, packed: dict[str, torch.Tensor]) -
             if spec.n_blocks else torch.zeros(bh, dtype=torch.long)
         wp = packed["W"].to(torch.float32) * packed["WS"][rows].reshape(-1, 1, bh)
     else:
-        b = packed["W"]
-        u = torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], bw, bh).to(torch.float32)
+        b = packed["W"].reshape(packed["W"].shape[0], bw, bh // vector_width(bh), vector_width(bh) // 2)
+        u = torch.stack([b & 15, b >> 4], dim=-2).reshape(b.shape[0], bw, bh).to(torch.float32)
         gc = spec.group_columns
         wp = u * packed["S"].repeat_interleave(gc, dim=1) + packed["O"].repeat_interleave(gc, dim=1)
     w = torch.zeros(spec.n // bh, bh, spec.k // bw, bw)
