@@ -15,8 +15,8 @@ def test_masks_apply_and_equal_masked_dense_reference():
     ref.load_state_dict(model.state_dict())
     with torch.no_grad():
         ref.fc1.weight.mul_(mask)
-        assert torch.equal(compiled(x), ref(x))
-        assert not torch.equal(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(compiled(x), model(x), rtol=1e-3, atol=1e-4)
     assert model.fc1.weight.count_nonzero() == 48 * 24, "the user's model is never modified"
 
 
