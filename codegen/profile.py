@@ -15,7 +15,10 @@ closest stand-in that really runs here, and the profile's ``notes`` say which:
 * kernels without a batched stand-in (int8 / int4 on the GPU): the fp16 block costs
   scaled by the measured dense-rate ratio.
 
-No TVM is needed: this runs on the GPU machine too.
+No TVM is needed for the stand-ins: this runs on the GPU machine too. On the CPU, ``--kernels sparta`` measures
+sparta's own kernels (fp32, W8A8, weight-only W8A32 and W4A32 blocks at 256 rows and at one row, the vendor GEMM at
+few rows, the kernel module's call), and :func:`host_profile` is what ``compile`` plans with: the shipped profile on
+the CPU model it was measured on, else a smaller one measured on first use and cached per CPU model.
 """
 
 from __future__ import annotations
