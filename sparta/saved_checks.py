@@ -153,14 +153,18 @@ def check_structure(manifest, root: Path) -> None:
         raise SavedModelError(f"saved model {root}: malformed kernel report (rows must be objects)")
 
 
+def _cpu_sub_specs(entry) -> list[dict]:
+    """The spec fields of a CPU kernel module entry's sub-kernels (saved encoded: ``{"$dict": {...}}``)."""
+    config = entry.get("config") if isinstance(entry, dict) else None
+    subs = config.get("subs") if isinstance(config, dict) else None
+    specs = [s.get("spec") for s in subs if isinstance(s, dict)] if isinstance(subs, list) else []
+    specs = [s.get("$dict", s) for s in specs if isinstance(s, dict)]
+    return [s for s in specs if isinstance(s, dict)]
+
+
 def _cpu_int4(manifest: dict) -> bool:
     """Whether a CPU model's kernel modules run int4 blocks."""
-    for entry in manifest["modules"].values():
-        subs = entry.get("config", {}).get("subs", []) if isinstance(entry, dict) else []
-        if any(isinstance(s, dict) and isinstance(s.get("spec"), dict) and s["spec"].get("weight_bits") == 4
-               for s in subs if isinstance(subs, list)):
-            return True
-    return False
+    return any(s.get("weight_bits") == 4 for e in manifest["modules"].values() for s in _cpu_sub_specs(e))
 
 
 def _check_fields(obj: dict, required: dict, optional: dict, what: str) -> None:
@@ -194,9 +198,7 @@ def _features(manifest: dict):
             yield 4, f"a W8A8 GEMV module (op {op_name!r})"
         if kind == "int8_linear_cpu":
             yield 7, f"a CPU int8 linear (op {op_name!r})"
-        subs = config.get("subs") if isinstance(config.get("subs"), list) else []
-        if kind == "sparse_linear_cpu" and any(isinstance(s, dict) and isinstance(s.get("spec"), dict)
-                                               and s["spec"].get("act_bits") for s in subs):
+        if kind == "sparse_linear_cpu" and any(s.get("act_bits") for s in _cpu_sub_specs(entry)):
             yield 7, f"a weight-only int8 CPU kernel (op {op_name!r})"
     if "source" in manifest:
         yield 5, "a source graph"

@@ -262,6 +262,18 @@ def test_a_cuda_model_from_before_the_gelu_names_is_refused(saved):
     refused(saved, "name their GELUs differently")
 
 
+def test_a_cpu_model_from_before_the_int4_packing_and_weight_only_int8_is_refused(saved):
+    data = manifest(saved)
+    spec = data["modules"]["linear"]["config"]["subs"][0]["spec"]["$dict"]     # specs are saved encoded
+    data["version"] = 6
+    spec["weight_bits"] = 4                                                     # its nibbles paired other rows
+    write_manifest(saved, data)
+    refused(saved, "packed their nibbles otherwise")
+    spec.update(weight_bits=8, act_bits=32)
+    write_manifest(saved, data)
+    refused(saved, "version 7 introduced")
+
+
 def test_stored_tensors_must_match_the_declared_shapes_and_dtypes(saved):
     tensors = load_file(str(saved / "tensors.safetensors"))
     name = next(k for k in tensors if k.startswith("graph/") and k.endswith("bias"))
