@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from bench_cpu_models import block_masks, build
-from common import save
+from common import interleaved, save
 
 import sparta
-from sparta.passes.transform import gemm_view
-
-
-def timed_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+from sparta.passes.transform import gemm_bias, gemm_view
 
 
 def op_runner(compiled, op_plan):
@@ -43,10 +32,12 @@ def op_runner(compiled, op_plan):
     if module is not None:
         return lambda: module(x)
     w = compiled._reference_weights.get(w_name, graph.tensor(w_name).data)
-    bias_name = op.input_of("bias") if op.op == "linear" else None
+    bias_name = gemm_bias(op)
     b = graph.tensor(bias_name).data if bias_name else None
     if op.op == "linear":
         return lambda: torch.nn.functional.linear(x, w, b)
+    if op.op == "addmm":
+        return lambda: torch.addmm(b, x, w)
     return lambda: torch.matmul(x, w)
 
 
@@ -64,7 +55,7 @@ def run(name: str, sparsity: float, reps: int) -> list[dict]:
     rows = []
     with torch.no_grad():
         for (gemm, kind, est), plans in groups.items():
-            measured = [timed_us(op_runner(compiled, p), reps) for p in plans[:3]]
+            measured = [interleaved({"op": op_runner(compiled, p)}, reps)["op"] * 1e3 for p in plans[:3]]
             us = statistics.median(measured)
             rows.append({"model": name, "sparsity": sparsity, "ops": len(plans), "example": plans[0].op,
                          "gemm": list(gemm), "kind": kind, "density": plans[0].density,

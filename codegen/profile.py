@@ -174,7 +174,6 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
     """Kernel costs of sparta's own CPU templates (replaces the stand-ins for the CPU target), for the block
     ``shapes`` given, at the dismantle level large ops get (the shipped policy: the generic kernel)."""
     from ..templates.cpu_linear import block_spec, fine_spec
-    from ..templates.cpu_linear.block import block_linear
     from ..templates.cpu_linear.fine import fine_linear
     from .build import build_cpu
     gen = torch.Generator().manual_seed(0)
@@ -207,14 +206,7 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
                                               act_bits=ab if wb == 8 else 0)
             if dismantle == "none":
                 spec = dataclasses.replace(spec, name=spec.generic_name())
-            fn = build_cpu(block_linear, spec).fn
-            args = {"Y": torch.empty(m, size), **block_spec.pack(spec, torch.randn(size, size, generator=gen))}
-            if spec.int8_activations:
-                args["X"], args["XS"] = block_spec.quantize_rows(x)
-            else:
-                args["X"] = x
-            us = min(timed(lambda: fn(*[args[a] for a in block_spec.argument_names(spec)]), iters) for _ in range(3))
-            blocks[(bh, bw)] = us * 1e3 / (spec.n_blocks * m)
+            blocks[(bh, bw)] = _block_ns(spec, x, torch.randn(size, size, generator=gen), iters, timed)
             if dismantle == "none":   # one row, every block: what a decode step pays per block
                 one_row[(bh, bw)] = _one_row_ns(spec, size, iters, gen, timed)
         vendor = next((k for k in base["kernels"] if (k["weight_bits"], k["act_bits"]) == (wb, ab)), None)
@@ -240,26 +232,31 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
     return base
 
 
-def _one_row_ns(spec, size: int, iters: int, gen, timed) -> float:
-    """ns per block of the generic kernel of ``spec``'s shape and bits at one row over a dense ``size`` square
-    weight (the row-parallel path a decode step runs)."""
+def _block_ns(spec, x: torch.Tensor, weight: torch.Tensor, iters: int, timed) -> float:
+    """ns per block per row of sparta's block kernel of ``spec`` on ``x`` (M, K) and ``weight`` (N, K), the least
+    disturbed of three medians."""
     from ..templates.cpu_linear import block_spec
     from ..templates.cpu_linear.block import block_linear
     from .build import build_cpu
+    fn = build_cpu(block_linear, spec).fn
+    args = {"Y": torch.empty(spec.m, spec.n), **block_spec.pack(spec, weight)}
+    if spec.int8_activations:
+        args["X"], args["XS"] = block_spec.quantize_rows(x)
+    else:
+        args["X"] = x
+    us = min(timed(lambda: fn(*[args[a] for a in block_spec.argument_names(spec)]), iters) for _ in range(3))
+    return us * 1e3 / (spec.n_blocks * spec.m)
+
+
+def _one_row_ns(spec, size: int, iters: int, gen, timed) -> float:
+    """ns per block of the generic kernel of ``spec``'s shape and bits at one row over a dense ``size`` square
+    weight (the row-parallel path a decode step runs)."""
     bh, bw = spec.block
     rows = tuple(tuple(range(size // bw)) for _ in range(size // bh))
     one = dataclasses.replace(spec, m=1, rows=rows)
     one = dataclasses.replace(one, name=one.generic_name())
-    fn = build_cpu(block_linear, one).fn
-    args = {"Y": torch.empty(1, size), **block_spec.pack(one, torch.randn(size, size, generator=gen))}
-    x = torch.randn(1, size, generator=gen)
-    if one.int8_activations:
-        args["X"], args["XS"] = block_spec.quantize_rows(x)
-    else:
-        args["X"] = x
-    call = (lambda: fn(*[args[a] for a in block_spec.argument_names(one)]))
-    us = min(timed(call, iters) for _ in range(3))       # the least disturbed of three medians
-    return us * 1e3 / one.n_blocks
+    weight = torch.randn(size, size, generator=gen)
+    return _block_ns(one, torch.randn(1, size, generator=gen), weight, iters, timed)
 
 
 def kernel_call_us(iters: int = 15) -> float:
@@ -309,8 +306,8 @@ def host_profile(cache_dir=None):
     data = measure_sparta_cpu(m=128, size=768, iters=7, shapes=HOST_SHAPES)
     data["dismantle"] = shipped.to_json()["dismantle"]      # a policy measured once (the shipped notes say how)
     data["notes"]["dismantle"] = shipped.notes.get("dismantle", "")
-    data["source"] = f"measured on this host on first use ({time.perf_counter() - t0:.1f} s): sparta's CPU " \
-                     "kernels, tile-dismantled, 10% blocks kept"
+    data["source"] = f"measured on this host on first use ({time.perf_counter() - t0:.1f} s): sparta's generic " \
+                     "CPU kernels, 10% blocks kept"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")

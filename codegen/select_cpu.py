@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..graph import Graph, Op
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
+from ..passes.transform.transform_op import gemm_bias
 from ..runtime import cpu_int8
 from ..target import Target
 
@@ -53,7 +54,7 @@ GEMM_RULES = (int8_vendor, cpu_linear)
 def cpu_site(graph: Graph, op: Op, op_plan: OpPlan) -> CpuSite:
     widths = {(s.weight_bits, s.act_bits) for s in op_plan.subops}
     bits = f"W{next(iter(widths))[0]}A{next(iter(widths))[1]}" if len(widths) == 1 else "mixed"
-    bias = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias = gemm_bias(op)
     vector_bias = bias is None or len(graph.tensor(bias).shape) == 1
     dense = len(op_plan.subops) == 1 and op_plan.subops[0].template == "dense"
     return CpuSite(op, op_plan, bits, dense, vector_bias)

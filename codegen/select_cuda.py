@@ -19,7 +19,7 @@ import torch
 from ..graph import Graph, Op
 from ..passes.transform.fusion import fused_activation
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
-from ..passes.transform.transform_op import gemm_view, weight_matrix
+from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
 from ..templates.bsr_linear.packing import block_mask_of
 
@@ -234,7 +234,7 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     bits = f"W{next(iter(widths))[0]}A{next(iter(widths))[1]}" if len(widths) == 1 else "mixed"
     keep = op_plan.kept(n, k)
     side = 64 if max((max(s.block) for s in op_plan.subops if s.block is not None), default=32) >= 64 else 32
-    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias_name = gemm_bias(op)
     bias = "none" if bias_name is None else \
         "vector" if graph.tensor(bias_name).shape == (n,) and graph.tensor(bias_name).data is not None else "other"
     fused = fused_activation(graph, op, op_plan)

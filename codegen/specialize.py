@@ -18,7 +18,7 @@ from ..errors import CodegenError
 from ..graph import Graph, Op
 from ..passes.transform.fusion import fused_activation
 from ..passes.transform.plan import OpPlan, Plan, SubOp
-from ..passes.transform.transform_op import gemm_view, weight_matrix
+from ..passes.transform.transform_op import gemm_bias, gemm_view, in_weight_layout, weight_matrix
 from ..runtime.cpu_int8 import Int8LinearCPU
 from ..runtime.cpu_linear import Passthrough, SparseLinearCPU, SubKernel, block_rows
 from ..templates.cpu_linear import block_spec, fine_spec
@@ -68,7 +68,7 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
     weight = weight_matrix(graph, op)
     ph, pw = _padding(op_plan.subops)
     n_pad, k_pad = -(-n // ph) * ph, -(-k // pw) * pw
-    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias_name = gemm_bias(op)
     bias = graph.tensor(bias_name).data if bias_name else None
     extra_bias = None
     if bias is not None and bias.shape != (n,):
@@ -135,14 +135,12 @@ def build_int8_linear(graph: Graph, op: Op, op_plan: OpPlan):
     params = quant.params(weight)
     scale = params.expand(k)[0][:, 0].contiguous()       # symmetric per channel (or tensor): one scale a row
     codes = params.codes(weight).to(torch.int8)
-    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias_name = gemm_bias(op)
     bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.to(torch.float32)) if bias_name else None
     t0 = time.perf_counter()
     module = Int8LinearCPU(op.name, x_name, codes, scale, bias, graph.tensor(op.outputs[0]).shape, quant.bits)
     module.weight_name = gemm_view(graph, op)[1]
-    w = graph.tensor(module.weight_name)
-    nk = module.graph_weight_nk()
-    module.reference_weight = nk.t().contiguous() if op.op in ("addmm", "mm", "matmul") else nk.reshape(w.shape)
+    module.reference_weight = in_weight_layout(graph, op, module.graph_weight_nk())
     info = {"op": op.name, "template": "onednn_int8", "blocks": "dense", "bits": "W8A8", "dismantle": "none",
             "build_s": round(time.perf_counter() - t0, 3), "cached": False, "code_bytes": 0, "key": ""}
     return module, [info], None
@@ -181,8 +179,7 @@ def _effective_weight(graph: Graph, op: Op, subs: list[SubKernel], n: int, k: in
             total += block_spec.dequantized_weight(s.spec, s.packed)[:n, :k]
         else:
             total += fine_spec.dense_weight(s.spec, s.packed)[:n, :k]
-    w = graph.tensor(gemm_view(graph, op)[1])
-    return total.t().contiguous() if op.op in ("addmm", "mm", "matmul") else total.reshape(w.shape)
+    return in_weight_layout(graph, op, total)
 
 
 def _cname(name: str) -> str:

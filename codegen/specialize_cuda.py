@@ -22,7 +22,7 @@ import torch
 from ..backend.fx import Fused, Passthrough
 from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
-from ..passes.transform.transform_op import gemm_view
+from ..passes.transform.transform_op import gemm_bias, gemm_view
 from ..target import Target, load_target
 from ..runtime.bsr_linear import SparseLinearCUDA
 from ..runtime.layernorm import LayerNormCUDA, quantized_names
@@ -208,7 +208,7 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     x_name, _, _, m, n, k = view
     site = gemm_site(graph, op, op_plan)
     weight = site.weight
-    bias_name = op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+    bias_name = gemm_bias(op)
     bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.float()) if bias_name else None
     fused = fused_activation(graph, op, op_plan)
     act = site.act

@@ -16,6 +16,7 @@ sparta's kernels exist, on stand-ins: batched GEMMs over the blocks, CSR SpMM).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -43,7 +44,6 @@ class KernelCosts:
     def dense_rate(self, m: int) -> float:
         """The dense GEMM's GFLOP/s at ``m`` rows: ``dense_gflops``, or below the rows of ``dense_gflops_rows``
         interpolated between them in log(rows)."""
-        import math
         table = sorted(self.dense_gflops_rows.items())
         if not table or m >= table[-1][0] * 4:
             return self.dense_gflops

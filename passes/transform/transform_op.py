@@ -209,6 +209,18 @@ def weight_matrix(graph: Graph, op: Op) -> torch.Tensor:
     return w.reshape(w.shape[0], -1)
 
 
+def in_weight_layout(graph: Graph, op: Op, nk: torch.Tensor) -> torch.Tensor:
+    """An (N, K) matrix back in the layout of the op's weight (the inverse of :func:`weight_matrix`)."""
+    if op.op in ("addmm", "mm", "matmul"):
+        return nk.t().contiguous()
+    return nk.reshape(graph.tensor(gemm_view(graph, op)[1]).shape)
+
+
+def gemm_bias(op: Op) -> str | None:
+    """The tensor a GEMM-like op adds to its product: a linear's ``bias``, addmm's ``self`` (None for the others)."""
+    return op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
+
+
 def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict,
                         profile: HardwareProfile | None = None) -> dict:
     """Per integer width the op's sub-operators run: calibration's scales where it fitted that width
@@ -237,4 +249,5 @@ def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict,
     return out
 
 
-__all__ = ["transform_gemm", "gemm_view", "GEMM_OPS", "weight_matrix", "weight_quantisation"]
+__all__ = ["transform_gemm", "gemm_view", "GEMM_OPS", "weight_matrix", "in_weight_layout", "gemm_bias",
+           "weight_quantisation"]

@@ -50,6 +50,7 @@ def test_profiler_command_writes_a_loadable_profile(tmp_path):
     prof = load_profile(out)
     assert prof.kernel(32, 32).blocks[(32, 32)] > 0 and prof.kernel(8, 8).dense_gflops > 0
 
+
 def test_block_costs_through_two_row_counts_and_the_json_round_trip():
     """With a one-row figure, a block costs its one-row time at one row and its measured per-row time at the
     profile's rows, linear between; the dense path of a width without a vendor kernel costs its blocks."""
