@@ -6,8 +6,10 @@
 Peers in one process, same inputs: sparta's compiled model (sparse linears in sparta
 kernels, the rest torch ops), the same graph run densely with torch ops (cuBLAS linears on
 the masked weights: the dense cost of this model), and Hugging Face's ``BertModel`` of the
-same config in fp16 (sdpa attention) when transformers is installed. Kernel-only time is one
-forward captured in a CUDA graph; eager time is the host clock per forward.
+same config in fp16 (sdpa attention) when transformers is installed; with ``--compile``, each of
+them and sparta's model again through ``torch.compile`` (``default`` and ``reduce-overhead``: CUDA
+graphs), called as a user calls them. Kernel-only time is one forward captured in a CUDA graph (the
+floor without host overhead); the other times are the host clock per forward.
 """
 
 from __future__ import annotations
@@ -64,10 +66,37 @@ def breakdown(peers: dict, reps: int = 3) -> dict:
     return out
 
 
+def compile_peers(model, dense, hf, inputs) -> dict:
+    """Each model through torch.compile (``default``, ``reduce-overhead``), timed per forward by the host clock, and
+    its output's largest difference from the same model uncompiled."""
+    models = {"sparta": model, "dense_graph": dense, **({"hf_bert_fp16": hf} if hf is not None else {})}
+    out = {}
+    for name, m in models.items():
+        def call(fn, m=m, name=name):
+            return fn(input_ids=inputs[0]) if name == "hf_bert_fp16" else fn(*inputs)
+        with torch.no_grad():
+            want = call(m)
+            want = want[0] if isinstance(want, (tuple, list)) else getattr(want, "last_hidden_state", want)
+            for mode in ("default", "reduce-overhead"):
+                torch._dynamo.reset()
+                fn = torch.compile(m, mode=mode, fullgraph=name != "hf_bert_fp16")
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    got = call(fn)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+                got = got[0] if isinstance(got, (tuple, list)) else getattr(got, "last_hidden_state", got)
+                diff = float((got.float() - want.float()).abs().max())
+                out[f"{name}@{mode}"] = {"wall_us": gpu_wall_us(lambda i: call(fn), 1, 50), "compile_s": compile_s,
+                                         "max_abs_diff": diff}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path")
     ap.add_argument("--name", default="e2e_bert")
+    ap.add_argument("--compile", action="store_true", help="add torch.compile peers (default, reduce-overhead)")
     args = ap.parse_args()
 
     tvm_present = importlib.util.find_spec("tvm") is not None
@@ -103,12 +132,18 @@ def main():
     for name, r in results.items():
         r["speedup_vs_dense_kernel"] = results["dense_torch"]["kernel_us"] / r["kernel_us"]
         r["speedup_vs_dense_eager"] = results["dense_torch"]["eager_us"] / r["eager_us"]
+    compiled_peers = compile_peers(model, dense, hf, inputs) if args.compile else {}
+    if compiled_peers:
+        best_dense = min(v["wall_us"] for k, v in compiled_peers.items() if not k.startswith("sparta"))
+        for r in compiled_peers.values():
+            r["speedup_vs_best_dense_compile"] = best_dense / r["wall_us"]
     kernels = [k for k in model.kernels if k["template"] != "torch"]
     payload = {"path": args.path, "tvm_importable": tvm_present, "load_s": load_s, "verify_s": verify_s,
                "verify_worst_rel_err": worst, "outputs_vs_dense": outputs,
                "diff_with_one_kernel_negated": sensitivity, "gpu_time_by_kind_us": breakdown(peers), "inputs": [list(x.shape) for x in inputs],
                "sparta_kernels": len(kernels), "torch_fallbacks": len(model.kernels) - len(kernels),
-               "blocks": sorted({k["blocks"].split("x", 1)[1] for k in kernels if "x" in k["blocks"]}), "results": results}
+               "blocks": sorted({k["blocks"].split("x", 1)[1] for k in kernels if "x" in k["blocks"]}), "results": results,
+               "torch_compile": compiled_peers}
     out = save(args.name, payload)
     print(f"loaded in {load_s:.1f} s (TVM importable: {tvm_present}); verified: worst relative error "
           f"{max(worst.values()):.2e}; {len(kernels)} sparta kernels")
@@ -120,6 +155,9 @@ def main():
         print(f"{name:>14} GPU time by kind (us): {kinds}")
         for row in top:
             print(f"{'':>16}{row[0]:8.1f} us  x{row[1]:<4} {row[2]}")
+    for name, r in compiled_peers.items():
+        print(f"{name:>24}: {r['wall_us'] / 1e3:8.3f} ms per forward ({r['speedup_vs_best_dense_compile']:.2f}x the best "
+              f"dense torch.compile; compile {r['compile_s']:.0f} s, max diff {r['max_abs_diff']:.3g})")
     print(f"one kernel's weights negated: output moves by {sensitivity:.3g} (the comparison is live)")
     print(f"outputs vs dense: {outputs}")
     print(f"wrote {out}")

@@ -170,9 +170,10 @@ def _integer_rates(device, m, n, k, timed, iters):
 
 
 def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tuple(BLOCKS),
-                       dismantle: str = "none") -> dict:
+                       dismantle: str = "none", wide_k: int = 4096) -> dict:
     """Kernel costs of sparta's own CPU templates (replaces the stand-ins for the CPU target), for the block
-    ``shapes`` given, at the dismantle level large ops get (the shipped policy: the generic kernel)."""
+    ``shapes`` given, at the dismantle level large ops get (the shipped policy: the generic kernel); block costs
+    on a ``size`` square weight and again at input width ``wide_k`` (0: not)."""
     from ..templates.cpu_linear import block_spec, fine_spec
     from ..templates.cpu_linear.fine import fine_linear
     from .build import build_cpu
@@ -183,7 +184,7 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
     base = measure("cpu", m=m, iters=iters, size=size)
     kernels = []
     for wb, ab in ((32, 32), (8, 8), (8, 32), (4, 32)):
-        blocks, one_row = {}, {}
+        blocks, one_row, wide = {}, {}, {}
         for bh, bw in shapes:
             if (bh, bw) == (1, 1):
                 if wb != 32:
@@ -207,6 +208,8 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
             if dismantle == "none":
                 spec = dataclasses.replace(spec, name=spec.generic_name())
             blocks[(bh, bw)] = _block_ns(spec, x, torch.randn(size, size, generator=gen), iters, timed)
+            if wide_k and dismantle == "none":    # the same block rows' share of blocks over a wider K
+                wide[(bh, bw)] = _wide_k_ns(spec, wide_k, iters, gen, timed)
             if dismantle == "none":   # one row, every block: what a decode step pays per block
                 one_row[(bh, bw)] = _one_row_ns(spec, size, iters, gen, timed)
         vendor = next((k for k in base["kernels"] if (k["weight_bits"], k["act_bits"]) == (wb, ab)), None)
@@ -217,10 +220,16 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
                         **({"dense_gflops_rows": vendor["dense_gflops_rows"]}
                            if vendor is not None and "dense_gflops_rows" in vendor else {}),
                         **({"weight_code_bits": cpu_int8.host_code_bits()} if wb == 8 else {}),
-                        **({"dense_blocks": "32x32"} if ab == 32 and wb < 32 and (32, 32) in blocks else {})})
+                        **({"dense_blocks": "32x32"} if ab == 32 and wb < 32 and (32, 32) in blocks else {}),
+                        **({"blocks_wide_k": {f"{a}x{b}": v for (a, b), v in wide.items()}} if wide else {})})
     base["kernels"] = kernels
     base["kernel_call_us"] = call_us
     base["rows"] = m
+    base["k"] = size
+    if wide_k and dismantle == "none":
+        base["wide_k"] = wide_k
+        base["notes"]["blocks_wide_k"] = f"the same kernels at K = {wide_k}, {WIDE_K_KEPT:.0%} of the blocks kept (a " \
+            "panel of X outgrows the core's L2)"
     base["stream_weights"] = True
     base["source"] = f"measured: sparta's CPU kernels ({dismantle}-dismantled, 10% blocks kept) by " \
                      "python -m sparta.codegen.profile --target cpu --kernels sparta"
@@ -257,6 +266,22 @@ def _one_row_ns(spec, size: int, iters: int, gen, timed) -> float:
     one = dataclasses.replace(one, name=one.generic_name())
     weight = torch.randn(size, size, generator=gen)
     return _block_ns(one, torch.randn(1, size, generator=gen), weight, iters, timed)
+
+
+WIDE_K_KEPT = 0.5      # blocks kept in the wide-K measurement: the cost of a block there grows with the kept share
+
+
+def _wide_k_ns(spec, k: int, iters: int, gen, timed) -> float:
+    """ns per block per row of the generic kernel of ``spec``'s rows, block and bits at input width ``k``
+    (:data:`WIDE_K_KEPT` of the blocks kept)."""
+    bh, bw = spec.block
+    keep = torch.rand(spec.n // bh, k // bw, generator=gen) < WIDE_K_KEPT
+    keep[:, 0] = True
+    rows = tuple(tuple(torch.nonzero(keep[i]).flatten().tolist()) for i in range(spec.n // bh))
+    wide = dataclasses.replace(spec, k=k, rows=rows)
+    wide = dataclasses.replace(wide, name=wide.generic_name())
+    return _block_ns(wide, torch.randn(spec.m, k, generator=gen), torch.randn(spec.n, k, generator=gen), iters,
+                     timed)
 
 
 def kernel_call_us(iters: int = 15) -> float:

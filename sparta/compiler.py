@@ -250,7 +250,13 @@ class CompiledModel(torch.nn.Module):
         self._propagated_module = None
 
     def forward(self, *args, **kwargs):
-        flat = self.graph.flat_inputs(args, kwargs)
+        if torch.compiler.is_compiling():   # Dynamo guards the shapes itself: take the inputs as they come
+            leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+            spec = self.graph.meta.get("input_leaves")
+            flat = ([x for x, name in zip(leaves, spec) if name is not None] if spec is not None
+                    and len(leaves) == len(spec) else [x for x in leaves if isinstance(x, torch.Tensor)])
+        else:
+            flat = self.graph.flat_inputs(args, kwargs)
         outs = self.module(*flat)
         out_spec = self.graph.meta.get("out_spec")
         return pytree.tree_unflatten(list(outs), out_spec) if out_spec is not None else outs

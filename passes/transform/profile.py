@@ -40,6 +40,9 @@ class KernelCosts:
     blocks_one_row: dict[tuple[int, int], float] = field(default_factory=dict)
     dense_blocks: tuple[int, int] | None = None    # the dense path runs sparta's kernel over these blocks (no vendor)
     dense_gflops_rows: dict[int, float] = field(default_factory=dict)   # rows -> the dense rate at so few rows
+    # (bh, bw) -> ns per block per row as ``blocks`` but at the profile's ``wide_k`` input width: a block row's panel of
+    # X outgrows the core's L2 there, and every kept block costs more
+    blocks_wide_k: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def dense_rate(self, m: int) -> float:
         """The dense GEMM's GFLOP/s at ``m`` rows: ``dense_gflops``, or below the rows of ``dense_gflops_rows``
@@ -83,6 +86,8 @@ class HardwareProfile:
     # exceeds ``fixed_us`` (a vendor op's call): a sparse sub-operator pays it once (0: ``fixed_us``)
     kernel_call_us: float = 0.0
     rows: int = 0                   # activation rows of the ``blocks`` measurements (0: unknown, cost linear in rows)
+    k: int = 0                      # input width K of the ``blocks`` measurements
+    wide_k: int = 0                 # input width K of the ``blocks_wide_k`` measurements (0: none)
 
     # ---- what the hardware runs ---------------------------------------------------------
     def act_widths(self) -> list[int]:
@@ -118,12 +123,14 @@ class HardwareProfile:
         if kern.dense_blocks is not None and kern.dense_blocks in kern.blocks:
             bh, bw = kern.dense_blocks
             return self.sub_op_us + self.block_us(-(-n // bh) * -(-k // bw), kern.dense_blocks, m, weight_bits,
-                                                  act_bits)
+                                                  act_bits, k)
         return self.fixed_us + max(2.0 * m * n * k / (kern.dense_rate(m) * 1e3),
                                    self.weight_stream_us(n * k, weight_bits))
 
-    def block_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int) -> float:
-        """The blocks' measured cost per activation row, at least the time to stream their weights."""
+    def block_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int,
+                 k: int = 0) -> float:
+        """The blocks' measured cost per activation row (at input width ``k``, 0: the profile's), at least the
+        time to stream their weights."""
         kern = self.kernel(weight_bits, act_bits)
         ns = kern.blocks.get(tuple(shape))
         if ns is None:
@@ -131,10 +138,19 @@ class HardwareProfile:
         one = kern.blocks_one_row.get(tuple(shape))
         if one is not None and self.rows > 1:     # fixed + per-row cost through the two measured row counts
             per_row = max((ns * self.rows - one) / (self.rows - 1), 0.0)
-            per_block = max(one - per_row, 0.0) + per_row * m
+            per_block = max(one - per_row, 0.0) + per_row * self.k_factor(kern, shape, k) * m
         else:
-            per_block = ns * m
+            per_block = ns * self.k_factor(kern, shape, k) * m
         return max(n_blocks * per_block / 1e3, self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
+
+    def k_factor(self, kern: KernelCosts, shape: tuple[int, int], k: int) -> float:
+        """How much more a block's per-row work costs at input width ``k`` than at the profile's: linear in K
+        between the two measured widths, flat outside them, never less (a wider K is never cheaper per block)."""
+        wide = kern.blocks_wide_k.get(tuple(shape))
+        if wide is None or not k or self.wide_k <= self.k:
+            return 1.0
+        t = min(max((k - self.k) / (self.wide_k - self.k), 0.0), 1.0)
+        return 1.0 + t * max(wide / kern.blocks[tuple(shape)] - 1.0, 0.0)
 
     @property
     def sub_op_us(self) -> float:
@@ -157,6 +173,8 @@ class HardwareProfile:
                 "stream_weights": self.stream_weights,
                 **({"kernel_call_us": self.kernel_call_us} if self.kernel_call_us else {}),
                 **({"rows": self.rows} if self.rows else {}),
+                **({"k": self.k} if self.k else {}),
+                **({"wide_k": self.wide_k} if self.wide_k else {}),
                 "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
                              "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()},
                              **({"weight_code_bits": k.weight_code_bits} if k.weight_code_bits else {}),
@@ -165,7 +183,9 @@ class HardwareProfile:
                              **({"dense_blocks": f"{k.dense_blocks[0]}x{k.dense_blocks[1]}"} if k.dense_blocks
                                 else {}),
                              **({"dense_gflops_rows": {str(r): v for r, v in k.dense_gflops_rows.items()}}
-                                if k.dense_gflops_rows else {})}
+                                if k.dense_gflops_rows else {}),
+                             **({"blocks_wide_k": {f"{a}x{b}": v for (a, b), v in k.blocks_wide_k.items()}}
+                                if k.blocks_wide_k else {})}
                             for k in self.kernels]}
 
     @classmethod
@@ -177,7 +197,8 @@ class HardwareProfile:
                                         shapes(k["blocks"]), int(k.get("weight_code_bits", 0)),
                                         shapes(k.get("blocks_one_row", {})),
                                         _shape(k["dense_blocks"]) if k.get("dense_blocks") else None,
-                                        {int(r): float(v) for r, v in k.get("dense_gflops_rows", {}).items()})
+                                        {int(r): float(v) for r, v in k.get("dense_gflops_rows", {}).items()},
+                                        shapes(k.get("blocks_wide_k", {})))
                             for k in data["kernels"])
             if not kernels:
                 raise ValueError("no kernels")
@@ -189,7 +210,7 @@ class HardwareProfile:
                        float(data["fixed_us"]), float(data["bandwidth_gbs"]), kernels, dict(data.get("notes", {})),
                        tuple(data.get("sparse_ops", cls.sparse_ops)), int(dis.get("full_max_blocks", 512)), large,
                        bool(data.get("stream_weights", False)), float(data.get("kernel_call_us", 0.0)),
-                       int(data.get("rows", 0)))
+                       int(data.get("rows", 0)), int(data.get("k", 0)), int(data.get("wide_k", 0)))
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise PlanError(f"invalid hardware profile: {exc}") from exc
 

@@ -189,7 +189,7 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, m: int, model
         seen.add(key)
         subs, cost = [], 0.0
         for c in cover:
-            us = profile.sub_op_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits)
+            us = profile.sub_op_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits, k)
             fine = c.shape == (1, 1)
             subs.append(SubOp("fine_sparse" if fine else "block_sparse", group.bits, act_bits, c.shape,
                               c.n_blocks, int(torch.count_nonzero(c.assigned)), us,

@@ -25,6 +25,7 @@ from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.epilogue_ref import out_scale_arg
 from ..templates.quant.spec import quantize_rows
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec, device_arch
+from .ops import KernelModule
 from .quant import QuantizedInput, RequantizedOutput, RowQuantizer
 
 
@@ -147,7 +148,7 @@ def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
 
 
-class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.nn.Module):
+class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, KernelModule):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
@@ -157,8 +158,12 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, tor
     ``hopper`` = (folder, spec): a ``wgmma`` kernel over the same blocks, run instead on sm_90 GPUs.
     A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
     :meth:`requantize_output` it returns the int8 codes of its output at one static scale and that scale
-    per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``.
+    per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``. The kernel runs as the
+    op ``sparta::linear_cuda``.
     """
+
+    kernel_family = "linear_cuda"
+    weight_names = ("wp", "table", "bias", "weight_scale")
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
@@ -189,6 +194,7 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, tor
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
         self.output_names, self.out_scale = None, None     # set by requantize_output
         self._op = None
+        self.register_kernel(op_name)
 
     @property
     def reads_int8(self) -> bool:
@@ -248,6 +254,18 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, tor
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         if (x_scale is not None) != (self.out_dtype is not None):
             raise CudaRuntimeError(f"op {self.op_name!r} takes {'(codes, scales)' if self.out_dtype else 'one input'}")
+        if x_scale is not None:
+            (y,) = self.call_kernel(x.reshape(-1, self.spec.k), x_scale.reshape(-1))
+        else:
+            (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(torch.float16).contiguous())
+        y = y.reshape(*x.shape[:-1], self.spec.n)
+        if self.out_scale is not None:
+            return y, self.code_scale
+        return y.to(self.out_dtype or x.dtype)
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The kernel on ``[x (M, K) fp16]`` or ``[codes (M, K) int8, scales (M,)]``: ``[(M, N) fp16 or int8]``."""
+        x = inputs[0]
         if not x.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
@@ -259,13 +277,13 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, tor
                                           self.bias if self.spec.bias else None, self.weight_scale, self.out_scale)
             if self.quant_folder:
                 self._op.quantizer = RowQuantizer(self.quant_folder)
-        if x_scale is not None:
-            y = self._op.int8(x.reshape(self.spec.m, self.spec.k), x_scale.reshape(self.spec.m))
-        else:
-            y = self._op(x.reshape(self.spec.m, self.spec.k).to(torch.float16).contiguous())
-        if self.out_scale is not None:
-            return y.reshape(self.out_shape), self.code_scale
-        return y.reshape(self.out_shape).to(self.out_dtype or x.dtype)
+        if len(inputs) == 2:
+            return [self._op.int8(x.contiguous(), inputs[1])]
+        return [self._op(x.contiguous())]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
+        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=dtype)]
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import CodegenError
 from ..templates.quant.spec import quantize_rows
+from .ops import KernelModule
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
@@ -52,8 +53,13 @@ def int8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
     return y + bias if bias is not None else y
 
 
-class Int8LinearCPU(torch.nn.Module):
-    """``y = x · (codes · scale)ᵀ + b`` with ``x`` quantised per token (see the module docstring)."""
+class Int8LinearCPU(KernelModule):
+    """``y = x · (codes · scale)ᵀ + b`` with ``x`` quantised per token (see the module docstring): oneDNN's GEMM
+    runs as the op ``sparta::int8_linear_cpu`` (its packed weight is no tensor a trace could hold), the quantiser and
+    the scales around it as torch ops."""
+
+    kernel_family = "int8_linear_cpu"
+    weight_names = ("scale", "zero_points")
 
     def __init__(self, op_name: str, input_name: str, codes: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None, out_shape: tuple[int, ...], code_bits: int):
@@ -76,6 +82,7 @@ class Int8LinearCPU(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
         self.register_buffer("zero_points", torch.zeros(self.n, dtype=torch.long), persistent=False)
         self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
+        self.register_kernel(op_name)
 
     @property
     def packed_bytes(self) -> int:
@@ -84,11 +91,19 @@ class Int8LinearCPU(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(math.prod(x.shape[:-1]), self.k)
         q, s = quantize_rows(x2)
-        u = q.view(torch.uint8).bitwise_xor_(0x80)          # code c as the byte c + 128
-        y = torch.ops.onednn.qlinear_pointwise(u, 1.0, 128, self.packed, self.scale, self.zero_points, None,
-                                               1.0, 0, torch.float32, "none", [], "")
-        y = torch.addcmul(self.bias, y, s[:, None]) if self.bias is not None else y.mul_(s[:, None])
-        return y.reshape(self.out_shape).to(x.dtype)
+        u = q.view(torch.uint8).bitwise_xor(0x80)          # code c as the byte c + 128
+        (y,) = self.call_kernel(u)
+        y = torch.addcmul(self.bias, y, s[:, None]) if self.bias is not None else y * s[:, None]
+        return y.reshape(*x.shape[:-1], self.n).to(x.dtype)
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """oneDNN's GEMM of ``[codes + 128 (M, K) uint8]`` against the packed weight: ``[(M, N) fp32]``, before the
+        per-token scale."""
+        return [torch.ops.onednn.qlinear_pointwise(inputs[0].contiguous(), 1.0, 128, self.packed, self.scale,
+                                                   self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [inputs[0].new_empty(inputs[0].shape[0], self.n, dtype=torch.float32)]
 
     def graph_weight_nk(self) -> torch.Tensor:
         """The (N, K) weight the kernel applies."""

@@ -8,11 +8,11 @@ the same output (the plan's ``reduction="sum"``). Tensors go to TVM zero-copy (D
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import functools
 import importlib.util
-import math
 import os
 import sys
 
@@ -24,6 +24,8 @@ from ..templates.cpu_linear.block import block_linear
 from ..templates.cpu_linear.block_spec import quantize_rows
 from ..templates.cpu_linear.epilogue import ACTIVATIONS, torch_activation
 from ..templates.cpu_linear.fine import fine_linear
+from ..errors import SpartaError
+from .ops import KernelModule
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,8 +56,12 @@ class SubKernel:
         self.fn, self.template, self.spec, self.packed, self.info = fn, template, spec, packed, info
         self.folder = folder
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, xq=None) -> None:
-        args = dict(self.packed)
+    def __deepcopy__(self, memo):      # the compiled function is shared (immutable, and TVM's cannot be copied)
+        return SubKernel(self.fn, self.template, self.spec, copy.deepcopy(self.packed, memo), dict(self.info),
+                         self.folder)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, xq=None, packed=None) -> None:
+        args = dict(self.packed if packed is None else packed)
         if getattr(self.spec, "int8_activations", False):
             args["X"], args["XS"] = xq
         else:
@@ -66,10 +72,13 @@ class SubKernel:
         self.fn(*[args[a] for a in self.template.argument_names(self.spec)])
 
 
-class SparseLinearCPU(torch.nn.Module):
-    """``y = act(x · Wᵀ + b)`` computed by sub-operator kernels over padded (N, K)."""
+class SparseLinearCPU(KernelModule):
+    """``y = act(x · Wᵀ + b)`` computed by sub-operator kernels over padded (N, K): the op ``sparta::linear_cpu``
+    runs the kernels; padding, slicing, a bias the kernels do not add and an activation they do not fuse are torch
+    ops around it."""
 
     native_kernels = True      # a saved one carries compiled libraries: sparta.load rebuilds them unless trusted
+    kernel_family = "linear_cpu"
 
     def __init__(self, op_name: str, input_name: str, subs: list[SubKernel], n: int, k: int, n_pad: int,
                  k_pad: int, out_shape: tuple[int, ...], bias: torch.Tensor | None, fused_activation: str | None,
@@ -86,17 +95,32 @@ class SparseLinearCPU(torch.nn.Module):
                 self.register_buffer(f"sub{i}_{name}", t, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("extra_bias", extra_bias, persistent=False)
+        self.weight_names = ("bias", *(f"sub{i}_{name}" for i, s in enumerate(subs) for name in s.packed))
+        self.register_kernel(op_name)
 
     @property
     def packed_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.subs for t in s.packed.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = math.prod(x.shape[:-1])
-        x2 = x.reshape(m, self.k).to(torch.float32).contiguous()
+        x2 = x.reshape(-1, self.k).to(torch.float32)
         if self.k_pad != self.k:
             x2 = torch.nn.functional.pad(x2, (0, self.k_pad - self.k))
-        y = torch.empty(m, self.n_pad, dtype=torch.float32)
+        (y,) = self.call_kernel(x2.contiguous())
+        out = y[:, : self.n] if self.n_pad != self.n else y
+        if self.extra_bias is not None:
+            out = out + self.extra_bias.reshape(-1, self.n) if self.extra_bias.dim() > 1 else out + self.extra_bias
+        out = torch_activation(self.post_activation, out)
+        return out.reshape(*x.shape[:-1], self.n).to(x.dtype)
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sub-operators' kernels on the padded fp32 ``(M, K_pad)`` input: ``[(M, N_pad) fp32]``."""
+        x2 = inputs[0].contiguous()
+        rows = {s.spec.m for s in self.subs}
+        if rows and rows != {x2.shape[0]}:
+            raise SpartaError(f"op {self.op_name!r}: its kernels were built for {min(rows)} rows, called with "
+                              f"{x2.shape[0]}")
+        y = torch.empty(x2.shape[0], self.n_pad, dtype=torch.float32)
         if not self.subs:
             y.zero_()
             if self.bias is not None:
@@ -106,12 +130,12 @@ class SparseLinearCPU(torch.nn.Module):
             bias = torch.nn.functional.pad(bias, (0, self.n_pad - self.n))
         xq = quantize_rows(x2) if any(getattr(s.spec, "int8_activations", False) for s in self.subs) else None
         for i, sub in enumerate(self.subs):
-            sub(x2, y, bias if i == 0 and sub.spec.bias else None, xq)
-        out = y[:, : self.n] if self.n_pad != self.n else y
-        if self.extra_bias is not None:
-            out = out + self.extra_bias.reshape(-1, self.n) if self.extra_bias.dim() > 1 else out + self.extra_bias
-        out = torch_activation(self.post_activation, out)
-        return out.reshape(self.out_shape).to(x.dtype)
+            packed = {name: getattr(self, f"sub{i}_{name}") for name in sub.packed}
+            sub(x2, y, bias if i == 0 and sub.spec.bias else None, xq, packed)
+        return [y]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [inputs[0].new_empty(inputs[0].shape[0], self.n_pad)]
 
     # ---- saved models (sparta.saved): the specs travel with the libraries ------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict]:

@@ -18,6 +18,7 @@ import torch
 
 from ..templates.layernorm.spec import LayerNormSpec
 from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, check_saved_spec
+from .ops import KernelModule
 
 QUANT_SUFFIXES = (":int8", ":scale")
 
@@ -70,10 +71,14 @@ class LayerNormOp:
         return vals[0] if len(vals) == 1 else vals
 
 
-class LayerNormCUDA(torch.nn.Module):
-    """A ``layer_norm`` op run by sparta's kernel; ``output_names`` are the graph tensors it returns, in
-    order: its output (if anything but the W8A8 linears reads it) and/or ``quantized_names(output)``.
-    With ``residual_name`` (``spec.residual``) it normalises ``x + residual``: the add that fed it, fused."""
+class LayerNormCUDA(KernelModule):
+    """A ``layer_norm`` op run by sparta's kernel (the op ``sparta::layer_norm_cuda``); ``output_names`` are the
+    graph tensors it returns, in order: its output (if anything but the W8A8 linears reads it) and/or
+    ``quantized_names(output)``. With ``residual_name`` (``spec.residual``) it normalises ``x + residual``: the add
+    that fed it, fused."""
+
+    kernel_family = "layer_norm_cuda"
+    weight_names = ("weight", "bias")
 
     def __init__(self, op_name: str, x_name: str, output_names: list[str], folder, spec: LayerNormSpec,
                  weight: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple,
@@ -93,20 +98,33 @@ class LayerNormCUDA(torch.nn.Module):
         self.register_buffer("weight", None if weight is None else weight.detach().half())
         self.register_buffer("bias", None if bias is None else bias.detach().half())
         self._op = None
+        self.register_kernel(op_name)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if not x.is_cuda:
+        n = self.spec.n
+        inputs = [x.reshape(-1, n).to(torch.float16).contiguous()]
+        if residual is not None:
+            inputs.append(residual.reshape(-1, n).to(torch.float16).contiguous())
+        outs = self.call_kernel(*inputs)
+        if self.spec.out != "int8":
+            outs = [outs[0].reshape(x.shape).to(x.dtype), *outs[1:]]
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The kernel on ``[x (M, N) fp16]`` (and the residual): what its spec emits, of ``y``, codes, scales."""
+        if not inputs[0].is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
         if self._op is None or (self.weight is not None and self._op.weight.data_ptr() != self.weight.data_ptr()):
             self._op = LayerNormOp(self.folder, self.spec, self.weight, self.bias)
-        rows = (self.spec.m, self.spec.n)
-        outs = self._op(x.reshape(rows).to(torch.float16).contiguous(),
-                        None if residual is None else residual.reshape(rows).to(torch.float16).contiguous())
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        if self.spec.out != "int8":
-            outs = (outs[0].reshape(self.out_shape).to(x.dtype), *outs[1:])
-        return outs if len(outs) > 1 else outs[0]
+        outs = self._op(*(t.contiguous() for t in inputs))
+        return list(outs) if isinstance(outs, tuple) else [outs]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        x, out = inputs[0], self.spec.out
+        return ([x.new_empty(x.shape)] if out != "int8" else []) + \
+            ([x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[0], dtype=torch.float32)]
+             if out != "fp16" else [])
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)

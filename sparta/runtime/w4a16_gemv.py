@@ -15,10 +15,15 @@ import torch
 
 from ..templates.w4a16_gemv.spec import W4A16Spec, dequantize, pack_codes, split_buffers
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
+from .ops import KernelModule
 
 
-class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
-    """One graph op run by the W4A16 GEMV: ``y = x · dequant(W)ᵀ (+ b)`` for the op's ``(M, K)`` input."""
+class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
+    """One graph op run by the W4A16 GEMV: ``y = x · dequant(W)ᵀ (+ b)`` for the op's ``(M, K)`` input, as the op
+    ``sparta::gemv_w4a16_cuda`` (its split-K workspace stays inside the op)."""
+
+    kernel_family = "gemv_w4a16_cuda"
+    weight_names = ("wq", "scale", "zero", "bias")
 
     def __init__(self, op_name: str, x_name: str, folder, spec: W4A16Spec, wq: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple):
@@ -39,6 +44,7 @@ class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False
         self._kernel, self._prepared, self._prepared_for = None, None, None
+        self.register_kernel(op_name)
 
     @classmethod
     def from_codes(cls, op_name: str, x_name: str, folder, spec: W4A16Spec, codes: torch.Tensor, scale: torch.Tensor,
@@ -48,13 +54,17 @@ class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
         return cls(op_name, x_name, folder, spec, wq, s, z, bias, out_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda or not self.wq.is_cuda:
+        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(torch.float16).contiguous())
+        return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The GEMV on ``[x (M, K) fp16]``: ``[(M, N) fp16]``."""
+        xh, s = inputs[0].contiguous(), self.spec
+        if not xh.is_cuda or not self.wq.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
-        s = self.spec
-        xh = x.reshape(s.m, s.k).to(torch.float16).contiguous()
         check_fp16_input(s.name, xh, s.m, s.k)
-        y = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device)
+        y = torch.empty(s.m, s.n, dtype=torch.float16, device=xh.device)
         args = dict(X=xh, Wq=self.wq, S=self.scale, Y=y, **({} if s.sym else {"Z": self.zero}),
                     **({"B": self.bias} if s.bias else {}),
                     **({"P": self.split_P, "C": self.split_C} if s.ksplit > 1 else {}))
@@ -63,7 +73,10 @@ class W4A16GemvCUDA(GraphWeightLayout, torch.nn.Module):
             self._prepared, self._prepared_for = self._kernel.prepare(**args), self.wq.data_ptr()
         else:
             self._prepared.launch(X=xh, Y=y)
-        return y.reshape(self.out_shape).to(x.dtype)
+        return [y]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n)]
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""

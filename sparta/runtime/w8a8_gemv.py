@@ -19,6 +19,7 @@ from ..templates.epilogue_ref import out_scale_arg
 from ..templates.quant.spec import quantize_rows
 from ..templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, unpack_weight
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
+from .ops import KernelModule
 from .quant import QuantizedInput, RequantizedOutput, RowQuantizer
 
 
@@ -72,12 +73,15 @@ class W8A8GemvOp:
         return y
 
 
-class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.nn.Module):
+class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, KernelModule):
     """One graph op run by the W8A8 GEMV: ``y = act(q(x) · Ŵᵀ + b)`` for the op's ``(M, K)`` input, ``q`` the
     per-token int8 quantisation (the kernel in ``quant_folder``, torch ops without one, or none when the input
-    arrives quantised), ``Ŵ`` int8 codes per channel (``wq``, in the kernel's layout) times ``weight_scale``."""
+    arrives quantised), ``Ŵ`` int8 codes per channel (``wq``, in the kernel's layout) times ``weight_scale``; the
+    quantiser and the GEMV run as the op ``sparta::gemv_w8a8_cuda``."""
 
     reads_int8 = True
+    kernel_family = "gemv_w8a8_cuda"
+    weight_names = ("wq", "weight_scale", "bias", "table")
 
     def __init__(self, op_name: str, x_name: str, folder, spec: W8A8GemvSpec, wq: torch.Tensor,
                  weight_scale: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple, quant_folder=None,
@@ -97,6 +101,7 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
         self.out_dtype = None
         self.output_names, self.out_scale = None, None     # set by requantize_output
         self._op, self._quantizer = None, None
+        self.register_kernel(op_name)
 
     def requantize_output(self, names: list[str], scale: float, kernel: tuple | None = None) -> None:
         """Return the int8 codes of the output at the static ``scale`` and that scale per row, as the graph tensors
@@ -124,24 +129,37 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, torch.n
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         if (x_scale is not None) != (self.out_dtype is not None):
             raise CudaRuntimeError(f"op {self.op_name!r} takes {'(codes, scales)' if self.out_dtype else 'one input'}")
+        s = self.spec
+        if x_scale is not None:
+            (y,) = self.call_kernel(x.reshape(-1, s.k), x_scale.reshape(-1))
+        else:
+            (y,) = self.call_kernel(x.reshape(-1, s.k).to(torch.float16).contiguous())
+        y = y.reshape(*x.shape[:-1], s.n)
+        if self.out_scale is not None:
+            return y, self.code_scale
+        return y.to(self.out_dtype or x.dtype)
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The GEMV on ``[x (M, K) fp16]`` (quantised here) or ``[codes (M, K) int8, scales (M,)]``."""
+        x, s = inputs[0], self.spec
         if not x.is_cuda or not self.wq.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
-        s = self.spec
         if self._op is None or self._op.wq.data_ptr() != self.wq.data_ptr():
             self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias, self.out_scale, self.table)
-        if x_scale is not None:
-            xq, xs = x.reshape(s.m, s.k), x_scale.reshape(s.m)
+        if len(inputs) == 2:
+            xq, xs = x.contiguous(), inputs[1]
         else:
-            xh = x.reshape(s.m, s.k).to(torch.float16).contiguous()
+            xh = x.contiguous()
             check_fp16_input(s.name, xh, s.m, s.k)
             if self.quant_folder and self._quantizer is None:
                 self._quantizer = RowQuantizer(self.quant_folder)
             xq, xs = (self._quantizer or quantize_rows)(xh)
-        y = self._op(xq, xs).reshape(self.out_shape)
-        if self.out_scale is not None:
-            return y, self.code_scale
-        return y.to(self.out_dtype or x.dtype)
+        return [self._op(xq, xs)]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
+        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=dtype)]
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""

@@ -68,6 +68,24 @@ def test_block_costs_through_two_row_counts_and_the_json_round_trip():
     assert prof.dense_us(1, 64, 96, 4, 32) == pytest.approx(20.0 + 6 * 2000.0 / 1e3)
 
 
+def test_block_costs_grow_with_k_between_the_two_measured_widths():
+    """A block's per-row cost is the profile's at its K, the wide-K figure from ``wide_k`` on, linear between;
+    a wide-K figure below the base one (noise) does not make wide ops cheaper; the JSON keeps both."""
+    from sparta.passes.transform import HardwareProfile
+    data = load_profile("cpu").to_json()
+    data.update(rows=0, stream_weights=False, k=768, wide_k=4096)
+    fp32 = next(k for k in data["kernels"] if (k["weight_bits"], k["act_bits"]) == (32, 32))
+    fp32.update(blocks={"32x32": 10.0, "64x64": 40.0}, blocks_wide_k={"32x32": 15.0, "64x64": 30.0})
+    fp32.pop("blocks_one_row", None)
+    prof = HardwareProfile.from_json(data)
+    assert HardwareProfile.from_json(prof.to_json()) == prof
+    at = {k: prof.block_us(100, (32, 32), 64, 32, 32, k) for k in (0, 512, 768, 2432, 4096, 8192)}
+    assert at[0] == at[512] == at[768] == pytest.approx(100 * 64 * 10.0 / 1e3)
+    assert at[2432] == pytest.approx(100 * 64 * 12.5 / 1e3)
+    assert at[4096] == at[8192] == pytest.approx(100 * 64 * 15.0 / 1e3)
+    assert prof.block_us(10, (64, 64), 64, 32, 32, 4096) == prof.block_us(10, (64, 64), 64, 32, 32, 768)
+
+
 # ---- bit rounding --------------------------------------------------------------------------
 
 

@@ -1,0 +1,110 @@
+"""sparta's kernels as ``torch.library`` custom ops: what torch.compile, torch.export and CUDA graphs see.
+
+Each kernel family is one op ``sparta::<family>(str kernel, Tensor[] inputs, Tensor[] weights) -> Tensor[]``:
+
+* ``kernel`` names the kernel module that runs it (its specialised kernels: sparsity, bits, block lists), a static
+  argument that Dynamo treats as a constant;
+* ``inputs`` are the activations, already in the layout and dtype the kernel reads (a module's ``forward`` does the
+  reshapes and casts around the op with torch ops, which Inductor fuses into their neighbours);
+* ``weights`` are the module's packed weights, scales and bias, so tracing sees every tensor the kernel reads.
+
+The fake implementation asks the module for its outputs' shapes and dtypes, as functions of the inputs' shapes (the
+rows stay symbolic). Outputs are fresh tensors; the ops mutate nothing that a caller can see.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from ..errors import SpartaError
+
+FAMILIES = ("linear_cpu", "int8_linear_cpu", "linear_cuda", "gemv_w8a8_cuda", "gemv_w4a16_cuda", "layer_norm_cuda")
+
+_modules: weakref.WeakValueDictionary[str, KernelModule] = weakref.WeakValueDictionary()
+_serial = itertools.count()
+
+
+def kernel_module(key: str) -> KernelModule:
+    """The live kernel module a ``sparta::`` op call names."""
+    module = _modules.get(key)
+    if module is None:
+        raise SpartaError(f"no live sparta kernel module {key!r}: the compiled model that owned it was freed "
+                          "(keep it alive while a traced or exported graph of it runs)")
+    return module
+
+
+class KernelModule(torch.nn.Module):
+    """Base of sparta's kernel modules: ``call_kernel(*inputs)`` runs the module's ``sparta::<kernel_family>`` op.
+
+    A subclass sets ``kernel_family`` and ``weight_names`` (its buffers the kernel reads, ``None`` ones skipped) and
+    implements ``launch(inputs, weights)`` (the real kernel call, outside tracing) and ``fake(inputs)`` (empty
+    outputs of the right shapes and dtypes)."""
+
+    kernel_family: str = ""
+    weight_names: tuple[str, ...] = ()
+
+    def __init__(self):
+        super().__init__()
+        self.kernel_key = ""
+
+    def register_kernel(self, name: str) -> None:
+        """Give this module the key its op calls carry (unique per module in this process)."""
+        self.kernel_key = f"{name}#{next(_serial)}"
+        _modules[self.kernel_key] = self
+
+    def __deepcopy__(self, memo):
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for k, v in self.__dict__.items():
+            object.__setattr__(clone, k, _deepcopy(v, memo))
+        clone.register_kernel(self.kernel_key.split("#")[0])
+        return clone
+
+    def kernel_weights(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, n) for n in self.weight_names) if t is not None]
+
+    def bind_weights(self, weights: list[torch.Tensor]) -> None:
+        """Use the weight tensors an op call passed (the module's own unless a trace or export copied them)."""
+        present = [n for n in self.weight_names if getattr(self, n) is not None]
+        if len(present) != len(weights):
+            raise SpartaError(f"sparta kernel {self.kernel_key!r}: {len(weights)} weight tensors, wants {len(present)}")
+        for name, t in zip(present, weights):
+            if getattr(self, name) is not t:
+                setattr(self, name, t)
+
+    def call_kernel(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        op = getattr(torch.ops.sparta, self.kernel_family)
+        return op(self.kernel_key, list(inputs), self.kernel_weights())
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+def _deepcopy(value, memo):
+    import copy
+    return copy.deepcopy(value, memo)
+
+
+def _define(family: str) -> None:
+    @torch.library.custom_op(f"sparta::{family}", mutates_args=())
+    def op(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        module = kernel_module(kernel)
+        module.bind_weights(weights)
+        return module.launch(inputs, weights)
+
+    @op.register_fake
+    def _(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        return kernel_module(kernel).fake(inputs)
+
+
+for _family in FAMILIES:
+    _define(_family)
+
+
+__all__ = ["FAMILIES", "KernelModule", "kernel_module"]
