@@ -23,6 +23,7 @@ from ..templates.bsr_linear.int4_records import expand_groups, pack_w4, quantize
 from ..templates.bsr_linear.packing import block_mask_of, pack_weight, unpack_weight
 from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.epilogue_ref import out_scale_arg
+from .quant import output_scale_arg
 from ..templates.quant.spec import quantize_rows
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec, device_arch
 from .ops import KernelModule
@@ -102,7 +103,7 @@ class BsrLinearOp:
         self.wp, self.table = (wp if int8 or w4 else wp.half()).contiguous(), table.to(dev).contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
         self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
-        self.out_scale = None if out_scale is None else out_scale_arg(out_scale).to(dev)
+        self.out_scale = None if out_scale is None else output_scale_arg(out_scale, dev)
         self._prepared = None
         nnz = self.table.numel() - self.spec.table_head
         self.density = nnz / max(self.spec.row_blocks * self.spec.k_blocks, 1)
@@ -273,8 +274,8 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, Ker
             if not self.wp.is_cuda:
                 raise CudaRuntimeError(f"op {self.op_name!r}: its weights are on the CPU; call compiled.to('cuda')")
             folder, spec = self.kernel_for(x.device)
-            self._op = BsrLinearOp.packed(folder, spec, self.wp, self.table,
-                                          self.bias if self.spec.bias else None, self.weight_scale, self.out_scale)
+            self._op = BsrLinearOp.packed(folder, spec, self.wp, self.table, self.bias, self.weight_scale,
+                                          self.out_scale_os if self.out_scale is not None else None)
             if self.quant_folder:
                 self._op.quantizer = RowQuantizer(self.quant_folder)
         if len(inputs) == 2:

@@ -211,7 +211,7 @@ class PreparedLaunch:
         names = [a["name"] for a in kernel.launch["args"]]
         self.index = {n: i for i, n in enumerate(names)}
         self.meta = {n: (t.shape, t.dtype) for n, t in zip(names, tensors)}
-        self.keep = tensors                                  # keeps the tensors alive
+        self.keep = tensors     # keeps the fixed tensors (weights, tables) alive; per-call ones go at the next launch
         self.device = tensors[0].device.index
         self.values = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
         self.params = (ctypes.c_void_p * len(names))(*[ctypes.addressof(v) for v in self.values])
@@ -244,7 +244,7 @@ class PreparedLaunch:
                     or not t.is_contiguous():
                 raise CudaRuntimeError(f"kernel {self.kernel.name!r}: argument {name} must be a contiguous "
                                        f"{dtype} CUDA tensor of shape {list(shape)} on cuda:{self.device}")
-            self.keep[i] = t
+            self.keep[i] = None     # a per-call tensor: the caller holds it while the launch is queued
             self.values[i].value = t.data_ptr()
         stream = self.driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         if self.config is not None:

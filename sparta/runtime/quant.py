@@ -17,6 +17,16 @@ from ..templates.epilogue_ref import out_scale_arg
 from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
 
 
+def output_scale_arg(out_scale, device) -> torch.Tensor:
+    """The ``OS`` argument of an ``out="int8"`` kernel on ``device``, from the scale or from that argument already
+    made (a module's buffer: nothing is allocated while a CUDA graph is recorded)."""
+    if isinstance(out_scale, torch.Tensor):
+        if out_scale.shape != (2,) or out_scale.dtype != torch.float32:
+            raise CudaRuntimeError("an out='int8' kernel's OS argument is fp32 [scale, 1 / scale]")
+        return out_scale.to(device)
+    return out_scale_arg(out_scale).to(device)
+
+
 class RowQuantizer:
     """sparta's per-row int8 quantisation kernel (``templates/quant/``): ``q(x) -> (xq, xs)``,
     bit for bit ``quant.spec.quantize_rows``, one pass over ``x``."""
@@ -80,6 +90,7 @@ class RequantizedOutput:
         out_scale_arg(scale)                             # refuses a scale that is not positive and finite
         self.output_names, self.out_scale, self._op = list(names), float(scale), None
         self.register_buffer("code_scale", torch.full((rows,), float(scale), dtype=torch.float32, device=device))
+        self.register_buffer("out_scale_os", out_scale_arg(scale).to(device), persistent=False)
 
     def output_config(self) -> dict:
         """What a save records of the output side (restored by :meth:`restore_output`)."""

@@ -20,7 +20,7 @@ from ..templates.quant.spec import quantize_rows
 from ..templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, unpack_weight
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
 from .ops import KernelModule
-from .quant import QuantizedInput, RequantizedOutput, RowQuantizer
+from .quant import QuantizedInput, RequantizedOutput, RowQuantizer, output_scale_arg
 
 
 def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
@@ -52,7 +52,7 @@ class W8A8GemvOp:
         self.wq = wq.contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev)
         self.bias = bias.half().contiguous().to(dev) if spec.bias else None
-        self.out_scale = None if out_scale is None else out_scale_arg(out_scale).to(dev)
+        self.out_scale = None if out_scale is None else output_scale_arg(out_scale, dev)
         self.table = None if table is None else table.contiguous().to(dev)
         self._prepared = None
 
@@ -146,7 +146,8 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, KernelM
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
         if self._op is None or self._op.wq.data_ptr() != self.wq.data_ptr():
-            self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias, self.out_scale, self.table)
+            self._op = W8A8GemvOp(self.folder, s, self.wq, self.weight_scale, self.bias,
+                                  self.out_scale_os if self.out_scale is not None else None, self.table)
         if len(inputs) == 2:
             xq, xs = x.contiguous(), inputs[1]
         else:
