@@ -66,6 +66,15 @@ def breakdown(peers: dict, reps: int = 3) -> dict:
     return out
 
 
+def first_tensor(out) -> torch.Tensor:
+    """The first output (the last hidden state) of a model's tuple, dict or Hugging Face output."""
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    if isinstance(out, dict):
+        return next(iter(out.values()))
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
 def compile_peers(model, dense, hf, inputs) -> dict:
     """Each model through torch.compile (``default``, ``reduce-overhead``), timed per forward by the host clock, and
     its output's largest difference from the same model uncompiled."""
@@ -76,7 +85,7 @@ def compile_peers(model, dense, hf, inputs) -> dict:
             return fn(input_ids=inputs[0]) if name == "hf_bert_fp16" else fn(*inputs)
         with torch.no_grad():
             want = call(m)
-            want = want[0] if isinstance(want, (tuple, list)) else getattr(want, "last_hidden_state", want)
+            want = first_tensor(want)
             for mode in ("default", "reduce-overhead"):
                 torch._dynamo.reset()
                 fn = torch.compile(m, mode=mode, fullgraph=name != "hf_bert_fp16")
@@ -85,7 +94,7 @@ def compile_peers(model, dense, hf, inputs) -> dict:
                     got = call(fn)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t0
-                got = got[0] if isinstance(got, (tuple, list)) else getattr(got, "last_hidden_state", got)
+                got = first_tensor(got)
                 diff = float((got.float() - want.float()).abs().max())
                 out[f"{name}@{mode}"] = {"wall_us": gpu_wall_us(lambda i: call(fn), 1, 50), "compile_s": compile_s,
                                          "max_abs_diff": diff}
