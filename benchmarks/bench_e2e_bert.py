@@ -110,7 +110,7 @@ def main():
 
     tvm_present = importlib.util.find_spec("tvm") is not None
     t0 = time.perf_counter()
-    model = sparta.load(args.path)
+    model = sparta.load(args.path, inductor=False)     # the kernels as launched from Python; torch.compile below
     load_s = time.perf_counter() - t0
     model = model.to("cuda")
     t0 = time.perf_counter()

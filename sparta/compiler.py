@@ -64,7 +64,7 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
-            quant_tolerance=None, dismantle: str | None = None, profile=None) -> CompiledModel:
+            quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -79,6 +79,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     one op may add; or a ``sparta.passes.QuantConfig``, or a dict of its options) lowers each
     weight's bits as far as calibration allows (``sparta.passes.calibrate``); the chosen bits
     select the int8/int4 kernels. The report is ``compiled.quantization``.
+    ``inductor`` is the third stage: the ``torch.compile`` mode the model's calls run under (Inductor fuses the torch
+    ops around sparta's kernel ops), ``False`` for none; default: ``"reduce-overhead"`` (CUDA graphs) on CUDA, none on
+    the CPU. See :attr:`CompiledModel.inductor`.
     """
     from .frontend import capture
 
@@ -90,6 +93,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         if not isinstance(value, bool):
             raise SpartaError(f"{flag} must be True or False, got {value!r}")
     quantize = _quantizer(calibration, quant_tolerance, target)
+    inductor = inductor_mode(inductor, target)
     timings = {}
     t0 = time.perf_counter()
     graph = capture(model, example_inputs, example_kwargs, parameters=parameters)
@@ -121,22 +125,41 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         replacements, kernels = specialize_cuda(graph, plan, chosen)
         timings["codegen"] = time.perf_counter() - t0
     compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
-                             kernels=kernels, source=source)
+                             kernels=kernels, source=source, inductor=inductor)
     if verify:
         compiled.verify()
     return compiled
 
 
-def load(path, trust_kernels: bool = False) -> CompiledModel:
+def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     """Load a model written by ``compiled.save(path)``; CUDA models need no TVM.
 
     A CPU model's kernels are rebuilt from their saved specs (TVM needed; a kernel this machine
     built before comes from the kernel cache). ``trust_kernels=True`` loads the compiled
     libraries in the folder instead: native code that runs in this process, so only for folders
-    you trust as you would a Python package.
+    you trust as you would a Python package. ``inductor`` as for :func:`compile`.
     """
     from .saved import read
-    return read(path, CompiledModel, trust_kernels)
+    compiled = read(path, CompiledModel, trust_kernels)
+    compiled.inductor = inductor
+    return compiled
+
+
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def inductor_mode(inductor, target: str) -> str | None:
+    """The torch.compile mode a model of ``target`` runs under for the ``inductor`` option (None: none)."""
+    if inductor is None:
+        return "reduce-overhead" if target == "cuda" else None
+    if inductor is False:
+        return None
+    if inductor is True:
+        return "default"
+    if inductor not in INDUCTOR_MODES:
+        raise SpartaError(f"inductor must be None, False, True or a torch.compile mode {INDUCTOR_MODES}, "
+                          f"got {inductor!r}")
+    return inductor
 
 
 def _quantizer(calibration, quant_tolerance, target: str):
@@ -226,7 +249,7 @@ class CompiledModel(torch.nn.Module):
     """A model compiled by sparta: call it like the original module."""
 
     def __init__(self, graph: Graph, *, target: str = "cpu", plan=None, replacements=None, timings=None,
-                 kernels=None, source: Graph | None = None):
+                 kernels=None, source: Graph | None = None, inductor: str | None = None):
         super().__init__()
         from .backend.fx import to_graph_module
 
@@ -248,6 +271,26 @@ class CompiledModel(torch.nn.Module):
         self._reference = None
         self._source_reference = None
         self._propagated_module = None
+        self._inductor, self._inductor_fn = (None if inductor is None else inductor_mode(inductor, target)), None
+
+    @property
+    def inductor(self) -> str | None:
+        """The torch.compile mode calls run under once the model is on its target's device (None: the fx module
+        runs as it is). Under ``"reduce-overhead"`` a call replays a CUDA graph: its outputs are overwritten by the
+        next call (clone what you keep), as with any ``torch.compile`` model in that mode. Settable."""
+        return self._inductor
+
+    @inductor.setter
+    def inductor(self, mode) -> None:
+        self._inductor, self._inductor_fn = inductor_mode(mode, self.target), None
+
+    def _run(self, flat):
+        """The fx module on the graph's flat inputs, through torch.compile where ``inductor`` says."""
+        if self._inductor is None or self.device.type != ("cuda" if self.target == "cuda" else "cpu"):
+            return self.module(*flat)
+        if self._inductor_fn is None:
+            self._inductor_fn = torch.compile(self.module, mode=self._inductor, fullgraph=True)
+        return self._inductor_fn(*flat)
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():   # Dynamo guards the shapes itself: take the inputs as they come
@@ -255,9 +298,9 @@ class CompiledModel(torch.nn.Module):
             spec = self.graph.meta.get("input_leaves")
             flat = ([x for x, name in zip(leaves, spec) if name is not None] if spec is not None
                     and len(leaves) == len(spec) else [x for x in leaves if isinstance(x, torch.Tensor)])
+            outs = self.module(*flat)
         else:
-            flat = self.graph.flat_inputs(args, kwargs)
-        outs = self.module(*flat)
+            outs = self._run(self.graph.flat_inputs(args, kwargs))
         out_spec = self.graph.meta.get("out_spec")
         return pytree.tree_unflatten(list(outs), out_spec) if out_spec is not None else outs
 
@@ -324,7 +367,8 @@ class CompiledModel(torch.nn.Module):
         for trial in range(trials):
             inputs = [x.to(device) for x in random_inputs(self.graph, seed + 1 + trial)]
             with torch.no_grad():
-                got, ref = self.module(*inputs), reference(*inputs)
+                got = [t.clone() for t in self._run(inputs)]
+                ref = reference(*inputs)
                 pairs = [("kernels", got, ref)]
                 if source is not None:
                     pairs.insert(0, ("propagation", propagated(*inputs), source(*inputs)))

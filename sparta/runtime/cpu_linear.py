@@ -60,8 +60,8 @@ class SubKernel:
         return SubKernel(self.fn, self.template, self.spec, copy.deepcopy(self.packed, memo), dict(self.info),
                          self.folder)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, xq=None, packed=None) -> None:
-        args = dict(self.packed if packed is None else packed)
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, xq=None) -> None:
+        args = dict(self.packed)
         if getattr(self.spec, "int8_activations", False):
             args["X"], args["XS"] = xq
         else:
@@ -96,6 +96,11 @@ class SparseLinearCPU(KernelModule):
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("extra_bias", extra_bias, persistent=False)
         self.weight_names = ("bias", *(f"sub{i}_{name}" for i, s in enumerate(subs) for name in s.packed))
+        rows = {s.spec.m for s in subs}
+        if len(rows) > 1:
+            raise SpartaError(f"op {op_name!r}: sub-kernels built for different rows {sorted(rows)}")
+        self.rows = rows.pop() if rows else 0
+        self.int8_activations = any(getattr(s.spec, "int8_activations", False) for s in subs)
         self.register_kernel(op_name)
 
     @property
@@ -103,35 +108,52 @@ class SparseLinearCPU(KernelModule):
         return sum(t.numel() * t.element_size() for s in self.subs for t in s.packed.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.k).to(torch.float32)
+        x2 = x.reshape(-1, self.k)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
         if self.k_pad != self.k:
             x2 = torch.nn.functional.pad(x2, (0, self.k_pad - self.k))
         (y,) = self.call_kernel(x2.contiguous())
         out = y[:, : self.n] if self.n_pad != self.n else y
         if self.extra_bias is not None:
             out = out + self.extra_bias.reshape(-1, self.n) if self.extra_bias.dim() > 1 else out + self.extra_bias
-        out = torch_activation(self.post_activation, out)
-        return out.reshape(*x.shape[:-1], self.n).to(x.dtype)
+        if self.post_activation is not None:
+            out = torch_activation(self.post_activation, out)
+        out = out.reshape(*x.shape[:-1], self.n)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._refresh_packed()
+        return self
+
+    def bind_weights(self, weights: list[torch.Tensor]) -> None:
+        super().bind_weights(weights)
+        self._refresh_packed()
+
+    def _refresh_packed(self) -> None:
+        """The sub-kernels read the module's buffers (after ``.to()`` or an op call that passed others)."""
+        for i, sub in enumerate(self.subs):
+            for name in sub.packed:
+                sub.packed[name] = self._buffers[f"sub{i}_{name}"]
+
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """The sub-operators' kernels on the padded fp32 ``(M, K_pad)`` input: ``[(M, N_pad) fp32]``."""
         x2 = inputs[0].contiguous()
-        rows = {s.spec.m for s in self.subs}
-        if rows and rows != {x2.shape[0]}:
-            raise SpartaError(f"op {self.op_name!r}: its kernels were built for {min(rows)} rows, called with "
+        if self.subs and x2.shape[0] != self.rows:
+            raise SpartaError(f"op {self.op_name!r}: its kernels were built for {self.rows} rows, called with "
                               f"{x2.shape[0]}")
         y = torch.empty(x2.shape[0], self.n_pad, dtype=torch.float32)
+        bias = self.bias
         if not self.subs:
             y.zero_()
-            if self.bias is not None:
-                y[:, : self.n] += self.bias
-        bias = self.bias
+            if bias is not None:
+                y[:, : self.n] += bias
         if bias is not None and self.n_pad != self.n:
             bias = torch.nn.functional.pad(bias, (0, self.n_pad - self.n))
-        xq = quantize_rows(x2) if any(getattr(s.spec, "int8_activations", False) for s in self.subs) else None
+        xq = quantize_rows(x2) if self.int8_activations else None
         for i, sub in enumerate(self.subs):
-            packed = {name: getattr(self, f"sub{i}_{name}") for name in sub.packed}
-            sub(x2, y, bias if i == 0 and sub.spec.bias else None, xq, packed)
+            sub(x2, y, bias if i == 0 and sub.spec.bias else None, xq)
         return [y]
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ import itertools
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from ..errors import SpartaError
 
@@ -64,22 +65,30 @@ class KernelModule(torch.nn.Module):
         return clone
 
     def kernel_weights(self) -> list[torch.Tensor]:
-        return [t for t in (getattr(self, n) for n in self.weight_names) if t is not None]
+        return [t for t in (self._buffers.get(n) for n in self.weight_names) if t is not None]
 
     def bind_weights(self, weights: list[torch.Tensor]) -> None:
         """Use the weight tensors an op call passed (the module's own unless a trace or export copied them)."""
-        present = [n for n in self.weight_names if getattr(self, n) is not None]
+        present = [n for n in self.weight_names if self._buffers.get(n) is not None]
         if len(present) != len(weights):
             raise SpartaError(f"sparta kernel {self.kernel_key!r}: {len(weights)} weight tensors, wants {len(present)}")
         for name, t in zip(present, weights):
-            if getattr(self, name) is not t:
-                setattr(self, name, t)
+            if self._buffers[name] is not t:
+                self._buffers[name] = t
 
     def call_kernel(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        """Run the module's op on ``inputs``. Outside any trace (plain tensors, no Dynamo, no dispatch mode) the
+        op's implementation is called directly: the dispatcher's round trip is host time an eager call would pay
+        for nothing (~20 µs a call)."""
+        if not torch.compiler.is_compiling() and _current_dispatch_mode() is None \
+                and all(type(t) is torch.Tensor for t in inputs):
+            return self.launch(list(inputs), None)
         op = getattr(torch.ops.sparta, self.kernel_family)
         return op(self.kernel_key, list(inputs), self.kernel_weights())
 
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The kernel on real tensors (``weights``: what the op call passed, already bound; None on a direct
+        call)."""
         raise NotImplementedError
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -91,20 +100,24 @@ def _deepcopy(value, memo):
     return copy.deepcopy(value, memo)
 
 
-def _define(family: str) -> None:
-    @torch.library.custom_op(f"sparta::{family}", mutates_args=())
-    def op(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        module = kernel_module(kernel)
-        module.bind_weights(weights)
-        return module.launch(inputs, weights)
-
-    @op.register_fake
-    def _(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        return kernel_module(kernel).fake(inputs)
+def _launch(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    module = kernel_module(kernel)
+    module.bind_weights(weights)
+    return module.launch(inputs, weights)
 
 
+def _fake(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return kernel_module(kernel).fake(inputs)
+
+
+# Defined through torch.library.Library rather than @custom_op: the dispatcher calls ``_launch`` directly, without
+# custom_op's Python autograd wrapper and Dynamo guard around every call (measured: ~100 µs per call on BERT-base,
+# doubling an eager forward); the kernels take no gradient.
+_LIB = torch.library.Library("sparta", "DEF")
 for _family in FAMILIES:
-    _define(_family)
+    _LIB.define(f"{_family}(str kernel, Tensor[] inputs, Tensor[] weights) -> Tensor[]")
+    _LIB.impl(_family, _launch, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"sparta::{_family}", _fake, lib=_LIB)
 
 
 __all__ = ["FAMILIES", "KernelModule", "kernel_module"]

@@ -128,3 +128,26 @@ def test_a_cuda_model_propagates_fake_cuda_tensors():
         (out,) = torch.func.functional_call(compiled.module, state, (torch.empty(3, 333, 1024, device="cuda"),))
         assert out.device.type == "cuda" and out.shape == (3, 333, 1024) and out.dtype == torch.float32
     assert kernel_module(kernel_modules(compiled)[0].kernel_key) is kernel_modules(compiled)[0]
+
+
+def test_calls_run_through_inductor_where_asked(sparse_cpu):
+    """``inductor`` picks the torch.compile mode a model's calls run under: none on the CPU by default, any mode on
+    request (same outputs), refused when unknown; a model compiled for CUDA defaults to CUDA graphs."""
+    compiled, x = sparse_cpu
+    assert compiled.inductor is None
+    with torch.no_grad():
+        want = compiled(x)
+        try:
+            compiled.inductor = True
+            assert compiled.inductor == "default"
+            torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
+            assert compiled._inductor_fn is not None
+        finally:
+            compiled.inductor = False
+    assert compiled.inductor is None and compiled._inductor_fn is None
+    with pytest.raises(sparta.SpartaError, match="inductor must be"):
+        compiled.inductor = "fastest"
+    with pytest.raises(sparta.SpartaError, match="inductor must be"):
+        sparta.compile(MLP().eval(), {}, (x,), inductor="fastest")
+    cuda = sparta.compile(torch.nn.Linear(64, 64).eval(), {}, (torch.randn(8, 64),), target="cuda")
+    assert cuda.inductor == "reduce-overhead"

@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
               pytest.mark.skipif(not SAVED, reason=f"no saved models in {ROOT}")]
 
 
-def load(name):
+def load(name, inductor=False):
     import sparta
-    return sparta.load(ROOT / name).to("cuda")
+    return sparta.load(ROOT / name, inductor=inductor).to("cuda")
 
 
 def inputs_of(model, seed):
@@ -60,3 +60,21 @@ def test_torch_compile_matches_eager(name, mode):
             for w, g in zip(want, got):
                 scale = float(w.float().abs().max()) or 1.0
                 torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_a_loaded_model_runs_under_cuda_graphs_by_default(name):
+    """``sparta.load`` of a CUDA model runs its calls through torch.compile with CUDA graphs (the third stage):
+    same outputs as the fx module run eagerly, call after call, and it verifies that way."""
+    torch._dynamo.reset()
+    model, eager = load(name, inductor=None), load(name)
+    assert model.inductor == "reduce-overhead" and eager.inductor is None
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            xs = inputs_of(model, seed)
+            want, got = eager(*xs), model(*xs)
+            want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+            for w, g in zip(want, got):
+                scale = float(w.float().abs().max()) or 1.0
+                torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * scale)
+    model.verify(trials=2)

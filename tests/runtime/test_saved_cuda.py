@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.cuda,
 @pytest.fixture(scope="module")
 def loaded():
     import sparta
-    return sparta.load(SAVED).to("cuda")
+    return sparta.load(SAVED, inductor=False).to("cuda")
 
 
 def test_loads_without_tvm_and_verifies(loaded):
@@ -76,7 +76,7 @@ needs_w8a8 = pytest.mark.skipif(not (W8A8 / "sparta.json").is_file(), reason=f"n
 def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math():
     import sparta
     from sparta.templates.quant.spec import quantize_rows
-    model = sparta.load(W8A8).to("cuda")
+    model = sparta.load(W8A8, inductor=False).to("cuda")
     mods = {k: m for k, m in model.module_replacements().items() if type(m).__name__ == "SparseLinearCUDA"}
     assert len(mods) == 2 and all(m.spec.dtype == "int8" and m.quant_folder for m in mods.values())
     assert max(model.verify(trials=2).values()) < 5e-2
@@ -114,7 +114,7 @@ def test_w8a8_model_with_a_static_scale_hands_int8_codes_between_linears():
     (dense, wgmma on Hopper) reads with no quantiser in between: against the fake-quantised math."""
     import sparta
     from sparta.templates.quant.spec import quantize_rows
-    model = sparta.load(W8A8_STATIC).to("cuda")
+    model = sparta.load(W8A8_STATIC, inductor=False).to("cuda")
     mods = model.module_replacements()
     fc1, fc2 = mods["linear"], mods["linear_1"]
     assert fc1.spec.out == "int8" and fc1.output_names == ["relu:int8", "relu:scale"] and fc1.quant_folder
@@ -145,7 +145,7 @@ def test_4bit_tesas_without_calibration_run_w4a16_kernels_on_the_weights_own_sca
     """The user's 4-bit TeSAs and no calibration: the dense linear runs the W4A16 GEMV, the block-sparse one a 4-bit
     kernel, both on scales fitted to the weight (the plan's), and the model matches the dequantised math."""
     import sparta
-    model = sparta.load(TESA_W4).to("cuda")
+    model = sparta.load(TESA_W4, inductor=False).to("cuda")
     mods = model.module_replacements()
     assert type(mods["linear"]).__name__ == "W4A16GemvCUDA"
     assert {p.weight_quant[4].source for p in model.plan.ops.values() if p.weight_quant} == {"weight"}
@@ -167,7 +167,7 @@ def test_decode_w4a16_gemvs_back_to_back_launch_programmatically_and_match():
     """Two 4-bit GEMVs in a row (4 tokens): built for programmatic dependent launch, the second may start before the
     first ends and reads its X only after the wait — the output matches the dequantised math, eagerly and replayed."""
     import sparta
-    model = sparta.load(DECODE).to("cuda")
+    model = sparta.load(DECODE, inductor=False).to("cuda")
     mods = {k: m for k, m in model.module_replacements().items() if hasattr(m, "dense_weight")}
     assert sorted(type(m).__name__ for m in mods.values()) == ["W4A16GemvCUDA"] * 2
     assert all(m.spec.pdl == "early" and not m.spec.sym for m in mods.values())
@@ -200,7 +200,7 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
     from sparta.templates.epilogue_ref import requantize
     from sparta.templates.quant.spec import quantize_rows
     from sparta.templates.w8a8_gemv.spec import unpack_weight
-    model = sparta.load(DECODE_W8A8).to("cuda")
+    model = sparta.load(DECODE_W8A8, inductor=False).to("cuda")
     mods = model.module_replacements()
     fc1, fc2, norm = mods["linear"], mods["linear_1"], mods["layer_norm"]
     assert type(fc1).__name__ == type(fc2).__name__ == "W8A8GemvCUDA"
@@ -234,7 +234,7 @@ def test_dense_w8a8_ffn_at_bert_size_writes_codes_from_the_ping_pong_kernel():
     matches its fake-quantised math."""
     import sparta
     from sparta.runtime.bsr_linear import BsrLinearOp
-    model = sparta.load(PINGPONG).to("cuda")
+    model = sparta.load(PINGPONG, inductor=False).to("cuda")
     mods = model.module_replacements()
     fc1, fc2 = mods["linear"], mods["linear_1"]
     assert fc1.hopper[1].pingpong and fc1.output_names and fc2.input_names == fc1.output_names
@@ -259,7 +259,7 @@ def test_calibrated_4bit_model_runs_w4a16_kernels_and_matches_its_dequantised_we
     """16 tokens, 4-bit weights with zero points: the sparse linear runs the W4A16 block kernel, the dense
     one the W4A16 GEMV."""
     import sparta
-    model = sparta.load(W4A16).to("cuda")
+    model = sparta.load(W4A16, inductor=False).to("cuda")
     mods = {k: m for k, m in model.module_replacements().items() if hasattr(m, "dense_weight")}
     kinds = sorted(type(m).__name__ for m in mods.values())
     assert kinds == ["SparseLinearCUDA", "W4A16GemvCUDA"], kinds
