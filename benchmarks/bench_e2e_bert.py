@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_kernel_us, gpu_wall_us, save  # noqa: E402
+from common import gpu_kernel_us, gpu_wall_us, save, torch_compile_peers  # noqa: E402
 
 import sparta  # noqa: E402
 from sparta.sampling import random_inputs  # noqa: E402
@@ -63,41 +63,6 @@ def breakdown(peers: dict, reps: int = 3) -> dict:
             kinds[kind] = kinds.get(kind, 0.0) + ev.device_time_total / reps
         out[name] = {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
         out[name]["top"] = [[round(us, 1), n, key] for us, n, key in sorted(top, reverse=True)[:12]]
-    return out
-
-
-def first_tensor(out) -> torch.Tensor:
-    """The first output (the last hidden state) of a model's tuple, dict or Hugging Face output."""
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    if isinstance(out, dict):
-        return next(iter(out.values()))
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def compile_peers(model, dense, hf, inputs) -> dict:
-    """Each model through torch.compile (``default``, ``reduce-overhead``), timed per forward by the host clock, and
-    its output's largest difference from the same model uncompiled."""
-    models = {"sparta": model, "dense_graph": dense, **({"hf_bert_fp16": hf} if hf is not None else {})}
-    out = {}
-    for name, m in models.items():
-        def call(fn, m=m, name=name):
-            return fn(input_ids=inputs[0]) if name == "hf_bert_fp16" else fn(*inputs)
-        with torch.no_grad():
-            want = call(m)
-            want = first_tensor(want)
-            for mode in ("default", "reduce-overhead"):
-                torch._dynamo.reset()
-                fn = torch.compile(m, mode=mode, fullgraph=name != "hf_bert_fp16")
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    got = call(fn)
-                torch.cuda.synchronize()
-                compile_s = time.perf_counter() - t0
-                got = first_tensor(got)
-                diff = float((got.float() - want.float()).abs().max())
-                out[f"{name}@{mode}"] = {"wall_us": gpu_wall_us(lambda i: call(fn), 1, 50), "compile_s": compile_s,
-                                         "max_abs_diff": diff}
     return out
 
 
@@ -141,7 +106,11 @@ def main():
     for name, r in results.items():
         r["speedup_vs_dense_kernel"] = results["dense_torch"]["kernel_us"] / r["kernel_us"]
         r["speedup_vs_dense_eager"] = results["dense_torch"]["eager_us"] / r["eager_us"]
-    compiled_peers = compile_peers(model, dense, hf, inputs) if args.compile else {}
+    compiled_peers = {}
+    if args.compile:
+        models = {"sparta": model, "dense_graph": dense, **({"hf_bert_fp16": hf} if hf is not None else {})}
+        compiled_peers = torch_compile_peers(
+            models, lambda name, fn: fn(input_ids=inputs[0]) if name == "hf_bert_fp16" else fn(*inputs))
     if compiled_peers:
         best_dense = min(v["wall_us"] for k, v in compiled_peers.items() if not k.startswith("sparta"))
         for r in compiled_peers.values():

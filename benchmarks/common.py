@@ -87,6 +87,37 @@ def gpu_wall_us(fn, variants: int, iters: int = 50) -> float:
     return (time.perf_counter() - t0) * 1e6 / iters
 
 
+def first_tensor(out) -> torch.Tensor:
+    """The first output (the last hidden state) of a model's tuple, dict or Hugging Face output."""
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    if isinstance(out, dict):
+        return next(iter(out.values()))
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def torch_compile_peers(models: dict, call, modes=("default", "reduce-overhead"), iters: int = 50) -> dict:
+    """Each of ``models`` (name -> module) through ``torch.compile`` in each mode, called as ``call(name, fn)``:
+    µs per forward by the host clock, compile time (three first calls) and the largest difference of the first
+    output from the module uncompiled. Sparta's models compile with ``fullgraph=True`` (no graph break allowed)."""
+    out = {}
+    for name, m in models.items():
+        with torch.no_grad():
+            want = first_tensor(call(name, m)).clone()
+            for mode in modes:
+                torch._dynamo.reset()
+                fn = torch.compile(m, mode=mode, fullgraph=name.startswith("sparta"))
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    got = call(name, fn)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+                diff = float((first_tensor(got).float() - want.float()).abs().max())
+                out[f"{name}@{mode}"] = {"wall_us": gpu_wall_us(lambda i: call(name, fn), 1, iters),
+                                         "compile_s": compile_s, "max_abs_diff": diff}
+    return out
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
