@@ -115,7 +115,7 @@ class BsrLinearOp:
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
         y = self._output(x.device) if out is None else out
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(X=x, Wp=self.wp.view(-1).view(torch.float16), B=self.bias,
+            self._prepared = self.kernel.prepare(("X", "Y"), X=x, Wp=self.wp.view(-1).view(torch.float16), B=self.bias,
                                                  Tab=self.table, Y=y, **self._os())
         else:
             self._prepared.launch(X=x, Y=y)
@@ -129,7 +129,7 @@ class BsrLinearOp:
         y = self._output(xq.device) if out is None else out
         x16, xs = xq.view(torch.float16), xs.float().contiguous()
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(X=x16, XS=xs, Wp=self.wp.view(-1).view(torch.float16),
+            self._prepared = self.kernel.prepare(("X", "XS", "Y"), X=x16, XS=xs, Wp=self.wp.view(-1).view(torch.float16),
                                                  WS=self.weight_scale, B=self.bias, Tab=self.table, Y=y, **self._os())
         else:
             self._prepared.launch(X=x16, XS=xs, Y=y)

@@ -169,10 +169,13 @@ class CudaKernel:
         (a constant table baked in, a bias the kernel was built without)."""
         self(*self._ordered(tensors))
 
-    def prepare(self, **tensors: torch.Tensor) -> PreparedLaunch:
-        """Check every argument once and launch; the result launches again with only some tensors swapped."""
+    def prepare(self, per_call: tuple[str, ...] = (), **tensors: torch.Tensor) -> PreparedLaunch:
+        """Check every argument once and launch; the result launches again with the ``per_call`` tensors swapped
+        (it holds only the others: under CUDA graphs a tensor of one call must not outlive it)."""
         prepared = self._checked(self._ordered(tensors))
         prepared.launch()
+        for name in per_call:
+            prepared.keep[prepared.index[name]] = None
         return prepared
 
     def _ordered(self, tensors: dict) -> list:

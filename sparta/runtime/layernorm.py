@@ -64,7 +64,7 @@ class LayerNormOp:
             outs["XS"] = torch.empty(s.m, dtype=torch.float32, device=x.device)
         if self._prepared is None:
             params = {k: v for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
-            self._prepared = self.kernel.prepare(X=x, **res, **params, **outs)
+            self._prepared = self.kernel.prepare(("X", *res, *outs), X=x, **res, **params, **outs)
         else:
             self._prepared.launch(X=x, **res, **outs)
         vals = tuple(outs.values())

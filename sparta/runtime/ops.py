@@ -65,7 +65,12 @@ class KernelModule(torch.nn.Module):
         return clone
 
     def kernel_weights(self) -> list[torch.Tensor]:
-        return [t for t in (self._buffers.get(n) for n in self.weight_names) if t is not None]
+        out = []
+        for name in self.weight_names:     # a plain loop: Dynamo (torch 2.11) does not trace generator expressions
+            t = self._buffers.get(name)
+            if t is not None:
+                out.append(t)
+        return out
 
     def bind_weights(self, weights: list[torch.Tensor]) -> None:
         """Use the weight tensors an op call passed (the module's own unless a trace or export copied them)."""

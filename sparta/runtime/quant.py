@@ -41,7 +41,7 @@ class RowQuantizer:
         xq = torch.empty(self.m, self.k, dtype=torch.int8, device=x.device)
         xs = torch.empty(self.m, dtype=torch.float32, device=x.device)
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(X=x, XQ=xq, XS=xs)
+            self._prepared = self.kernel.prepare(("X", "XQ", "XS"), X=x, XQ=xq, XS=xs)
         else:
             self._prepared.launch(X=x, XQ=xq, XS=xs)
         return xq, xs

@@ -70,7 +70,7 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
                     **({"P": self.split_P, "C": self.split_C} if s.ksplit > 1 else {}))
         if self._prepared is None or self._prepared_for != self.wq.data_ptr():
             self._kernel = self._kernel or CudaKernel(self.folder)
-            self._prepared, self._prepared_for = self._kernel.prepare(**args), self.wq.data_ptr()
+            self._prepared, self._prepared_for = self._kernel.prepare(("X", "Y"), **args), self.wq.data_ptr()
         else:
             self._prepared.launch(X=xh, Y=y)
         return [y]

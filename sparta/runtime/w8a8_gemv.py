@@ -64,8 +64,8 @@ class W8A8GemvOp:
         y = torch.empty(s.m, s.n, dtype=dtype, device=xq.device) if out is None else out
         xw, xs = xq.view(torch.int32), xs.float().contiguous()
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(XQ=xw, XS=xs, WQ=self.wq.view(torch.int32), WS=self.weight_scale, Y=y,
-                                                 **({"B": self.bias} if s.bias else {}),
+            self._prepared = self.kernel.prepare(("XQ", "XS", "Y"), XQ=xw, XS=xs, WQ=self.wq.view(torch.int32),
+                                                 WS=self.weight_scale, Y=y, **({"B": self.bias} if s.bias else {}),
                                                  **({"OS": self.out_scale} if s.out == "int8" else {}),
                                                  **({"Tab": self.table} if s.sparse else {}))
         else:
