@@ -79,9 +79,10 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     one op may add; or a ``sparta.passes.QuantConfig``, or a dict of its options) lowers each
     weight's bits as far as calibration allows (``sparta.passes.calibrate``); the chosen bits
     select the int8/int4 kernels. The report is ``compiled.quantization``.
-    ``inductor`` is the third stage: the ``torch.compile`` mode the model's calls run under (Inductor fuses the torch
-    ops around sparta's kernel ops), ``False`` for none; default: ``"reduce-overhead"`` (CUDA graphs) on CUDA, none on
-    the CPU. See :attr:`CompiledModel.inductor`.
+    ``inductor`` is the third stage: how the model's calls run through ``torch.compile`` (Inductor fuses the torch ops
+    around sparta's kernel ops): ``"cudagraph"`` (Inductor's default mode, each input shape's forward captured by sparta
+    in one CUDA graph), a ``torch.compile`` mode, or ``False`` for none; default: ``"cudagraph"`` on CUDA, none on the
+    CPU. See :attr:`CompiledModel.inductor`.
     """
     from .frontend import capture
 
@@ -145,13 +146,13 @@ def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     return compiled
 
 
-INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+INDUCTOR_MODES = ("cudagraph", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def inductor_mode(inductor, target: str) -> str | None:
     """The torch.compile mode a model of ``target`` runs under for the ``inductor`` option (None: none)."""
     if inductor is None:
-        return "reduce-overhead" if target == "cuda" else None
+        return "cudagraph" if target == "cuda" else None
     if inductor is False:
         return None
     if inductor is True:
@@ -275,9 +276,11 @@ class CompiledModel(torch.nn.Module):
 
     @property
     def inductor(self) -> str | None:
-        """The torch.compile mode calls run under once the model is on its target's device (None: the fx module
-        runs as it is). Under ``"reduce-overhead"`` a call replays a CUDA graph: its outputs are overwritten by the
-        next call (clone what you keep), as with any ``torch.compile`` model in that mode. Settable."""
+        """How calls run through torch.compile once the model is on its target's device (None: the fx module runs as
+        it is): ``"cudagraph"`` compiles in Inductor's default mode and replays one CUDA graph per input shape,
+        captured on that shape's first call (the inputs are copied in; a call costs the host ~30 µs); any other
+        value is a ``torch.compile`` mode. Under ``"cudagraph"`` and ``"reduce-overhead"`` a call's outputs are
+        overwritten by the next call of the same shape (clone what you keep). Settable."""
         return self._inductor
 
     @inductor.setter
@@ -289,7 +292,11 @@ class CompiledModel(torch.nn.Module):
         if self._inductor is None or self.device.type != ("cuda" if self.target == "cuda" else "cpu"):
             return self.module(*flat)
         if self._inductor_fn is None:
-            self._inductor_fn = torch.compile(self.module, mode=self._inductor, fullgraph=True)
+            if self._inductor == "cudagraph":
+                from .runtime.cuda_graph import CudaGraphRunner
+                self._inductor_fn = CudaGraphRunner(torch.compile(self.module, mode="default", fullgraph=True))
+            else:
+                self._inductor_fn = torch.compile(self.module, mode=self._inductor, fullgraph=True)
         return self._inductor_fn(*flat)
 
     def forward(self, *args, **kwargs):

@@ -150,4 +150,4 @@ def test_calls_run_through_inductor_where_asked(sparse_cpu):
     with pytest.raises(sparta.SpartaError, match="inductor must be"):
         sparta.compile(MLP().eval(), {}, (x,), inductor="fastest")
     cuda = sparta.compile(torch.nn.Linear(64, 64).eval(), {}, (torch.randn(8, 64),), target="cuda")
-    assert cuda.inductor == "reduce-overhead"
+    assert cuda.inductor == "cudagraph"

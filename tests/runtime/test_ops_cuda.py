@@ -63,12 +63,14 @@ def test_torch_compile_matches_eager(name, mode):
 
 
 @pytest.mark.parametrize("name", COMPILED)
-def test_a_loaded_model_runs_under_cuda_graphs_by_default(name):
-    """``sparta.load`` of a CUDA model runs its calls through torch.compile with CUDA graphs (the third stage):
-    same outputs as the fx module run eagerly, call after call, and it verifies that way."""
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_a_loaded_model_runs_under_cuda_graphs_by_default(name, mode):
+    """``sparta.load`` of a CUDA model runs its calls through torch.compile and one CUDA graph per shape (the third
+    stage; or torch's reduce-overhead on request): same outputs as the fx module run eagerly, call after call, and
+    it verifies that way."""
     torch._dynamo.reset()
-    model, eager = load(name, inductor=None), load(name)
-    assert model.inductor == "reduce-overhead" and eager.inductor is None
+    model, eager = load(name, inductor=mode), load(name)
+    assert model.inductor == (mode or "cudagraph") and eager.inductor is None
     with torch.no_grad():
         for seed in (1, 2, 3):
             xs = inputs_of(model, seed)
