@@ -30,6 +30,16 @@ class TensorRef:
     name: str
 
 
+@dataclass(frozen=True)
+class SymRef:
+    """A size that follows the inputs' dynamic dimensions inside an op's argument template: ``expr`` over the symbols
+    of ``graph.meta["dynamic_dims"]`` (sympy syntax, e.g. ``"s0*s1"``), ``hint`` its value at the example inputs
+    (what the passes see: they run at the example shapes)."""
+
+    expr: str
+    hint: int
+
+
 @dataclass
 class Value:
     """A tensor of the graph: shape, dtype, role and its TeSA."""
@@ -111,6 +121,7 @@ def bind_call(target, args, kwargs) -> tuple[list[str], list[str], dict[str, Any
             elif arg.has_default_value():
                 named.append((arg.name, arg.default_value))
     for name, val in named:
+        val = hints(val)
         if isinstance(val, TensorRef):
             inputs.append(val.name)
             roles.append(name)
@@ -125,13 +136,26 @@ def bind_call(target, args, kwargs) -> tuple[list[str], list[str], dict[str, Any
 
 
 def substitute(template, env):
-    """Replace every TensorRef in a nested args template by ``env[name]``."""
+    """Replace every TensorRef in a nested args template by ``env[name]`` (and every SymRef by its hint)."""
     if isinstance(template, TensorRef):
         return env[template.name]
+    if isinstance(template, SymRef):
+        return template.hint
     if isinstance(template, (list, tuple)):
         return type(template)(substitute(t, env) for t in template)
     if isinstance(template, dict):
         return {k: substitute(v, env) for k, v in template.items()}
+    return template
+
+
+def hints(template):
+    """``template`` with every SymRef replaced by its hint (the op's attributes at the example shapes)."""
+    if isinstance(template, SymRef):
+        return template.hint
+    if isinstance(template, (list, tuple)):
+        return type(template)(hints(t) for t in template)
+    if isinstance(template, dict):
+        return {k: hints(v) for k, v in template.items()}
     return template
 
 
@@ -236,6 +260,31 @@ class Graph:
     def weights(self) -> dict[str, torch.Tensor]:
         return {v.name: v.data for v in self.tensors("weight") if v.data is not None}
 
+    def dynamic_dims_of(self, name: str) -> dict[int, str]:
+        """The dynamic dimensions of input ``name``: dim -> symbol."""
+        return {d: sym for sym, (t, d) in self.meta.get("dynamic_dims", {}).items() if t == name}
+
+    def input_shape(self, name: str) -> tuple:
+        """Input ``name``'s shape with its dynamic dimensions named (``("s0", 128)``)."""
+        dyn = self.dynamic_dims_of(name)
+        return tuple(dyn.get(d, size) for d, size in enumerate(self.tensor(name).shape))
+
+    def fits(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether an input of ``shape`` fits input ``name``: its static sizes, its dynamic ones within range
+        (from 1: a size-1 batch runs the same ops)."""
+        want = self.tensor(name).shape
+        if len(shape) != len(want):
+            return False
+        dyn, ranges = self.dynamic_dims_of(name), self.meta.get("dim_ranges", {})
+        for d, (got, size) in enumerate(zip(shape, want)):
+            if d in dyn:
+                hi = ranges.get(dyn[d], [None, None])[1]
+                if got < 1 or (hi is not None and got > hi):
+                    return False
+            elif got != size:
+                return False
+        return True
+
     def flat_inputs(self, args=(), kwargs=None) -> list[torch.Tensor]:
         """The graph's input tensors from a call's ``(args, kwargs)``, checked against the captured shapes."""
         from torch.utils import _pytree as pytree
@@ -251,10 +300,11 @@ class Graph:
             raise SpartaError(f"the model takes {len(self.inputs)} tensor inputs ({', '.join(self.inputs)}), "
                               f"got {len(flat)}")
         for x, name in zip(flat, self.inputs):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != self.tensor(name).shape:
+            if not isinstance(x, torch.Tensor) or not self.fits(name, tuple(x.shape)):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise SpartaError(f"input {name!r}: shape {got} differs from the compiled {self.tensor(name).shape} "
-                                  "(sparta specialises to the example shapes; recompile for new shapes)")
+                raise SpartaError(f"input {name!r}: shape {got} does not fit the compiled {self.input_shape(name)} "
+                                  "(dimensions captured dynamic are named; compile with dynamic=True to free the "
+                                  "batch and sequence dimensions, or recompile for new shapes)")
             if x.dtype != self.tensor(name).dtype:
                 raise SpartaError(f"input {name!r}: dtype {x.dtype} differs from the compiled {self.tensor(name).dtype}; "
                                   f"convert it (x.to({self.tensor(name).dtype})) or recompile")

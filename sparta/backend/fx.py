@@ -20,7 +20,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..graph import Graph, TensorRef, substitute
+from ..graph import Graph, SymRef, TensorRef, substitute
 
 
 def _ensure_parent(root: torch.nn.Module, dotted: str) -> tuple[torch.nn.Module, str]:
@@ -84,6 +84,64 @@ class Fused(torch.nn.Module):
         return f"done by {self.into}"
 
 
+class SizeNodes:
+    """fx nodes computing the graph's symbolic sizes (:class:`SymRef`) from its inputs' dynamic dimensions, each
+    expression once."""
+
+    def __init__(self, fg: fx.Graph, graph: Graph, env: dict):
+        self.fg, self.dims, self.env = fg, graph.meta.get("dynamic_dims", {}), env
+        self.nodes: dict[str, object] = {}
+
+    def of(self, template):
+        """``template`` with every SymRef replaced by its node."""
+        return pytree.tree_map_only(SymRef, lambda r: self.node(r.expr), template)
+
+    def node(self, expr: str):
+        if expr not in self.nodes:
+            import sympy
+            self.nodes[expr] = self._emit(sympy.sympify(expr, locals=_sympy_names(self.dims)))
+        return self.nodes[expr]
+
+    def _emit(self, e):
+        import sympy
+        if e.is_Integer:
+            return int(e)
+        if e.is_Symbol:
+            name = str(e)
+            if name not in self.dims:
+                raise KeyError(f"symbolic size {name} is no input dimension")
+            if name not in self.nodes:
+                tensor, dim = self.dims[name]
+                self.nodes[name] = self.fg.call_function(torch.ops.aten.sym_size.int, (self.env[tensor], dim))
+            return self.nodes[name]
+        fn = _SIZE_OPS.get(type(e).__name__)
+        if fn is None and isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
+            out = self._emit(e.base)
+            for _ in range(int(e.exp) - 1):
+                out = self.fg.call_function(operator.mul, (out, self._emit(e.base)))
+            return out
+        if fn is None:
+            raise NotImplementedError(f"symbolic size {e} ({type(e).__name__}) has no fx form")
+        args = [self._emit(a) for a in e.args]
+        out = args[0]
+        for a in args[1:]:
+            out = self.fg.call_function(fn, (out, a))
+        return out
+
+
+_SIZE_OPS = {"Add": operator.add, "Mul": operator.mul, "FloorDiv": operator.floordiv, "PythonMod": operator.mod,
+             "Mod": operator.mod, "Max": torch.sym_max, "Min": torch.sym_min}
+
+
+def _sympy_names(dims) -> dict:
+    import sympy
+    from torch.utils._sympy import functions
+    names = {name: sympy.Symbol(name, integer=True, positive=True) for name in dims}
+    names.update({k: getattr(functions, k) for k in ("FloorDiv", "PythonMod", "Mod", "Max", "Min")
+                  if hasattr(functions, k)})
+    return names
+
+
 def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = None,
                     replacements: Mapping[str, torch.nn.Module] | None = None) -> fx.GraphModule:
     """Build a GraphModule computing ``graph.outputs`` (a flat tuple) from ``graph.inputs``.
@@ -130,6 +188,7 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
     def follow_device(value):
         return pytree.tree_map_only(torch.device, lambda d: device_node() if d.type == "cpu" else d, value)
 
+    sizes = SizeNodes(fg, graph, env)
     for op in graph.ops():
         if op.name in replacements:
             mod_name = "kernel_" + _fx_name(op.name)
@@ -146,8 +205,8 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
             multi = len(op.outputs) > 1
         else:
             refs = {t: lookup(t) for t in op.inputs}
-            args = follow_device(substitute(op.args, refs))
-            kwargs = follow_device(substitute(op.kwargs, refs))
+            args = follow_device(substitute(sizes.of(op.args), refs))
+            kwargs = follow_device(substitute(sizes.of(op.kwargs), refs))
             target = RELAXED.get(op.target, op.target)
             result = fg.create_node("call_function", target, tuple(args), kwargs, name=_fx_name(op.name))
             multi = op.multi_output

@@ -25,14 +25,18 @@ def to_onnx(graph: Graph, path=None, **kwargs):
     return _to_onnx(graph, path, **kwargs)
 
 
-def capture(model_or_onnx, example_inputs=(), example_kwargs=None, *, parameters=None) -> Graph:
+def capture(model_or_onnx, example_inputs=(), example_kwargs=None, *, parameters=None, dynamic: bool = False) -> Graph:
     """Turn a ``torch.nn.Module``, an ONNX ``ModelProto`` or an ``.onnx`` path into a Graph.
 
-    For ONNX, ``parameters`` (the source model's ``state_dict``) names its initializers after them."""
+    For ONNX, ``parameters`` (the source model's ``state_dict``) names its initializers after them. ``dynamic``
+    (torch modules): batch and sequence dimensions stay symbolic (:func:`from_torch`)."""
     if isinstance(model_or_onnx, torch.nn.Module):
         if parameters is not None:
             raise CaptureError("parameters= is for ONNX models; a torch module's weights keep their names")
-        graph = from_torch(model_or_onnx, example_inputs, example_kwargs)
+        graph = from_torch(model_or_onnx, example_inputs, example_kwargs, dynamic=dynamic)
+    elif dynamic:
+        raise CaptureError("dynamic shapes are captured from torch modules (torch.export); an ONNX model is "
+                           "compiled at its example shapes")
     elif isinstance(model_or_onnx, (str, os.PathLike)) or type(model_or_onnx).__name__ == "ModelProto":
         graph = from_onnx(model_or_onnx, example_inputs if example_inputs != () else None, parameters=parameters)
         example_inputs = example_inputs or None

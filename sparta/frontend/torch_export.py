@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ..graph import Graph, Op, TensorRef, Value, bind_call
+from ..graph import Graph, Op, SymRef, TensorRef, Value, bind_call
 from ..tesa import TeSA, bits_of_dtype
 
 A = torch.ops.aten
@@ -48,11 +48,15 @@ def normalise_op_name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, *, name=None) -> Graph:
+def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, *, name=None,
+               dynamic: bool = False) -> Graph:
     """Export ``module`` on ``example_inputs`` and build a graph with dense TeSAs.
 
     A module in ``train()`` mode is captured in eval mode (with a warning) and left as it was;
-    a module that writes into its buffers or inputs is refused (sparta compiles inference graphs)."""
+    a module that writes into its buffers or inputs is refused (sparta compiles inference graphs).
+    ``dynamic``: the inputs' batch and sequence dimensions (every dimension of an integer input, all but the last of
+    a float one) stay symbolic where the model allows (``torch.export.Dim.AUTO``); the graph's shapes are the
+    example's, and the sizes its ops compute from those dimensions are :class:`SymRef` expressions."""
     if isinstance(module, type):
         raise CaptureError(f"got the class {module.__name__}, not a model: pass an instance ({module.__name__}(...))")
     if not isinstance(module, torch.nn.Module):
@@ -61,7 +65,8 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
     name = name or type(module).__name__
     with _eval_mode(module):
         try:
-            ep = torch.export.export(module, example_inputs, example_kwargs, strict=False)
+            shapes = _dynamic_shapes(module, example_inputs, example_kwargs) if dynamic else None
+            ep = torch.export.export(module, example_inputs, example_kwargs, strict=False, dynamic_shapes=shapes)
             table = torch.export.default_decompositions()
             for op in KEEP:
                 table.pop(op, None)
@@ -71,6 +76,38 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
         _refuse_mutation(ep, name)      # known only once decomposition has functionalised the graph
         _check_runs(module, example_inputs, example_kwargs, name)
     return _build(ep, name)
+
+
+def _dynamic_shapes(module, example_inputs, example_kwargs) -> dict:
+    """``torch.export``'s ``dynamic_shapes`` for :func:`from_torch`'s ``dynamic``, by forward's parameter names."""
+    auto = torch.export.Dim.AUTO
+
+    def dims(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return None
+        free = x.dim() if not x.is_floating_point() else x.dim() - 1
+        return {d: auto for d in range(free)} or None
+    bound = inspect.signature(module.forward).bind(*example_inputs, **example_kwargs).arguments
+    return {k: pytree.tree_map(dims, v) for k, v in bound.items()}
+
+
+def _hint(size) -> int:
+    """A dimension's size at the example inputs (symbolic ones by their hint)."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise CaptureError(f"size {size} has no value at the example inputs (data-dependent shapes are not "
+                               "supported)")
+        return int(hint)
+    return int(size)
+
+
+def _bound(value) -> int | None:
+    """A range bound of a dynamic dimension as an int (None: unbounded)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
 
 
 def _check_examples(module, example_inputs, example_kwargs) -> tuple[tuple, dict]:
@@ -143,7 +180,7 @@ def _check_runs(module, example_inputs, example_kwargs, name: str) -> None:
 def _value_of(meta_val, name, kind, data=None, is_parameter=False):
     if not isinstance(meta_val, torch.Tensor):
         raise CaptureError(f"tensor {name!r}: expected a tensor, got {type(meta_val).__name__}")
-    shape = tuple(int(s) for s in meta_val.shape)
+    shape = tuple(_hint(s) for s in meta_val.shape)
     tesa = TeSA.dense(shape, bits_of_dtype(meta_val.dtype))
     return Value(name, shape, meta_val.dtype, kind, tesa, data=data, is_parameter=is_parameter)
 
@@ -176,6 +213,7 @@ def _build(ep, name: str) -> Graph:
         else:
             raise CaptureError(f"unsupported exported input {node_name!r} of kind {spec.kind.name}")
     nodes = {n.name: n for n in ep.graph.nodes}
+    dynamic: dict[str, list] = {}    # symbol -> [input, dim]
     tied = _tie(names, state, nodes)
     params = dict(ep.named_parameters())
     for n in ep.graph.nodes:
@@ -191,11 +229,18 @@ def _build(ep, name: str) -> Graph:
             elif isinstance(n.meta.get("val"), torch.Tensor):
                 names[n.name] = n.name
                 g.add_tensor(_value_of(n.meta["val"], n.name, "input"))
+                for d, size in enumerate(n.meta["val"].shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                        dynamic.setdefault(str(size.node.expr), [n.name, d])
         elif n.op == "call_function":
+            val = n.meta.get("val")
+            if isinstance(val, torch.SymInt):       # a size computed from the inputs' dynamic dimensions
+                names[n.name] = SymRef(str(val.node.expr), _hint(val))
+                continue
+            if isinstance(val, (torch.SymBool, torch.SymFloat)) or n.target in TRACE_CHECKS and not n.users:
+                continue                            # export's own checks on the dynamic dimensions
             if n.target is operator.getitem and isinstance(names.get(n.args[0].name), list):
                 names[n.name] = names[n.args[0].name][n.args[1]]
-                continue
-            if n.target in TRACE_CHECKS and not n.users:   # export's own shape/dtype checks: nothing to run
                 continue
             _add_call(g, n, names, nodes)
         elif n.op == "output":
@@ -212,6 +257,10 @@ def _build(ep, name: str) -> Graph:
     for alias, target in tied.items():
         g.add_alias(alias, target)
     g.meta["input_leaves"] = leaves
+    if dynamic:
+        g.meta["dynamic_dims"] = dynamic
+        g.meta["dim_ranges"] = {str(sym): [_bound(r.lower), _bound(r.upper)]
+                                for sym, r in ep.range_constraints.items() if str(sym) in dynamic}
     g.meta["in_spec"], g.meta["out_spec"] = ep.call_spec.in_spec, ep.call_spec.out_spec
     for key, spec in (("in_spec", ep.call_spec.in_spec), ("out_spec", ep.call_spec.out_spec)):
         try:
@@ -244,19 +293,21 @@ def _tie(names: dict, state: dict, nodes: dict) -> dict[str, str]:
 
 
 TRACE_CHECKS = tuple(getattr(torch.ops.aten, name).default for name in ("_assert_tensor_metadata", "_assert_async",
-                                                                      "sym_constrain_range_for_size")
+                                                                      "sym_constrain_range_for_size", "_assert_scalar")
                      if hasattr(torch.ops.aten, name))
 
 
 def _add_call(g: Graph, n, names, nodes):
     def ref(node):
         t = names.get(node.name)
+        if isinstance(t, SymRef):
+            return t
         if not isinstance(t, str):
             raise CaptureError(f"op {n.name!r} reads {node.name!r}, which is not a tensor")
-        return t
+        return TensorRef(t)
 
-    args = pytree.tree_map_only(torch.fx.Node, lambda a: TensorRef(ref(a)), n.args)
-    kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: TensorRef(ref(a)), n.kwargs)
+    args = pytree.tree_map_only(torch.fx.Node, ref, n.args)
+    kwargs = pytree.tree_map_only(torch.fx.Node, ref, n.kwargs)
     inputs, roles, attrs = bind_call(n.target, args, kwargs)
     val = n.meta.get("val")
     multi = isinstance(val, (list, tuple))

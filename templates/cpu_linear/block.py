@@ -27,12 +27,14 @@ def block_linear(spec: BlockLinearSpec):
     w8 = spec.weight_bits == 8
     acc_dt = "int32" if int8 else "float32"
     offsets = spec.offsets()
+    symbolic = spec.m == 0                 # any number of rows: M is an argument of the kernel
+    m = tirx.Var("m", "int32") if symbolic else spec.m
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name(spec.name)
             T.func_attr({"tirx.noalias": True})
-            X = T.arg("X", T.buffer((spec.m, spec.k), "int8" if int8 else "float32"))
-            XS = T.arg("XS", T.buffer((spec.m,), "float32")) if int8 else None
+            X = T.arg("X", T.buffer((m, spec.k), "int8" if int8 else "float32"))
+            XS = T.arg("XS", T.buffer((m,), "float32")) if int8 else None
             if spec.weight_bits == 4:
                 W = T.arg("W", T.buffer((nb, bw, bh // 2), "uint8"))
                 groups = bw // spec.group_columns
@@ -44,7 +46,7 @@ def block_linear(spec: BlockLinearSpec):
             C = T.arg("C", T.buffer((nb,), "int32")) if spec.dismantle != "full" else None
             P = T.arg("P", T.buffer((len(spec.rows) + 1,), "int32")) if spec.dismantle == "none" else None
             B = T.arg("B", T.buffer((spec.n,), "float32")) if spec.bias else None
-            Y = T.arg("Y", T.buffer((spec.m, spec.n), "float32"))
+            Y = T.arg("Y", T.buffer((m, spec.n), "float32"))
 
             def int4_weight(p, kk, r0, high, r):
                 """Row ``r0 + high·RV/2 + r`` of a register slice: the low (high) nibbles of the slice's RV/2 bytes
@@ -98,7 +100,7 @@ def block_linear(spec: BlockLinearSpec):
                 xp = T.alloc_buffer((len(used), PANEL, bw), "int8" if int8 else "float32", scope="global")
                 for u, j in enumerate(used):
                     with T.serial(0, PANEL) as r:
-                        with T.If(row0 + r < (spec.m // MT) * MT):
+                        with T.If(row0 + r < (m // MT) * MT):
                             with T.Then():
                                 with T.vectorized(0, bw) as kk:
                                     T.buffer_store(xp, X[row0 + r, j * bw + kk], [u, r, kk])
@@ -145,21 +147,32 @@ def block_linear(spec: BlockLinearSpec):
                 with T.serial(0, len(spec.rows)) as bi:
                     yield bi
 
-            tiles = spec.m // MT
+            tiles = m // MT
+            rest = m % MT
             per_panel = PANEL // MT
-            panels = -(-tiles // per_panel)
-            if spec.row_parallel:   # few rows (decode): threads take block rows, each streams its own weights
+            panels = (tiles + per_panel - 1) // per_panel
+
+            def tail_rows(acc, bi, rh):
+                """The last ``m % MT`` rows: one unrolled tile at a known row count, one row at a time otherwise."""
+                if not symbolic:
+                    if rest:
+                        row_tile(acc, tiles * MT, rest, bi, rh)
+                    return
+                with T.serial(0, rest) as r:
+                    row_tile(acc, tiles * MT + r, 1, bi, rh)
+
+            def by_block_rows():    # few rows (decode): threads take block rows, each streams its own weights
                 with T.parallel(0, len(spec.rows)) as bi:
                     acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")
                     for rh in range(bh // rv):
-                        if tiles:
+                        if symbolic or tiles:
                             with T.serial(0, tiles) as mo:
                                 row_tile(acc, mo * MT, MT, bi, rh)
-                        if spec.m % MT:
-                            row_tile(acc, tiles * MT, spec.m % MT, bi, rh)
-            else:
+                        tail_rows(acc, bi, rh)
+
+            def by_panels():
                 for group in row_groups(spec):  # one parallel region each: LLVM's time grows with function size
-                    if tiles:  # block rows outside, the panel's tiles inside: a block row's weights stay in L1
+                    if symbolic or tiles:  # block rows outside, the panel's tiles inside: their weights stay in L1
                         with T.parallel(0, panels) as po:
                             acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")  # global + small: a stack array
                             pack_panel(po * PANEL, group)
@@ -167,18 +180,29 @@ def block_linear(spec: BlockLinearSpec):
                                 for rh in range(bh // rv):
                                     with T.serial(0, per_panel) as mq:
                                         mo = po * per_panel + mq
-                                        if tiles % per_panel:
+                                        if symbolic or tiles % per_panel:
                                             with T.If(mo < tiles):
                                                 with T.Then():
                                                     row_tile(acc, mo * MT, MT, bi, rh)
                                         else:
                                             row_tile(acc, mo * MT, MT, bi, rh)
                         packed_x.clear()
-                    if spec.m % MT:
-                        acc = T.alloc_buffer((spec.m % MT, rv), acc_dt, scope="global")
+                    if symbolic or rest:
+                        acc = T.alloc_buffer((MT, rv), acc_dt, scope="global")
                         for bi in block_row_loop(group):
                             for rh in range(bh // rv):
-                                row_tile(acc, tiles * MT, spec.m % MT, bi, rh)
+                                tail_rows(acc, bi, rh)
+
+            if symbolic and spec.dismantle == "none":   # the row count decides at run time
+                with T.If(m < 2 * PANEL):
+                    with T.Then():
+                        by_block_rows()
+                    with T.Else():
+                        by_panels()
+            elif spec.row_parallel:
+                by_block_rows()
+            else:
+                by_panels()
     return ib.get()
 
 

@@ -41,7 +41,7 @@ def vector_width(bh: int) -> int:
 
 @dataclass(frozen=True)
 class BlockLinearSpec:
-    m: int
+    m: int                                  # rows of X; 0: any (the kernel takes M at run time)
     n: int                                  # multiple of block[0]
     k: int                                  # multiple of block[1]
     block: tuple[int, int]
@@ -76,7 +76,7 @@ class BlockLinearSpec:
     def row_parallel(self) -> bool:
         """Whether the kernel parallelises over block rows (the generic kernel at fewer than two panels of rows,
         ``block.PANEL``): a decode-sized GEMM then runs on every thread."""
-        return self.dismantle == "none" and self.m < 2 * PANEL
+        return self.dismantle == "none" and 0 < self.m < 2 * PANEL
 
     @property
     def group_columns(self) -> int:

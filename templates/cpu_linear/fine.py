@@ -20,17 +20,19 @@ def fine_linear(spec: FineLinearSpec):
     from tvm.script.ir_builder import tirx as T
 
     nnz = max(spec.nnz, 1)
+    symbolic = spec.m == 0                 # any number of rows: M is an argument of the kernel
+    m = tirx.Var("m", "int32") if symbolic else spec.m
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name(spec.name)
             T.func_attr({"tirx.noalias": True})
-            X = T.arg("X", T.buffer((spec.m, spec.k), "float32"))
+            X = T.arg("X", T.buffer((m, spec.k), "float32"))
             tile = spec.dismantle == "tile"
             idx = T.arg("I", T.buffer((nnz,), "int32")) if tile else None
             val = T.arg("V", T.buffer((nnz,), "float32")) if tile else None
             ptr = T.arg("P", T.buffer((spec.n + 1,), "int32")) if tile else None
             B = T.arg("B", T.buffer((spec.n,), "float32")) if spec.bias else None
-            Y = T.arg("Y", T.buffer((spec.m, spec.n), "float32"))
+            Y = T.arg("Y", T.buffer((m, spec.n), "float32"))
 
             def panel(m0, pm):
                 xt = T.alloc_buffer((spec.k, pm), "float32", scope="global")
@@ -65,10 +67,13 @@ def fine_linear(spec: FineLinearSpec):
                                 T.buffer_store(acc, acc[v] + tirx.const(w, "float32") * xt[j, v], [v])
                     feature(i, baked)
 
-            panels = spec.m // PM
-            if panels:
+            panels = m // PM
+            if symbolic or panels:
                 with T.parallel(0, panels) as po:
                     panel(po * PM, PM)
-            if spec.m % PM:
+            if symbolic:                        # the last rows one at a time
+                with T.serial(0, m % PM) as r:
+                    panel(panels * PM + r, 1)
+            elif spec.m % PM:
                 panel(panels * PM, spec.m % PM)
     return ib.get()

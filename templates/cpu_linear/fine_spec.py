@@ -21,7 +21,7 @@ from .epilogue import torch_epilogue
 
 @dataclass(frozen=True)
 class FineLinearSpec:
-    m: int
+    m: int                                  # rows of X; 0: any (the kernel takes M at run time)
     n: int
     k: int
     rows: tuple[tuple[int, ...], ...]   # kept input features of each output feature

@@ -31,3 +31,19 @@ def test_full_needs_values():
     with pytest.raises(ValueError, match="values"):
         from sparta.templates.cpu_linear.fine_spec import FineLinearSpec
         FineLinearSpec(2, 1, 2, ((0,),), dismantle="full")
+
+
+@pytest.mark.parametrize("mode", ["full", "tile"])
+def test_one_fine_kernel_serves_every_row_count(mode):
+    """``m=0``: one build runs any number of rows (whole panels in parallel, the rest one row at a time)."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(20, 30, generator=g), torch.randn(20, generator=g)
+    mask = torch.rand(20, 30, generator=g) < 0.2
+    spec = spec_from_weight(0, w, mask, mode, bias=True, activation="gelu", name=f"fine_anyrows_{mode}")
+    kern = build_cpu(fine_linear, spec)
+    packed = pack(spec, w)
+    for m in (1, 5, 16, 37, 70):
+        x = torch.randn(m, 30, generator=g)
+        args = {"X": x, "B": b, "Y": torch.full((m, 20), float("nan")), **packed}
+        kern.fn(*[args[a] for a in argument_names(spec)])
+        torch.testing.assert_close(args["Y"], reference(spec, x, w, b), rtol=1e-4, atol=1e-4, msg=f"{m} rows")

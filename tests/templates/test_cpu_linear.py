@@ -156,3 +156,28 @@ def test_generic_kernel_is_shared_by_every_sparsity_of_one_shape():
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         built.append(build_cpu(block_linear, spec))
     assert len({b.key for b in built}) == 1 and all(b.cached for b in built[1:])
+
+
+@pytest.mark.parametrize("mode, bits, block, act", [("none", 32, (32, 32), "gelu"), ("tile", 32, (16, 16), None),
+                                                    ("full", 8, (32, 32), "relu"), ("none", 4, (32, 32), None),
+                                                    ("none", 8, (16, 16), "silu")])
+def test_one_kernel_serves_every_row_count(mode, bits, block, act):
+    """``m=0``: M is an argument of the kernel; one build runs 1 row (the row-parallel path of the generic
+    kernel), odd counts (tail rows one at a time) and several panels, each against the reference."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 96, 64
+    keep = torch.rand(n // block[0], k // block[1], generator=g) < 0.5
+    spec = BlockLinearSpec(0, n, k, block, rows_of(keep), bits, bias=True, activation=act, dismantle=mode,
+                           name=f"t_anyrows_{mode}_{bits}_{block[0]}")
+    kern = build_cpu(block_linear, spec)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = pack(spec, w)
+    for m in (1, 3, 4, 67, 130, 257):
+        x = torch.randn(m, k, generator=g)
+        args = dict(packed, B=b, Y=torch.full((m, n), float("nan")))
+        if spec.int8_activations:
+            args["X"], args["XS"] = quantize_rows(x)
+        else:
+            args["X"] = x
+        kern.fn(*[args[a] for a in argument_names(spec)])
+        torch.testing.assert_close(args["Y"], reference(spec, x, packed, b), rtol=1e-4, atol=1e-4, msg=f"{m} rows")
