@@ -65,6 +65,7 @@ def _dense_block(n_pad: int, k_pad: int) -> tuple[int, int]:
 
 def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
     x_name, _, _, m, n, k = gemm_view(graph, op)
+    any_rows = bool(graph.meta.get("dynamic_dims"))     # a graph captured dynamic: kernels take M at run time
     weight = weight_matrix(graph, op)
     ph, pw = _padding(op_plan.subops)
     n_pad, k_pad = -(-n // ph) * ph, -(-k // pw) * pw
@@ -86,14 +87,15 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
         if sub.template == "fine_sparse":
             mode = "full" if sub.nnz <= FULL_FINE_MAX_NNZ else "tile"
             mask = torch.nn.functional.pad(sub.elements.mask.reshape(n, k), (0, k_pad - k, 0, n_pad - n))
-            spec = fine_spec.spec_from_weight(m, w, mask, mode, **common)
+            spec = fine_spec.spec_from_weight(0 if any_rows else m, w, mask, mode, **common)
             template, packed, blocks = fine_spec, fine_spec.pack(spec, w), f"{sub.nnz} nnz"
             fn_template = fine_linear
         else:
             if sub.template == "dense":
                 block = _dense_block(n_pad, k_pad)
                 grid = torch.ones(n_pad // block[0], k_pad // block[1], dtype=torch.bool)
-                mode = "none" if m < 2 * block_spec.PANEL else "tile"   # few rows: the row-parallel generic kernel
+                # few rows: the row-parallel generic kernel (any rows: it picks that or panels at run time)
+                mode = "none" if any_rows or m < 2 * block_spec.PANEL else "tile"
             else:
                 block = sub.block
                 grid = sub.blocks.mask
@@ -101,7 +103,8 @@ def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
                                                       0, n_pad // block[0] - grid.shape[0]))
                 mode = op_plan.dismantle
             scale, zero, group = _fitted_scales(op_plan, weight, sub.weight_bits, (n_pad, k_pad), block[1])
-            spec = block_spec.BlockLinearSpec(m, n_pad, k_pad, tuple(block), block_rows(grid), sub.weight_bits,
+            spec = block_spec.BlockLinearSpec(0 if any_rows else m, n_pad, k_pad, tuple(block), block_rows(grid),
+                                              sub.weight_bits,
                                               dismantle=mode, scale_group=group, **common,
                                               act_bits=sub.act_bits if sub.weight_bits == 8 else 0)
             if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape

@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 from .errors import GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
-from .sampling import random_inputs
+from .sampling import random_inputs, verification_sizes
 from .target import load_target
 from .text import table
 from .tesa import TeSA
@@ -64,7 +64,8 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
-            quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None) -> CompiledModel:
+            quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None,
+            dynamic: bool = False) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -83,6 +84,10 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     around sparta's kernel ops): ``"cudagraph"`` (Inductor's default mode, each input shape's forward captured by sparta
     in one CUDA graph), a ``torch.compile`` mode, or ``False`` for none; default: ``"cudagraph"`` on CUDA, none on the
     CPU. See :attr:`CompiledModel.inductor`.
+    ``dynamic``: the inputs' batch and sequence dimensions stay free (captured symbolic by ``torch.export``, every
+    kernel built for any number of rows): one compile serves every batch and sequence length the model allows;
+    the plan is made at the example's shapes. CPU target only for now (the CUDA kernels are built for the example's
+    rows).
     """
     from .frontend import capture
 
@@ -90,14 +95,17 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
     if dismantle not in (None, "full", "tile", "none"):
         raise SpartaError(f"dismantle must be 'full', 'tile', 'none' or None, got {dismantle!r}")
-    for flag, value in (("propagate", propagate), ("verify", verify)):
+    if dynamic and target == "cuda":
+        raise SpartaError("dynamic=True is for the CPU target for now: sparta's CUDA kernels are built for the "
+                          "example's rows; compile one model per shape")
+    for flag, value in (("propagate", propagate), ("verify", verify), ("dynamic", dynamic)):
         if not isinstance(value, bool):
             raise SpartaError(f"{flag} must be True or False, got {value!r}")
     quantize = _quantizer(calibration, quant_tolerance, target)
     inductor = inductor_mode(inductor, target)
     timings = {}
     t0 = time.perf_counter()
-    graph = capture(model, example_inputs, example_kwargs, parameters=parameters)
+    graph = capture(model, example_inputs, example_kwargs, parameters=parameters, dynamic=dynamic)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
@@ -208,7 +216,8 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
 
     t0 = time.perf_counter()
     # calibration reads weight values and data, which the key does not hash: it bypasses the cache
-    options = {"propagate": propagate, "profile": target.profile.to_json()}
+    options = {"propagate": propagate, "profile": target.profile.to_json(),
+               "dynamic": sorted(graph.meta.get("dynamic_dims", {}))}    # (and the weights it keeps)
     key = pipeline_cache.pipeline_key(graph, target.name, options) if quantize is None else None
     hit = pipeline_cache.load(key) if key is not None else None
     if hit is not None:
@@ -223,7 +232,10 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
         return graph, plan
     if propagate:
         t0 = time.perf_counter()
+        before = {v.name: v.tesa for v in graph.tensors("weight")}
         graph = run_propagation(graph)
+        if graph.meta.get("dynamic_dims"):
+            _restore_sequence_bound_weights(graph, before)
         timings["propagate"] = time.perf_counter() - t0
     if quantize is not None:
         t0 = time.perf_counter()
@@ -236,6 +248,35 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
         report = graph.meta.get("propagation")
         pipeline_cache.store(key, graph, report.to_json() if report is not None else None, plan.to_json())
     return graph, plan
+
+
+GEMM_OPS = ("linear", "addmm", "mm", "matmul", "bmm", "conv1d", "conv2d", "conv3d")
+LAYOUT_OPS = ("t", "permute", "transpose", "view", "reshape", "_unsafe_view", "expand", "contiguous", "clone")
+
+
+def _restore_sequence_bound_weights(graph: Graph, before: dict) -> None:
+    """In a graph captured with dynamic dimensions, keep what propagation pruned only for weights that GEMMs and
+    convolutions read (through layout ops): their pruning follows feature dimensions. Any other weight (a position
+    embedding, a position-id buffer) may have been pruned only because the example's sequence was short; it keeps
+    the TeSA it had."""
+    def gemm_only(name, seen=()):
+        users = graph.consumers(name)
+        if not users:
+            return False
+        for u in users:
+            op = graph.op(u)
+            if op.op in GEMM_OPS:
+                continue
+            if op.op in LAYOUT_OPS and u not in seen and all(gemm_only(t, (*seen, u)) for t in op.outputs):
+                continue
+            return False
+        return True
+    restored = []
+    for name, tesa in before.items():
+        if graph.tesa(name) != tesa and not gemm_only(name):
+            graph.set_tesa(name, tesa)
+            restored.append(name)
+    graph.meta["sequence_bound_weights"] = restored
 
 
 def _refit_weight_quant(graph: Graph, plan, profile) -> None:
@@ -354,7 +395,8 @@ class CompiledModel(torch.nn.Module):
         return self._propagated_module
 
     def verify(self, trials: int = 2, rtol: float | None = None, atol: float | None = None, seed: int = 0) -> dict:
-        """Check the compiled model on fresh random inputs; raise :class:`VerificationError` on a mismatch.
+        """Check the compiled model on fresh random inputs; raise :class:`VerificationError` on a mismatch. A model
+        captured with dynamic dimensions is checked at three shapes at least (the example's, one row, larger).
 
         Two checks per trial: the propagated TeSAs against the model with only the user's initial TeSAs
         (both as plain torch ops on masked fp weights: propagation may prune only what cannot change an
@@ -371,8 +413,8 @@ class CompiledModel(torch.nn.Module):
         if source is not None:
             source = source.to(device)
             propagated = self._propagated().to(device)
-        for trial in range(trials):
-            inputs = [x.to(device) for x in random_inputs(self.graph, seed + 1 + trial)]
+        for trial, sizes in enumerate(verification_sizes(self.graph, trials)):
+            inputs = [x.to(device) for x in random_inputs(self.graph, seed + 1 + trial, sizes)]
             with torch.no_grad():
                 got = [t.clone() for t in self._run(inputs)]
                 ref = reference(*inputs)

@@ -16,13 +16,14 @@ import functools
 import json
 import math
 import operator
+import re
 import warnings
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .errors import SpartaError
-from .graph import Graph, Op, TensorRef, Value, bind_call
+from .graph import Graph, Op, SymRef, TensorRef, Value, bind_call
 from .saved_checks import SavedModelError
 from .tesa import TeSA
 
@@ -126,6 +127,8 @@ def encode(value):
     """Argument template → JSON-able value (tagged dicts for non-JSON types)."""
     if isinstance(value, TensorRef):
         return {"$ref": value.name}
+    if isinstance(value, SymRef):
+        return {"$sym": [value.expr, value.hint]}
     if value is None or isinstance(value, (bool, str, int)):
         return value
     if isinstance(value, float):
@@ -159,10 +162,25 @@ def decode(value):
             raise GraphFormatError(f"unknown {tag[1:]} {x!r}")
         return tables[tag][x]
     decoders = {"$ref": TensorRef, "$tuple": lambda v: tuple(decode(i) for i in v), "$float": float,
-                "$dict": lambda v: {k: decode(i) for k, i in v.items()}, "$device": _device}
+                "$dict": lambda v: {k: decode(i) for k, i in v.items()}, "$device": _device, "$sym": _symref}
     if tag not in decoders:
         raise GraphFormatError(f"unknown argument tag {tag!r}")
     return decoders[tag](x)
+
+
+# a saved size expression: dimension symbols, integers and these functions only (it is parsed by sympy)
+_SIZE_FUNCTIONS = {"FloorDiv", "PythonMod", "Mod", "Max", "Min"}
+
+
+def _symref(value) -> SymRef:
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and type(value[1]) is int):
+        raise GraphFormatError(f"malformed symbolic size {value!r}")
+    expr = value[0]
+    names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expr)
+    if not re.fullmatch(r"[A-Za-z0-9_+\-*(), ]{1,200}", expr) or any(
+            n not in _SIZE_FUNCTIONS and not re.fullmatch(r"s\d+", n) for n in names):
+        raise GraphFormatError(f"symbolic size {expr!r} is not an expression of dimension symbols")
+    return SymRef(expr, value[1])
 
 
 def _device(text) -> torch.device:
@@ -246,6 +264,9 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
     meta = {"input_leaves": graph.meta.get("input_leaves"),
             "input_ranges": {k: list(v) for k, v in graph.meta.get("input_ranges", {}).items()},
             "aliases": graph.meta.get("aliases", {})}
+    if graph.meta.get("dynamic_dims"):
+        meta["dynamic_dims"] = {k: list(v) for k, v in graph.meta["dynamic_dims"].items()}
+        meta["dim_ranges"] = {k: list(v) for k, v in graph.meta.get("dim_ranges", {}).items()}
     for key in ("in_spec", "out_spec"):
         if graph.meta.get(key) is not None:
             with warnings.catch_warnings():  # torch's own dumps trips its LeafSpec deprecation
@@ -255,6 +276,35 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
         meta["propagation"] = graph.meta["propagation"].to_json()
     return {"format": FORMAT, "name": graph.name, "inputs": graph.inputs, "outputs": graph.outputs,
             "tensors": values, "ops": ops, "meta": meta}, tensors
+
+
+def _read_dynamic_dims(g: Graph, meta: dict) -> None:
+    """The dynamic dimensions a graph's symbolic sizes name (none: the graph has no symbolic size)."""
+    dims, ranges = meta.get("dynamic_dims", {}), meta.get("dim_ranges", {})
+    ok = isinstance(dims, dict) and all(
+        re.fullmatch(r"s\d+", k) and isinstance(v, list) and len(v) == 2 and v[0] in g.inputs and type(v[1]) is int
+        and 0 <= v[1] < len(g.tensor(v[0]).shape) for k, v in dims.items())
+    ok = ok and isinstance(ranges, dict) and all(
+        k in dims and isinstance(v, list) and len(v) == 2 and all(x is None or type(x) is int for x in v)
+        for k, v in ranges.items())
+    if not ok:
+        raise GraphFormatError("malformed dynamic dimensions")
+    if dims:
+        g.meta["dynamic_dims"] = {k: list(v) for k, v in dims.items()}
+        g.meta["dim_ranges"] = {k: list(v) for k, v in ranges.items()}
+    unknown = {n for o in g.ops() for n in _symbols(o.args) | _symbols(o.kwargs)} - set(dims)
+    if unknown:
+        raise GraphFormatError(f"symbolic sizes name unknown dimensions {sorted(unknown)}")
+
+
+def _symbols(template) -> set[str]:
+    if isinstance(template, SymRef):
+        return set(re.findall(r"s\d+", template.expr))
+    if isinstance(template, (list, tuple)):
+        return set().union(*map(_symbols, template)) if template else set()
+    if isinstance(template, dict):
+        return _symbols(list(template.values()))
+    return set()
 
 
 def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = "graph/") -> Graph:
@@ -289,6 +339,7 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
             raise GraphFormatError(f"malformed input_ranges {ranges!r}")
         g.meta["input_leaves"] = leaves
         g.meta["input_ranges"] = {k: tuple(v) for k, v in ranges.items()}
+        _read_dynamic_dims(g, meta)
         for name, alias in meta.get("aliases", {}).items():
             g.add_alias(name, alias["tensor"], alias["perm"])
         for key in ("in_spec", "out_spec"):

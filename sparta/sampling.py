@@ -23,9 +23,33 @@ def random_like(shape, dtype, tesa: TeSA | None = None, generator=None, int_rang
     return x
 
 
-def random_inputs(graph: Graph, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Random user inputs for ``graph`` (integer inputs within the range seen at capture)."""
+def random_inputs(graph: Graph, seed: int = 0, sizes: dict[str, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """Random user inputs for ``graph`` (integer inputs within the range seen at capture); ``sizes`` sets the
+    graph's dynamic dimensions by symbol (default: the example's)."""
     gen = torch.Generator().manual_seed(seed)
     ranges = graph.meta.get("input_ranges", {})
-    return tuple(random_like(v.shape, v.dtype, v.tesa, gen, ranges.get(v.name, (0, 2)))
-                 for v in map(graph.tensor, graph.inputs))
+    out = []
+    for v in map(graph.tensor, graph.inputs):
+        shape = list(v.shape)
+        for d, sym in graph.dynamic_dims_of(v.name).items():
+            shape[d] = (sizes or {}).get(sym, shape[d])
+        tesa = v.tesa if tuple(shape) == v.shape else None
+        out.append(random_like(tuple(shape), v.dtype, tesa, gen, ranges.get(v.name, (0, 2))))
+    return tuple(out)
+
+
+def verification_sizes(graph: Graph, trials: int) -> list[dict[str, int] | None]:
+    """The dynamic dimensions' sizes of each verification trial: the example's, then one row or token (where the
+    range allows), then odd sizes past the example; ``[None] * trials`` for a static graph."""
+    dims = graph.meta.get("dynamic_dims", {})
+    if not dims:
+        return [None] * trials
+    ranges = graph.meta.get("dim_ranges", {})
+    hint = {sym: graph.tensor(t).shape[d] for sym, (t, d) in dims.items()}
+
+    def within(sym, size):
+        hi = ranges.get(sym, [None, None])[1]
+        return max(1, min(size, hi) if hi is not None else size)
+    plans = [None, {sym: 1 for sym in dims}, {sym: within(sym, hint[sym] + 3) for sym in dims},
+             {sym: within(sym, 2 * hint[sym] + 1) for sym in dims}]
+    return [plans[i % len(plans)] for i in range(max(trials, 3))]

@@ -99,7 +99,7 @@ class SparseLinearCPU(KernelModule):
         rows = {s.spec.m for s in subs}
         if len(rows) > 1:
             raise SpartaError(f"op {op_name!r}: sub-kernels built for different rows {sorted(rows)}")
-        self.rows = rows.pop() if rows else 0
+        self.rows = rows.pop() if rows else 0          # 0: the kernels take any number of rows
         self.int8_activations = any(getattr(s.spec, "int8_activations", False) for s in subs)
         self.register_kernel(op_name)
 
@@ -140,7 +140,7 @@ class SparseLinearCPU(KernelModule):
     def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """The sub-operators' kernels on the padded fp32 ``(M, K_pad)`` input: ``[(M, N_pad) fp32]``."""
         x2 = inputs[0].contiguous()
-        if self.subs and x2.shape[0] != self.rows:
+        if self.subs and self.rows and x2.shape[0] != self.rows:
             raise SpartaError(f"op {self.op_name!r}: its kernels were built for {self.rows} rows, called with "
                               f"{x2.shape[0]}")
         y = torch.empty(x2.shape[0], self.n_pad, dtype=torch.float32)
@@ -229,7 +229,8 @@ def check_saved_sub(template, spec, packed: dict[str, torch.Tensor], config: dic
     block = getattr(spec, "block", (1, 1))
     columns = spec.k // block[1] if all(type(b) is int and b > 0 for b in block) else 0
     values = getattr(spec, "values", None)
-    ok = (all(type(v) is int and v > 0 for v in (spec.m, spec.n, spec.k, *block)) and columns > 0
+    ok = (type(spec.m) is int and spec.m >= 0 and all(type(v) is int and v > 0 for v in (spec.n, spec.k, *block))
+          and columns > 0
           and isinstance(spec.name, str) and spec.name.isidentifier() and spec.activation in ACTIVATIONS
           and (spec.n, spec.k) == (config["n_pad"], config["k_pad"]) and isinstance(spec.rows, tuple)
           and all(isinstance(r, tuple) and all(type(j) is int and 0 <= j < columns for j in r) for r in spec.rows)

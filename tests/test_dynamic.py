@@ -1,0 +1,120 @@
+"""One compile for every batch and sequence length: ``compile(..., dynamic=True)`` on the CPU target."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+import sparta
+from sparta.errors import CaptureError
+from sparta.graph_json import GraphFormatError
+from sparta.graph import SymRef
+
+
+def block_mask(n, k, density, seed, block=32):
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.rand(n // block, k // block, generator=g) < density
+    grid[0, 0] = True
+    return grid.repeat_interleave(block, 0).repeat_interleave(block, 1)
+
+
+def tiny_bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                                  vocab_size=500, max_position_embeddings=64)
+    model = transformers.BertModel(cfg).eval()
+    tesa = {f"encoder.layer.{i}.{part}.weight": block_mask(*w.shape, 0.3, 10 * i + j)
+            for i in range(2) for j, part in enumerate(("intermediate.dense", "output.dense"))
+            for w in [dict(model.named_parameters())[f"encoder.layer.{i}.{part}.weight"]]}
+    return model, tesa
+
+
+@pytest.fixture(scope="module")
+def dynamic_bert():
+    model, tesa = tiny_bert()
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, sparta.compile(model, tesa, (ids,), dynamic=True)
+
+
+def test_one_compile_answers_every_batch_and_sequence(dynamic_bert):
+    model, compiled = dynamic_bert
+    assert compiled.graph.meta["dynamic_dims"] and any(p.kind == "sparse" for p in compiled.plan.ops.values())
+    specs = [s.spec for m in compiled.module_replacements().values() for s in getattr(m, "subs", [])]
+    assert specs and all(s.m == 0 for s in specs), "every kernel takes any number of rows"
+    reference = compiled.reference()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for batch in (1, 3, 8):
+            for seq in (1, 17, 64):
+                ids = torch.randint(0, 500, (batch, seq), generator=g)
+                out = compiled(ids).last_hidden_state
+                assert out.shape == (batch, seq, 128)
+                torch.testing.assert_close(out, reference(ids)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_verify_checks_three_shapes_and_positions_stay_unpruned(dynamic_bert):
+    """verify() runs the example's shape, one token and longer ones; the position table keeps rows the example's
+    16 tokens never read (propagation may prune only what GEMMs read, in a dynamic graph)."""
+    from sparta.sampling import verification_sizes
+    model, compiled = dynamic_bert
+    sizes = verification_sizes(compiled.graph, 2)
+    assert len(sizes) >= 3 and sizes[0] is None and len({tuple(s.values()) for s in sizes[1:]}) >= 2
+    compiled.verify(trials=3)
+    assert compiled.tesa("embeddings.position_embeddings.weight").density == 1.0
+    assert "embeddings.position_embeddings.weight" in compiled.graph.meta["sequence_bound_weights"] or \
+        "embeddings.position_ids" in compiled.graph.meta["sequence_bound_weights"]
+
+
+def test_shapes_outside_the_captured_range_are_refused(dynamic_bert):
+    model, compiled = dynamic_bert
+    with pytest.raises(sparta.SpartaError, match="does not fit"):
+        compiled(torch.randint(0, 500, (2, 65)))        # past max_position_embeddings
+    with pytest.raises(sparta.SpartaError, match="does not fit"):
+        compiled(torch.randint(0, 500, (2, 3, 4)))
+
+
+def test_a_saved_dynamic_model_loads_and_runs_new_shapes(dynamic_bert, tmp_path):
+    model, compiled = dynamic_bert
+    loaded = sparta.load(compiled.save(tmp_path / "m"))
+    assert loaded.graph.meta["dynamic_dims"] == compiled.graph.meta["dynamic_dims"]
+    ids = torch.randint(0, 500, (5, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).last_hidden_state, compiled(ids).last_hidden_state)
+
+
+def test_a_size_expression_is_data_not_code():
+    """Saved size expressions are parsed by sympy: only dimension symbols, integers and the size functions pass."""
+    from sparta.graph_json import decode, encode
+    assert decode(encode(SymRef("FloorDiv(s70*s72, 2) + 1", 5))) == SymRef("FloorDiv(s70*s72, 2) + 1", 5)
+    for bad in ("__import__('os').system('true')", "s1.__class__", "lambda: 1", "x" * 300, "eval(s1)"):
+        with pytest.raises(GraphFormatError, match="not an expression"):
+            decode({"$sym": [bad, 1]})
+
+
+def test_a_dynamic_mlp_runs_its_sparse_linear_at_any_rows():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.GELU(), torch.nn.Linear(160, 96)).eval()
+    x = torch.randn(4, 10, 96)
+    compiled = sparta.compile(model, {"0.weight": block_mask(160, 96, 0.4, 3)}, (x,), dynamic=True, verify=True)
+    assert compiled.graph.dynamic_dims_of(compiled.graph.inputs[0]) == {0: next(iter(
+        compiled.graph.meta["dynamic_dims"])), 1: list(compiled.graph.meta["dynamic_dims"])[1]}
+    with torch.no_grad():
+        for shape in ((1, 1, 96), (3, 70, 96), (9, 5, 96)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(compiled(x), compiled.reference()(x)[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.compile(compiled, fullgraph=True, dynamic=True)(x), compiled(x),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_dynamic_is_refused_where_it_cannot_hold(tmp_path):
+    model = torch.nn.Linear(64, 64).eval()
+    with pytest.raises(sparta.SpartaError, match="CPU target"):
+        sparta.compile(model, {}, (torch.randn(4, 64),), target="cuda", dynamic=True)
+    if shutil.which("python"):
+        onnx_path = tmp_path / "m.onnx"
+        torch.onnx.export(model, (torch.randn(4, 64),), str(onnx_path), dynamo=False)
+        with pytest.raises(CaptureError, match="ONNX"):
+            sparta.compile(str(onnx_path), {}, (torch.randn(4, 64),), dynamic=True)
+    assert SymRef("s0*s1", 6).hint == 6
