@@ -82,7 +82,8 @@ def propagate(graph: Graph, *, scramble: str = "fallback", trials: int = 16, see
     """Propagate TeSAs to a fixed point; returns the graph (a copy unless ``copy=False``).
 
     ``scramble``: ``"fallback"`` (ops without a rule), ``"always"`` (every op; to check the
-    rules), ``"never"``. The report lands in ``graph.meta["propagation"]``.
+    rules), ``"never"``. The report lands in ``graph.meta["propagation"]``. In a graph captured with
+    dynamic dimensions only the pruning of weights that GEMMs read is kept (it must hold at every shape).
     """
     if scramble not in SCRAMBLE_MODES:
         raise PropagationError(f"scramble must be one of {SCRAMBLE_MODES}, got {scramble!r}")
@@ -90,12 +91,44 @@ def propagate(graph: Graph, *, scramble: str = "fallback", trials: int = 16, see
     report = PropagationReport()
     t0 = time.perf_counter()
     report.before = {v.name: _stats(v.tesa) for v in g.tensors()}
+    before = {v.name: v.tesa for v in g.tensors("weight")}
     engine = _Engine(g, scramble, trials, seed, device, report)
     engine.run(max_evaluations or 50 * max(len(g), 1) + 100)
+    if g.meta.get("dynamic_dims"):
+        _restore_sequence_bound_weights(g, before)
     report.seconds = time.perf_counter() - t0
     report.after = {v.name: _stats(v.tesa) for v in g.tensors()}
     g.meta["propagation"] = report
     return g
+
+
+GEMM_OPS = ("linear", "addmm", "mm", "matmul", "bmm", "conv1d", "conv2d", "conv3d")
+LAYOUT_OPS = ("t", "permute", "transpose", "view", "reshape", "_unsafe_view", "expand", "contiguous", "clone")
+
+
+def _restore_sequence_bound_weights(graph: Graph, before: dict) -> None:
+    """In a graph captured with dynamic dimensions, keep what propagation pruned only for weights that GEMMs and
+    convolutions read (through layout ops): their pruning follows feature dimensions. Any other weight (a position
+    embedding, a position-id buffer) may have been pruned only because the example's sequence was short; it keeps
+    the TeSA it had."""
+    def gemm_only(name, seen=()):
+        users = graph.consumers(name)
+        if not users:
+            return False
+        for u in users:
+            op = graph.op(u)
+            if op.op in GEMM_OPS:
+                continue
+            if op.op in LAYOUT_OPS and u not in seen and all(gemm_only(t, (*seen, u)) for t in op.outputs):
+                continue
+            return False
+        return True
+    restored = []
+    for name, tesa in before.items():
+        if graph.tesa(name) != tesa and not gemm_only(name):
+            graph.set_tesa(name, tesa)
+            restored.append(name)
+    graph.meta["sequence_bound_weights"] = restored
 
 
 class _Engine:

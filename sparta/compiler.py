@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from .errors import GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
+from .runtime.inductor import compiled_runner, inductor_mode
 from .sampling import random_inputs, verification_sizes
 from .target import load_target
 from .text import table
@@ -154,23 +155,6 @@ def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     return compiled
 
 
-INDUCTOR_MODES = ("cudagraph", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def inductor_mode(inductor, target: str) -> str | None:
-    """The torch.compile mode a model of ``target`` runs under for the ``inductor`` option (None: none)."""
-    if inductor is None:
-        return "cudagraph" if target == "cuda" else None
-    if inductor is False:
-        return None
-    if inductor is True:
-        return "default"
-    if inductor not in INDUCTOR_MODES:
-        raise SpartaError(f"inductor must be None, False, True or a torch.compile mode {INDUCTOR_MODES}, "
-                          f"got {inductor!r}")
-    return inductor
-
-
 def _quantizer(calibration, quant_tolerance, target: str):
     """The calibration pass ``compile`` runs between propagation and transformation (or None)."""
     if calibration is None and quant_tolerance is None:
@@ -232,10 +216,7 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
         return graph, plan
     if propagate:
         t0 = time.perf_counter()
-        before = {v.name: v.tesa for v in graph.tensors("weight")}
         graph = run_propagation(graph)
-        if graph.meta.get("dynamic_dims"):
-            _restore_sequence_bound_weights(graph, before)
         timings["propagate"] = time.perf_counter() - t0
     if quantize is not None:
         t0 = time.perf_counter()
@@ -248,35 +229,6 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
         report = graph.meta.get("propagation")
         pipeline_cache.store(key, graph, report.to_json() if report is not None else None, plan.to_json())
     return graph, plan
-
-
-GEMM_OPS = ("linear", "addmm", "mm", "matmul", "bmm", "conv1d", "conv2d", "conv3d")
-LAYOUT_OPS = ("t", "permute", "transpose", "view", "reshape", "_unsafe_view", "expand", "contiguous", "clone")
-
-
-def _restore_sequence_bound_weights(graph: Graph, before: dict) -> None:
-    """In a graph captured with dynamic dimensions, keep what propagation pruned only for weights that GEMMs and
-    convolutions read (through layout ops): their pruning follows feature dimensions. Any other weight (a position
-    embedding, a position-id buffer) may have been pruned only because the example's sequence was short; it keeps
-    the TeSA it had."""
-    def gemm_only(name, seen=()):
-        users = graph.consumers(name)
-        if not users:
-            return False
-        for u in users:
-            op = graph.op(u)
-            if op.op in GEMM_OPS:
-                continue
-            if op.op in LAYOUT_OPS and u not in seen and all(gemm_only(t, (*seen, u)) for t in op.outputs):
-                continue
-            return False
-        return True
-    restored = []
-    for name, tesa in before.items():
-        if graph.tesa(name) != tesa and not gemm_only(name):
-            graph.set_tesa(name, tesa)
-            restored.append(name)
-    graph.meta["sequence_bound_weights"] = restored
 
 
 def _refit_weight_quant(graph: Graph, plan, profile) -> None:
@@ -333,11 +285,7 @@ class CompiledModel(torch.nn.Module):
         if self._inductor is None or self.device.type != ("cuda" if self.target == "cuda" else "cpu"):
             return self.module(*flat)
         if self._inductor_fn is None:
-            if self._inductor == "cudagraph":
-                from .runtime.cuda_graph import CudaGraphRunner
-                self._inductor_fn = CudaGraphRunner(torch.compile(self.module, mode="default", fullgraph=True))
-            else:
-                self._inductor_fn = torch.compile(self.module, mode=self._inductor, fullgraph=True)
+            self._inductor_fn = compiled_runner(self.module, self._inductor)
         return self._inductor_fn(*flat)
 
     def forward(self, *args, **kwargs):
