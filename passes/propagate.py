@@ -45,6 +45,8 @@ class PropagationReport:
     no_rule: list[str] = field(default_factory=list)
     before: dict[str, tuple[float, dict]] = field(default_factory=dict)
     after: dict[str, tuple[float, dict]] = field(default_factory=dict)
+    # a graph with dynamic dimensions: weights whose pruning was undone (it held only at the example's sequence)
+    sequence_bound: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -54,7 +56,7 @@ class PropagationReport:
 
     @classmethod
     def from_json(cls, data: dict) -> PropagationReport:
-        data = dict(data)
+        data = {"sequence_bound": [], **data}
         for side in ("before", "after"):
             data[side] = {n: (dens, {int(b): c for b, c in bits.items()}) for n, (dens, bits) in data[side].items()}
         return cls(**data)
@@ -95,7 +97,7 @@ def propagate(graph: Graph, *, scramble: str = "fallback", trials: int = 16, see
     engine = _Engine(g, scramble, trials, seed, device, report)
     engine.run(max_evaluations or 50 * max(len(g), 1) + 100)
     if g.meta.get("dynamic_dims"):
-        _restore_sequence_bound_weights(g, before)
+        report.sequence_bound = _restore_sequence_bound_weights(g, before)
     report.seconds = time.perf_counter() - t0
     report.after = {v.name: _stats(v.tesa) for v in g.tensors()}
     g.meta["propagation"] = report
@@ -106,11 +108,11 @@ GEMM_OPS = ("linear", "addmm", "mm", "matmul", "bmm", "conv1d", "conv2d", "conv3
 LAYOUT_OPS = ("t", "permute", "transpose", "view", "reshape", "_unsafe_view", "expand", "contiguous", "clone")
 
 
-def _restore_sequence_bound_weights(graph: Graph, before: dict) -> None:
+def _restore_sequence_bound_weights(graph: Graph, before: dict) -> list[str]:
     """In a graph captured with dynamic dimensions, keep what propagation pruned only for weights that GEMMs and
     convolutions read (through layout ops): their pruning follows feature dimensions. Any other weight (a position
     embedding, a position-id buffer) may have been pruned only because the example's sequence was short; it keeps
-    the TeSA it had."""
+    the TeSA it had. Returns those weights."""
     def gemm_only(name, seen=()):
         users = graph.consumers(name)
         if not users:
@@ -128,7 +130,7 @@ def _restore_sequence_bound_weights(graph: Graph, before: dict) -> None:
         if graph.tesa(name) != tesa and not gemm_only(name):
             graph.set_tesa(name, tesa)
             restored.append(name)
-    graph.meta["sequence_bound_weights"] = restored
+    return restored
 
 
 class _Engine:

@@ -65,8 +65,8 @@ def test_verify_checks_three_shapes_and_positions_stay_unpruned(dynamic_bert):
     assert len(sizes) >= 3 and sizes[0] is None and len({tuple(s.values()) for s in sizes[1:]}) >= 2
     compiled.verify(trials=3)
     assert compiled.tesa("embeddings.position_embeddings.weight").density == 1.0
-    assert "embeddings.position_embeddings.weight" in compiled.graph.meta["sequence_bound_weights"] or \
-        "embeddings.position_ids" in compiled.graph.meta["sequence_bound_weights"]
+    kept = compiled.graph.meta["propagation"].sequence_bound
+    assert "embeddings.position_embeddings.weight" in kept or "embeddings.position_ids" in kept
 
 
 def test_shapes_outside_the_captured_range_are_refused(dynamic_bert):
