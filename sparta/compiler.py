@@ -66,7 +66,7 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
             quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None,
-            dynamic: bool = False) -> CompiledModel:
+            dynamic=False) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -85,10 +85,11 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     around sparta's kernel ops): ``"cudagraph"`` (Inductor's default mode, each input shape's forward captured by sparta
     in one CUDA graph), a ``torch.compile`` mode, or ``False`` for none; default: ``"cudagraph"`` on CUDA, none on the
     CPU. See :attr:`CompiledModel.inductor`.
-    ``dynamic``: the inputs' batch and sequence dimensions stay free (captured symbolic by ``torch.export``, every
+    ``dynamic``: True frees the inputs' batch and sequence dimensions (captured symbolic by ``torch.export``, every
     kernel built for any number of rows): one compile serves every batch and sequence length the model allows;
-    the plan is made at the example's shapes. CPU target only for now (the CUDA kernels are built for the example's
-    rows).
+    the plan is made at the example's shapes. A dict is ``torch.export``'s ``dynamic_shapes`` (by forward's parameter
+    names, e.g. ``{"input_ids": {0: Dim.AUTO}}``: only the batch free). CPU target only for now (the CUDA kernels are
+    built for the example's rows).
     """
     from .frontend import capture
 
@@ -99,7 +100,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     if dynamic and target == "cuda":
         raise SpartaError("dynamic=True is for the CPU target for now: sparta's CUDA kernels are built for the "
                           "example's rows; compile one model per shape")
-    for flag, value in (("propagate", propagate), ("verify", verify), ("dynamic", dynamic)):
+    if not isinstance(dynamic, (bool, dict)):
+        raise SpartaError(f"dynamic must be True, False or a torch.export dynamic_shapes dict, got {dynamic!r}")
+    for flag, value in (("propagate", propagate), ("verify", verify)):
         if not isinstance(value, bool):
             raise SpartaError(f"{flag} must be True or False, got {value!r}")
     quantize = _quantizer(calibration, quant_tolerance, target)

@@ -120,3 +120,20 @@ def test_dynamic_is_refused_where_it_cannot_hold(tmp_path):
         with pytest.raises(CaptureError, match="ONNX"):
             sparta.compile(str(onnx_path), {}, (torch.randn(4, 64),), dynamic=True)
     assert SymRef("s0*s1", 6).hint == 6
+
+
+def test_dynamic_shapes_pick_which_dimensions_stay_free():
+    """A dict of torch.export dynamic_shapes frees only the dimensions it names: here the batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU()).eval()
+    x = torch.randn(4, 8, 64)
+    compiled = sparta.compile(model, {"0.weight": block_mask(96, 64, 0.5, 4)}, (x,),
+                              dynamic={"input": {0: torch.export.Dim.AUTO}})
+    assert list(compiled.graph.dynamic_dims_of(compiled.graph.inputs[0])) == [0]
+    with torch.no_grad():
+        y = torch.randn(7, 8, 64)
+        torch.testing.assert_close(compiled(y), compiled.reference()(y)[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(sparta.SpartaError, match="does not fit"):
+        compiled(torch.randn(4, 9, 64))
+    with pytest.raises(sparta.SpartaError, match="dynamic must be"):
+        sparta.compile(model, {}, (x,), dynamic="yes")

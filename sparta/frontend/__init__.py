@@ -25,7 +25,7 @@ def to_onnx(graph: Graph, path=None, **kwargs):
     return _to_onnx(graph, path, **kwargs)
 
 
-def capture(model_or_onnx, example_inputs=(), example_kwargs=None, *, parameters=None, dynamic: bool = False) -> Graph:
+def capture(model_or_onnx, example_inputs=(), example_kwargs=None, *, parameters=None, dynamic=False) -> Graph:
     """Turn a ``torch.nn.Module``, an ONNX ``ModelProto`` or an ``.onnx`` path into a Graph.
 
     For ONNX, ``parameters`` (the source model's ``state_dict``) names its initializers after them. ``dynamic``

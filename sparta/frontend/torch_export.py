@@ -49,14 +49,15 @@ def normalise_op_name(target) -> str:
 
 
 def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, *, name=None,
-               dynamic: bool = False) -> Graph:
+               dynamic=False) -> Graph:
     """Export ``module`` on ``example_inputs`` and build a graph with dense TeSAs.
 
     A module in ``train()`` mode is captured in eval mode (with a warning) and left as it was;
     a module that writes into its buffers or inputs is refused (sparta compiles inference graphs).
     ``dynamic``: the inputs' batch and sequence dimensions (every dimension of an integer input, all but the last of
-    a float one) stay symbolic where the model allows (``torch.export.Dim.AUTO``); the graph's shapes are the
-    example's, and the sizes its ops compute from those dimensions are :class:`SymRef` expressions."""
+    a float one) stay symbolic where the model allows (``torch.export.Dim.AUTO``), or a dict of ``torch.export``'s
+    ``dynamic_shapes`` says which; the graph's shapes are the example's, and the sizes its ops compute from those
+    dimensions are :class:`SymRef` expressions."""
     if isinstance(module, type):
         raise CaptureError(f"got the class {module.__name__}, not a model: pass an instance ({module.__name__}(...))")
     if not isinstance(module, torch.nn.Module):
@@ -65,7 +66,8 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
     name = name or type(module).__name__
     with _eval_mode(module):
         try:
-            shapes = _dynamic_shapes(module, example_inputs, example_kwargs) if dynamic else None
+            shapes = dynamic if isinstance(dynamic, dict) else \
+                _dynamic_shapes(module, example_inputs, example_kwargs) if dynamic else None
             ep = torch.export.export(module, example_inputs, example_kwargs, strict=False, dynamic_shapes=shapes)
             table = torch.export.default_decompositions()
             for op in KEEP:
