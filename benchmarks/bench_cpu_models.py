@@ -7,8 +7,10 @@ Models from Hugging Face configs (random weights): BERT-base, DistilBERT, GPT-2,
 intermediate 5632, 4 layers), ViT-base, the T5 encoder (t5-small config), the BART-base encoder. Every linear weight
 of the blocks (attention and MLP; not embeddings or heads) keeps a random (1 - sparsity) of its 32×32 blocks. Inputs:
 batch 1 × 128 tokens (ViT: one 224×224 image). Peers in one process: the masked dense model in eager torch (what
-sparta must reproduce: outputs are compared) and sparta's compiled model, calls interleaved, medians. Each
-``--threads`` mode runs in a process of its own (``SPARTA_CPU_THREADS``: ``openmp``, the default, or ``tvm``).
+sparta must reproduce: outputs are compared) and sparta's compiled model, calls interleaved, medians; with
+``--compile``, also ``torch.compile`` (Inductor, default mode) of each: the dense model's best option and sparta's
+third stage on the CPU. Each ``--threads`` mode runs in a process of its own (``SPARTA_CPU_THREADS``: ``openmp``,
+the default, or ``tvm``).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def first_tensor(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-def run(name: str, sparsity: float, reps: int) -> dict:
+def run(name: str, sparsity: float, reps: int, with_compile: bool = False) -> dict:
     torch.manual_seed(0)
     model, inputs = build(name)
     model.eval()
@@ -86,11 +88,24 @@ def run(name: str, sparsity: float, reps: int) -> dict:
             params[n].mul_(m)
         ref, got = first_tensor(model(*inputs)), first_tensor(compiled(*inputs))
         err = ((got - ref).abs().max() / ref.abs().max()).item()
-        ms = interleaved({"eager": lambda: model(*inputs), "sparta": lambda: compiled(*inputs)}, reps)
+        peers = {"eager": lambda: model(*inputs), "sparta": lambda: compiled(*inputs)}
+        if with_compile:
+            dense_c, sparta_c = torch.compile(model), torch.compile(compiled, fullgraph=True)
+            t0 = time.perf_counter()
+            inductor_err = ((first_tensor(sparta_c(*inputs)) - ref).abs().max() / ref.abs().max()).item()
+            dense_c(*inputs)
+            inductor_s = time.perf_counter() - t0
+            peers.update({"dense_compile": lambda: dense_c(*inputs), "sparta_compile": lambda: sparta_c(*inputs)})
+        ms = interleaved(peers, reps)
     kernels = sum(1 for k in compiled.kernels)
-    return {"model": name, "sparsity": sparsity, "eager_ms": ms["eager"], "sparta_ms": ms["sparta"],
-            "speedup": ms["eager"] / ms["sparta"], "rel_err": err, "linears": len(masks), "kernels": kernels,
-            "compile_s": compile_s, "threads": os.environ.get("SPARTA_CPU_THREADS", "openmp")}
+    row = {"model": name, "sparsity": sparsity, "eager_ms": ms["eager"], "sparta_ms": ms["sparta"],
+           "speedup": ms["eager"] / ms["sparta"], "rel_err": err, "linears": len(masks), "kernels": kernels,
+           "compile_s": compile_s, "threads": os.environ.get("SPARTA_CPU_THREADS", "openmp")}
+    if with_compile:
+        row.update(dense_compile_ms=ms["dense_compile"], sparta_compile_ms=ms["sparta_compile"],
+                   inductor_rel_err=inductor_err, inductor_compile_s=inductor_s,
+                   speedup_vs_dense_compile=ms["dense_compile"] / min(ms["sparta"], ms["sparta_compile"]))
+    return row
 
 
 def main():
@@ -100,18 +115,20 @@ def main():
     ap.add_argument("--threads", nargs="*", default=["openmp"], choices=["openmp", "tvm"])
     ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--name", default="cpu_models", help="results/<name>-cpu-<date>.json")
+    ap.add_argument("--compile", action="store_true", help="torch.compile peers: the dense model and sparta's")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)       # model sparsity, in a child process
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run(args.one[0], float(args.one[1]), args.reps)))
+        print(json.dumps(run(args.one[0], float(args.one[1]), args.reps, args.compile)))
         return
     rows = []
     for mode in args.threads:
         for name in args.models:
             for s in args.sparsity:
                 env = {**os.environ, "SPARTA_CPU_THREADS": mode}
-                out = subprocess.run([sys.executable, __file__, "--one", name, str(s), "--reps", str(args.reps)],
-                                     capture_output=True, text=True, env=env)
+                out = subprocess.run([sys.executable, __file__, "--one", name, str(s), "--reps", str(args.reps),
+                                      *(["--compile"] if args.compile else [])], capture_output=True, text=True,
+                                     env=env)
                 if out.returncode:
                     error = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
                     rows.append({"model": name, "sparsity": s, "threads": mode, "error": error})
@@ -120,7 +137,10 @@ def main():
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 rows.append(row)
                 print(f"{mode:6s} {name:10s} {s:.0%}  eager {row['eager_ms']:7.1f} ms  sparta {row['sparta_ms']:7.1f} ms"
-                      f"  {row['speedup']:.2f}x  rel err {row['rel_err']:.1e}", flush=True)
+                      f"  {row['speedup']:.2f}x  rel err {row['rel_err']:.1e}"
+                      + (f"  | torch.compile: dense {row['dense_compile_ms']:7.1f} ms  sparta "
+                         f"{row['sparta_compile_ms']:7.1f} ms  ({row['speedup_vs_dense_compile']:.2f}x)"
+                         if "dense_compile_ms" in row else ""), flush=True)
                 path = save(args.name, {"rows": rows})
     print(path)
 
