@@ -19,19 +19,10 @@ import torch
 import transformers
 
 import sparta
+from bert_cuda import magnitude_block_mask      # the same magnitude block pruning (examples/)
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
-
-
-def magnitude_block_mask(weight: torch.Tensor, block: int, density: float) -> torch.Tensor:
-    """Keep the ``density`` fraction of ``block × block`` blocks with the largest L2 norm."""
-    n, k = weight.shape
-    norms = weight.float().reshape(n // block, block, k // block, block).pow(2).sum((1, 3))
-    keep = max(1, round(density * norms.numel()))
-    grid = torch.zeros(norms.numel(), dtype=torch.bool)
-    grid[norms.flatten().topk(keep).indices] = True
-    return grid.reshape(norms.shape).repeat_interleave(block, 0).repeat_interleave(block, 1)
 
 
 def llama_config(layers: int, vocab: int) -> transformers.LlamaConfig:

@@ -268,7 +268,7 @@ class CompiledModel(torch.nn.Module):
         self._reference = None
         self._source_reference = None
         self._propagated_module = None
-        self._inductor, self._inductor_fn = (None if inductor is None else inductor_mode(inductor, target)), None
+        self._inductor, self._inductor_fn = inductor, None     # a mode inductor_mode resolved (None: none)
 
     @property
     def inductor(self) -> str | None:
@@ -285,7 +285,7 @@ class CompiledModel(torch.nn.Module):
 
     def _run(self, flat):
         """The fx module on the graph's flat inputs, through torch.compile where ``inductor`` says."""
-        if self._inductor is None or self.device.type != ("cuda" if self.target == "cuda" else "cpu"):
+        if self._inductor is None or self.device.type != self.target:
             return self.module(*flat)
         if self._inductor_fn is None:
             self._inductor_fn = compiled_runner(self.module, self._inductor)
@@ -293,11 +293,7 @@ class CompiledModel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():   # Dynamo guards the shapes itself: take the inputs as they come
-            leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
-            spec = self.graph.meta.get("input_leaves")
-            flat = ([x for x, name in zip(leaves, spec) if name is not None] if spec is not None
-                    and len(leaves) == len(spec) else [x for x in leaves if isinstance(x, torch.Tensor)])
-            outs = self.module(*flat)
+            outs = self.module(*self.graph.flat_inputs(args, kwargs, check=False))
         else:
             outs = self._run(self.graph.flat_inputs(args, kwargs))
         out_spec = self.graph.meta.get("out_spec")

@@ -10,6 +10,7 @@ names (``"linear"``, ``"conv2d"``, ``"add"``; see ``docs/ops.md``).
 from __future__ import annotations
 
 import difflib
+import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,6 +29,11 @@ class TensorRef:
     """A placeholder for a graph tensor inside an op's argument template."""
 
     name: str
+
+
+# the functions a symbolic size may call (torch.utils._sympy's names) and their Python forms
+SIZE_FUNCTIONS = {"FloorDiv": operator.floordiv, "PythonMod": operator.mod, "Mod": operator.mod, "Max": torch.sym_max,
+                  "Min": torch.sym_min}
 
 
 @dataclass(frozen=True)
@@ -285,8 +291,9 @@ class Graph:
                 return False
         return True
 
-    def flat_inputs(self, args=(), kwargs=None) -> list[torch.Tensor]:
-        """The graph's input tensors from a call's ``(args, kwargs)``, checked against the captured shapes."""
+    def flat_inputs(self, args=(), kwargs=None, check: bool = True) -> list[torch.Tensor]:
+        """The graph's input tensors from a call's ``(args, kwargs)``, checked against the captured shapes and dtypes
+        (``check=False``: only their count, e.g. under Dynamo, which guards the shapes itself)."""
         from torch.utils import _pytree as pytree
 
         from .errors import SpartaError
@@ -299,7 +306,7 @@ class Graph:
         if len(flat) != len(self.inputs):
             raise SpartaError(f"the model takes {len(self.inputs)} tensor inputs ({', '.join(self.inputs)}), "
                               f"got {len(flat)}")
-        for x, name in zip(flat, self.inputs):
+        for x, name in zip(flat, self.inputs if check else ()):
             if not isinstance(x, torch.Tensor) or not self.fits(name, tuple(x.shape)):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise SpartaError(f"input {name!r}: shape {got} does not fit the compiled {self.input_shape(name)} "

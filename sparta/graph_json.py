@@ -23,7 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import SpartaError
-from .graph import Graph, Op, SymRef, TensorRef, Value, bind_call
+from .graph import SIZE_FUNCTIONS, Graph, Op, SymRef, TensorRef, Value, bind_call
 from .saved_checks import SavedModelError
 from .tesa import TeSA
 
@@ -168,8 +168,8 @@ def decode(value):
     return decoders[tag](x)
 
 
-# a saved size expression: dimension symbols, integers and these functions only (it is parsed by sympy)
-_SIZE_FUNCTIONS = {"FloorDiv", "PythonMod", "Mod", "Max", "Min"}
+# a dimension symbol; a saved size expression (which sympy parses) holds only these, integers and SIZE_FUNCTIONS
+_SYMBOL = r"s\d+"
 
 
 def _symref(value) -> SymRef:
@@ -178,7 +178,7 @@ def _symref(value) -> SymRef:
     expr = value[0]
     names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expr)
     if not re.fullmatch(r"[A-Za-z0-9_+\-*(), ]{1,200}", expr) or any(
-            n not in _SIZE_FUNCTIONS and not re.fullmatch(r"s\d+", n) for n in names):
+            n not in SIZE_FUNCTIONS and not re.fullmatch(_SYMBOL, n) for n in names):
         raise GraphFormatError(f"symbolic size {expr!r} is not an expression of dimension symbols")
     return SymRef(expr, value[1])
 
@@ -282,7 +282,7 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
     """The dynamic dimensions a graph's symbolic sizes name (none: the graph has no symbolic size)."""
     dims, ranges = meta.get("dynamic_dims", {}), meta.get("dim_ranges", {})
     ok = isinstance(dims, dict) and all(
-        re.fullmatch(r"s\d+", k) and isinstance(v, list) and len(v) == 2 and v[0] in g.inputs and type(v[1]) is int
+        re.fullmatch(_SYMBOL, k) and isinstance(v, list) and len(v) == 2 and v[0] in g.inputs and type(v[1]) is int
         and 0 <= v[1] < len(g.tensor(v[0]).shape) for k, v in dims.items())
     ok = ok and isinstance(ranges, dict) and all(
         k in dims and isinstance(v, list) and len(v) == 2 and all(x is None or type(x) is int for x in v)
@@ -299,7 +299,7 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
 
 def _symbols(template) -> set[str]:
     if isinstance(template, SymRef):
-        return set(re.findall(r"s\d+", template.expr))
+        return set(re.findall(_SYMBOL, template.expr))
     if isinstance(template, (list, tuple)):
         return set().union(*map(_symbols, template)) if template else set()
     if isinstance(template, dict):

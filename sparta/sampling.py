@@ -39,8 +39,8 @@ def random_inputs(graph: Graph, seed: int = 0, sizes: dict[str, int] | None = No
 
 
 def verification_sizes(graph: Graph, trials: int) -> list[dict[str, int] | None]:
-    """The dynamic dimensions' sizes of each verification trial: the example's, then one row or token (where the
-    range allows), then odd sizes past the example; ``[None] * trials`` for a static graph."""
+    """The dynamic dimensions' sizes of each verification trial: the example's, then one row or token, then odd
+    sizes past the example within the captured range; ``[None] * trials`` for a static graph."""
     dims = graph.meta.get("dynamic_dims", {})
     if not dims:
         return [None] * trials

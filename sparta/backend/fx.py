@@ -20,7 +20,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..graph import Graph, SymRef, TensorRef, substitute
+from ..graph import SIZE_FUNCTIONS, Graph, SymRef, TensorRef, substitute
 
 
 def _ensure_parent(root: torch.nn.Module, dotted: str) -> tuple[torch.nn.Module, str]:
@@ -129,16 +129,14 @@ class SizeNodes:
         return out
 
 
-_SIZE_OPS = {"Add": operator.add, "Mul": operator.mul, "FloorDiv": operator.floordiv, "PythonMod": operator.mod,
-             "Mod": operator.mod, "Max": torch.sym_max, "Min": torch.sym_min}
+_SIZE_OPS = {"Add": operator.add, "Mul": operator.mul, **SIZE_FUNCTIONS}
 
 
 def _sympy_names(dims) -> dict:
     import sympy
     from torch.utils._sympy import functions
     names = {name: sympy.Symbol(name, integer=True, positive=True) for name in dims}
-    names.update({k: getattr(functions, k) for k in ("FloorDiv", "PythonMod", "Mod", "Max", "Min")
-                  if hasattr(functions, k)})
+    names.update({k: getattr(functions, k) for k in SIZE_FUNCTIONS if hasattr(functions, k)})
     return names
 
 

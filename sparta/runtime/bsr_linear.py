@@ -27,7 +27,7 @@ from .quant import output_scale_arg
 from ..templates.quant.spec import quantize_rows
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec, device_arch
 from .ops import KernelModule
-from .quant import QuantizedInput, RequantizedOutput, RowQuantizer
+from .quant import QuantizedLinear, RowQuantizer
 
 
 def spec_to_json(spec: BsrSpec) -> dict:
@@ -149,7 +149,7 @@ def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
 
 
-class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, KernelModule):
+class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
@@ -252,19 +252,7 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, Ker
             return self.hopper
         return self.folder, self.spec
 
-    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if (x_scale is not None) != (self.out_dtype is not None):
-            raise CudaRuntimeError(f"op {self.op_name!r} takes {'(codes, scales)' if self.out_dtype else 'one input'}")
-        if x_scale is not None:
-            (y,) = self.call_kernel(x.reshape(-1, self.spec.k), x_scale.reshape(-1))
-        else:
-            (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(torch.float16).contiguous())
-        y = y.reshape(*x.shape[:-1], self.spec.n)
-        if self.out_scale is not None:
-            return y, self.code_scale
-        return y.to(self.out_dtype or x.dtype)
-
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The kernel on ``[x (M, K) fp16]`` or ``[codes (M, K) int8, scales (M,)]``: ``[(M, N) fp16 or int8]``."""
         x = inputs[0]
         if not x.is_cuda:
@@ -281,10 +269,6 @@ class SparseLinearCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, Ker
         if len(inputs) == 2:
             return [self._op.int8(x.contiguous(), inputs[1])]
         return [self._op(x.contiguous())]
-
-    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
-        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=dtype)]
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""

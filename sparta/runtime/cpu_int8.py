@@ -96,7 +96,7 @@ class Int8LinearCPU(KernelModule):
         y = torch.addcmul(self.bias, y, s[:, None]) if self.bias is not None else y * s[:, None]
         return y.reshape(*x.shape[:-1], self.n).to(x.dtype)
 
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """oneDNN's GEMM of ``[codes + 128 (M, K) uint8]`` against the packed weight: ``[(M, N) fp32]``, before the
         per-token scale."""
         return [torch.ops.onednn.qlinear_pointwise(inputs[0].contiguous(), 1.0, 128, self.packed, self.scale,

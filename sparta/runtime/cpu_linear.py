@@ -137,7 +137,7 @@ class SparseLinearCPU(KernelModule):
             for name in sub.packed:
                 sub.packed[name] = self._buffers[f"sub{i}_{name}"]
 
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The sub-operators' kernels on the padded fp32 ``(M, K_pad)`` input: ``[(M, N_pad) fp32]``."""
         x2 = inputs[0].contiguous()
         if self.subs and self.rows and x2.shape[0] != self.rows:

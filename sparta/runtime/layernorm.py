@@ -112,7 +112,7 @@ class LayerNormCUDA(KernelModule):
             outs = [*outs[:-2], outs[-2].reshape(x.shape), outs[-1]]
         return tuple(outs) if len(outs) > 1 else outs[0]
 
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The kernel on ``[x (M, N) fp16]`` (and the residual): what its spec emits, of ``y``, codes, scales."""
         if not inputs[0].is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "

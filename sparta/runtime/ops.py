@@ -14,6 +14,7 @@ rows stay symbolic). Outputs are fresh tensors; the ops mutate nothing that a ca
 
 from __future__ import annotations
 
+import copy
 import itertools
 import weakref
 
@@ -41,7 +42,7 @@ class KernelModule(torch.nn.Module):
     """Base of sparta's kernel modules: ``call_kernel(*inputs)`` runs the module's ``sparta::<kernel_family>`` op.
 
     A subclass sets ``kernel_family`` and ``weight_names`` (its buffers the kernel reads, ``None`` ones skipped) and
-    implements ``launch(inputs, weights)`` (the real kernel call, outside tracing) and ``fake(inputs)`` (empty
+    implements ``launch(inputs)`` (the real kernel call, outside tracing) and ``fake(inputs)`` (empty
     outputs of the right shapes and dtypes)."""
 
     kernel_family: str = ""
@@ -60,7 +61,7 @@ class KernelModule(torch.nn.Module):
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         for k, v in self.__dict__.items():
-            object.__setattr__(clone, k, _deepcopy(v, memo))
+            object.__setattr__(clone, k, copy.deepcopy(v, memo))
         clone.register_kernel(self.kernel_key.split("#")[0])
         return clone
 
@@ -87,28 +88,22 @@ class KernelModule(torch.nn.Module):
         for nothing (~20 µs a call)."""
         if not torch.compiler.is_compiling() and _current_dispatch_mode() is None \
                 and all(type(t) is torch.Tensor for t in inputs):
-            return self.launch(list(inputs), None)
+            return self.launch(list(inputs))
         op = getattr(torch.ops.sparta, self.kernel_family)
         return op(self.kernel_key, list(inputs), self.kernel_weights())
 
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """The kernel on real tensors (``weights``: what the op call passed, already bound; None on a direct
-        call)."""
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The kernel on real tensors, reading the module's weight buffers (an op call binds those it passed)."""
         raise NotImplementedError
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         raise NotImplementedError
 
 
-def _deepcopy(value, memo):
-    import copy
-    return copy.deepcopy(value, memo)
-
-
 def _launch(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
     module = kernel_module(kernel)
     module.bind_weights(weights)
-    return module.launch(inputs, weights)
+    return module.launch(inputs)
 
 
 def _fake(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -4,7 +4,8 @@
 :class:`RowQuantizer` runs the quantiser kernel (``templates/quant/``): ``q(x) -> (xq, xs)``, bit for bit
 ``quant.spec.quantize_rows``, one pass over ``x``. :class:`QuantizedInput` and :class:`RequantizedOutput` are the
 mixins of :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA` and :class:`~sparta.runtime.w8a8_gemv.W8A8GemvCUDA`:
-an input that arrives as int8 codes and scales, an output returned as int8 codes at a static scale.
+an input that arrives as int8 codes and scales, an output returned as int8 codes at a static scale;
+:class:`QuantizedLinear` is both, with the call they share.
 """
 
 from __future__ import annotations
@@ -106,4 +107,26 @@ class RequantizedOutput:
             self.requantize_output(requantized["names"], requantized["scale"])
 
 
-__all__ = ["QuantizedInput", "RequantizedOutput", "RowQuantizer"]
+class QuantizedLinear(QuantizedInput, RequantizedOutput):
+    """A CUDA linear graph module with both sides (``spec.k``, ``spec.n``, ``spec.out``; its kernel op run by
+    ``call_kernel``): its call is torch ops around the op, and the op's fake outputs follow the input's rows."""
+
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if (x_scale is not None) != (self.out_dtype is not None):
+            raise CudaRuntimeError(f"op {self.op_name!r} takes {'(codes, scales)' if self.out_dtype else 'one input'}")
+        s = self.spec
+        if x_scale is not None:
+            (y,) = self.call_kernel(x.reshape(-1, s.k), x_scale.reshape(-1))
+        else:
+            (y,) = self.call_kernel(x.reshape(-1, s.k).to(torch.float16).contiguous())
+        y = y.reshape(*x.shape[:-1], s.n)
+        if self.out_scale is not None:
+            return y, self.code_scale
+        return y.to(self.out_dtype or x.dtype)
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
+        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=dtype)]
+
+
+__all__ = ["QuantizedInput", "QuantizedLinear", "RequantizedOutput", "RowQuantizer"]

@@ -57,7 +57,7 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
         (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(torch.float16).contiguous())
         return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
 
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The GEMV on ``[x (M, K) fp16]``: ``[(M, N) fp16]``."""
         xh, s = inputs[0].contiguous(), self.spec
         if not xh.is_cuda or not self.wq.is_cuda:

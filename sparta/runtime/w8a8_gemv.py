@@ -20,7 +20,7 @@ from ..templates.quant.spec import quantize_rows
 from ..templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, unpack_weight
 from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
 from .ops import KernelModule
-from .quant import QuantizedInput, RequantizedOutput, RowQuantizer, output_scale_arg
+from .quant import QuantizedLinear, RowQuantizer, output_scale_arg
 
 
 def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
@@ -73,7 +73,7 @@ class W8A8GemvOp:
         return y
 
 
-class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, KernelModule):
+class W8A8GemvCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     """One graph op run by the W8A8 GEMV: ``y = act(q(x) · Ŵᵀ + b)`` for the op's ``(M, K)`` input, ``q`` the
     per-token int8 quantisation (the kernel in ``quant_folder``, torch ops without one, or none when the input
     arrives quantised), ``Ŵ`` int8 codes per channel (``wq``, in the kernel's layout) times ``weight_scale``; the
@@ -126,20 +126,7 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, KernelM
         wq, table = pack_weight(spec, codes)
         return cls(op_name, x_name, folder, spec, wq, weight_scale, bias, out_shape, quant_folder, table)
 
-    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if (x_scale is not None) != (self.out_dtype is not None):
-            raise CudaRuntimeError(f"op {self.op_name!r} takes {'(codes, scales)' if self.out_dtype else 'one input'}")
-        s = self.spec
-        if x_scale is not None:
-            (y,) = self.call_kernel(x.reshape(-1, s.k), x_scale.reshape(-1))
-        else:
-            (y,) = self.call_kernel(x.reshape(-1, s.k).to(torch.float16).contiguous())
-        y = y.reshape(*x.shape[:-1], s.n)
-        if self.out_scale is not None:
-            return y, self.code_scale
-        return y.to(self.out_dtype or x.dtype)
-
-    def launch(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The GEMV on ``[x (M, K) fp16]`` (quantised here) or ``[codes (M, K) int8, scales (M,)]``."""
         x, s = inputs[0], self.spec
         if not x.is_cuda or not self.wq.is_cuda:
@@ -157,10 +144,6 @@ class W8A8GemvCUDA(QuantizedInput, RequantizedOutput, GraphWeightLayout, KernelM
                 self._quantizer = RowQuantizer(self.quant_folder)
             xq, xs = (self._quantizer or quantize_rows)(xh)
         return [self._op(xq, xs)]
-
-    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
-        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=dtype)]
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
