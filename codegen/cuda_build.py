@@ -198,32 +198,60 @@ def _lower(mod, name: str, arch: str = ARCHS[0]) -> tuple[str, dict]:
     if len(kernels) != 1:
         raise CodegenError(f"kernel {name!r}: expected one device function, got {[k for k, _ in kernels]}")
     entry, func = kernels[0]
-    extents = _thread_extents(func.body, {})
     sig = re.search(rf"__global__ void (?:__launch_bounds__\(\d+(?:, \d+)?\) )?{re.escape(entry)}\(([^)]*)\)", source)
     if sig is None:
         raise CodegenError(f"kernel {name!r}: entry {entry!r} not found in the CUDA source")
-    args = []
     buffers = {p.name: p for p in mod[name].params}  # 0.27: params carry name, dtype, shape
+    sizes = {str(d): d for b in buffers.values() for d in b.shape if isinstance(d, tirx.Var)}
+    args = []
     for param in sig.group(1).split(","):
         pname = param.strip().split()[-1]
         bname = pname[:-4] if pname.endswith("_ptr") else pname
+        if bname in sizes and bname not in buffers:      # a size the kernel takes as a scalar (M for any rows)
+            args.append({"name": bname, "dtype": str(sizes[bname].ty), "scalar": True})
+            continue
         if bname not in buffers:
             raise CodegenError(f"kernel {name!r}: parameter {pname!r} is not a buffer of the PrimFunc")
         buf = buffers[bname]
-        args.append({"name": bname, "dtype": str(buf.dtype), "shape": [int(s) if isinstance(s, tirx.IntImm) else None
-                                                                      for s in buf.shape]})
+        args.append({"name": bname, "dtype": str(buf.dtype),
+                     "shape": [int(s) if isinstance(s, tirx.IntImm) else str(s) if str(s) in sig.group(1) else None
+                               for s in buf.shape]})
+    scalars = {a["name"] for a in args if a.get("scalar")}
+    extents = {k: _extent(v, scalars, name) for k, v in _thread_extents(func.body, {}).items()}
     launch = {"entry": entry, "name": name,
               "grid": [extents.get(f"blockIdx.{a}", 1) for a in "xyz"],
               "block": [extents.get(f"threadIdx.{a}", 1) for a in "xyz"],
               "shared_bytes": int(extents.get("dyn_shared", 0)), "args": args,
               "tvm": versions(), "nvcc": nvcc_version()}
+    if any(not isinstance(e, int) for e in launch["block"]) or not isinstance(launch["shared_bytes"], int):
+        raise CodegenError(f"kernel {name!r}: its block and shared memory must not depend on a size argument")
     return source, launch
+
+
+def _extent(value, scalars: dict, name: str):
+    """A launch extent for launch.json: an int, or ``[size, t]`` = ceil(size / t) for an extent that follows a
+    scalar size argument (a grid over any number of rows), checked at every size up to 4096."""
+    from tvm import sym, tirx
+    if isinstance(value, tirx.IntImm):
+        return int(value)
+    free = tirx.analysis.undefined_vars(value)
+    if len(free) == 1 and free[0].name in scalars:
+        var = free[0]
+
+        def at(m):
+            ana = sym.Analyzer()
+            ana.bind(var, tirx.IntImm(str(var.ty), m))
+            return int(ana.simplify(value))
+        t = next((m for m in range(1, 4097) if at(m + 1) == 2), None)
+        if t is not None and all(at(m) == -(-m // t) for m in range(1, 4097)):
+            return [var.name, t]
+    raise CodegenError(f"kernel {name!r}: launch extent {value} is neither a constant nor ceil(size / tile)")
 
 
 def _thread_extents(stmt, out: dict) -> dict:
     from tvm import tirx
     if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent":
-        out[stmt.node.var.name] = int(stmt.value)
+        out[stmt.node.var.name] = stmt.value
     for field in ("body", "then_case", "else_case"):
         child = getattr(stmt, field, None)
         if isinstance(child, tirx.Stmt):

@@ -113,7 +113,7 @@ class BsrLinearOp:
         check_fp16_input(s.name, x, s.m, s.k)
         if s.dtype == "int8":
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
-        y = self._output(x.device) if out is None else out
+        y = self._output(x) if out is None else out
         if self._prepared is None:
             self._prepared = self.kernel.prepare(("X", "Y"), X=x, Wp=self.wp.view(-1).view(torch.float16), B=self.bias,
                                                  Tab=self.table, Y=y, **self._os())
@@ -124,9 +124,11 @@ class BsrLinearOp:
     def int8(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The W8A8 kernel on activations already quantised per row: int8 ``(M, K)`` codes and fp32 scales."""
         s = self.spec
-        if s.dtype != "int8" or xq.shape != (s.m, s.k) or xq.dtype != torch.int8 or not xq.is_contiguous():
-            raise CudaRuntimeError(f"{s.name}: int8() takes contiguous int8 ({s.m}, {s.k}) codes for a W8A8 kernel")
-        y = self._output(xq.device) if out is None else out
+        if s.dtype != "int8" or xq.dim() != 2 or xq.shape[1] != s.k or (s.m and xq.shape[0] != s.m) \
+                or xq.dtype != torch.int8 or not xq.is_contiguous():
+            raise CudaRuntimeError(f"{s.name}: int8() takes contiguous int8 ({s.m or 'M'}, {s.k}) codes for a W8A8 "
+                                   "kernel")
+        y = self._output(xq) if out is None else out
         x16, xs = xq.view(torch.float16), xs.float().contiguous()
         if self._prepared is None:
             self._prepared = self.kernel.prepare(("X", "XS", "Y"), X=x16, XS=xs, Wp=self.wp.view(-1).view(torch.float16),
@@ -135,9 +137,9 @@ class BsrLinearOp:
             self._prepared.launch(X=x16, XS=xs, Y=y)
         return y
 
-    def _output(self, device) -> torch.Tensor:
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.int8 if self.spec.out == "int8" else torch.float16
-        return torch.empty(self.spec.m, self.spec.n, dtype=dtype, device=device)
+        return torch.empty(x.shape[0], self.spec.n, dtype=dtype, device=x.device)
 
     def _os(self) -> dict:
         return {} if self.out_scale is None else {"OS": self.out_scale}

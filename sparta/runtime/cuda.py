@@ -47,9 +47,11 @@ def _check(result, what: str):
 
 
 def check_fp16_input(name: str, x: torch.Tensor, m: int, k: int) -> None:
-    """Refuse ``x`` unless it is a contiguous fp16 ``(m, k)`` tensor (what every sparta kernel reads)."""
-    if x.shape != (m, k) or x.dtype != torch.float16 or not x.is_contiguous():
-        raise CudaRuntimeError(f"{name}: input must be a contiguous fp16 ({m}, {k}) tensor, "
+    """Refuse ``x`` unless it is a contiguous fp16 ``(m, k)`` tensor (what every sparta kernel reads; ``m=0``: any
+    number of rows)."""
+    if x.dim() != 2 or x.shape[1] != k or (m and x.shape[0] != m) or x.dtype != torch.float16 \
+            or not x.is_contiguous():
+        raise CudaRuntimeError(f"{name}: input must be a contiguous fp16 ({m or 'M'}, {k}) tensor, "
                                f"got {x.dtype} {tuple(x.shape)}")
 
 
@@ -95,12 +97,26 @@ def check_launch(folder) -> dict:
     args = launch.get("args") if isinstance(launch, dict) else None
     cubins = launch.get("cubins") if isinstance(launch, dict) else None
     shared = launch.get("shared_bytes", 0) if isinstance(launch, dict) else None
+    sizes = {a.get("name") for a in args if isinstance(a, dict) and a.get("scalar") is True} \
+        if isinstance(args, list) else set()
+
+    def extent(e):       # an int, or [size, t]: ceil(size / t) over a scalar size argument
+        return type(e) is int and e >= 1 or (isinstance(e, list) and len(e) == 2 and e[0] in sizes
+                                             and type(e[1]) is int and e[1] >= 1)
+
+    def arg_ok(a):
+        if not isinstance(a, dict) or not isinstance(a.get("name"), str) or a.get("dtype") not in _DTYPES:
+            return False
+        if a.get("scalar") is True:
+            return a["dtype"] == "int32"
+        return isinstance(a.get("shape"), list) and all(
+            e is None or e in sizes or type(e) is int and e >= 0 for e in a["shape"])
+
     ok = (isinstance(args, list) and isinstance(cubins, dict) and isinstance(launch.get("name"), str)
-          and isinstance(launch.get("entry"), str) and ints(launch.get("grid"), 3, 1)
+          and isinstance(launch.get("entry"), str) and isinstance(launch.get("grid"), list)
+          and len(launch["grid"]) == 3 and all(extent(e) for e in launch["grid"])
           and ints(launch.get("block"), 3, 1) and type(shared) is int and shared >= 0
-          and all(isinstance(a, dict) and isinstance(a.get("name"), str) and a.get("dtype") in _DTYPES
-                  and isinstance(a.get("shape"), list)
-                  and all(e is None or type(e) is int and e >= 0 for e in a["shape"]) for a in args)
+          and all(arg_ok(a) for a in args)
           and all(isinstance(c, dict) and isinstance(c.get("sha256"), str) for c in cubins.values()))
     if not ok:
         raise CudaRuntimeError(f"malformed launch.json in {folder}")
@@ -133,6 +149,8 @@ class CudaKernel:
         self.folder = Path(folder)
         self.launch = check_launch(self.folder)
         self.name = self.launch["name"]
+        self.tensor_args = [a for a in self.launch["args"] if not a.get("scalar")]
+        self.sizes = [a["name"] for a in self.launch["args"] if a.get("scalar")]   # e.g. M: any number of rows
         self._functions = {}
 
     def _function(self, device: int):
@@ -179,13 +197,13 @@ class CudaKernel:
         return prepared
 
     def _ordered(self, tensors: dict) -> list:
-        missing = [a["name"] for a in self.launch["args"] if a["name"] not in tensors]
+        missing = [a["name"] for a in self.tensor_args if a["name"] not in tensors]
         if missing:
             raise CudaRuntimeError(f"kernel {self.name!r}: missing arguments {missing}")
-        return [tensors[a["name"]] for a in self.launch["args"]]
+        return [tensors[a["name"]] for a in self.tensor_args]
 
     def _checked(self, tensors) -> PreparedLaunch:
-        specs = self.launch["args"]
+        specs = self.tensor_args
         if len(tensors) != len(specs):
             raise CudaRuntimeError(f"kernel {self.name!r} takes {len(specs)} tensors "
                                    f"({', '.join(a['name'] for a in specs)}), got {len(tensors)}")
@@ -193,7 +211,8 @@ class CudaKernel:
         for t, a in zip(tensors, specs):
             if not isinstance(t, torch.Tensor) or not t.is_cuda:
                 raise CudaRuntimeError(f"kernel {self.name!r}: argument {a['name']} must be a CUDA tensor")
-            shape_ok = t.dim() == len(a["shape"]) and all(e is None or e == d for e, d in zip(a["shape"], t.shape))
+            shape_ok = t.dim() == len(a["shape"]) and all(type(e) is not int or e == d
+                                                          for e, d in zip(a["shape"], t.shape))
             if t.dtype != _DTYPES[a["dtype"]] or not shape_ok or not t.is_contiguous():
                 raise CudaRuntimeError(f"kernel {self.name!r}: argument {a['name']} must be a contiguous "
                                        f"{a['dtype']} tensor of shape {a['shape']}, got {t.dtype} "
@@ -202,7 +221,19 @@ class CudaKernel:
             if t.device.index != device:
                 raise CudaRuntimeError(f"kernel {self.name!r}: all tensors must be on one device")
         _, fn = self._function(device)
-        return PreparedLaunch(self, fn, list(tensors))
+        prepared = PreparedLaunch(self, fn, list(tensors))
+        prepared.bind_sizes()
+        return prepared
+
+    def bound_sizes(self, shapes: list) -> dict[str, int]:
+        """The size arguments (``M``) the tensors' shapes give, refused unless every tensor agrees."""
+        sizes = {}
+        for shape, a in zip(shapes, self.tensor_args):
+            for e, d in zip(a["shape"], shape):
+                if isinstance(e, str) and sizes.setdefault(e, d) != d:
+                    raise CudaRuntimeError(f"kernel {self.name!r}: argument {a['name']} has {e}={d}, another "
+                                           f"argument {e}={sizes[e]}")
+        return sizes
 
 
 class PreparedLaunch:
@@ -211,19 +242,36 @@ class PreparedLaunch:
 
     def __init__(self, kernel: CudaKernel, fn, tensors: list):
         self.kernel, self.fn = kernel, fn
-        names = [a["name"] for a in kernel.launch["args"]]
+        names = [a["name"] for a in kernel.tensor_args]
         self.index = {n: i for i, n in enumerate(names)}
-        self.meta = {n: (t.shape, t.dtype) for n, t in zip(names, tensors)}
+        self.meta = {n: (a["shape"], t.dtype) for n, t, a in zip(names, tensors, kernel.tensor_args)}
+        self.shapes = [t.shape for t in tensors]
         self.keep = tensors     # keeps the fixed tensors (weights, tables) alive; per-call ones go at the next launch
         self.device = tensors[0].device.index
         self.values = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
-        self.params = (ctypes.c_void_p * len(names))(*[ctypes.addressof(v) for v in self.values])
-        self.grid, self.block = kernel.launch["grid"], kernel.launch["block"]
+        self.size_values = {n: ctypes.c_int32(0) for n in kernel.sizes}
+        slots = {a["name"]: (self.size_values[a["name"]] if a.get("scalar") else self.values[self.index[a["name"]]])
+                 for a in kernel.launch["args"]}
+        self.params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(slots[a["name"]])
+                                                         for a in kernel.launch["args"]])
+        self.grid_spec, self.block = kernel.launch["grid"], kernel.launch["block"]
+        self.grid = [e if type(e) is int else 1 for e in self.grid_spec]
         self.shared = int(kernel.launch.get("shared_bytes", 0))
         self.driver = _driver()
         self.config = None
         if kernel.launch.get("pdl") and torch.cuda.get_device_capability(self.device) >= (9, 0):
             self.config = self._pdl_config()
+
+    def bind_sizes(self) -> None:
+        """Set the size arguments and the grid from the bound tensors' shapes (a kernel for any number of rows)."""
+        if not self.size_values:
+            return
+        sizes = self.kernel.bound_sizes(self.shapes)
+        for name, value in self.size_values.items():
+            value.value = sizes[name]
+        self.grid = [e if type(e) is int else -(-sizes[e[0]] // e[1]) for e in self.grid_spec]
+        if self.config is not None:
+            self.config.gridDimX, self.config.gridDimY, self.config.gridDimZ = self.grid
 
     def _pdl_config(self):
         """A launch configuration with programmatic stream serialisation: the kernel may start while the previous
@@ -243,12 +291,18 @@ class PreparedLaunch:
         for name, t in tensors.items():
             i = self.index[name]
             shape, dtype = self.meta[name]
-            if t.shape != shape or t.dtype != dtype or not t.is_cuda or t.device.index != self.device \
-                    or not t.is_contiguous():
+            if t.dtype != dtype or not t.is_cuda or t.device.index != self.device or not t.is_contiguous() \
+                    or t.dim() != len(shape) or any(type(e) is int and e != d for e, d in zip(shape, t.shape)):
                 raise CudaRuntimeError(f"kernel {self.kernel.name!r}: argument {name} must be a contiguous "
-                                       f"{dtype} CUDA tensor of shape {list(shape)} on cuda:{self.device}")
+                                       f"{dtype} CUDA tensor of shape {list(shape)} on cuda:{self.device}, got "
+                                       f"{t.dtype} {list(t.shape)}")
             self.keep[i] = None     # a per-call tensor: the caller holds it while the launch is queued
             self.values[i].value = t.data_ptr()
+            self.shapes[i] = t.shape
+        if self.size_values:
+            self.bind_sizes()
+            if 0 in self.grid:      # no rows: nothing to compute
+                return
         stream = self.driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         if self.config is not None:
             self.config.hStream = stream
@@ -260,5 +314,5 @@ class PreparedLaunch:
 
 
 def argument_order(folder) -> list[str]:
-    """The launch order of a kernel's tensor arguments (as in launch.json)."""
-    return [a["name"] for a in check_launch(folder)["args"]]
+    """The launch order of a kernel's tensor arguments (as in launch.json; size arguments left out)."""
+    return [a["name"] for a in check_launch(folder)["args"] if not a.get("scalar")]

@@ -50,18 +50,18 @@ class LayerNormOp:
             raise CudaRuntimeError(f"{s.name}: the kernel {'adds' if s.residual else 'takes no'} a residual")
         res = {}
         if residual is not None:
-            check_fp16_input(s.name, residual, s.m, s.n)
+            check_fp16_input(s.name, residual, x.shape[0], s.n)
             res["R"] = residual
         if self.weight is not None and self.weight.device != x.device:
             self.weight = self.weight.to(x.device)
             self.bias = None if self.bias is None else self.bias.to(x.device)
             self._prepared = None
-        outs = {}
+        outs, m = {}, x.shape[0]
         if s.out != "int8":
-            outs["Y"] = torch.empty(s.m, s.n, dtype=torch.float16, device=x.device)
+            outs["Y"] = torch.empty(m, s.n, dtype=torch.float16, device=x.device)
         if s.out != "fp16":
-            outs["XQ"] = torch.empty(s.m, s.n, dtype=torch.int8, device=x.device)
-            outs["XS"] = torch.empty(s.m, dtype=torch.float32, device=x.device)
+            outs["XQ"] = torch.empty(m, s.n, dtype=torch.int8, device=x.device)
+            outs["XS"] = torch.empty(m, dtype=torch.float32, device=x.device)
         if self._prepared is None:
             params = {k: v for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
             self._prepared = self.kernel.prepare(("X", *res, *outs), X=x, **res, **params, **outs)
@@ -88,7 +88,7 @@ class LayerNormCUDA(KernelModule):
         if len(output_names) != len(want):
             raise CudaRuntimeError(f"op {op_name!r}: a kernel emitting {spec.out} returns {len(want)} tensors, "
                                    f"not {len(output_names)}")
-        if math.prod(out_shape) != spec.m * spec.n or out_shape[-1] != spec.n:
+        if out_shape[-1] != spec.n or (spec.m and math.prod(out_shape) != spec.m * spec.n):
             raise CudaRuntimeError(f"op {op_name!r}: output shape {tuple(out_shape)} is not {spec.m} rows of {spec.n}")
         if spec.residual != (residual_name is not None):
             raise CudaRuntimeError(f"op {op_name!r}: the kernel {'adds' if spec.residual else 'takes no'} a residual")
@@ -145,7 +145,7 @@ class LayerNormCUDA(KernelModule):
                    tensors.get("weight"), tensors.get("bias"), tuple(config["out_shape"]), config.get("residual_name"))
 
     def extra_repr(self) -> str:
-        return f"{self.op_name}: {self.spec.m}x{self.spec.n}{' + residual' if self.spec.residual else ''}, emits {self.spec.out}"
+        return f"{self.op_name}: {self.spec.m or 'M'}x{self.spec.n}{' + residual' if self.spec.residual else ''}, emits {self.spec.out}"
 
 
 __all__ = ["LayerNormCUDA", "LayerNormOp", "quantized_names", "QUANT_SUFFIXES"]

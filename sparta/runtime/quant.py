@@ -34,13 +34,14 @@ class RowQuantizer:
 
     def __init__(self, folder):
         self.kernel = CudaKernel(folder)
-        self.m, self.k = next(a["shape"] for a in self.kernel.launch["args"] if a["name"] == "X")
+        m, self.k = next(a["shape"] for a in self.kernel.launch["args"] if a["name"] == "X")
+        self.m = m if type(m) is int else 0      # 0: a kernel for any number of rows
         self._prepared = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         check_fp16_input(self.kernel.name, x, self.m, self.k)
-        xq = torch.empty(self.m, self.k, dtype=torch.int8, device=x.device)
-        xs = torch.empty(self.m, dtype=torch.float32, device=x.device)
+        xq = torch.empty(x.shape[0], self.k, dtype=torch.int8, device=x.device)
+        xs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         if self._prepared is None:
             self._prepared = self.kernel.prepare(("X", "XQ", "XS"), X=x, XQ=xq, XS=xs)
         else:

@@ -33,10 +33,10 @@ class FragmentEpilogue:
     into the output tile staged at ``out0``. Shared accesses go through device
     functions: TVM's barrier insertion would otherwise fence each constant read against the tile's writes."""
 
-    def __init__(self, spec: BsrSpec, threads: int, mi: int, nj: int):
+    def __init__(self, spec: BsrSpec, threads: int, mi: int, nj: int, M):
         from tvm.script import tirx as T
 
-        int8, BN, N, M, OUT_LD, PAIRS = spec.dtype == "int8", spec.bn, spec.n, spec.m, spec.out_ld, spec.bn // 2
+        int8, BN, N, OUT_LD, PAIRS = spec.dtype == "int8", spec.bn, spec.n, spec.out_ld, spec.bn // 2
         one, zero = T.float32(1), T.float32(0)
         const0 = spec.const_offset // 4          # float index
         ITERS = -(-PAIRS // threads)

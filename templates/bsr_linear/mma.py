@@ -22,16 +22,16 @@ def bsr_linear_mma(spec: BsrSpec):
     from tvm.script import tirx as T
 
     w4 = spec.dtype == "w4a16"
-    M, N, K, TM, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
+    M, N, K, TM, S = spec.rows(), spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
     NT, WN, R = spec.threads, spec.warps_n, spec.row_blocks
-    mv = Movement(spec, NT)
+    mv = Movement(spec, NT, M)
     STAGE, HEAD = mv.stage, mv.head
     tab, load_x, load_w, store_tile = mv.tab, mv.load_x, mv.load_w, mv.store_tile
     wmma = WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
 
-    epi = FragmentEpilogue(spec, NT, MI, NI)
+    epi = FragmentEpilogue(spec, NT, MI, NI, M)
     PDL, LATE, TAIL = bool(spec.pdl), spec.pdl == "late", spec.pdl == "tail"   # bools: TVMScript ifs
 
     @T.prim_func

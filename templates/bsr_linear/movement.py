@@ -26,11 +26,11 @@ class Movement:
     32/64/128-byte swizzle that wgmma's shared-memory descriptors read) and the coalesced store of the output
     tile staged in shared memory (fp16, or int8 codes)."""
 
-    def __init__(self, spec: BsrSpec, threads: int):
+    def __init__(self, spec: BsrSpec, threads: int, M):
         from tvm.script import tirx as T
 
         EL = spec.elems_per_half             # the data movement counts 16-bit lanes: K and BK in lanes
-        M, N, K, BN, BK, TM = spec.m, spec.n, spec.k // EL, spec.bn, spec.bk // EL, spec.tm
+        N, K, BN, BK, TM = spec.n, spec.k // EL, spec.bn, spec.bk // EL, spec.tm
         NT = threads
         C = BK // 8                          # 16-byte chunks per shared row
         RPL = max(1, 8 // C)                 # rows per 128-byte bank line

@@ -53,7 +53,7 @@ KPACK = 32                       # K per word column and per stored scale
 @dataclass(frozen=True)
 class BsrSpec:
     """Shape, block, tiling and epilogue of one kernel; ``pattern`` only for ``table="const"``."""
-    m: int
+    m: int                                            # 0: any number of rows (M a kernel argument)
     n: int
     k: int
     bn: int = 32
@@ -79,8 +79,8 @@ class BsrSpec:
 
     def __post_init__(self):
         bad = []
-        if min(self.m, self.n, self.k) <= 0:
-            bad.append("M, N, K must be positive")
+        if self.m < 0 or min(self.n, self.k) <= 0:
+            bad.append("N and K must be positive, M positive or 0 (any number of rows)")
         if self.k % 8:
             bad.append(f"K={self.k} must be a multiple of 8 (16-byte rows)")
         if self.bk % 16 or self.bk > 128 or self.bn % 16:
@@ -240,6 +240,12 @@ class BsrSpec:
     def table_head(self) -> int:
         """int32 entries before the K indices: (row, first block, count) per slot, then the tail."""
         return 3 * self.row_blocks + self.table_tail
+
+    def rows(self):
+        """M in the kernel's TIR: the spec's rows, or for ``m=0`` the scalar argument ``M`` (call once per build:
+        every part of one kernel shares the variable)."""
+        from tvm import tirx
+        return tirx.Var("M", "int32") if self.m == 0 else self.m
 
     def pattern_nnz(self) -> int:
         return len(self.pattern)

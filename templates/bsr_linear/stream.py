@@ -28,9 +28,9 @@ def bsr_linear_stream(spec: BsrSpec):
     from tvm.script import tirx as T
 
     w4 = spec.dtype == "w4a16"
-    M, N, K, TM, S = spec.m, spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
+    M, N, K, TM, S = spec.rows(), spec.n, spec.k // spec.elems_per_half, spec.tm, spec.stages
     NT, WN, G = spec.threads, spec.warps_n, spec.groups
-    mv = Movement(spec, NT)
+    mv = Movement(spec, NT, M)
     STAGE = mv.stage
     tab, store_tile = mv.tab, mv.store_tile
     OUT0 = S * STAGE                                 # the output tile follows the stages
@@ -38,7 +38,7 @@ def bsr_linear_stream(spec: BsrSpec):
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     KW = spec.bk // 32
     MARKS = 3 * spec.row_blocks                     # the groups' (first slot, first block) marks
-    epi = FragmentEpilogue(spec, NT, MI, NI)
+    epi = FragmentEpilogue(spec, NT, MI, NI, M)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,

@@ -63,7 +63,7 @@ def bsr_linear_warp_specialized(spec: BsrSpec):
     from tvm.script import tirx as T
 
     EL = spec.elems_per_half
-    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.stages
+    M, N, K, TM, BN, S = spec.rows(), spec.n, spec.k // EL, spec.tm, spec.bn, spec.stages
     NT, GN = spec.threads, spec.warps_n
     RO = spec.roles                          # consumer roles, each with its own tiles (alternate tiles in ping-pong)
     RT = (NT - 128) // RO                    # consumer threads per role
@@ -72,13 +72,13 @@ def bsr_linear_warp_specialized(spec: BsrSpec):
     R, MT = spec.row_blocks, -(-M // TM)
     TILES = MT * R
     P = min(spec.ctas, TILES) if spec.ctas else TILES
-    prod, cons = Movement(spec, 128), Movement(spec, RT)
+    prod, cons = Movement(spec, 128, M), Movement(spec, RT, M)
     STAGE, HEAD = prod.stage, prod.head
     tab = prod.tab
     OUT0 = S * STAGE if spec.ctas else 0     # persistent: the output tiles beside the stages
     OUTL = spec.out_lanes
     BAR0 = spec.barrier_offset               # byte offset of full[S], then empty[S] (8 bytes each)
-    epi = FragmentEpilogue(spec, RT, 1, WTN // 8)
+    epi = FragmentEpilogue(spec, RT, 1, WTN // 8, M)
     issue = WgmmaIssue(spec, prod)
     NACC, ACC, acc_fence = issue.nacc, issue.acc, issue.fence
     mma_stage, mma_stage_rows2 = issue.mma_stage, issue.mma_stage_rows2

@@ -102,17 +102,17 @@ def bsr_linear_wgmma(spec: BsrSpec):
     from tvm.script import tirx as T
 
     EL = spec.elems_per_half
-    M, N, K, TM, BN, S = spec.m, spec.n, spec.k // EL, spec.tm, spec.bn, spec.stages
+    M, N, K, TM, BN, S = spec.rows(), spec.n, spec.k // EL, spec.tm, spec.bn, spec.stages
     NT, GN = spec.threads, spec.warps_n
     WTN = BN // GN
     R = spec.row_blocks
-    mv = Movement(spec, NT)
+    mv = Movement(spec, NT, M)
     HEAD = mv.head
     tab, load_stage, store_tile = mv.tab, mv.load_stage, mv.store_tile
     issue = WgmmaIssue(spec, mv)
     NACC, ACC, fence, mma_stage = issue.nacc, issue.acc, issue.fence, issue.mma_stage
     LOOK = S - 2                             # loads in flight ahead of the block being multiplied
-    epi = FragmentEpilogue(spec, NT, 1, WTN // 8)
+    epi = FragmentEpilogue(spec, NT, 1, WTN // 8, M)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, xs_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,

@@ -26,9 +26,10 @@ from .spec import LayerNormSpec
 def layer_norm_kernel(spec: LayerNormSpec):
     """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
     import tvm
+    from tvm import tirx
     from tvm.script import tirx as T
 
-    M, N, NT, ROWS = spec.m, spec.n, spec.threads, spec.rows_per_cta
+    M, N, NT, ROWS = spec.m or tirx.Var("M", "int32"), spec.n, spec.threads, spec.rows_per_cta
     CH, IT = N // 8, spec.per_thread
     WARPS = NT // 32
     full = CH % NT == 0                       # every thread's chunks all inside the row
@@ -72,6 +73,8 @@ def layer_norm_kernel(spec: LayerNormSpec):
                 combine(st, red[(w + 1) * 3], red[(w + 1) * 3 + 1], red[(w + 1) * 3 + 2])
             T.tvm_storage_sync("shared")      # red is reused by the |y| maximum
 
+    EVEN = spec.m > 0 and spec.m % ROWS == 0            # every CTA's rows inside M
+
     @T.prim_func
     def kernel(x_h: T.handle, r_h: T.handle, g_h: T.handle, b_h: T.handle, y_h: T.handle, xq_h: T.handle,
                xs_h: T.handle):
@@ -98,7 +101,7 @@ def layer_norm_kernel(spec: LayerNormSpec):
         row = T.meta_var(bx * ROWS + tx // NT)
         t = T.meta_var(tx % NT)
         lane = T.meta_var(tx % 32)
-        if ROWS == 1 or M % ROWS == 0 or row < M:     # a warp per row: the guard is warp-uniform
+        if ROWS == 1 or EVEN or row < M:     # a warp per row: the guard is warp-uniform
             st[0] = T.float32(0)
             st[1] = T.float32(0)
             st[2] = T.float32(0)

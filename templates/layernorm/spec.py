@@ -16,7 +16,7 @@ OUTPUTS = ("fp16", "int8", "both")
 
 @dataclass(frozen=True)
 class LayerNormSpec:
-    m: int
+    m: int                      # 0: any number of rows (M a kernel argument)
     n: int                      # normalised width, a multiple of 8 (16-byte rows)
     eps: float = 1e-5
     affine: bool = True         # G (fp16 weight)
@@ -28,8 +28,8 @@ class LayerNormSpec:
 
     def __post_init__(self):
         bad = []
-        if self.m <= 0 or self.n <= 0 or self.n % 8:
-            bad.append(f"M and N must be positive and N={self.n} a multiple of 8")
+        if self.m < 0 or self.n <= 0 or self.n % 8:
+            bad.append(f"M must be positive or 0 (any number of rows), N positive and N={self.n} a multiple of 8")
         if self.threads not in (32, 64, 128, 256, 512, 1024):
             bad.append("threads must be a power of two from 32 to 1024")
         if self.out not in OUTPUTS:

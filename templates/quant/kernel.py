@@ -16,9 +16,10 @@ from .spec import QuantRowsSpec
 def quantize_rows_kernel(spec: QuantRowsSpec):
     """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
     import tvm
+    from tvm import tirx
     from tvm.script import tirx as T
 
-    M, K, NT = spec.m, spec.k, spec.threads
+    M, K, NT = spec.m or tirx.Var("M", "int32"), spec.k, spec.threads
     R = spec.rows_per_cta
     CH = K // 8                                   # 16-byte chunks per row
     IT = -(-CH // NT)
@@ -26,6 +27,8 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
     full = CH % NT == 0
     reduce_max = row_max(WARPS)
     emit_codes = store_codes(CH, NT)
+
+    EVEN = spec.m > 0 and spec.m % R == 0            # every CTA's rows inside M
 
     @T.prim_func
     def kernel(x_h: T.handle, xq_h: T.handle, xs_h: T.handle):
@@ -42,7 +45,7 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
         row = T.meta_var(bx * R + tx // NT)
         t = T.meta_var(tx % NT)
         lane = T.meta_var(tx % 32)
-        if R == 1 or M % R == 0 or row < M:     # a warp per row: the guard is warp-uniform
+        if R == 1 or EVEN or row < M:     # a warp per row: the guard is warp-uniform
             for it in T.unroll(IT):            # every load in flight before the first use
                 if full or t + it * NT < CH:
                     for v in T.vectorized(8):

@@ -14,14 +14,15 @@ import torch
 
 @dataclass(frozen=True)
 class QuantRowsSpec:
-    m: int
+    m: int                      # 0: any number of rows (M a kernel argument)
     k: int                      # a multiple of 8 (16-byte rows)
     threads: int = 32           # threads per row: 32 = a warp per row (4 rows per CTA), 64..512 = a CTA per row
     name: str = "quantize_rows"
 
     def __post_init__(self):
-        if self.m <= 0 or self.k <= 0 or self.k % 8:
-            raise ValueError(f"spec {self.name}: M and K must be positive and K={self.k} a multiple of 8")
+        if self.m < 0 or self.k <= 0 or self.k % 8:
+            raise ValueError(f"spec {self.name}: M must be positive or 0 (any number of rows), K positive and "
+                             f"K={self.k} a multiple of 8")
         if self.threads not in (32, 64, 128, 256, 512):
             raise ValueError(f"spec {self.name}: threads must be a power of two from 32 to 512")
         if -(-self.k // 8 // self.threads) > 32:
