@@ -21,6 +21,7 @@ import torch
 
 from ..templates.bsr_linear.int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
 from ..templates.bsr_linear.packing import block_mask_of, pack_weight, unpack_weight
+from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.epilogue_ref import out_scale_arg
 from .quant import output_scale_arg
@@ -145,6 +146,34 @@ class BsrLinearOp:
         return {} if self.out_scale is None else {"OS": self.out_scale}
 
 
+class BsrGemvOp:
+    """The few-row GEMV (``templates/bsr_linear/gemv.py``) over a tile kernel's packed fp16 blocks and table."""
+
+    def __init__(self, folder, spec: BsrGemvSpec, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor):
+        self.kernel, self.spec = CudaKernel(folder), spec
+        self.wp, self.table, self.bias = wp.reshape(-1), table, bias
+        self._prepared = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        check_fp16_input(s.name, x, 0, s.k)
+        if x.shape[0] > s.rows:
+            raise CudaRuntimeError(f"{s.name}: the GEMV takes at most {s.rows} rows, got {x.shape[0]}")
+        y = torch.empty(x.shape[0], s.n, dtype=torch.float16, device=x.device)
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(("X", "Y"), X=x, Wp=self.wp, B=self.bias, Tab=self.table, Y=y)
+        else:
+            self._prepared.launch(X=x, Y=y)
+        return y
+
+
+def gemv_fits(spec: BsrSpec, gemv: BsrGemvSpec) -> bool:
+    """Whether ``gemv`` reads the packed weights, table and bias of ``spec``'s kernel and computes its epilogue."""
+    return (spec.dtype == "float16" and spec.out == "float16" and spec.table == "arg"
+            and (gemv.n, gemv.k, gemv.bn, gemv.bk, gemv.bias, gemv.act, gemv.groups)
+            == (spec.n, spec.k, spec.bn, spec.bk, spec.bias, spec.act, spec.groups))
+
+
 def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     codes, scale, zero = quantize_w4(weight, group, spec.zero)
     k = weight.shape[1]
@@ -159,6 +188,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     kernel (``spec.dtype == "int8"``) holds int8 blocks and per-channel ``weight_scale``; its
     input is quantised per token by the kernel in ``quant_folder`` (torch ops without one).
     ``hopper`` = (folder, spec): a ``wgmma`` kernel over the same blocks, run instead on sm_90 GPUs.
+    ``gemv`` = (folder, spec): the few-row GEMV over the same blocks, run instead for inputs of up to ``spec.rows``
+    rows (fp16 kernels).
     A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
     :meth:`requantize_output` it returns the int8 codes of its output at one static scale and that scale
     per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``. The kernel runs as the
@@ -171,7 +202,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
                  weight_scale: torch.Tensor | None = None, quant_folder: str | None = None,
-                 hopper: tuple | None = None):
+                 hopper: tuple | None = None, gemv: tuple | None = None):
         super().__init__()
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
         self.hopper = None
@@ -182,6 +213,12 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                 raise CudaRuntimeError(f"op {op_name!r}: the Hopper kernel must be a wgmma kernel over the same "
                                        f"blocks and epilogue ({', '.join(same)})")
             self.hopper = (str(h_folder), h_spec)
+        self.gemv = None
+        if gemv is not None:
+            if not gemv_fits(spec, gemv[1]):
+                raise CudaRuntimeError(f"op {op_name!r}: the GEMV must read the fp16 kernel's blocks and table and "
+                                       "compute its epilogue")
+            self.gemv = (str(gemv[0]), gemv[1])
         int8 = spec.dtype == "int8"
         if int8 and (wp.dtype != torch.int8 or weight_scale is None):
             raise CudaRuntimeError(f"op {op_name!r}: a W8A8 kernel needs int8 blocks and per-channel weight scales")
@@ -196,7 +233,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
         self.output_names, self.out_scale = None, None     # set by requantize_output
-        self._op = None
+        self._op = self._gemv_op = None
         self.register_kernel(op_name)
 
     @property
@@ -215,12 +252,14 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         specs = [self.spec] + ([self.hopper[1]] if self.hopper else [])
         if any(s.out != "int8" for s in specs):
             raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8'")
+        self.gemv = None           # the GEMV writes fp16
         self._requantized(names, scale, self.spec.m, self.wp.device)
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
                     block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
-                    weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None) -> SparseLinearCUDA:
+                    weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None,
+                    gemv=None) -> SparseLinearCUDA:
         """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
         scales, e.g. by calibration; default: each channel's absolute maximum / 127). W4A16 kernels
         round it to nearest in groups of 128 (fitted codes and scales: :meth:`from_w4_codes`)."""
@@ -237,7 +276,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             wp, table = pack_weight(codes, spec, block_mask)
         else:
             wp, table = pack_weight(weight.half(), spec, block_mask)
-        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper)
+        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper, gemv)
 
     @classmethod
     def from_w4_codes(cls, op_name: str, x_name: str, folder, spec: BsrSpec, codes: torch.Tensor,
@@ -270,6 +309,10 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                 self._op.quantizer = RowQuantizer(self.quant_folder)
         if len(inputs) == 2:
             return [self._op.int8(x.contiguous(), inputs[1])]
+        if self.gemv is not None and x.shape[0] <= self.gemv[1].rows:
+            if self._gemv_op is None or self._gemv_op.wp.data_ptr() != self.wp.data_ptr():
+                self._gemv_op = BsrGemvOp(*self.gemv, self.wp, self.table, self.bias)
+            return [self._gemv_op(x.contiguous())]
         return [self._op(x.contiguous())]
 
     def dense_weight(self) -> torch.Tensor:
@@ -297,6 +340,10 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             h_folder = Path(self.hopper[0])
             config["hopper"] = {"kernel": h_folder.name, "spec": spec_to_json(self.hopper[1])}
             folders[h_folder.name] = h_folder
+        if self.gemv is not None:
+            g_folder = Path(self.gemv[0])
+            config["gemv"] = {"kernel": g_folder.name, "spec": dataclasses.asdict(self.gemv[1])}
+            folders[g_folder.name] = g_folder
         config.update(self.output_config())
         return config, tensors, folders
 
@@ -307,10 +354,14 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         kernels = [(config["kernel"], spec)] + ([(hopper["kernel"], spec_from_json(hopper["spec"]))] if hopper else [])
         for name, kspec in kernels:
             check_saved_spec(config["op_name"], folders[name], kspec, load=load_spec)
+        gemv = config.get("gemv")
+        if gemv is not None:
+            gemv = (folders[gemv["kernel"]], BsrGemvSpec(**gemv["spec"]))
+            check_saved_spec(config["op_name"], *gemv)
         module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
                      folders[config["quantizer"]] if config.get("quantizer") else None,
-                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None)
+                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_output(config)
@@ -320,7 +371,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         return (f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, "
                 f"{ {'int8': 'W8A8', 'w4a16': 'W4A16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
                 f"{', wgmma on sm_90' if self.hopper else ''}"
+                f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 
-__all__ = ["BsrLinearOp", "SparseLinearCUDA", "load_spec", "spec_from_json", "spec_to_json"]
+__all__ = ["BsrGemvOp", "BsrLinearOp", "SparseLinearCUDA", "gemv_fits", "load_spec", "spec_from_json", "spec_to_json"]

@@ -91,7 +91,8 @@ class RequantizedOutput:
             raise CudaRuntimeError(f"op {self.op_name!r}: requantising names two tensors (codes, scales)")
         out_scale_arg(scale)                             # refuses a scale that is not positive and finite
         self.output_names, self.out_scale, self._op = list(names), float(scale), None
-        self.register_buffer("code_scale", torch.full((rows,), float(scale), dtype=torch.float32, device=device))
+        self.scale_rows = rows      # 0: any number of rows (the one scale expanded to the call's)
+        self.register_buffer("code_scale", torch.full((rows or 1,), float(scale), dtype=torch.float32, device=device))
         self.register_buffer("out_scale_os", out_scale_arg(scale).to(device), persistent=False)
 
     def output_config(self) -> dict:
@@ -120,9 +121,10 @@ class QuantizedLinear(QuantizedInput, RequantizedOutput):
             (y,) = self.call_kernel(x.reshape(-1, s.k), x_scale.reshape(-1))
         else:
             (y,) = self.call_kernel(x.reshape(-1, s.k).to(torch.float16).contiguous())
+        rows = y.shape[0]
         y = y.reshape(*x.shape[:-1], s.n)
         if self.out_scale is not None:
-            return y, self.code_scale
+            return y, self.code_scale if self.scale_rows else self.code_scale.expand(rows)
         return y.to(self.out_dtype or x.dtype)
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,90 @@
+"""The few-row block-sparse fp16 GEMV of ``bsr_linear`` (``gemv_spec.py``), in TVMScript."""
+
+from __future__ import annotations
+
+from ..epilogue import tir_activate
+from .gemv_spec import BsrGemvSpec
+
+
+def bsr_gemv(spec: BsrGemvSpec):
+    """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    M = tirx.Var("M", "int32")
+    N, K, BN, BK, MR, W = spec.n, spec.k, spec.bn, spec.bk, spec.rows, spec.warps
+    LPR, J, UR = spec.lanes_per_row, spec.loads, spec.unit_rows
+    RPI = 32 // LPR                          # block rows one warp-wide load covers
+    U = BN // UR                             # CTAs per block row
+    HEAD, BLOCK = spec.table_head, BN * BK
+    OUTS = -(-UR * MR // (32 * W))           # epilogue outputs per thread
+    STEPS = LPR.bit_length() - 1             # butterfly steps over a row's lanes
+    FULL = T.uint32(0xFFFFFFFF)
+
+    @T.prim_func
+    def kernel(x_h: T.handle, wp_h: T.handle, b_h: T.handle, tab_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        wlen = T.int32()
+        ntab = T.int32()
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Wp = T.match_buffer(wp_h, (wlen,), "float16")
+        B = T.match_buffer(b_h, (N,), "float16")
+        Tab = T.match_buffer(tab_h, (ntab,), "int32")
+        Y = T.match_buffer(y_h, (M, N), "float16")
+        bx = T.launch_thread("blockIdx.x", spec.ctas)
+        tx = T.launch_thread("threadIdx.x", 32 * W)
+        red = T.alloc_buffer((W * UR * MR,), "float32", scope="shared")
+        acc = T.alloc_buffer((J * MR,), "float32", scope="local")
+        wv = T.alloc_buffer((J * 8,), "float16", scope="local")
+        xv = T.alloc_buffer((8,), "float16", scope="local")
+        tot = T.alloc_buffer((1,), "float32", scope="local")
+        lane = T.meta_var(tx % 32)
+        warp = T.meta_var(tx // 32)
+        slot = T.meta_var(bx // U)
+        r0 = T.meta_var((bx % U) * UR)       # the CTA's first row inside the block row
+        kq = T.meta_var(lane % LPR)          # the lane's 8 columns of a block
+        rr = T.meta_var(lane // LPR)
+        row = T.meta_var(Tab[slot * 3])
+        first = T.meta_var(Tab[slot * 3 + 1])
+        count = T.meta_var(Tab[slot * 3 + 2])
+        for i in T.unroll(J * MR):
+            acc[i] = T.float32(0)
+        for t in T.serial((count - warp + W - 1) // W):
+            blk = T.meta_var(first + warp + t * W)
+            kc = T.meta_var(Tab[HEAD + blk] * BK + kq * 8)
+            for i in T.unroll(J):            # every load of the block in flight before the first use
+                for v in T.vectorized(8):
+                    wv[i * 8 + v] = Wp[blk * BLOCK + (r0 + i * RPI + rr) * BK + kq * 8 + v]
+            for m in T.unroll(MR):
+                if m < M:
+                    if K % BK == 0 or kc < K:
+                        for v in T.vectorized(8):
+                            xv[v] = X[m, kc + v]
+                        for i in T.unroll(J):
+                            for v in T.unroll(8):
+                                acc[i * MR + m] = acc[i * MR + m] + \
+                                    T.Cast("float32", wv[i * 8 + v]) * T.Cast("float32", xv[v])
+        for m in T.unroll(MR):
+            if m < M:
+                for i in T.unroll(J):
+                    for s in T.unroll(STEPS):
+                        T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[0], acc[i * MR + m], T.uint32(LPR // 2 >> s),
+                                                                T.uint32(31), FULL))
+                        acc[i * MR + m] = acc[i * MR + m] + tot[0]
+                    if kq == 0:
+                        red[(warp * UR + i * RPI + rr) * MR + m] = acc[i * MR + m]
+        T.tvm_storage_sync("shared")
+        for it in T.unroll(OUTS):
+            o = T.meta_var(tx + it * 32 * W)
+            if UR * MR % (32 * W) == 0 or o < UR * MR:
+                r = T.meta_var(o % UR)
+                m = T.meta_var(o // UR)
+                n = T.meta_var(row * BN + r0 + r)
+                if m < M and n < N:
+                    tot[0] = T.float32(0)
+                    for w in T.unroll(W):
+                        tot[0] = tot[0] + red[(w * UR + r) * MR + m]
+                    Y[m, n] = T.Cast("float16", tir_activate(tot[0], B[n] if spec.bias else None, spec.act))
+
+    return tvm.IRModule({spec.name: kernel})

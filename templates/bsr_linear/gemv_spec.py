@@ -1,0 +1,90 @@
+"""The few-row block-sparse fp16 GEMV of ``bsr_linear``: the spec and its torch reference (TVM-free).
+
+``Y = act(X · Wᵀ + b)`` for ``X`` of 1 to ``rows`` rows (decode), reading the packed weights and table of the
+one-tile and streaming kernels (``packing.pack_weight``, fp16 blocks of ``bn × bk``): one packed weight per linear
+serves both, and the runtime picks this kernel for ``M <= rows``. A CTA owns ``unit_rows`` rows of one block row;
+its warps take the row's kept blocks round robin, each lane streams 16-byte pieces of a block (``bk / 8`` lanes per
+block row, coalesced: a warp's load is 512 contiguous bytes) and keeps fp32 sums per (row, token); the lanes of a
+row add by shuffles, the warps through shared memory, and the epilogue adds bias and activation. ``M`` is a kernel
+argument: one build serves every row count up to ``rows``. The table's layout follows the tile kernel it shares
+(``groups``: the streaming kernel's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..epilogue_ref import ACTIVATIONS
+
+LOADS = 4                       # 16-byte loads per lane per block (rows a lane sums)
+
+
+@dataclass(frozen=True)
+class BsrGemvSpec:
+    n: int
+    k: int
+    bn: int = 32
+    bk: int = 32
+    rows: int = 16              # the most rows (tokens) a call may have
+    warps: int = 4
+    bias: bool = True
+    act: str = "none"
+    groups: int = 0             # the table's layout: the streaming kernel's (groups > 0) or the one-tile kernel's
+    name: str = "bsr_gemv"
+
+    def __post_init__(self):
+        bad = []
+        if self.n <= 0 or self.k <= 0 or self.k % 8:
+            bad.append(f"N, K must be positive and K={self.k} a multiple of 8 (16-byte rows)")
+        if self.bk not in (16, 32, 64, 128) or self.bn % 16 or self.bn <= 0:
+            bad.append(f"block {self.bn}x{self.bk}: bk 16, 32, 64 or 128, bn a multiple of 16")
+        elif self.bn % self.unit_rows:
+            bad.append(f"bn={self.bn} is not a multiple of the {self.unit_rows} rows a CTA owns")
+        if not 1 <= self.rows <= 16:
+            bad.append(f"rows={self.rows} must be 1..16 (a GEMV for decode; more rows want the tile kernels)")
+        if self.warps not in (1, 2, 4, 8, 16):
+            bad.append("warps must be 1, 2, 4, 8 or 16")
+        if self.act not in ACTIVATIONS:
+            bad.append(f"activation {self.act!r} not in {ACTIVATIONS}")
+        if self.groups < 0:
+            bad.append("groups must be >= 0")
+        if bad:
+            raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    @property
+    def lanes_per_row(self) -> int:
+        return self.bk // 8
+
+    @property
+    def loads(self) -> int:
+        """16-byte loads per lane per block: rows a lane sums, ``32 / lanes_per_row`` rows apart."""
+        return max(1, min(LOADS, self.bn * self.lanes_per_row // 32))
+
+    @property
+    def unit_rows(self) -> int:
+        """Rows of a block row one CTA owns."""
+        return self.loads * 32 // self.lanes_per_row
+
+    @property
+    def row_blocks(self) -> int:
+        return -(-self.n // self.bn)
+
+    @property
+    def ctas(self) -> int:
+        return self.row_blocks * (self.bn // self.unit_rows)
+
+    @property
+    def table_head(self) -> int:
+        """int32 entries of the shared table before the K indices (``BsrSpec.table_head``)."""
+        return 3 * self.row_blocks + (2 * (self.groups + 1) if self.groups else 0)
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.warps * self.unit_rows * self.rows * 4
+
+    def key(self) -> dict:
+        return asdict(self)
+
+
+def argument_names(spec: BsrGemvSpec) -> list[str]:
+    return ["X", "Wp", *(["B"] if spec.bias else []), "Tab", "Y"]
