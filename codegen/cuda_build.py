@@ -89,6 +89,8 @@ def cuda_source(template, spec) -> str:
 
 def cuda_templates() -> dict:
     """Spec type → the template that builds it, for every CUDA kernel family of ``sparta.templates``."""
+    from ..templates.bsr_linear.gemv import bsr_gemv
+    from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
     from ..templates.bsr_linear.kernel import bsr_linear
     from ..templates.bsr_linear.spec import BsrSpec
     from ..templates.layernorm.kernel import layer_norm_kernel
@@ -99,7 +101,7 @@ def cuda_templates() -> dict:
     from ..templates.w4a16_gemv.spec import W4A16Spec
     from ..templates.w8a8_gemv.kernel import w8a8_gemv
     from ..templates.w8a8_gemv.spec import W8A8GemvSpec
-    return {BsrSpec: bsr_linear, W4A16Spec: w4a16_gemv, W8A8GemvSpec: w8a8_gemv, LayerNormSpec: layer_norm_kernel,
+    return {BsrSpec: bsr_linear, BsrGemvSpec: bsr_gemv, W4A16Spec: w4a16_gemv, W8A8GemvSpec: w8a8_gemv, LayerNormSpec: layer_norm_kernel,
             QuantRowsSpec: quantize_rows_kernel}
 
 

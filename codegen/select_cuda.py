@@ -45,6 +45,7 @@ class GemmSite:
     weight: torch.Tensor           # (N, K) fp32, pruned elements zero
     w4_group: int                  # the W4A16 GEMV's scale group for the plan's 4-bit scales, 0 if none fits
     w4_refusal: str                # why the 4-bit scales do not suit the kernels ("" where they do)
+    any_rows: bool = False         # the graph was captured dynamic: kernels take any number of rows (m: the hint)
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
@@ -72,7 +73,7 @@ def bias_shape(site: GemmSite, target: Target):
 
 
 def w4a16_gemv(site: GemmSite, target: Target):
-    if site.bits == "W4A16" and not site.w4_refusal and site.dense and site.w4_group \
+    if site.bits == "W4A16" and not site.w4_refusal and site.dense and site.w4_group and not site.any_rows \
             and site.m <= target.tiles("gemv_max_rows", "w4a16"):
         return choice("w4a16_gemv", "w4a16_gemv", f"dense 4-bit weights, {site.m} rows: the GEMV streams them over "
                       "the whole GPU", "w4a16", dict(gemv_tiling(site.m, site.n, site.k, site.w4_group),
@@ -93,7 +94,7 @@ def w4a16_dense_tile(site: GemmSite, target: Target):
 
 def w8a8_gemv(site: GemmSite, target: Target):
     if site.bits == "W8A8" and site.k % 16 == 0 and site.m <= target.tiles("gemv_max_rows", "w8a8") \
-            and (site.k % 32 == 0 or site.dense):
+            and not site.any_rows and (site.k % 32 == 0 or site.dense):
         sparse = not site.dense
         return choice("w8a8_gemv", "w8a8_gemv", f"{'block-sparse' if sparse else 'dense'} W8A8, {site.m} rows: the "
                       "GEMV streams the weights over the whole GPU", "int8",
@@ -172,8 +173,9 @@ def stream_tiles(m: int, mask: torch.Tensor, target: Target) -> dict | None:
 
 def pingpong_pays(m: int, n: int, target: Target) -> bool:
     """Whether a dense W8A8 GEMM writing int8 codes runs fastest on the ping-pong kernel (a 128x192 tile per
-    consumer warpgroup): from ``tiles_per_sm`` such tiles per SM (measured: docs/notes/w8a8-tuning.md)."""
-    return n % 192 == 0 and -(-m // 128) * (n // 192) >= target.tiles("pingpong", "tiles_per_sm") * target.sms
+    consumer warpgroup): from ``tiles_per_sm`` such tiles per SM (measured: docs/notes/w8a8-tuning.md); never for
+    any number of rows (``m=0``: the persistent kernel is built for one M)."""
+    return m > 0 and n % 192 == 0 and -(-m // 128) * (n // 192) >= target.tiles("pingpong", "tiles_per_sm") * target.sms
 
 
 def int8_dense_tiles(m: int, n: int, target: Target, requantized: bool = False) -> tuple[dict, dict]:
@@ -252,7 +254,7 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     weight = torch.where(keep, weight_matrix(graph, op), 0.0) if op.op in GEMM_OPS else torch.zeros(0, 0)
     requantized = plan is not None and out in plan.static_scales
     return GemmSite(op, op_plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
-                    weight, group, refusal)
+                    weight, group, refusal, bool(graph.meta.get("dynamic_dims")))
 
 
 def gemv_group(group: int, k: int) -> int:

@@ -24,9 +24,11 @@ from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view
 from ..target import Target, load_target
-from ..runtime.bsr_linear import SparseLinearCUDA
+from ..runtime.bsr_linear import SparseLinearCUDA, gemv_fits
 from ..runtime.layernorm import LayerNormCUDA, quantized_names
 from ..runtime.w8a8_gemv import W8A8GemvCUDA
+from ..templates.bsr_linear.gemv import bsr_gemv
+from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.kernel import bsr_linear
 from ..templates.bsr_linear.packing import block_mask_of
 from ..templates.bsr_linear.spec import BsrSpec
@@ -64,7 +66,7 @@ def specialize_cuda(graph: Graph, plan: Plan, target: Target | None = None):
         if op_plan.kernel.kernel == "torch":
             report.append(torch_row(op, "W16A16", op_plan.kernel.reason))
             continue
-        module, row, fused = _build_op(graph, op, op_plan)
+        module, row, fused = _build_op(graph, op, op_plan, target)
         replacements[op.name] = module
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
@@ -138,7 +140,8 @@ def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
         fp16_too = not int8 or len(int8) < len(readers) or y in graph.outputs
         out = "int8" if not fp16_too else "both" if int8 else "fp16"
         add = _residual_add(graph, op, replacements)
-        built = _build_norm(graph, op, out, replacements[int8[0]].spec.m if int8 else math.prod(x.shape[:-1]), add)
+        m = 0 if _any_rows(graph) else replacements[int8[0]].spec.m if int8 else math.prod(x.shape[:-1])
+        built = _build_norm(graph, op, out, m, add)
         if isinstance(built, str):
             rows.append(torch_row(op, "-", built))
             continue
@@ -177,7 +180,7 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
     n = x.shape[-1] if x.shape else 0
     if list(op.attrs.get("normalized_shape", [])) != [n]:
         return "normalises more than the last dimension"
-    if n % 8 or math.prod(x.shape[:-1]) != rows:
+    if n % 8 or (rows and math.prod(x.shape[:-1]) != rows):
         return f"width {n} is not a multiple of 8 or rows differ from the linears'"
     params = {}
     for role in ("weight", "bias"):
@@ -190,7 +193,7 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
     res = "_res" if add is not None else ""
     spec = LayerNormSpec(rows, n, eps=float(op.attrs.get("eps", 1e-5)), affine=params["weight"] is not None,
                          bias=params["bias"] is not None, out=out, threads=pick_threads(n), residual=add is not None,
-                         name=f"layer_norm_{rows}x{n}_{out}{res}")
+                         name=f"layer_norm_{rows or 'M'}x{n}_{out}{res}")
     art = build_cuda(layer_norm_kernel, spec)
     y = op.outputs[0]
     outputs = ([y] if out != "int8" else []) + (quantized_names(y) if out != "fp16" else [])
@@ -201,11 +204,31 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
     return module, report_row(op, "layer_norm", "-", bits, "-", [art])
 
 
-def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
+def _any_rows(graph: Graph) -> bool:
+    """Whether the graph was captured dynamic: its kernels take any number of rows (specs with ``m=0``)."""
+    return bool(graph.meta.get("dynamic_dims"))
+
+
+def _gemv_spec(spec: BsrSpec, mask: torch.Tensor, rows: int, target: Target) -> BsrGemvSpec | None:
+    """The few-row GEMV over ``spec``'s packed blocks, for a kernel called with ``rows`` rows (0: any), or None where
+    the calls are too large for it or the kernel is no fp16 one: warps enough to take one kept block each of an
+    average block row (measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
+    top = target.tiles("gemv_max_rows", "fp16")
+    if rows > top or spec.dtype != "float16" or spec.table != "arg":
+        return None
+    per_row = max(1, -(-int(mask.sum()) // max(1, mask.shape[0])))
+    warps = min(16, max(2, 1 << (per_row - 1).bit_length()))
+    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, rows=top, warps=warps, bias=spec.bias, act=spec.act,
+                    groups=spec.groups, name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{warps}")
+    return g if gemv_fits(spec, g) else None
+
+
+def _build_op(graph: Graph, op: Op, op_plan: OpPlan, target: Target):
     """The kernel module of ``op_plan.kernel`` for ``op``: (module, report row, fused activation op or None)."""
     choice = op_plan.kernel
     view = gemm_view(graph, op)
     x_name, _, _, m, n, k = view
+    rows = 0 if _any_rows(graph) else m
     site = gemm_site(graph, op, op_plan)
     weight = site.weight
     bias_name = gemm_bias(op)
@@ -223,10 +246,10 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     else:
         mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
     w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
-    spec = BsrSpec(m, n, k, bias=bias is not None, act=act, dtype=dtype,
+    spec = BsrSpec(rows, n, k, bias=bias is not None, act=act, dtype=dtype,
                    zero=w4 is not None and w4.zero is not None, **tiles)
     tag = {"int8": "i8_", "w4a16": "w4_", "float16": ""}[dtype]
-    spec = dataclasses.replace(spec, name=f"bsr_{m}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
+    spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
                                           f"{f'_g{spec.groups}' if spec.groups else ''}_"
                                           f"{act}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
@@ -234,24 +257,29 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     if choice.hopper is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
         h_spec = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma")
         hopper = (build_cuda(bsr_linear, h_spec), h_spec)
+    g_spec = _gemv_spec(spec, mask, rows, target)
+    gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
     out_shape = graph.tensor(op.outputs[0]).shape
     if w4 is not None:
         scale, zero = w4.expand(k)
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
                                                 mask, bias, out_shape)
     else:
-        scale, quant = (int8_weight_scale(op_plan, weight, k), row_quantizer(m, k)) if dtype == "int8" else (None, None)
+        scale, quant = (int8_weight_scale(op_plan, weight, k), row_quantizer(rows, k)) if dtype == "int8" else \
+            (None, None)
         module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
                                               weight_scale=scale, quant_folder=quant,
-                                              hopper=(hopper[0].path, hopper[1]) if hopper else None)
+                                              hopper=(hopper[0].path, hopper[1]) if hopper else None,
+                                              gemv=(gemv[0].path, gemv[1]) if gemv else None)
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
     bind(module, graph, op, view, reference=dtype != "float16")
     row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
                      {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
-                     [art] + ([hopper[0]] if hopper else []))
+                     [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []))
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
-             if hopper else []) + ([choice.note] if choice.note else [])
+             if hopper else []) + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
+        + ([choice.note] if choice.note else [])
     if notes:
         row["note"] = "; ".join(notes)
     return module, row, fused if act != "none" else None

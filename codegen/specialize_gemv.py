@@ -34,7 +34,7 @@ def int8_weight_scale(op_plan: OpPlan, weight: torch.Tensor, k: int) -> torch.Te
 def row_quantizer(m: int, k: int):
     """The folder of the per-token int8 quantiser a W8A8 kernel's fp16 input goes through."""
     return build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, threads=pick_quant_threads(k),
-                                                          name=f"quantize_rows_{m}x{k}")).path
+                                                          name=f"quantize_rows_{m or 'M'}x{k}")).path
 
 
 def build_w8a8_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.Tensor, bias, act: str, fused):

@@ -88,8 +88,8 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     ``dynamic``: True frees the inputs' batch and sequence dimensions (captured symbolic by ``torch.export``, every
     kernel built for any number of rows): one compile serves every batch and sequence length the model allows;
     the plan is made at the example's shapes. A dict is ``torch.export``'s ``dynamic_shapes`` (by forward's parameter
-    names, e.g. ``{"input_ids": {0: Dim.AUTO}}``: only the batch free). CPU target only for now (the CUDA kernels are
-    built for the example's rows).
+    names, e.g. ``{"input_ids": {0: Dim.AUTO}}``: only the batch free). On CUDA the fp16 block-sparse linears also
+    get the few-row GEMV over the same packed blocks, run for calls of up to 16 rows.
     """
     from .frontend import capture
 
@@ -97,9 +97,6 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
     if dismantle not in (None, "full", "tile", "none"):
         raise SpartaError(f"dismantle must be 'full', 'tile', 'none' or None, got {dismantle!r}")
-    if dynamic and target == "cuda":
-        raise SpartaError("dynamic=True is for the CPU target for now: sparta's CUDA kernels are built for the "
-                          "example's rows; compile one model per shape")
     if not isinstance(dynamic, (bool, dict)):
         raise SpartaError(f"dynamic must be True, False or a torch.export dynamic_shapes dict, got {dynamic!r}")
     for flag, value in (("propagate", propagate), ("verify", verify)):

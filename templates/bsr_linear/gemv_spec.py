@@ -78,10 +78,6 @@ class BsrGemvSpec:
         """int32 entries of the shared table before the K indices (``BsrSpec.table_head``)."""
         return 3 * self.row_blocks + (2 * (self.groups + 1) if self.groups else 0)
 
-    @property
-    def shared_bytes(self) -> int:
-        return self.warps * self.unit_rows * self.rows * 4
-
     def key(self) -> dict:
         return asdict(self)
 

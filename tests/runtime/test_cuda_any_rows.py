@@ -1,0 +1,157 @@
+"""Kernels built for any number of rows (``m=0``: ``M`` a kernel argument, the grid computed from it at launch) and
+the few-row block-sparse fp16 GEMV over the tile kernels' packed blocks, on a GPU, against their torch references.
+
+Fixtures ``r_*`` of ``tests/fixtures/cuda_specs.py`` (``python tests/fixtures/build_cuda.py --only ...``). One
+prepared launch is called at several row counts in turn, as a dynamic model calls it; fresh random data each run,
+outputs poisoned with NaN first.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
+LINEARS = ["r_odd_gelu", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu", "r_wg_b64"]
+GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "r_gemv_b16_nobias_m5",
+         "r_gemv_k128_m8_w16"]
+
+
+def _folder(name):
+    folder = ROOT / name
+    if not (folder / "launch.json").is_file():
+        pytest.skip(f"kernel {name} not built in {ROOT}")
+    return folder
+
+
+def _err(y, ref):
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1.0)).item()
+
+
+@pytest.mark.parametrize("name", LINEARS)
+def test_tile_kernels_take_any_number_of_rows(name):
+    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.int4_records import unpack_w4
+    from sparta.templates.bsr_linear.spec import reference, reference_int8
+    from sparta.templates.epilogue_ref import requantize
+    from sparta.templates.quant.spec import quantize_rows
+    folder = _folder(name)
+    spec = load_spec(folder)
+    assert spec.m == 0 and json.loads((folder / "launch.json").read_text())["grid"][0] == ["M", spec.tm]
+    if spec.mma == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    mask = torch.rand(spec.row_blocks, spec.k_blocks) < 0.4
+    w = torch.randn(spec.n, spec.k, device="cuda").half()
+    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
+    scale = 0.05 if spec.out == "int8" else None
+    op = BsrLinearOp(folder, spec, w, mask, bias, group=64, out_scale=scale)
+    for m in ROWS:
+        x = torch.randn(m, spec.k, device="cuda").half()
+        out = torch.full((m, spec.n), -128 if scale else float("nan"), device="cuda",
+                         dtype=torch.int8 if scale else torch.float16)
+        op(x, out=out)
+        if spec.dtype == "int8":
+            y = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk)
+        elif spec.dtype == "w4a16":
+            y = reference(x, unpack_w4(op.wp, op.table, spec), None, bias, spec.act, spec.bn, spec.bk)
+        else:
+            y = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk)
+        torch.cuda.synchronize()
+        if scale:
+            assert (out.int() - requantize(y.float(), scale).int()).abs().max() <= 1, f"{name} at M={m}"
+        else:
+            assert not out.isnan().any() and _err(out, y) < 2e-3, f"{name} at M={m}"
+
+
+@pytest.mark.parametrize("density", [0.0, 0.35, 1.0])
+@pytest.mark.parametrize("name", GEMVS)
+def test_gemv_matches_the_reference_over_the_tile_kernels_packing(name, density):
+    from sparta.runtime.bsr_linear import BsrGemvOp
+    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
+    from sparta.templates.bsr_linear.packing import pack_weight
+    from sparta.templates.bsr_linear.spec import BsrSpec, reference
+    folder = _folder(name)
+    spec = BsrGemvSpec(**json.loads((folder / "spec.json").read_text()))
+    tile = BsrSpec(0, spec.n, spec.k, bn=spec.bn, bk=spec.bk, tm=64, warps_m=1 if spec.bn < 32 else 2,
+                   groups=spec.groups, bias=spec.bias, act=spec.act)
+    mask = torch.rand(tile.row_blocks, tile.k_blocks) < density
+    w = torch.randn(spec.n, spec.k, device="cuda").half()
+    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else torch.zeros(spec.n, device="cuda").half()
+    wp, table = pack_weight(w, tile, mask)
+    op = BsrGemvOp(folder, spec, wp, table, bias)
+    for m in sorted({1, 2, spec.rows}) + [1]:
+        x = torch.randn(m, spec.k, device="cuda").half()
+        y = op(x)
+        ref = reference(x, w, mask, bias if spec.bias else None, spec.act, spec.bn, spec.bk)
+        torch.cuda.synchronize()
+        assert not y.isnan().any() and _err(y, ref) < 2e-3, f"{name} density {density} at M={m}"
+    with pytest.raises(Exception, match="at most"):
+        op(torch.randn(spec.rows + 1, spec.k, device="cuda").half())
+
+
+def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monkeypatch):
+    from sparta.runtime.bsr_linear import BsrGemvOp, SparseLinearCUDA, load_spec
+    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
+    from sparta.templates.bsr_linear.spec import reference
+    folder, g_folder = _folder("r_odd_gelu"), _folder("r_gemv_odd_gelu")
+    spec, g_spec = load_spec(folder), BsrGemvSpec(**json.loads((g_folder / "spec.json").read_text()))
+    mask = torch.rand(spec.row_blocks, spec.k_blocks) < 0.5
+    w, bias = torch.randn(spec.n, spec.k).half(), torch.randn(spec.n).half()
+    module = SparseLinearCUDA.from_weight("lin", "x", folder, spec, w, mask, bias, (0, spec.n),
+                                          gemv=(g_folder, g_spec)).cuda()
+    calls, gemv = [], BsrGemvOp.__call__
+    monkeypatch.setattr(BsrGemvOp, "__call__", lambda self, x: calls.append(x.shape[0]) or gemv(self, x))
+    for m in (1, 16, 17, 130, 5):
+        x = torch.randn(2, m, spec.k, device="cuda").half()      # 2m rows: the GEMV up to 8 tokens a batch row
+        y = module(x)
+        ref = reference(x.reshape(-1, spec.k), w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)
+        torch.cuda.synchronize()
+        assert _err(y.reshape(-1, spec.n), ref) < 2e-3, f"M={2 * m}"
+    assert calls == [2, 10], "the GEMV runs calls of up to 16 rows, the tile kernel the others"
+    graph, x = torch.cuda.CUDAGraph(), torch.randn(3, spec.k, device="cuda").half()
+    module(x)
+    with torch.cuda.graph(graph):
+        y = module(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)
+    assert _err(y, ref) < 2e-3, "a GEMV captured in a CUDA graph reads the input written after capture"
+
+
+@pytest.mark.parametrize("name", ["r_ln_res_warp_both", "r_ln_cta_int8"])
+def test_layer_norm_takes_any_number_of_rows(name):
+    from sparta.runtime.layernorm import LayerNormOp
+    from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
+    from sparta.templates.quant.spec import quantize_rows
+    folder = _folder(name)
+    spec = LayerNormSpec(**json.loads((folder / "spec.json").read_text()))
+    w, b = torch.rand(spec.n, device="cuda").half() + 0.5, torch.randn(spec.n, device="cuda").half()
+    op = LayerNormOp(folder, spec, w, b)
+    for m in (1, 5, 37, 2, 130):
+        x = torch.randn(m, spec.n, device="cuda").half()
+        r = torch.randn(m, spec.n, device="cuda").half() if spec.residual else None
+        outs = op(x, r) if r is not None else op(x)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        y = layer_norm_ref(x + r if r is not None else x, w, b, spec.eps)
+        if spec.out != "int8":
+            torch.testing.assert_close(outs[0].float(), y.float(), rtol=2e-3, atol=4e-3)
+        if spec.out != "fp16":
+            xq, xs = quantize_rows(outs[0] if spec.out == "both" else y)
+            torch.testing.assert_close(outs[-1], xs, rtol=4e-3, atol=0)
+            assert (outs[-2].int() - xq.int()).abs().max() <= 1, f"{name} at M={m}"
+
+
+def test_row_quantizer_takes_any_number_of_rows():
+    from sparta.runtime.quant import RowQuantizer
+    from sparta.templates.quant.spec import quantize_rows
+    q = RowQuantizer(_folder("r_quant_rows"))
+    for m in (1, 37, 4, 100):
+        x = torch.randn(m, q.k, device="cuda").half()
+        xq, xs = q(x)
+        rq, rs = quantize_rows(x)
+        assert torch.equal(xq, rq) and torch.equal(xs, rs), f"M={m}"
