@@ -5,7 +5,7 @@
 
 The linears of a LLaMA-style decoder (hidden 2048, intermediate 5632): N×K = 2048×2048, 5632×2048, 2048×5632, 90%
 of the 32×32 blocks pruned (seeded), at 1 to 32 rows: the GEMV (``templates/bsr_linear/gemv.py``) with the warps
-``compile`` picks and the others, the one-tile kernel built for any number of rows (what a dynamic model runs above
+``compile`` picks and the others, each also as a programmatic dependent launch (``_pdl``: a chain of them overlaps), the one-tile kernel built for any number of rows (what a dynamic model runs above
 the GEMV's rows), fp16 cuBLAS on the dense weight. At 512 rows the tile kernel for any rows against the same kernel
 built for exactly 512 (what M as an argument costs). Kernel-only time: CUDA graphs of 40 calls rotating weight sets
 beyond the L2 (120 MB). Floor = kept fp16 blocks / measured copy bandwidth.
@@ -47,6 +47,7 @@ def kernels() -> dict:
     for shape, (n, k) in SHAPES.items():
         for w in WARPS:
             specs[f"bg_{shape}_gemv_w{w}"] = BsrGemvSpec(n, k, warps=w)
+            specs[f"bg_{shape}_gemv_w{w}_pdl"] = BsrGemvSpec(n, k, warps=w, pdl=True)
         specs[f"bg_{shape}_tile_any"] = BsrSpec(0, n, k, **TILE)
         specs[f"bg_{shape}_tile_m512"] = BsrSpec(512, n, k, **TILE)
     return {name: type(s)(**{**s.__dict__, "name": name}) for name, s in specs.items()}
@@ -54,9 +55,11 @@ def kernels() -> dict:
 
 def picked_warps(shape: str) -> int:
     """The warps ``compile`` gives this shape's GEMV (``specialize_cuda._gemv_spec``)."""
-    mask = mask_of(shape)
-    per_row = max(1, -(-int(mask.sum()) // mask.shape[0]))
-    return min(16, max(2, 1 << (per_row - 1).bit_length()))
+    from sparta.target import load_target
+    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
+    fullest = int(mask_of(shape).sum(dim=1).max())
+    top = 16 if BsrGemvSpec(*SHAPES[shape]).ctas <= load_target("cuda").sms else 8
+    return min(top, max(2, 1 << (fullest - 1).bit_length()))
 
 
 def bench_shape(shape: str, bw: float) -> dict:
@@ -78,22 +81,28 @@ def bench_shape(shape: str, bw: float) -> dict:
              for _ in range(sets)]
     gemvs = {}
     for warps in WARPS:
-        folder = ROOT / f"bg_{shape}_gemv_w{warps}"
-        spec = BsrGemvSpec(**json.loads((folder / "spec.json").read_text()))
-        gemvs[warps] = [BsrGemvOp(folder, spec, t.wp, t.table, t.bias) for t in tiles]
+        for sfx in ("", "_pdl"):
+            folder = ROOT / f"bg_{shape}_gemv_w{warps}{sfx}"
+            spec = BsrGemvSpec(**json.loads((folder / "spec.json").read_text()))
+            gemvs[f"w{warps}{sfx}"] = [BsrGemvOp(folder, spec, t.wp, t.table, t.bias) for t in tiles]
     wf = [w.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
     rows, floor_us = [], kept / bw / 1e3
     for m in ROWS:
         xs = [torch.randn(m, k, device="cuda").half() for _ in range(sets)]
         ref = reference(xs[0], w, mask, bias, "none", 32, 32)
         res = {}
-        for warps, ops in gemvs.items():
+        for variant, ops in gemvs.items() if m <= 16 else ():
             y = ops[0](xs[0])
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            res[f"gemv_w{warps}"] = {"kernel_us": gpu_kernel_us(lambda i: ops[i](xs[i]), sets), "max_rel_err": err}
+            res[f"gemv_{variant}"] = {"kernel_us": gpu_kernel_us(lambda i: ops[i](xs[i]), sets), "max_rel_err": err}
         res["tile_any"] = {"kernel_us": gpu_kernel_us(lambda i: tiles[i](xs[i]), sets)}
         res["cublas_fp16"] = {"kernel_us": gpu_kernel_us(lambda i: F.linear(xs[i % sets], wf[i], bias), len(wf))}
-        pick = f"gemv_w{picked_warps(shape)}"
+        if m > 16:
+            print(f"{shape} m={m}: tile {res['tile_any']['kernel_us']:.2f} | cuBLAS "
+                  f"{res['cublas_fp16']['kernel_us']:.2f}", flush=True)
+            rows.append({"m": m, "results": res})
+            continue
+        pick = f"gemv_w{picked_warps(shape)}_pdl"
         best = min((v["kernel_us"], kk) for kk, v in res.items() if kk.startswith("gemv"))
         print(f"{shape} m={m}: floor {floor_us:.2f} us | picked {pick} {res[pick]['kernel_us']:.2f} us "
               f"(best {best[1]} {best[0]:.2f}) | tile {res['tile_any']['kernel_us']:.2f} | cuBLAS "

@@ -3,6 +3,8 @@
     python examples/llama_cuda.py --tokens 512 --out artifacts/llama_prefill   # machine with TVM + nvcc
     python examples/llama_cuda.py --tokens 1 --out artifacts/llama_decode
     python benchmarks/bench_e2e_llama.py artifacts/llama_prefill artifacts/llama_decode   # GPU: torch + cuda-bindings
+    python examples/llama_cuda.py --dynamic --out artifacts/llama_dynamic      # one model, every sequence length
+    python benchmarks/bench_e2e_llama.py artifacts/llama_dynamic --tokens 512 1
 
 Peers in one process, same token ids: sparta's model as ``sparta.load`` returns it (its calls under torch.compile
 with CUDA graphs, the default third stage on CUDA), the same model with its kernels launched from Python
@@ -10,6 +12,8 @@ with CUDA graphs, the default third stage on CUDA), the same model with its kern
 ``default`` and ``reduce-overhead``. Times are the host clock per forward, as a user calls the model. The floor beside
 them: the GPU time of the default call's kernels (profiler); the host overhead of a call is what its wall time adds to
 that. Also reported: the eager model's forward captured in one CUDA graph (sparta's kernels with the torch ops unfused).
+``--tokens``: a model compiled ``dynamic`` is measured at each of these sequence lengths (batch 1), one load serving
+all (the default call keeps one CUDA graph per shape); verified at each against the masked dense model.
 """
 
 from __future__ import annotations
@@ -53,11 +57,12 @@ def gpu_busy_us(fn, reps: int = 5) -> float:
                if ev.device_type == torch.autograd.DeviceType.CUDA) / reps
 
 
-def measure(path: str) -> dict:
-    eager = sparta.load(path, inductor=False).to("cuda")
-    worst = eager.verify(trials=1)
-    default = sparta.load(path).to("cuda")          # CUDA graphs under torch.compile: the default on CUDA
-    ids = random_inputs(eager.graph, 3)[0].cuda()
+def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -> dict:
+    if tokens is None:
+        ids = random_inputs(eager.graph, 3)[0].cuda()
+    else:
+        vocab = eager.graph.tensor("embed_tokens.weight").shape[0]
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(3)).cuda()
     with torch.no_grad():
         want = first_tensor(eager(ids)).clone()
         got = first_tensor(default(ids))
@@ -105,8 +110,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--name", default="e2e_llama")
+    ap.add_argument("--tokens", type=int, nargs="*", help="sequence lengths to call a dynamic model at")
     args = ap.parse_args()
-    payload = {path: measure(path) for path in args.paths}
+    payload = {}
+    for path in args.paths:
+        eager = sparta.load(path, inductor=False).to("cuda")
+        default = sparta.load(path).to("cuda")          # CUDA graphs under torch.compile: the default on CUDA
+        worst = eager.verify(trials=1)                  # a dynamic model: at three shapes or more
+        for tokens in args.tokens or [None]:
+            payload[path if tokens is None else f"{path}@{tokens}"] = measure(path, eager, default, worst, tokens)
     print(f"wrote {save(args.name, payload)}")
 
 

@@ -211,15 +211,18 @@ def _any_rows(graph: Graph) -> bool:
 
 def _gemv_spec(spec: BsrSpec, mask: torch.Tensor, rows: int, target: Target) -> BsrGemvSpec | None:
     """The few-row GEMV over ``spec``'s packed blocks, for a kernel called with ``rows`` rows (0: any), or None where
-    the calls are too large for it or the kernel is no fp16 one: warps enough to take one kept block each of an
-    average block row (measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
-    top = target.tiles("gemv_max_rows", "fp16")
-    if rows > top or spec.dtype != "float16" or spec.table != "arg":
+    the calls are too large for it or the kernel is no fp16 one: warps enough to take the fullest block row's kept
+    blocks in one round, up to 16, or up to 8 where the grid has more CTAs than the GPU SMs (measured:
+    benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
+    tiles = target.tiles("bsr_gemv")
+    if rows > tiles["max_rows"] or spec.dtype != "float16" or spec.table != "arg":
         return None
-    per_row = max(1, -(-int(mask.sum()) // max(1, mask.shape[0])))
-    warps = min(16, max(2, 1 << (per_row - 1).bit_length()))
-    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, rows=top, warps=warps, bias=spec.bias, act=spec.act,
-                    groups=spec.groups, name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{warps}")
+    fullest = max(1, int(mask.sum(dim=1).max()) if mask.numel() else 1)
+    top = 16 if BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk).ctas <= target.sms else 8
+    warps = min(top, max(2, 1 << (fullest - 1).bit_length()))
+    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, rows=tiles["max_rows"], warps=warps, bias=spec.bias,
+                    act=spec.act, groups=spec.groups, pdl=tiles["pdl"],
+                    name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{warps}{'_pdl' if tiles['pdl'] else ''}")
     return g if gemv_fits(spec, g) else None
 
 

@@ -3,11 +3,14 @@
     python examples/llama_cuda.py --tokens 512 --out artifacts/llama_prefill   # here: TVM + nvcc, no GPU
     python examples/llama_cuda.py --tokens 1 --out artifacts/llama_decode
     python benchmarks/bench_e2e_llama.py artifacts/llama_prefill artifacts/llama_decode   # on the GPU
+    python examples/llama_cuda.py --dynamic --out artifacts/llama_dynamic   # one model for every sequence length
+    python benchmarks/bench_e2e_llama.py artifacts/llama_dynamic --tokens 512 1
 
 The model is Hugging Face's ``LlamaModel`` from a config (hidden 2048, intermediate 5632, 16 heads, ``--layers``
 layers), fp16, on one sequence of ``--tokens`` tokens without a KV cache (``--tokens 1``: the work of one decode step
 of the linears). Each linear of the decoder layers keeps the ``--density`` fraction of its ``--block``-square blocks
-with the largest L2 norm.
+with the largest L2 norm. ``--dynamic`` compiles one model for every batch and sequence length (the example's
+``--tokens`` only trace it): its kernels take any number of rows, and calls of up to 16 tokens run the linears' GEMV.
 """
 
 from __future__ import annotations
@@ -51,16 +54,19 @@ def main():
     ap.add_argument("--block", type=int, default=32, choices=(32, 64))
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--dynamic", action="store_true", help="one model for every batch and sequence length")
     ap.add_argument("--vocab", type=int, default=4096,
                     help="embedding rows (fewer: a smaller save; the decoder's work is the same)")
     args = ap.parse_args()
 
     model, tesa = pruned_llama(args.layers, args.block, args.density, args.vocab)
-    ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    print(f"LLaMA-style decoder, {args.layers} layers, fp16, 1x{args.tokens} tokens; {len(tesa)} linears keep "
+    batch = 2 if args.dynamic else 1         # a traced batch of 1 would stay 1 (torch.export specialises sizes 0 and 1)
+    ids = torch.randint(0, args.vocab, (batch, args.tokens), generator=torch.Generator().manual_seed(0))
+    print(f"LLaMA-style decoder, {args.layers} layers, fp16, {batch}x{args.tokens} tokens"
+          f"{' (any batch and sequence length)' if args.dynamic else ''}; {len(tesa)} linears keep "
           f"{args.density:.0%} of their {args.block}x{args.block} blocks")
     t0 = time.perf_counter()
-    compiled = sparta.compile(model, tesa, (ids,), target="cuda")
+    compiled = sparta.compile(model, tesa, (ids,), target="cuda", dynamic=args.dynamic)
     print(f"compiled for CUDA in {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in compiled.timings.items())})")
     print(compiled.plan_report(only_gemm=True))

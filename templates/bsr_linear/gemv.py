@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..epilogue import tir_activate
+from ..ptx import grid_dependency
 from .gemv_spec import BsrGemvSpec
 
 
@@ -21,6 +22,30 @@ def bsr_gemv(spec: BsrGemvSpec):
     OUTS = -(-UR * MR // (32 * W))           # epilogue outputs per thread
     STEPS = LPR.bit_length() - 1             # butterfly steps over a row's lanes
     FULL = T.uint32(0xFFFFFFFF)
+    PDL = spec.pdl
+
+    @T.macro
+    def load_block(Wp, Tab, wv, kb, o, j, first, r0, rr, kq, count, warp):
+        # the warp's j-th block (if it has one): its J 16-byte pieces into wv[o], its K index into kb[o]
+        if warp + j * W < count:
+            for i in T.unroll(J):
+                for v in T.vectorized(8):
+                    wv[(o * J + i) * 8 + v] = Wp[(first + warp + j * W) * BLOCK + (r0 + i * RPI + rr) * BK + kq * 8 + v]
+            kb[o] = Tab[HEAD + first + warp + j * W]
+
+    @T.macro
+    def multiply(X, M, wv, wf, xv, acc, kb, o, kq):
+        # acc[i, m] += W piece i · X[m, the lane's 8 columns of the block]
+        for e in T.unroll(J * 8):
+            wf[e] = T.Cast("float32", wv[o * J * 8 + e])
+        for m in T.unroll(MR):
+            if m < M:
+                if K % BK == 0 or kb[o] * BK + kq * 8 < K:
+                    for v in T.vectorized(8):
+                        xv[v] = X[m, kb[o] * BK + kq * 8 + v]
+                    for i in T.unroll(J):
+                        for v in T.unroll(8):
+                            acc[i * MR + m] = acc[i * MR + m] + wf[i * 8 + v] * T.Cast("float32", xv[v])
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, b_h: T.handle, tab_h: T.handle, y_h: T.handle):
@@ -36,7 +61,9 @@ def bsr_gemv(spec: BsrGemvSpec):
         tx = T.launch_thread("threadIdx.x", 32 * W)
         red = T.alloc_buffer((W * UR * MR,), "float32", scope="shared")
         acc = T.alloc_buffer((J * MR,), "float32", scope="local")
-        wv = T.alloc_buffer((J * 8,), "float16", scope="local")
+        wv = T.alloc_buffer((2 * J * 8,), "float16", scope="local")     # two blocks in flight
+        wf = T.alloc_buffer((J * 8,), "float32", scope="local")
+        kb = T.alloc_buffer((2,), "int32", scope="local")
         xv = T.alloc_buffer((8,), "float16", scope="local")
         tot = T.alloc_buffer((1,), "float32", scope="local")
         lane = T.meta_var(tx % 32)
@@ -50,21 +77,18 @@ def bsr_gemv(spec: BsrGemvSpec):
         count = T.meta_var(Tab[slot * 3 + 2])
         for i in T.unroll(J * MR):
             acc[i] = T.float32(0)
-        for t in T.serial((count - warp + W - 1) // W):
-            blk = T.meta_var(first + warp + t * W)
-            kc = T.meta_var(Tab[HEAD + blk] * BK + kq * 8)
-            for i in T.unroll(J):            # every load of the block in flight before the first use
-                for v in T.vectorized(8):
-                    wv[i * 8 + v] = Wp[blk * BLOCK + (r0 + i * RPI + rr) * BK + kq * 8 + v]
-            for m in T.unroll(MR):
-                if m < M:
-                    if K % BK == 0 or kc < K:
-                        for v in T.vectorized(8):
-                            xv[v] = X[m, kc + v]
-                        for i in T.unroll(J):
-                            for v in T.unroll(8):
-                                acc[i * MR + m] = acc[i * MR + m] + \
-                                    T.Cast("float32", wv[i * 8 + v]) * T.Cast("float32", xv[v])
+        for t in T.serial((count - warp + 2 * W - 1) // (2 * W)):     # the warp's blocks, two at a time
+            load_block(Wp, Tab, wv, kb, 0, 2 * t, first, r0, rr, kq, count, warp)
+            load_block(Wp, Tab, wv, kb, 1, 2 * t + 1, first, r0, rr, kq, count, warp)
+            if PDL:
+                if t == 0:                   # the weights load while the previous kernel finishes; X is its output
+                    T.evaluate(grid_dependency("wait"))
+            multiply(X, M, wv, wf, xv, acc, kb, 0, kq)
+            if warp + (2 * t + 1) * W < count:
+                multiply(X, M, wv, wf, xv, acc, kb, 1, kq)
+        if PDL:                              # every write after the previous kernel completed
+            T.evaluate(grid_dependency("wait"))
+            T.evaluate(grid_dependency("launch_dependents"))
         for m in T.unroll(MR):
             if m < M:
                 for i in T.unroll(J):

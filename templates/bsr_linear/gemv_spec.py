@@ -7,7 +7,9 @@ its warps take the row's kept blocks round robin, each lane streams 16-byte piec
 block row, coalesced: a warp's load is 512 contiguous bytes) and keeps fp32 sums per (row, token); the lanes of a
 row add by shuffles, the warps through shared memory, and the epilogue adds bias and activation. ``M`` is a kernel
 argument: one build serves every row count up to ``rows``. The table's layout follows the tile kernel it shares
-(``groups``: the streaming kernel's).
+(``groups``: the streaming kernel's). A warp keeps two blocks in flight. ``pdl``: launched as a programmatic
+dependent (sm_90), the first blocks' weights load while the previous kernel in the stream finishes; ``X`` (its
+output) and every write wait for it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class BsrGemvSpec:
     bias: bool = True
     act: str = "none"
     groups: int = 0             # the table's layout: the streaming kernel's (groups > 0) or the one-tile kernel's
+    pdl: bool = False           # programmatic dependent launch (sm_90): weights load before the previous kernel ends
     name: str = "bsr_gemv"
 
     def __post_init__(self):

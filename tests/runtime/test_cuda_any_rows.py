@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
 LINEARS = ["r_odd_gelu", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu", "r_wg_b64"]
 GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "r_gemv_b16_nobias_m5",
-         "r_gemv_k128_m8_w16"]
+         "r_gemv_k128_m8_w16", "r_gemv_square_pdl"]
 
 
 def _folder(name):
@@ -91,6 +91,45 @@ def test_gemv_matches_the_reference_over_the_tile_kernels_packing(name, density)
         assert not y.isnan().any() and _err(y, ref) < 2e-3, f"{name} density {density} at M={m}"
     with pytest.raises(Exception, match="at most"):
         op(torch.randn(spec.rows + 1, spec.k, device="cuda").half())
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_gemv_chained_as_programmatic_dependents_reads_what_the_previous_one_wrote(graph):
+    """Launched with programmatic dependent launch, a GEMV loads its weights before the previous kernel ends: a chain
+    of them, each reading the last one's output, eagerly and captured in a CUDA graph, matches the reference."""
+    from sparta.runtime.bsr_linear import BsrGemvOp
+    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
+    from sparta.templates.bsr_linear.packing import pack_weight
+    from sparta.templates.bsr_linear.spec import BsrSpec, reference
+    folder = _folder("r_gemv_square_pdl")
+    spec = BsrGemvSpec(**json.loads((folder / "spec.json").read_text()))
+    assert spec.pdl and json.loads((folder / "launch.json").read_text())["pdl"]
+    tile = BsrSpec(0, spec.n, spec.k, bn=spec.bn, bk=spec.bk, tm=64, warps_m=2, act=spec.act)
+    ops, refs = [], []
+    for _ in range(6):
+        mask = torch.rand(tile.row_blocks, tile.k_blocks) < 0.5
+        w, bias = torch.randn(spec.n, spec.k, device="cuda").half() * 0.1, torch.randn(spec.n, device="cuda").half()
+        ops.append(BsrGemvOp(folder, spec, *pack_weight(w, tile, mask), bias))
+        refs.append(lambda x, w=w, mask=mask, bias=bias: reference(x, w, mask, bias, spec.act, spec.bn, spec.bk))
+    x = torch.randn(3, spec.k, device="cuda").half()
+
+    def chain():
+        y = x
+        for op in ops:
+            y = op(y)
+        return y
+    y = chain()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = chain()
+        x.copy_(torch.randn_like(x))
+        g.replay()
+    want = x
+    for ref in refs:
+        want = ref(want)
+    torch.cuda.synchronize()
+    assert _err(y, want) < 5e-3
 
 
 def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monkeypatch):
