@@ -54,12 +54,14 @@ def kernels() -> dict:
 
 
 def picked_warps(shape: str) -> int:
-    """The warps ``compile`` gives this shape's GEMV (``specialize_cuda._gemv_spec``)."""
+    """The warps kernel selection gives this shape's GEMV (``select_cuda.fp16_gemv_tiling``)."""
+    from types import SimpleNamespace
+    from sparta.codegen.select_cuda import fp16_gemv_tiling
     from sparta.target import load_target
-    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
-    fullest = int(mask_of(shape).sum(dim=1).max())
-    top = 16 if BsrGemvSpec(*SHAPES[shape]).ctas <= load_target("cuda").sms else 8
-    return min(top, max(2, 1 << (fullest - 1).bit_length()))
+    n, k = SHAPES[shape]
+    weight = mask_of(shape).repeat_interleave(32, 0).repeat_interleave(32, 1).float()
+    site = SimpleNamespace(any_rows=True, m=1, n=n, k=k, weight=weight)
+    return fp16_gemv_tiling(site, TILE, load_target("cuda"))["warps"]
 
 
 def bench_shape(shape: str, bw: float) -> dict:

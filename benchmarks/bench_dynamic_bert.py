@@ -1,12 +1,16 @@
-"""One compile, every shape: BERT-base compiled once with ``dynamic=True`` (CPU), called at many (batch, sequence).
+"""One compile, every shape: BERT-base compiled once with ``dynamic=True``, called at many (batch, sequence).
 
-    python benchmarks/bench_dynamic_bert.py                     # {1, 3, 8, 32} x {1, 17, 128, 512}
+    python benchmarks/bench_dynamic_bert.py                     # CPU: {1, 3, 8, 32} x {1, 17, 128, 512}
     python benchmarks/bench_dynamic_bert.py --batches 1 3 --seqs 1 17 128
+    python examples/bert_cuda.py --dynamic --batch 8 --vocab 8192 --out artifacts/bert_dynamic   # TVM + nvcc
+    python benchmarks/bench_dynamic_bert.py --saved artifacts/bert_dynamic                       # the GPU
 
 BERT-base from its config, every encoder linear keeping 10% of its 32×32 blocks (random, seeded), compiled once at
 the example shape ``--example`` (the plan is made there). Each (batch, sequence): the compiled model's output against
 the masked dense model (the same graph run with torch ops on the masked weights; worst relative error) and the median
-time of both, interleaved.
+time of both, interleaved. ``--saved``: a model compiled for CUDA (``examples/bert_cuda.py --dynamic``: fp16, 10% of
+the 32×32 blocks with the largest norm), loaded without TVM and called as ``sparta.load`` returns it (Inductor and one
+CUDA graph per shape), against its masked dense graph in torch ops; times by the host clock, synchronised.
 """
 
 from __future__ import annotations
@@ -43,6 +47,31 @@ def pruned_bert(density: float):
     return model, tesa
 
 
+def run_saved(args):
+    """The GPU run: one saved model at every (batch, sequence), verified against its masked dense graph."""
+    from common import first_tensor, gpu_wall_us
+    compiled = sparta.load(args.saved).to("cuda")
+    reference = compiled.reference().to("cuda")
+    vocab = compiled.graph.tensor("embeddings.word_embeddings.weight").shape[0]
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    print(f"{args.saved}: dynamic dims {compiled.graph.meta['dynamic_dims']}; {torch.cuda.get_device_name()}")
+    with torch.no_grad():
+        for batch in args.batches:
+            for seq in args.seqs:
+                ids = torch.randint(0, vocab, (batch, seq), generator=gen).cuda()
+                want = reference(ids)[0].float()
+                got = first_tensor(compiled(ids)).float()
+                err = float((got - want).abs().max() / want.abs().max())
+                us = {"sparta": gpu_wall_us(lambda i: compiled(ids), 1, 20),
+                      "dense": gpu_wall_us(lambda i: reference(ids), 1, 20)}
+                rows.append({"batch": batch, "seq": seq, "rel_err": err, "sparta_us": us["sparta"],
+                             "dense_us": us["dense"], "speedup": us["dense"] / us["sparta"]})
+                print(f"  {batch:3d} x {seq:4d}: rel. err {err:.1e}  sparta {us['sparta']:9.1f} us  "
+                      f"dense {us['dense']:9.1f} us  ({us['dense'] / us['sparta']:.2f}x)", flush=True)
+    print(save("dynamic_bert_cuda", {"saved": args.saved, "rows": rows}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 3, 8, 32])
@@ -50,7 +79,10 @@ def main():
     ap.add_argument("--example", type=int, nargs=2, default=[8, 128], metavar=("BATCH", "SEQ"))
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--saved", help="a saved CUDA model compiled dynamic (run on the GPU)")
     args = ap.parse_args()
+    if args.saved:
+        return run_saved(args)
     model, tesa = pruned_bert(args.density)
     gen = torch.Generator().manual_seed(2)
     example = torch.randint(0, 30522, tuple(args.example), generator=gen)

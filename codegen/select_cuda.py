@@ -21,6 +21,7 @@ from ..passes.transform.fusion import fused_activation
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
+from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.packing import block_mask_of
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
@@ -49,8 +50,8 @@ class GemmSite:
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
-           hopper: dict | None = None, note: str = "") -> KernelChoice:
-    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note)
+           hopper: dict | None = None, note: str = "", gemv: dict | None = None) -> KernelChoice:
+    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv)
 
 
 # ---- the rules, in order ---------------------------------------------------------------------------------------
@@ -121,14 +122,15 @@ def fp16_stream(site: GemmSite, target: Target):
     if site.side == 64 and not _runs_w4(site) and (tiles := stream_tiles(site.m, block_mask_of(
             site.weight, 64, 64), target)) is not None:
         return choice("bsr_linear", "fp16_stream", "few kept 64-blocks per block row: the streaming grid", "float16",
-                      tiles, note=_unhonoured(site))
+                      tiles, note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target))
     return None
 
 
 def bsr_tile(site: GemmSite, target: Target):
     dtype = "w4a16" if _runs_w4(site) else "float16"
-    return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype,
-                  target.tiles("fp16_tiles", site.side), note=_unhonoured(site))
+    tiles = target.tiles("fp16_tiles", site.side)
+    return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype, tiles,
+                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype == "float16" else None)
 
 
 GEMM_RULES = (not_a_gemm, k_alignment, bias_shape, w4a16_gemv, w4a16_dense_tile, w8a8_gemv, w8a8_dense_tile,
@@ -169,6 +171,20 @@ def stream_tiles(m: int, mask: torch.Tensor, target: Target) -> dict | None:
         return None
     groups = min(rows, max(1, round(stream["ctas_per_sm"] * target.sms / -(-m // stream["tile"]["tm"]))))
     return dict(stream["tile"], groups=groups)
+
+
+def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None:
+    """The block-sparse GEMV beside an fp16 tile kernel, over its packed blocks, for calls of up to
+    ``bsr_gemv.max_rows`` rows (a graph of any rows, or one compiled for that few), else None: warps enough to take
+    the fullest block row's kept blocks in one round, up to 16, or up to 8 where the grid has more CTAs than the GPU
+    SMs (measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
+    g = target.tiles("bsr_gemv")
+    if not site.any_rows and site.m > g["max_rows"]:
+        return None
+    mask = block_mask_of(site.weight, tiles["bn"], tiles["bk"])
+    fullest = max(1, int(mask.sum(dim=1).max()) if mask.numel() else 1)
+    top = 16 if BsrGemvSpec(site.n, site.k, tiles["bn"], tiles["bk"]).ctas <= target.sms else 8
+    return dict(rows=g["max_rows"], warps=min(top, max(2, 1 << (fullest - 1).bit_length())), pdl=g["pdl"])
 
 
 def pingpong_pays(m: int, n: int, target: Target) -> bool:
@@ -286,5 +302,5 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
     return plan
 
 
-__all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gemm_site", "stream_tiles",
+__all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gemm_site", "stream_tiles", "fp16_gemv_tiling",
            "int8_dense_tiles", "pingpong_pays", "w8a8_gemv_tiling", "gemv_tiling", "gemv_group"]

@@ -66,7 +66,7 @@ def specialize_cuda(graph: Graph, plan: Plan, target: Target | None = None):
         if op_plan.kernel.kernel == "torch":
             report.append(torch_row(op, "W16A16", op_plan.kernel.reason))
             continue
-        module, row, fused = _build_op(graph, op, op_plan, target)
+        module, row, fused = _build_op(graph, op, op_plan)
         replacements[op.name] = module
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
@@ -209,24 +209,19 @@ def _any_rows(graph: Graph) -> bool:
     return bool(graph.meta.get("dynamic_dims"))
 
 
-def _gemv_spec(spec: BsrSpec, mask: torch.Tensor, rows: int, target: Target) -> BsrGemvSpec | None:
-    """The few-row GEMV over ``spec``'s packed blocks, for a kernel called with ``rows`` rows (0: any), or None where
-    the calls are too large for it or the kernel is no fp16 one: warps enough to take the fullest block row's kept
-    blocks in one round, up to 16, or up to 8 where the grid has more CTAs than the GPU SMs (measured:
-    benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
-    tiles = target.tiles("bsr_gemv")
-    if rows > tiles["max_rows"] or spec.dtype != "float16" or spec.table != "arg":
+def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:
+    """The few-row GEMV selection chose beside ``spec``'s fp16 kernel (``KernelChoice.gemv``), over its packed blocks."""
+    if not tiling:
         return None
-    fullest = max(1, int(mask.sum(dim=1).max()) if mask.numel() else 1)
-    top = 16 if BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk).ctas <= target.sms else 8
-    warps = min(top, max(2, 1 << (fullest - 1).bit_length()))
-    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, rows=tiles["max_rows"], warps=warps, bias=spec.bias,
-                    act=spec.act, groups=spec.groups, pdl=tiles["pdl"],
-                    name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{warps}{'_pdl' if tiles['pdl'] else ''}")
-    return g if gemv_fits(spec, g) else None
+    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups, **tiling,
+                    name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{tiling['warps']}"
+                                                                    f"{'_pdl' if tiling.get('pdl') else ''}")
+    if not gemv_fits(spec, g):
+        raise AssertionError(f"{g.name}: selection chose a GEMV that does not read {spec.name}'s blocks")
+    return g
 
 
-def _build_op(graph: Graph, op: Op, op_plan: OpPlan, target: Target):
+def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     """The kernel module of ``op_plan.kernel`` for ``op``: (module, report row, fused activation op or None)."""
     choice = op_plan.kernel
     view = gemm_view(graph, op)
@@ -260,7 +255,7 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan, target: Target):
     if choice.hopper is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
         h_spec = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma")
         hopper = (build_cuda(bsr_linear, h_spec), h_spec)
-    g_spec = _gemv_spec(spec, mask, rows, target)
+    g_spec = _gemv_spec(spec, choice.gemv)
     gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
     out_shape = graph.tensor(op.outputs[0]).shape
     if w4 is not None:

@@ -98,12 +98,16 @@ class KernelChoice:
     tiles: dict = field(default_factory=dict)      # the template's tiling parameters
     hopper: dict | None = None     # tiling of the sm_90 twin over the same packed weights (wgmma), if any
     note: str = ""                 # what the plan asked for that this kernel does not run, and why
+    gemv: dict | None = None       # the few-row GEMV over the same packed weights, run for calls of <= gemv["rows"]
 
     def describe(self) -> str:
         if self.kernel == "torch":
             return f"torch ({self.reason})"
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
-        return f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]"
+        main = f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]"
+        if self.gemv:                  # the kernel per bucket of rows, picked at each call
+            return f"M<={self.gemv['rows']}: bsr_gemv[{self.gemv['warps']} warps]; else {main}"
+        return main
 
 
 @dataclass

@@ -13,7 +13,7 @@ CUDA = load_target("cuda")
 
 
 def site(m=4096, n=768, k=3072, bits="W16A16", density=0.1, side=32, bias="vector", act="none", op="linear",
-         requantized=False, w4_group=0, w4_refusal="", seed=0):
+         requantized=False, w4_group=0, w4_refusal="", seed=0, any_rows=False):
     g = torch.Generator().manual_seed(seed)
     blocks = torch.rand(-(-n // side), -(-k // side), generator=g) < density
     if density >= 1:
@@ -22,7 +22,7 @@ def site(m=4096, n=768, k=3072, bits="W16A16", density=0.1, side=32, bias="vecto
     weight = torch.where(keep, torch.randn(n, k, generator=g), 0.0)
     plan = OpPlan("op", op, "sparse", 1.0, 2.0)
     return GemmSite(SimpleNamespace(op=op), plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
-                    weight, w4_group, w4_refusal)
+                    weight, w4_group, w4_refusal, any_rows)
 
 
 def test_the_last_rule_always_answers_and_every_rule_answers_a_choice_or_none():
@@ -56,6 +56,23 @@ def test_the_last_rule_always_answers_and_every_rule_answers_a_choice_or_none():
 def test_each_gemm_goes_to_the_rule_that_takes_it(kw, kernel, rule):
     picked = select_gemm(site(**kw), CUDA)
     assert (picked.kernel, picked.rule) == (kernel, rule), picked
+
+
+def test_fp16_tiles_carry_the_few_row_gemv_where_calls_can_be_that_small():
+    """fp16 block-sparse linears called with up to ``bsr_gemv.max_rows`` rows, or with any rows (a dynamic graph),
+    also get the GEMV over the same blocks (the report names the kernel per bucket of rows); larger calls, W8A8 and
+    W4A16 do not; the GEMVs of fixed M (W8A8, W4A16) are not chosen for any rows."""
+    top = CUDA.tiles("bsr_gemv", "max_rows")
+    for kw in (dict(m=1), dict(m=top), dict(m=4096, any_rows=True), dict(m=4096, side=64, density=0.02, any_rows=True)):
+        picked = select_gemm(site(**kw), CUDA)
+        assert picked.gemv is not None and picked.gemv["rows"] == top and 2 <= picked.gemv["warps"] <= 16, kw
+        assert picked.describe().startswith(f"M<={top}: bsr_gemv[")
+    for kw in (dict(m=top + 1), dict(m=4096), dict(m=1, bits="W8A8"), dict(m=512, bits="W4A16", w4_group=128)):
+        assert select_gemm(site(**kw), CUDA).gemv is None, kw
+    assert select_gemm(site(m=4, bits="W8A8", any_rows=True), CUDA).rule == "w8a8_sparse_tile"
+    assert select_gemm(site(m=1, bits="W4A16", density=1, w4_group=128, any_rows=True), CUDA).rule != "w4a16_gemv"
+    full = select_gemm(site(m=1, density=1.0), CUDA)       # every block of a row kept: as many warps as allowed
+    assert full.gemv["warps"] == 16
 
 
 def test_choices_carry_the_measured_tiles_of_the_target():
