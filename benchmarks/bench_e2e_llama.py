@@ -8,7 +8,7 @@
 
 Peers in one process, same token ids: sparta's model as ``sparta.load`` returns it (its calls under torch.compile
 with CUDA graphs, the default third stage on CUDA), the same model with its kernels launched from Python
-(``inductor=False``), and Hugging Face's ``LlamaModel`` of the same config in fp16 (dense) through ``torch.compile``
+(``inductor=False``), and Hugging Face's ``LlamaModel`` of the same config and dtype (dense) through ``torch.compile``
 ``default`` and ``reduce-overhead``. Times are the host clock per forward, as a user calls the model. The floor beside
 them: the GPU time of the default call's kernels (profiler); the host overhead of a call is what its wall time adds to
 that. Also reported: the eager model's forward captured in one CUDA graph (sparta's kernels with the torch ops unfused).
@@ -32,7 +32,7 @@ from sparta.sampling import random_inputs  # noqa: E402
 
 
 def hf_llama(graph, device):
-    """Hugging Face's LlamaModel with the saved graph's shapes, fp16, dense (random weights)."""
+    """Hugging Face's LlamaModel with the saved graph's shapes and dtype, dense (random weights)."""
     import transformers
     vocab, hidden = graph.tensor("embed_tokens.weight").shape
     layers = 1 + max(int(n.split(".")[1]) for n in graph.tensor_names() if n.startswith("layers."))
@@ -41,7 +41,7 @@ def hf_llama(graph, device):
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                                    num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
                                    use_cache=False)
-    return transformers.LlamaModel(cfg).eval().half().to(device)
+    return transformers.LlamaModel(cfg).eval().to(graph.tensor("embed_tokens.weight").dtype).to(device)
 
 
 def gpu_busy_us(fn, reps: int = 5) -> float:
@@ -80,7 +80,7 @@ def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -
         rows = {"sparta (sparta.load default: CUDA graphs)": gpu_wall_us(lambda i: default(ids), 1, 100),
                 "sparta, kernels launched from Python": gpu_wall_us(lambda i: eager(ids), 1, 30)}
     hf = hf_llama(eager.graph, "cuda")
-    dense = torch_compile_peers({"hf_llama_fp16": hf}, lambda name, fn: fn(input_ids=ids))
+    dense = torch_compile_peers({f"hf_llama_{str(hf.dtype)[6:]}": hf}, lambda name, fn: fn(input_ids=ids))
     best = min(v["wall_us"] for v in dense.values())
     with torch.no_grad():       # the dense model's own GPU time, under the mode that ran fastest
         mode = min(dense, key=lambda k: dense[k]["wall_us"]).split("@")[1]

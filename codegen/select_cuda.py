@@ -47,6 +47,7 @@ class GemmSite:
     w4_group: int                  # the W4A16 GEMV's scale group for the plan's 4-bit scales, 0 if none fits
     w4_refusal: str                # why the 4-bit scales do not suit the kernels ("" where they do)
     any_rows: bool = False         # the graph was captured dynamic: kernels take any number of rows (m: the hint)
+    act16: str = "float16"         # the 16-bit activations' type: "float16", or "bfloat16" for a bf16 model
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
@@ -121,16 +122,16 @@ def w8a8_sparse_tile(site: GemmSite, target: Target):
 def fp16_stream(site: GemmSite, target: Target):
     if site.side == 64 and not _runs_w4(site) and (tiles := stream_tiles(site.m, block_mask_of(
             site.weight, 64, 64), target)) is not None:
-        return choice("bsr_linear", "fp16_stream", "few kept 64-blocks per block row: the streaming grid", "float16",
+        return choice("bsr_linear", "fp16_stream", "few kept 64-blocks per block row: the streaming grid", site.act16,
                       tiles, note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target))
     return None
 
 
 def bsr_tile(site: GemmSite, target: Target):
-    dtype = "w4a16" if _runs_w4(site) else "float16"
+    dtype = "w4a16" if _runs_w4(site) else site.act16
     tiles = target.tiles("fp16_tiles", site.side)
     return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype, tiles,
-                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype == "float16" else None)
+                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype != "w4a16" else None)
 
 
 GEMM_RULES = (not_a_gemm, k_alignment, bias_shape, w4a16_gemv, w4a16_dense_tile, w8a8_gemv, w8a8_dense_tile,
@@ -269,8 +270,9 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
             group = gemv_group(quant.group, k)
     weight = torch.where(keep, weight_matrix(graph, op), 0.0) if op.op in GEMM_OPS else torch.zeros(0, 0)
     requantized = plan is not None and out in plan.static_scales
+    act16 = "bfloat16" if graph.tensor(view[0]).dtype == torch.bfloat16 else "float16"
     return GemmSite(op, op_plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
-                    weight, group, refusal, bool(graph.meta.get("dynamic_dims")))
+                    weight, group, refusal, bool(graph.meta.get("dynamic_dims")), act16)
 
 
 def gemv_group(group: int, k: int) -> int:

@@ -134,8 +134,8 @@ def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
             continue
         y, x = op.outputs[0], graph.tensor(op.input_of("input"))
         readers = graph.consumers(y)
-        int8 = [r for r in readers if _reads_int8(replacements.get(r), y)]
-        if not int8 and x.dtype != torch.float16:
+        int8 = [r for r in readers if _reads_int8(replacements.get(r), y)] if x.dtype == torch.float16 else []
+        if x.dtype not in (torch.float16, torch.bfloat16):
             continue
         fp16_too = not int8 or len(int8) < len(readers) or y in graph.outputs
         out = "int8" if not fp16_too else "both" if int8 else "fp16"
@@ -160,8 +160,8 @@ def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
 
 
 def _residual_add(graph: Graph, op: Op, replacements: dict) -> Op | None:
-    """The ``add`` producing LayerNorm ``op``'s input, if the LayerNorm kernel can do it instead: two fp16
-    activations of the output's shape (no broadcast, no alpha), read by nothing else."""
+    """The ``add`` producing LayerNorm ``op``'s input, if the LayerNorm kernel can do it instead: two 16-bit (fp16 or
+    bf16) activations of one dtype and the output's shape (no broadcast, no alpha), read by nothing else."""
     name = graph.producer(op.input_of("input"))
     if name is None or name in replacements:
         return None
@@ -170,7 +170,9 @@ def _residual_add(graph: Graph, op: Op, replacements: dict) -> Op | None:
         return None
     s = add.outputs[0]
     shape = graph.tensor(s).shape
-    if any(v.dtype != torch.float16 or v.shape != shape or v.data is not None for v in map(graph.tensor, add.inputs)):
+    dtype = graph.tensor(s).dtype
+    if dtype not in (torch.float16, torch.bfloat16) or any(
+            v.dtype != dtype or v.shape != shape or v.data is not None for v in map(graph.tensor, add.inputs)):
         return None
     return add if graph.consumers(s) == [op.name] and s not in graph.outputs else None
 
@@ -191,9 +193,11 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
     if params["bias"] is not None and params["weight"] is None:
         return "a bias without a weight"
     res = "_res" if add is not None else ""
+    bf16 = x.dtype == torch.bfloat16
     spec = LayerNormSpec(rows, n, eps=float(op.attrs.get("eps", 1e-5)), affine=params["weight"] is not None,
                          bias=params["bias"] is not None, out=out, threads=pick_threads(n), residual=add is not None,
-                         name=f"layer_norm_{rows or 'M'}x{n}_{out}{res}")
+                         dtype="bfloat16" if bf16 else "float16",
+                         name=f"layer_norm_{rows or 'M'}x{n}_{out}{res}{'_bf16' if bf16 else ''}")
     art = build_cuda(layer_norm_kernel, spec)
     y = op.outputs[0]
     outputs = ([y] if out != "int8" else []) + (quantized_names(y) if out != "fp16" else [])
@@ -213,7 +217,8 @@ def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:
     """The few-row GEMV selection chose beside ``spec``'s fp16 kernel (``KernelChoice.gemv``), over its packed blocks."""
     if not tiling:
         return None
-    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups, **tiling,
+    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups,
+                    dtype=spec.act16, **tiling,
                     name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{tiling['warps']}"
                                                                     f"{'_pdl' if tiling.get('pdl') else ''}")
     if not gemv_fits(spec, g):
@@ -246,7 +251,7 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
     spec = BsrSpec(rows, n, k, bias=bias is not None, act=act, dtype=dtype,
                    zero=w4 is not None and w4.zero is not None, **tiles)
-    tag = {"int8": "i8_", "w4a16": "w4_", "float16": ""}[dtype]
+    tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
     spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
                                           f"{f'_g{spec.groups}' if spec.groups else ''}_"
                                           f"{act}{'_bias' if spec.bias else ''}")
@@ -270,9 +275,9 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
                                               hopper=(hopper[0].path, hopper[1]) if hopper else None,
                                               gemv=(gemv[0].path, gemv[1]) if gemv else None)
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
-    bind(module, graph, op, view, reference=dtype != "float16")
+    bind(module, graph, op, view, reference=dtype not in ("float16", "bfloat16"))
     row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
-                     {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16"}[dtype],
+                     {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype],
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
                      [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []))
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]

@@ -7,7 +7,7 @@
     python benchmarks/bench_e2e_llama.py artifacts/llama_dynamic --tokens 512 1
 
 The model is Hugging Face's ``LlamaModel`` from a config (hidden 2048, intermediate 5632, 16 heads, ``--layers``
-layers), fp16, on one sequence of ``--tokens`` tokens without a KV cache (``--tokens 1``: the work of one decode step
+layers), fp16 (``--dtype bfloat16``: bf16, sparta's kernels in bf16), on one sequence of ``--tokens`` tokens without a KV cache (``--tokens 1``: the work of one decode step
 of the linears). Each linear of the decoder layers keeps the ``--density`` fraction of its ``--block``-square blocks
 with the largest L2 norm. ``--dynamic`` compiles one model for every batch and sequence length (the example's
 ``--tokens`` only trace it): its kernels take any number of rows, and calls of up to 16 tokens run the linears' GEMV.
@@ -36,10 +36,10 @@ def llama_config(layers: int, vocab: int) -> transformers.LlamaConfig:
                                     initializer_range=0.1)
 
 
-def pruned_llama(layers: int, block: int, density: float, vocab: int, seed: int = 0):
-    """The fp16 decoder from its config and a TeSA pruning each decoder linear in blocks."""
+def pruned_llama(layers: int, block: int, density: float, vocab: int, seed: int = 0, dtype=torch.float16):
+    """The decoder (fp16 or bf16) from its config and a TeSA pruning each decoder linear in blocks."""
     torch.manual_seed(seed)
-    model = transformers.LlamaModel(llama_config(layers, vocab)).eval().half()
+    model = transformers.LlamaModel(llama_config(layers, vocab)).eval().to(dtype)
     params = dict(model.named_parameters())
     tesa = {f"layers.{i}.{part}.weight": sparta.TeSA.from_mask(
         magnitude_block_mask(params[f"layers.{i}.{part}.weight"], block, density))
@@ -55,14 +55,15 @@ def main():
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--dynamic", action="store_true", help="one model for every batch and sequence length")
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"), help="the model's 16-bit type")
     ap.add_argument("--vocab", type=int, default=4096,
                     help="embedding rows (fewer: a smaller save; the decoder's work is the same)")
     args = ap.parse_args()
 
-    model, tesa = pruned_llama(args.layers, args.block, args.density, args.vocab)
+    model, tesa = pruned_llama(args.layers, args.block, args.density, args.vocab, dtype=getattr(torch, args.dtype))
     batch = 2 if args.dynamic else 1         # a traced batch of 1 would stay 1 (torch.export specialises sizes 0 and 1)
     ids = torch.randint(0, args.vocab, (batch, args.tokens), generator=torch.Generator().manual_seed(0))
-    print(f"LLaMA-style decoder, {args.layers} layers, fp16, {batch}x{args.tokens} tokens"
+    print(f"LLaMA-style decoder, {args.layers} layers, {args.dtype}, {batch}x{args.tokens} tokens"
           f"{' (any batch and sequence length)' if args.dynamic else ''}; {len(tesa)} linears keep "
           f"{args.density:.0%} of their {args.block}x{args.block} blocks")
     t0 = time.perf_counter()

@@ -78,3 +78,28 @@ def dequant_word(scaled: bool = True):
                 T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h], b[o + 2 * h], s2))
                 T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h + 1], b[o + 2 * h + 1], s2))
     return dequant
+
+
+# 16-bit activations: the kernels move fp16 and bf16 alike as 16-bit lanes (TIR buffers of "float16"); a bf16 kernel
+# reads and writes bf16 bits through these conversions (exact widening, round-to-nearest-even narrowing).
+ACT16 = ("float16", "bfloat16")
+
+
+def to_f32(h, act: str):
+    """TIR: fp32 of the 16-bit lane ``h`` holding an ``act`` value (bf16: its bits are fp32's upper half)."""
+    from tvm.script import tirx as T
+    if act == "bfloat16":
+        return T.reinterpret("float32", T.shift_left(T.Cast("uint32", T.reinterpret("uint16", h)), T.uint32(16)))
+    return T.Cast("float32", h)
+
+
+def from_f32(v, act: str):
+    """TIR: the 16-bit lane (typed fp16) holding fp32 ``v`` rounded to ``act`` (bf16: to nearest even; ``v`` is read
+    twice, so a plain value or a buffer load, not a ``Let``)."""
+    from tvm.script import tirx as T
+    if act == "bfloat16":
+        u = T.reinterpret("uint32", v)
+        r = T.shift_right(u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)), T.uint32(1)),
+                          T.uint32(16))
+        return T.reinterpret("float16", T.Cast("uint16", r))
+    return T.Cast("float16", v)

@@ -112,28 +112,30 @@ def test_a_dynamic_mlp_runs_its_sparse_linear_at_any_rows():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_a_dynamic_cuda_compile_builds_kernels_for_any_rows(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_dynamic_cuda_compile_builds_kernels_for_any_rows(tmp_path, dtype):
     """Compiled for CUDA here (no GPU): the linears, LayerNorms and quantisers take M as an argument (grids from M),
-    fp16 block-sparse linears carry the few-row GEMV over the same blocks, and fake CUDA tensors of new shapes
-    propagate (the ops' outputs follow the inputs' rows)."""
+    16-bit block-sparse linears carry the few-row GEMV over the same blocks, a bf16 model gets bf16 kernels, and fake
+    CUDA tensors of new shapes propagate (the ops' outputs follow the inputs' rows and dtype)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from sparta.runtime.bsr_linear import SparseLinearCUDA
     from sparta.runtime.layernorm import LayerNormCUDA
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
-                                torch.nn.LayerNorm(1024)).half().eval()
+                                torch.nn.LayerNorm(1024)).to(dtype).eval()
     compiled = sparta.compile(model, {"0.weight": block_mask(2048, 1024, 0.1, 1),
                                       "2.weight": block_mask(1024, 2048, 0.1, 2)},
-                              (torch.randn(4, 64, 1024).half(),), target="cuda", dynamic=True)
+                              (torch.randn(4, 64, 1024).to(dtype),), target="cuda", dynamic=True)
     linears = [m for m in compiled.module.modules() if isinstance(m, SparseLinearCUDA)]
     norms = [m for m in compiled.module.modules() if isinstance(m, LayerNormCUDA)]
-    assert len(linears) == 2 and len(norms) == 1
+    assert len(linears) == 2 and len(norms) == 1 and norms[0].spec.dtype == str(dtype)[6:]
     for module in linears + norms:
         launch = json.loads((Path(module.folder) / "launch.json").read_text())
         assert module.spec.m == 0 and launch["grid"][0][0] == "M" and launch["args"][-1] == \
             {"name": "M", "dtype": "int32", "scalar": True}
     for module in linears:
         assert module.gemv is not None and module.gemv[1].rows == 4 and module.gemv[1].bn == module.spec.bn
+        assert module.spec.dtype == module.gemv[1].dtype == str(dtype)[6:] and module.wp.dtype == dtype
         assert json.loads((Path(module.gemv[0]) / "launch.json").read_text())["args"][-1]["name"] == "M"
     assert all("up to 4 rows run the GEMV" in row["note"] for row in compiled.kernels if row["template"] == "bsr_linear")
     assert "M<=4: bsr_gemv[" in compiled.plan_report(), "the plan report shows the kernel per bucket of rows"
@@ -141,8 +143,8 @@ def test_a_dynamic_cuda_compile_builds_kernels_for_any_rows(tmp_path):
         with FakeTensorMode():
             state = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda")
                      for k, v in [*compiled.module.named_parameters(), *compiled.module.named_buffers()]}
-            (out,) = torch.func.functional_call(compiled.module, state, (torch.empty(shape, device="cuda").half(),))
-            assert out.device.type == "cuda" and out.shape == shape and out.dtype == torch.float16
+            (out,) = torch.func.functional_call(compiled.module, state, (torch.empty(shape, device="cuda").to(dtype),))
+            assert out.device.type == "cuda" and out.shape == shape and out.dtype == dtype
     compiled.save(tmp_path / "saved")
     loaded = sparta.load(tmp_path / "saved")
     assert [m.gemv[1] for m in loaded.module.modules() if isinstance(m, SparseLinearCUDA)] == \

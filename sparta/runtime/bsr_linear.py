@@ -26,7 +26,8 @@ from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.epilogue_ref import out_scale_arg
 from .quant import output_scale_arg
 from ..templates.quant.spec import quantize_rows
-from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec, device_arch
+from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
+                   device_arch)
 from .ops import KernelModule
 from .quant import QuantizedLinear, RowQuantizer
 
@@ -65,7 +66,7 @@ class BsrLinearOp:
         else:
             if spec.dtype == "int8":
                 weight, scale = quantize_rows(weight)
-            wp, table = pack_weight(weight if scale is not None else weight.half(), spec, block_mask)
+            wp, table = pack_weight(weight if scale is not None else weight.to(act16_dtype(spec)), spec, block_mask)
         self._setup(wp, table, bias, scale, out_scale)
 
     @classmethod
@@ -101,9 +102,11 @@ class BsrLinearOp:
             raise CudaRuntimeError(f"{self.spec.name}: the W4A16 kernel takes packed int4 block records "
                                    "(int4_records.pack_w4, scales inside), no separate scales")
         dev = wp.device
-        self.wp, self.table = (wp if int8 or w4 else wp.half()).contiguous(), table.to(dev).contiguous()
+        act = act16_dtype(self.spec)
+        self.wp, self.table = (wp if int8 or w4 else wp.to(act)).contiguous(), table.to(dev).contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
-        self.bias = bias.half().contiguous().to(dev) if bias is not None else torch.zeros(self.spec.n, dtype=torch.float16, device=dev)
+        self.bias = bias.to(act).contiguous().to(dev) if bias is not None else \
+            torch.zeros(self.spec.n, dtype=act, device=dev)
         self.out_scale = None if out_scale is None else output_scale_arg(out_scale, dev)
         self._prepared = None
         nnz = self.table.numel() - self.spec.table_head
@@ -111,15 +114,16 @@ class BsrLinearOp:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        check_fp16_input(s.name, x, s.m, s.k)
+        check_fp16_input(s.name, x, s.m, s.k, torch.float16 if s.dtype == "int8" else act16_dtype(s))
         if s.dtype == "int8":
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
         y = self._output(x) if out is None else out
+        x16, y16 = x.view(torch.float16), y.view(torch.float16)        # bf16 moves as 16-bit lanes
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "Y"), X=x, Wp=self.wp.view(-1).view(torch.float16), B=self.bias,
-                                                 Tab=self.table, Y=y, **self._os())
+            self._prepared = self.kernel.prepare(("X", "Y"), X=x16, Wp=self.wp.view(-1).view(torch.float16),
+                                                 B=self.bias.view(torch.float16), Tab=self.table, Y=y16, **self._os())
         else:
-            self._prepared.launch(X=x, Y=y)
+            self._prepared.launch(X=x16, Y=y16)
         return y
 
     def int8(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,7 +143,7 @@ class BsrLinearOp:
         return y
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
+        dtype = torch.int8 if self.spec.out == "int8" else act16_dtype(self.spec)
         return torch.empty(x.shape[0], self.spec.n, dtype=dtype, device=x.device)
 
     def _os(self) -> dict:
@@ -156,22 +160,24 @@ class BsrGemvOp:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        check_fp16_input(s.name, x, 0, s.k)
+        check_fp16_input(s.name, x, 0, s.k, act16_dtype(s))
         if x.shape[0] > s.rows:
             raise CudaRuntimeError(f"{s.name}: the GEMV takes at most {s.rows} rows, got {x.shape[0]}")
-        y = torch.empty(x.shape[0], s.n, dtype=torch.float16, device=x.device)
+        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
+        x16, y16 = x.view(torch.float16), y.view(torch.float16)
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "Y"), X=x, Wp=self.wp, B=self.bias, Tab=self.table, Y=y)
+            self._prepared = self.kernel.prepare(("X", "Y"), X=x16, Wp=self.wp.view(torch.float16),
+                                                 B=self.bias.view(torch.float16), Tab=self.table, Y=y16)
         else:
-            self._prepared.launch(X=x, Y=y)
+            self._prepared.launch(X=x16, Y=y16)
         return y
 
 
 def gemv_fits(spec: BsrSpec, gemv: BsrGemvSpec) -> bool:
     """Whether ``gemv`` reads the packed weights, table and bias of ``spec``'s kernel and computes its epilogue."""
-    return (spec.dtype == "float16" and spec.out == "float16" and spec.table == "arg"
-            and (gemv.n, gemv.k, gemv.bn, gemv.bk, gemv.bias, gemv.act, gemv.groups)
-            == (spec.n, spec.k, spec.bn, spec.bk, spec.bias, spec.act, spec.groups))
+    return (spec.dtype in ("float16", "bfloat16") and spec.out == "float16" and spec.table == "arg"
+            and (gemv.n, gemv.k, gemv.bn, gemv.bk, gemv.bias, gemv.act, gemv.groups, gemv.dtype)
+            == (spec.n, spec.k, spec.bn, spec.bk, spec.bias, spec.act, spec.groups, spec.dtype))
 
 
 def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
@@ -224,11 +230,12 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             raise CudaRuntimeError(f"op {op_name!r}: a W8A8 kernel needs int8 blocks and per-channel weight scales")
         if spec.dtype == "w4a16" and wp.dtype != torch.uint8:
             raise CudaRuntimeError(f"op {op_name!r}: a W4A16 kernel needs uint8 int4 block records")
-        self.register_buffer("wp", wp if int8 or spec.dtype == "w4a16" else wp.half())
+        act = act16_dtype(spec)
+        self.register_buffer("wp", wp if int8 or spec.dtype == "w4a16" else wp.to(act))
         self.register_buffer("weight_scale", weight_scale.float() if int8 else None)
         self.quant_folder = str(quant_folder) if quant_folder else None
         self.register_buffer("table", table.to(torch.int32))
-        self.register_buffer("bias", bias.half() if bias is not None else torch.zeros(spec.n, dtype=torch.float16))
+        self.register_buffer("bias", bias.to(act) if bias is not None else torch.zeros(spec.n, dtype=act))
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
@@ -275,7 +282,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                 codes = torch.round(weight.float() / weight_scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
             wp, table = pack_weight(codes, spec, block_mask)
         else:
-            wp, table = pack_weight(weight.half(), spec, block_mask)
+            wp, table = pack_weight(weight.to(act16_dtype(spec)), spec, block_mask)
         return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper, gemv)
 
     @classmethod
@@ -316,7 +323,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         return [self._op(x.contiguous())]
 
     def dense_weight(self) -> torch.Tensor:
-        """The ``(N, K)`` fp16 weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""
+        """The ``(N, K)`` 16-bit weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""
         if self.spec.dtype == "w4a16":
             return unpack_w4(self.wp.cpu(), self.table.cpu(), self.spec)
         w = unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
@@ -369,7 +376,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
 
     def extra_repr(self) -> str:
         return (f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, "
-                f"{ {'int8': 'W8A8', 'w4a16': 'W4A16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
+                f"{ {'int8': 'W8A8', 'w4a16': 'W4A16', 'bfloat16': 'bf16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
                 f"{', wgmma on sm_90' if self.hopper else ''}"
                 f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")

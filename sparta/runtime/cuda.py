@@ -46,12 +46,11 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def check_fp16_input(name: str, x: torch.Tensor, m: int, k: int) -> None:
-    """Refuse ``x`` unless it is a contiguous fp16 ``(m, k)`` tensor (what every sparta kernel reads; ``m=0``: any
-    number of rows)."""
-    if x.dim() != 2 or x.shape[1] != k or (m and x.shape[0] != m) or x.dtype != torch.float16 \
-            or not x.is_contiguous():
-        raise CudaRuntimeError(f"{name}: input must be a contiguous fp16 ({m or 'M'}, {k}) tensor, "
+def check_fp16_input(name: str, x: torch.Tensor, m: int, k: int, dtype: torch.dtype = torch.float16) -> None:
+    """Refuse ``x`` unless it is a contiguous ``dtype`` (fp16 or bf16) ``(m, k)`` tensor (what every sparta kernel
+    reads; ``m=0``: any number of rows)."""
+    if x.dim() != 2 or x.shape[1] != k or (m and x.shape[0] != m) or x.dtype != dtype or not x.is_contiguous():
+        raise CudaRuntimeError(f"{name}: input must be a contiguous {str(dtype)[6:]} ({m or 'M'}, {k}) tensor, "
                                f"got {x.dtype} {tuple(x.shape)}")
 
 
@@ -64,6 +63,12 @@ def check_saved_spec(op_name: str, folder, spec, load=None) -> None:
     built = load(folder) if load is not None else type(spec)(**json.loads(kernel_file(folder, "spec.json")))
     if built != spec:
         raise CudaRuntimeError(f"op {op_name!r}: kernel folder {Path(folder).name} was built for a different spec")
+
+
+def act16_dtype(spec) -> torch.dtype:
+    """The torch dtype of a kernel spec's 16-bit activations: bf16 where ``spec.act16`` (or its ``dtype``) says so."""
+    act = spec.get("dtype") if isinstance(spec, dict) else getattr(spec, "act16", None) or getattr(spec, "dtype", "")
+    return torch.bfloat16 if act == "bfloat16" else torch.float16
 
 
 def device_arch(device=None) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..templates.layernorm.spec import LayerNormSpec
-from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input, check_saved_spec
+from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, check_saved_spec
 from .ops import KernelModule
 
 QUANT_SUFFIXES = (":int8", ":scale")
@@ -39,34 +39,36 @@ class LayerNormOp:
                 raise CudaRuntimeError(f"{spec.name}: the kernel {'takes' if want else 'has no'} a {what}")
             if t is not None and tuple(t.shape) != (spec.n,):
                 raise CudaRuntimeError(f"{spec.name}: {what} is {tuple(t.shape)}, the kernel wants ({spec.n},)")
-        self.weight = None if weight is None else weight.detach().half().contiguous()
-        self.bias = None if bias is None else bias.detach().half().contiguous()
+        self.act = act16_dtype(spec)
+        self.weight = None if weight is None else weight.detach().to(self.act).contiguous()
+        self.bias = None if bias is None else bias.detach().to(self.act).contiguous()
         self._prepared = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         s = self.spec
-        check_fp16_input(s.name, x, s.m, s.n)
+        check_fp16_input(s.name, x, s.m, s.n, self.act)
         if s.residual != (residual is not None):
             raise CudaRuntimeError(f"{s.name}: the kernel {'adds' if s.residual else 'takes no'} a residual")
         res = {}
         if residual is not None:
-            check_fp16_input(s.name, residual, x.shape[0], s.n)
-            res["R"] = residual
+            check_fp16_input(s.name, residual, x.shape[0], s.n, self.act)
+            res["R"] = residual.view(torch.float16)
         if self.weight is not None and self.weight.device != x.device:
             self.weight = self.weight.to(x.device)
             self.bias = None if self.bias is None else self.bias.to(x.device)
             self._prepared = None
         outs, m = {}, x.shape[0]
         if s.out != "int8":
-            outs["Y"] = torch.empty(m, s.n, dtype=torch.float16, device=x.device)
+            outs["Y"] = torch.empty(m, s.n, dtype=self.act, device=x.device)
         if s.out != "fp16":
             outs["XQ"] = torch.empty(m, s.n, dtype=torch.int8, device=x.device)
             outs["XS"] = torch.empty(m, dtype=torch.float32, device=x.device)
+        lanes = {k: v.view(torch.float16) if k == "Y" else v for k, v in outs.items()}   # bf16 as 16-bit lanes
         if self._prepared is None:
-            params = {k: v for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
-            self._prepared = self.kernel.prepare(("X", *res, *outs), X=x, **res, **params, **outs)
+            params = {k: v.view(torch.float16) for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
+            self._prepared = self.kernel.prepare(("X", *res, *outs), X=x.view(torch.float16), **res, **params, **lanes)
         else:
-            self._prepared.launch(X=x, **res, **outs)
+            self._prepared.launch(X=x.view(torch.float16), **res, **lanes)
         vals = tuple(outs.values())
         return vals[0] if len(vals) == 1 else vals
 
@@ -95,16 +97,18 @@ class LayerNormCUDA(KernelModule):
         self.op_name, self.output_names = op_name, list(output_names)
         self.input_names = [x_name] + ([residual_name] if residual_name is not None else [])
         self.folder, self.spec, self.out_shape = str(folder), spec, tuple(out_shape)
-        self.register_buffer("weight", None if weight is None else weight.detach().half())
-        self.register_buffer("bias", None if bias is None else bias.detach().half())
+        act = act16_dtype(spec)
+        self.register_buffer("weight", None if weight is None else weight.detach().to(act))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(act))
         self._op = None
         self.register_kernel(op_name)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         n = self.spec.n
-        inputs = [x.reshape(-1, n).to(torch.float16).contiguous()]
+        act = act16_dtype(self.spec)
+        inputs = [x.reshape(-1, n).to(act).contiguous()]
         if residual is not None:
-            inputs.append(residual.reshape(-1, n).to(torch.float16).contiguous())
+            inputs.append(residual.reshape(-1, n).to(act).contiguous())
         outs = self.call_kernel(*inputs)
         if self.spec.out != "int8":
             outs = [outs[0].reshape(x.shape).to(x.dtype), *outs[1:]]

@@ -10,12 +10,13 @@ an input that arrives as int8 codes and scales, an output returned as int8 codes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from ..templates.epilogue_ref import out_scale_arg
-from .cuda import CudaKernel, CudaRuntimeError, check_fp16_input
+from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, kernel_file
 
 
 def output_scale_arg(out_scale, device) -> torch.Tensor:
@@ -36,16 +37,18 @@ class RowQuantizer:
         self.kernel = CudaKernel(folder)
         m, self.k = next(a["shape"] for a in self.kernel.launch["args"] if a["name"] == "X")
         self.m = m if type(m) is int else 0      # 0: a kernel for any number of rows
+        spec = json.loads(kernel_file(folder, "spec.json")) if (Path(folder) / "spec.json").is_file() else {}
+        self.dtype = act16_dtype(spec)
         self._prepared = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        check_fp16_input(self.kernel.name, x, self.m, self.k)
+        check_fp16_input(self.kernel.name, x, self.m, self.k, self.dtype)
         xq = torch.empty(x.shape[0], self.k, dtype=torch.int8, device=x.device)
         xs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "XQ", "XS"), X=x, XQ=xq, XS=xs)
+            self._prepared = self.kernel.prepare(("X", "XQ", "XS"), X=x.view(torch.float16), XQ=xq, XS=xs)
         else:
-            self._prepared.launch(X=x, XQ=xq, XS=xs)
+            self._prepared.launch(X=x.view(torch.float16), XQ=xq, XS=xs)
         return xq, xs
 
 
@@ -120,7 +123,8 @@ class QuantizedLinear(QuantizedInput, RequantizedOutput):
         if x_scale is not None:
             (y,) = self.call_kernel(x.reshape(-1, s.k), x_scale.reshape(-1))
         else:
-            (y,) = self.call_kernel(x.reshape(-1, s.k).to(torch.float16).contiguous())
+            (y,) = self.call_kernel(x.reshape(-1, s.k).to(act16_dtype(s))
+                                    .contiguous())
         rows = y.shape[0]
         y = y.reshape(*x.shape[:-1], s.n)
         if self.out_scale is not None:
@@ -128,7 +132,7 @@ class QuantizedLinear(QuantizedInput, RequantizedOutput):
         return y.to(self.out_dtype or x.dtype)
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        dtype = torch.int8 if self.spec.out == "int8" else torch.float16
+        dtype = torch.int8 if self.spec.out == "int8" else act16_dtype(self.spec)
         return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=dtype)]
 
 

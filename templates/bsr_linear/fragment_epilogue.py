@@ -6,13 +6,16 @@ coalesced store.
 from __future__ import annotations
 
 from ..epilogue import code_span, requantize_bits, tir_activate, unit_value
-from ..ptx import device_call
+from ..ptx import device_call, to_f32
 from .spec import BsrSpec
 
 _SHARED_IO = {             # one source per device function: TVM keeps one source per called name
     "ld_f32x4": ("const void* p, float* out", "*(float4*)out = *(const float4*)p;"),
     "st_f32x4": ("void* p, float a, float b, float c, float d", "*(float4*)p = make_float4(a, b, c, d);"),
     "st_h2": ("void* p, float a, float b", "*(half2*)p = __floats2half2_rn(a, b);"),   # one cvt for two
+    "st_b2": ("void* p, float a, float b",                                             # bf16, to nearest even
+              "unsigned ua = __float_as_uint(a), ub = __float_as_uint(b); ua += 0x7FFFu + ((ua >> 16) & 1u); "
+              "ub += 0x7FFFu + ((ub >> 16) & 1u); *(unsigned*)p = (ua >> 16) | (ub & 0xFFFF0000u);"),
     "st_s8x2": ("void* p, int a, int b", "*(char2*)p = make_char2((signed char)a, (signed char)b);"),
 }
 
@@ -40,6 +43,7 @@ class FragmentEpilogue:
         one, zero = T.float32(1), T.float32(0)
         const0 = spec.const_offset // 4          # float index
         ITERS = -(-PAIRS // threads)
+        STORE16 = "st_b2" if spec.act16 == "bfloat16" else "st_h2"
         # int8 codes out: z = sat(y · r/span + offset/span) in [0, 1], code = round(span · z) − offset
         # (``requantize_bits``). No activation, or ReLU (which commutes with a positive scale, and which the
         # saturation at z = 0 then is): r/span and offset/span folded into the staged constants, so an output is one
@@ -62,7 +66,7 @@ class FragmentEpilogue:
 
         def column_constants(WS, B, OS, c):      # fp32 (ws, b) of column c; folded: (ws · r/span, b · r/span + ½)
             ws = WS[c] if int8 else one
-            b = T.Cast("float32", B[c]) if spec.bias else zero
+            b = to_f32(B[c], spec.act16) if spec.bias else zero
             if not fold:
                 return ws, b
             q = OS[1] * inv_span
@@ -123,5 +127,5 @@ class FragmentEpilogue:
                                                  requantize_bits(yv[0], span, offset),
                                                  requantize_bits(yv[1], span, offset)))
                         else:
-                            T.evaluate(shared_io("st_h2", smem.ptr_to([out0 + lr * OUT_LD + lc]), yv[0], yv[1]))
+                            T.evaluate(shared_io(STORE16, smem.ptr_to([out0 + lr * OUT_LD + lc]), yv[0], yv[1]))
         self.stage_tile = stage_tile

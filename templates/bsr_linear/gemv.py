@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..epilogue import tir_activate
-from ..ptx import grid_dependency
+from ..ptx import from_f32, grid_dependency, to_f32
 from .gemv_spec import BsrGemvSpec
 
 
@@ -23,6 +23,7 @@ def bsr_gemv(spec: BsrGemvSpec):
     STEPS = LPR.bit_length() - 1             # butterfly steps over a row's lanes
     FULL = T.uint32(0xFFFFFFFF)
     PDL = spec.pdl
+    ACT = spec.dtype                         # X, Wp, B, Y hold 16-bit lanes of this type
 
     @T.macro
     def load_block(Wp, Tab, wv, kb, o, j, first, r0, rr, kq, count, warp):
@@ -37,7 +38,7 @@ def bsr_gemv(spec: BsrGemvSpec):
     def multiply(X, M, wv, wf, xv, acc, kb, o, kq):
         # acc[i, m] += W piece i · X[m, the lane's 8 columns of the block]
         for e in T.unroll(J * 8):
-            wf[e] = T.Cast("float32", wv[o * J * 8 + e])
+            wf[e] = to_f32(wv[o * J * 8 + e], ACT)
         for m in T.unroll(MR):
             if m < M:
                 if K % BK == 0 or kb[o] * BK + kq * 8 < K:
@@ -45,7 +46,7 @@ def bsr_gemv(spec: BsrGemvSpec):
                         xv[v] = X[m, kb[o] * BK + kq * 8 + v]
                     for i in T.unroll(J):
                         for v in T.unroll(8):
-                            acc[i * MR + m] = acc[i * MR + m] + wf[i * 8 + v] * T.Cast("float32", xv[v])
+                            acc[i * MR + m] = acc[i * MR + m] + wf[i * 8 + v] * to_f32(xv[v], ACT)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, b_h: T.handle, tab_h: T.handle, y_h: T.handle):
@@ -109,6 +110,9 @@ def bsr_gemv(spec: BsrGemvSpec):
                     tot[0] = T.float32(0)
                     for w in T.unroll(W):
                         tot[0] = tot[0] + red[(w * UR + r) * MR + m]
-                    Y[m, n] = T.Cast("float16", tir_activate(tot[0], B[n] if spec.bias else None, spec.act))
+                    if spec.bias:
+                        tot[0] = tot[0] + to_f32(B[n], ACT)
+                    tot[0] = tir_activate(tot[0], None, spec.act)
+                    Y[m, n] = from_f32(tot[0], ACT)
 
     return tvm.IRModule({spec.name: kernel})

@@ -1,8 +1,8 @@
-"""The few-row block-sparse fp16 GEMV of ``bsr_linear``: the spec and its torch reference (TVM-free).
+"""The few-row block-sparse 16-bit GEMV of ``bsr_linear``: the spec (TVM-free; ``spec.reference`` is its reference).
 
 ``Y = act(X · Wᵀ + b)`` for ``X`` of 1 to ``rows`` rows (decode), reading the packed weights and table of the
 one-tile and streaming kernels (``packing.pack_weight``, fp16 blocks of ``bn × bk``): one packed weight per linear
-serves both, and the runtime picks this kernel for ``M <= rows``. A CTA owns ``unit_rows`` rows of one block row;
+serves both (fp16, or bf16 for ``dtype="bfloat16"``), and the runtime picks this kernel for ``M <= rows``. A CTA owns ``unit_rows`` rows of one block row;
 its warps take the row's kept blocks round robin, each lane streams 16-byte pieces of a block (``bk / 8`` lanes per
 block row, coalesced: a warp's load is 512 contiguous bytes) and keeps fp32 sums per (row, token); the lanes of a
 row add by shuffles, the warps through shared memory, and the epilogue adds bias and activation. ``M`` is a kernel
@@ -33,6 +33,7 @@ class BsrGemvSpec:
     act: str = "none"
     groups: int = 0             # the table's layout: the streaming kernel's (groups > 0) or the one-tile kernel's
     pdl: bool = False           # programmatic dependent launch (sm_90): weights load before the previous kernel ends
+    dtype: str = "float16"      # the 16-bit activations and weights: "float16" or "bfloat16"
     name: str = "bsr_gemv"
 
     def __post_init__(self):
@@ -51,6 +52,8 @@ class BsrGemvSpec:
             bad.append(f"activation {self.act!r} not in {ACTIVATIONS}")
         if self.groups < 0:
             bad.append("groups must be >= 0")
+        if self.dtype not in ("float16", "bfloat16"):
+            bad.append(f"dtype {self.dtype!r} must be 'float16' or 'bfloat16'")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 

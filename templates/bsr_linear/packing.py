@@ -61,7 +61,7 @@ def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tup
     at least one block."""
     table, packed = build_table(block_mask, spec.groups)
     n, k = w.shape
-    dtype = torch.int8 if spec.dtype == "int8" else torch.float16
+    dtype = {"int8": torch.int8, "bfloat16": torch.bfloat16}.get(spec.dtype, torch.float16)
     pad = torch.zeros(spec.row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=dtype, device=w.device)
     pad[:n, :k] = w
     blocks = pad.reshape(spec.row_blocks, spec.bn, spec.k_blocks, spec.bk).permute(0, 2, 1, 3)

@@ -21,6 +21,9 @@ movement is the fp16 kernel's, byte for byte: the int8 operands are handed over 
 scale ``s`` (argument ``OS = [s, 1/s]``, e.g. fitted by calibration), computed from the fp32 epilogue
 value — what a W8A8 linear behind this one reads, without a quantisation pass over an fp16 ``Y``.
 
+``dtype="bfloat16"`` is the fp16 kernel for bf16 ``X``, weights, bias and ``Y`` (mma.sync kernels): the same data
+movement of 16-bit lanes, the bf16 MMA, bf16 bias and output rounding (to nearest even) in the epilogue.
+
 ``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
 scales (and zero points, ``zero=True``; ``int4_records.py``), copied to shared memory as
 is; each warp turns its words into ``mma.sync`` B fragments in registers (``lop3`` dequantisation).
@@ -65,11 +68,11 @@ class BsrSpec:
     bias: bool = True
     act: str = "none"
     table: str = "arg"
-    dtype: str = "float16"                            # operands: "float16", "int8" (W8A8) or "w4a16"
+    dtype: str = "float16"                            # operands: "float16", "bfloat16", "int8" (W8A8) or "w4a16"
     mma: str = "sync"                                 # "sync" (mma.sync, sm_80+) or "wgmma" (sm_90a)
     zero: bool = False                                # w4a16: a uint8 zero point per scale (else code 8)
     groups: int = 0                                   # > 0: streaming grid, CTA (m tile, group) runs its rows in turn
-    out: str = "float16"                              # Y: fp16, or "int8" codes of one static scale
+    out: str = "float16"                              # Y: 16-bit (bf16 for dtype "bfloat16"), or "int8" codes
     producer: bool = False                            # wgmma: a producer warpgroup loads, mbarrier rings
     ctas: int = 0                                     # producer: > 0 = a persistent grid of that many CTAs
     pingpong: bool = False                            # persistent producer: two consumer warpgroups, a tile each
@@ -96,8 +99,10 @@ class BsrSpec:
             bad.append("too many blocks for a constant table (64 KiB); use table='arg'")
         if self.stages < 2:
             bad.append("stages must be >= 2")
-        if self.dtype not in ("float16", "int8", "w4a16"):
-            bad.append(f"dtype {self.dtype!r} must be 'float16', 'int8' or 'w4a16'")
+        if self.dtype not in ("float16", "bfloat16", "int8", "w4a16"):
+            bad.append(f"dtype {self.dtype!r} must be 'float16', 'bfloat16', 'int8' or 'w4a16'")
+        elif self.dtype == "bfloat16" and (self.mma != "sync" or self.out != "float16" or self.pdl):
+            bad.append("bfloat16: the mma.sync kernels (one tile or streaming), 16-bit out, no pdl")
         elif self.dtype == "int8" and (self.k % 16 or self.bk % 32):
             bad.append(f"int8: K={self.k} must be a multiple of 16 and bk={self.bk} of 32")
         elif self.dtype == "w4a16" and (self.bk % 32 or self.bn % 16 or self.mma != "sync"):
@@ -148,6 +153,11 @@ class BsrSpec:
             bad.append(f"wgmma: {nacc} accumulator registers per thread do not fit beside the rest with "
                        f"{self.threads} threads (65536 registers per SM): fewer warpgroups or a narrower bn")
         return bad
+
+    @property
+    def act16(self) -> str:
+        """The 16-bit activation type of X, the bias and a 16-bit Y: bf16 for ``dtype="bfloat16"``, else fp16."""
+        return "bfloat16" if self.dtype == "bfloat16" else "float16"
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -292,8 +302,8 @@ def record_lanes(bn: int, bk: int, zero: bool) -> int:
 
 def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None, bias: torch.Tensor | None,
               act: str, bn: int, bk: int, out_scale: float | None = None) -> torch.Tensor:
-    """What the kernel computes, in fp32 from the fp16 operands, rounded to fp16 at the end (or, with
-    ``out_scale``, requantised to int8 codes: ``out="int8"``)."""
+    """What the kernel computes, in fp32 from the 16-bit operands, rounded to ``x``'s 16-bit type at the end (bf16
+    for bf16 ``x``, else fp16; or, with ``out_scale``, requantised to int8 codes: ``out="int8"``)."""
     w = w.float()
     if block_mask is not None:
         keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
@@ -301,6 +311,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None,
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
+    if x.dtype == torch.bfloat16 and out_scale is None:
+        return activate(y, act).bfloat16()
     return to_output(activate(y, act), out_scale)
 
 

@@ -24,8 +24,9 @@ class WarpMma:
         self.wtm, self.wtn = WTM, WTN = TM // spec.warps_m, BN // spec.warps_n       # warp tile
         self.mi, self.ni = MI, NI = WTM // 16, WTN // 8        # mma tiles per warp: 16 rows x 8 cols each
         X_ELEMS, swz = mv.x_elems, mv.swz
+        op16 = "bf16" if spec.dtype == "bfloat16" else "f16"
         MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" if int8 else \
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+            f"mma.sync.aligned.m16n8k16.row.col.f32.{op16}.{op16}.f32"
         self.acc = "uint32" if int8 else "float32"          # PTX's int mma takes .u32 registers (int32 bits)
 
         @T.macro

@@ -19,6 +19,7 @@ residual add fused into the LayerNorm that reads it, sparing the add's pass (two
 
 from __future__ import annotations
 
+from ..ptx import from_f32, to_f32
 from ..quant.int8_codes import row_max, store_codes
 from .spec import LayerNormSpec
 
@@ -34,17 +35,18 @@ def layer_norm_kernel(spec: LayerNormSpec):
     WARPS = NT // 32
     full = CH % NT == 0                       # every thread's chunks all inside the row
     emit_y, emit_q = spec.out != "int8", spec.out != "fp16"
+    ACT, BF16 = spec.dtype, spec.dtype == "bfloat16"      # 16-bit lanes of fp16 or bf16 values
     affine, use_bias, residual = spec.affine, spec.bias, spec.residual
     FULL = T.uint32(0xFFFFFFFF)
     reduce_max = row_max(WARPS)
-    emit_codes = store_codes(CH, NT)
+    emit_codes = store_codes(CH, NT)          # from the fp32 values of the rounded output
 
     def normalised(v, mean, rstd, gw, bw, i):
         y = (v - mean) * rstd
         if affine:
-            y = y * T.Cast("float32", gw[i])
+            y = y * to_f32(gw[i], ACT)
         if use_bias:
-            y = y + T.Cast("float32", bw[i])
+            y = y + to_f32(bw[i], ACT)
         return y
 
     @T.macro
@@ -116,9 +118,13 @@ def layer_norm_kernel(spec: LayerNormSpec):
                 if full or t + it * NT < CH:
                     if residual:               # torch's fp16 add: the correctly rounded sum
                         for v in T.unroll(8):
-                            raw[it * 8 + v] = raw[it * 8 + v] + rraw[it * 8 + v]
+                            if BF16:           # torch's bf16 add: the fp32 sum rounded to bf16
+                                raw[it * 8 + v] = from_f32(to_f32(raw[it * 8 + v], ACT) + to_f32(rraw[it * 8 + v], ACT),
+                                                           ACT)
+                            else:
+                                raw[it * 8 + v] = raw[it * 8 + v] + rraw[it * 8 + v]
                     for v in T.unroll(8):      # Welford: the count of value (it, v) is 8·it + v + 1
-                        vals[it * 8 + v] = T.Cast("float32", raw[it * 8 + v])
+                        vals[it * 8 + v] = to_f32(raw[it * 8 + v], ACT)
                         ot[0] = vals[it * 8 + v] - st[1]
                         st[1] = st[1] + ot[0] * (T.float32(1) / T.Cast("float32", it * 8 + v + 1))
                         st[2] = st[2] + ot[0] * (vals[it * 8 + v] - st[1])
@@ -135,9 +141,9 @@ def layer_norm_kernel(spec: LayerNormSpec):
                         for v in T.vectorized(8):
                             bw[v] = B[(t + it * NT) * 8 + v]
                     for v in T.unroll(8):
-                        raw[v] = T.Cast("float16", normalised(vals[it * 8 + v], st[1], st[2], gw, bw, v))
-                        mx[0] = T.max(mx[0], T.fabs(T.Cast("float32", raw[v])))
-                        vals[it * 8 + v] = T.Cast("float32", raw[v])
+                        raw[v] = from_f32(normalised(vals[it * 8 + v], st[1], st[2], gw, bw, v), ACT)
+                        mx[0] = T.max(mx[0], T.fabs(to_f32(raw[v], ACT)))
+                        vals[it * 8 + v] = to_f32(raw[v], ACT)
                     if emit_y:
                         for v in T.vectorized(8):
                             Y[row, (t + it * NT) * 8 + v] = raw[v]

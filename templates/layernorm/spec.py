@@ -1,6 +1,6 @@
 """The LayerNorm kernel's spec and torch reference (TVM-free).
 
-``Y[m, :] = (X[m, :] - mean) · rsqrt(var + eps) · G + B`` over the last dimension, fp16 in and out; ``out="int8"``
+``Y[m, :] = (X[m, :] - mean) · rsqrt(var + eps) · G + B`` over the last dimension, fp16 (or bf16: ``dtype``) in and out; ``out="int8"``
 or ``"both"`` also (or only) emits the per-token int8 codes and scales the W8A8 kernels read, bit for bit
 ``quant.spec.quantize_rows`` of the fp16 ``Y``; ``residual=True`` normalises ``X + R``.
 """
@@ -24,6 +24,7 @@ class LayerNormSpec:
     out: str = "fp16"           # "fp16": Y; "int8": XQ, XS; "both"
     residual: bool = False      # normalise X + R (the fp16 sum, as torch's add): the residual add fused
     threads: int = 32           # threads per row: 32 = a warp per row, 64..1024 = a CTA per row
+    dtype: str = "float16"      # X, R, G, B, Y: "float16" or "bfloat16"
     name: str = "layer_norm"
 
     def __post_init__(self):
@@ -36,6 +37,8 @@ class LayerNormSpec:
             bad.append(f"out must be one of {OUTPUTS}")
         if not self.eps > 0:
             bad.append("eps must be positive")
+        if self.dtype not in ("float16", "bfloat16"):
+            bad.append(f"dtype {self.dtype!r} must be 'float16' or 'bfloat16'")
         if self.bias and not self.affine:
             bad.append("a bias needs the affine weight (torch's layer_norm takes either both or none)")
         if bad:
@@ -51,7 +54,10 @@ class LayerNormSpec:
         return -(-(self.n // 8) // self.threads)
 
     def key(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.dtype == "float16":
+            del d["dtype"]
+        return d
 
 
 def argument_names(spec: LayerNormSpec) -> list[str]:
@@ -68,6 +74,6 @@ def pick_threads(n: int) -> int:
 
 
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The fp32 LayerNorm of fp16 ``x`` over its last dimension, rounded to fp16."""
+    """The fp32 LayerNorm of 16-bit ``x`` over its last dimension, rounded to ``x``'s dtype."""
     return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], None if weight is None else weight.float(),
-                                          None if bias is None else bias.float(), eps).half()
+                                          None if bias is None else bias.float(), eps).to(x.dtype)

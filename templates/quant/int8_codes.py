@@ -5,6 +5,8 @@ correctly rounded from RN(1/s) and one ``fma``, without IEEE division). Nothing 
 
 from __future__ import annotations
 
+from ..ptx import to_f32
+
 
 def quotient(x, d, r):
     """TIR: ``x / d`` correctly rounded, from ``r`` = RN(1/d) (Markstein: q = RN(x·r) is within an ulp; one
@@ -28,11 +30,12 @@ def int8_code(q):
     return T.Cast("int8", T.max(T.min(T.nearbyint(q), T.float32(127)), T.float32(-127)))
 
 
-def store_codes(chunks: int, threads: int):
+def store_codes(chunks: int, threads: int, act: str = "float16"):
     """TIR macro ``store_codes(sc, absmax, src, codes, XS, XQ, row, t)`` for a row of ``chunks`` 16-byte chunks over
     ``threads`` threads: the per-token scale of the row's ``absmax`` into ``sc[0]`` (its reciprocal into ``sc[1]``),
     written to ``XS[row]`` by thread 0, and the int8 codes of thread ``t``'s chunks of values (chunk ``it`` at
-    ``src[it * 8]``) into ``XQ[row]``, 8 bytes per store. Shared by the quantiser and the LayerNorm kernel."""
+    ``src[it * 8]``: fp32, or 16-bit lanes of ``act``) into ``XQ[row]``, 8 bytes per store. Shared by the quantiser
+    and the LayerNorm kernel."""
     from tvm.script import tirx as T
     IT, full = -(-chunks // threads), chunks % threads == 0
 
@@ -45,7 +48,7 @@ def store_codes(chunks: int, threads: int):
         for it in T.unroll(IT):
             if full or t + it * threads < chunks:
                 for v in T.unroll(8):
-                    codes[v] = int8_code(quotient(T.Cast("float32", src[it * 8 + v]), sc[0], sc[1]))
+                    codes[v] = int8_code(quotient(to_f32(src[it * 8 + v], act), sc[0], sc[1]))
                 for v in T.vectorized(8):
                     XQ[row, (t + it * threads) * 8 + v] = codes[v]
     return store

@@ -1,6 +1,6 @@
 """Per-row (per-token) symmetric int8 quantisation of fp16 activations for the W8A8 kernels, in TVMScript.
 
-Bit for bit ``spec.quantize_rows``. Every 16-byte load of a thread is in flight before the first use, the row maximum
+Bit for bit ``spec.quantize_rows`` (of fp16 or, ``dtype="bfloat16"``, bf16 rows). Every 16-byte load of a thread is in flight before the first use, the row maximum
 is a butterfly of warp shuffles (plus one shared-memory step across warps), each quotient is x times the row's
 reciprocal corrected by one ``fma`` (correctly rounded like torch's division, 3 instructions), 8-byte int8 stores.
 Memory-bound: it reads 2 and writes 1 byte per element (measured: benchmarks/RESULTS.md, "CUDA per-token int8
@@ -9,6 +9,7 @@ quantiser").
 
 from __future__ import annotations
 
+from ..ptx import to_f32
 from .int8_codes import row_max, store_codes
 from .spec import QuantRowsSpec
 
@@ -26,7 +27,7 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
     WARPS = NT // 32
     full = CH % NT == 0
     reduce_max = row_max(WARPS)
-    emit_codes = store_codes(CH, NT)
+    emit_codes = store_codes(CH, NT, spec.dtype)
 
     EVEN = spec.m > 0 and spec.m % R == 0            # every CTA's rows inside M
 
@@ -54,7 +55,7 @@ def quantize_rows_kernel(spec: QuantRowsSpec):
             for it in T.unroll(IT):
                 if full or t + it * NT < CH:
                     for v in T.unroll(8):
-                        mx[0] = T.max(mx[0], T.fabs(T.Cast("float32", raw[it * 8 + v])))
+                        mx[0] = T.max(mx[0], T.fabs(to_f32(raw[it * 8 + v], spec.dtype)))
             reduce_max(mx, red, lane, t)
             emit_codes(mx, mx[0], raw, codes, XS, XQ, row, t)
 

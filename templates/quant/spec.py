@@ -17,6 +17,7 @@ class QuantRowsSpec:
     m: int                      # 0: any number of rows (M a kernel argument)
     k: int                      # a multiple of 8 (16-byte rows)
     threads: int = 32           # threads per row: 32 = a warp per row (4 rows per CTA), 64..512 = a CTA per row
+    dtype: str = "float16"      # X: "float16" or "bfloat16"
     name: str = "quantize_rows"
 
     def __post_init__(self):
@@ -25,6 +26,8 @@ class QuantRowsSpec:
                              f"K={self.k} a multiple of 8")
         if self.threads not in (32, 64, 128, 256, 512):
             raise ValueError(f"spec {self.name}: threads must be a power of two from 32 to 512")
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"spec {self.name}: dtype {self.dtype!r} must be 'float16' or 'bfloat16'")
         if -(-self.k // 8 // self.threads) > 32:
             raise ValueError(f"spec {self.name}: K={self.k} needs more than 32 chunks per thread; use more threads")
 
@@ -33,7 +36,10 @@ class QuantRowsSpec:
         return 4 if self.threads == 32 else 1
 
     def key(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.dtype == "float16":
+            del d["dtype"]
+        return d
 
 
 def pick_threads(k: int) -> int:

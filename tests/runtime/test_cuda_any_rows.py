@@ -1,5 +1,6 @@
-"""Kernels built for any number of rows (``m=0``: ``M`` a kernel argument, the grid computed from it at launch) and
-the few-row block-sparse fp16 GEMV over the tile kernels' packed blocks, on a GPU, against their torch references.
+"""Kernels built for any number of rows (``m=0``: ``M`` a kernel argument, the grid computed from it at launch),
+the few-row block-sparse GEMV over the tile kernels' packed blocks and the bf16 kernels, on a GPU, against their torch
+references (bf16 kernels against the reference computed from the same bf16 operands, rounded to bf16).
 
 Fixtures ``r_*`` of ``tests/fixtures/cuda_specs.py`` (``python tests/fixtures/build_cuda.py --only ...``). One
 prepared launch is called at several row counts in turn, as a dynamic model calls it; fresh random data each run,
@@ -16,9 +17,10 @@ import torch
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
-LINEARS = ["r_odd_gelu", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu", "r_wg_b64"]
+LINEARS = ["r_odd_gelu", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu", "r_wg_b64",
+           "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu"]
 GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "r_gemv_b16_nobias_m5",
-         "r_gemv_k128_m8_w16", "r_gemv_square_pdl"]
+         "r_gemv_k128_m8_w16", "r_gemv_square_pdl", "r_gemv_bf16_odd_gelu", "r_gemv_bf16_b64_nobias"]
 
 
 def _folder(name):
@@ -35,6 +37,7 @@ def _err(y, ref):
 @pytest.mark.parametrize("name", LINEARS)
 def test_tile_kernels_take_any_number_of_rows(name):
     from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.runtime.cuda import act16_dtype
     from sparta.templates.bsr_linear.int4_records import unpack_w4
     from sparta.templates.bsr_linear.spec import reference, reference_int8
     from sparta.templates.epilogue_ref import requantize
@@ -44,15 +47,16 @@ def test_tile_kernels_take_any_number_of_rows(name):
     assert spec.m == 0 and json.loads((folder / "launch.json").read_text())["grid"][0] == ["M", spec.tm]
     if spec.mma == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
+    act = act16_dtype(spec)
     mask = torch.rand(spec.row_blocks, spec.k_blocks) < 0.4
-    w = torch.randn(spec.n, spec.k, device="cuda").half()
-    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
+    w = torch.randn(spec.n, spec.k, device="cuda").to(act)
+    bias = torch.randn(spec.n, device="cuda").to(act) if spec.bias else None
     scale = 0.05 if spec.out == "int8" else None
     op = BsrLinearOp(folder, spec, w, mask, bias, group=64, out_scale=scale)
     for m in ROWS:
-        x = torch.randn(m, spec.k, device="cuda").half()
+        x = torch.randn(m, spec.k, device="cuda").to(act if spec.dtype != "int8" else torch.float16)
         out = torch.full((m, spec.n), -128 if scale else float("nan"), device="cuda",
-                         dtype=torch.int8 if scale else torch.float16)
+                         dtype=torch.int8 if scale else act)
         op(x, out=out)
         if spec.dtype == "int8":
             y = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk)
@@ -64,7 +68,8 @@ def test_tile_kernels_take_any_number_of_rows(name):
         if scale:
             assert (out.int() - requantize(y.float(), scale).int()).abs().max() <= 1, f"{name} at M={m}"
         else:
-            assert not out.isnan().any() and _err(out, y) < 2e-3, f"{name} at M={m}"
+            assert out.dtype == y.dtype and not out.isnan().any() and _err(out, y) < (1e-2 if act == torch.bfloat16
+                                                                                   else 2e-3), f"{name} at M={m}"
 
 
 @pytest.mark.parametrize("density", [0.0, 0.35, 1.0])
@@ -77,20 +82,22 @@ def test_gemv_matches_the_reference_over_the_tile_kernels_packing(name, density)
     folder = _folder(name)
     spec = BsrGemvSpec(**json.loads((folder / "spec.json").read_text()))
     tile = BsrSpec(0, spec.n, spec.k, bn=spec.bn, bk=spec.bk, tm=64, warps_m=1 if spec.bn < 32 else 2,
-                   groups=spec.groups, bias=spec.bias, act=spec.act)
+                   groups=spec.groups, bias=spec.bias, act=spec.act, dtype=spec.dtype)
+    act = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float16
     mask = torch.rand(tile.row_blocks, tile.k_blocks) < density
-    w = torch.randn(spec.n, spec.k, device="cuda").half()
-    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else torch.zeros(spec.n, device="cuda").half()
+    w = torch.randn(spec.n, spec.k, device="cuda").to(act)
+    bias = torch.randn(spec.n, device="cuda").to(act) if spec.bias else torch.zeros(spec.n, device="cuda").to(act)
     wp, table = pack_weight(w, tile, mask)
     op = BsrGemvOp(folder, spec, wp, table, bias)
     for m in sorted({1, 2, spec.rows}) + [1]:
-        x = torch.randn(m, spec.k, device="cuda").half()
+        x = torch.randn(m, spec.k, device="cuda").to(act)
         y = op(x)
         ref = reference(x, w, mask, bias if spec.bias else None, spec.act, spec.bn, spec.bk)
         torch.cuda.synchronize()
-        assert not y.isnan().any() and _err(y, ref) < 2e-3, f"{name} density {density} at M={m}"
+        assert y.dtype == act and not y.isnan().any(), name
+        assert _err(y, ref) < (1e-2 if act == torch.bfloat16 else 2e-3), f"{name} density {density} at M={m}"
     with pytest.raises(Exception, match="at most"):
-        op(torch.randn(spec.rows + 1, spec.k, device="cuda").half())
+        op(torch.randn(spec.rows + 1, spec.k, device="cuda").to(act))
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -162,35 +169,39 @@ def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monke
     assert _err(y, ref) < 2e-3, "a GEMV captured in a CUDA graph reads the input written after capture"
 
 
-@pytest.mark.parametrize("name", ["r_ln_res_warp_both", "r_ln_cta_int8"])
+@pytest.mark.parametrize("name", ["r_ln_res_warp_both", "r_ln_cta_int8", "r_ln_bf16_res_warp_both", "r_ln_bf16_cta"])
 def test_layer_norm_takes_any_number_of_rows(name):
     from sparta.runtime.layernorm import LayerNormOp
     from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
     from sparta.templates.quant.spec import quantize_rows
     folder = _folder(name)
     spec = LayerNormSpec(**json.loads((folder / "spec.json").read_text()))
-    w, b = torch.rand(spec.n, device="cuda").half() + 0.5, torch.randn(spec.n, device="cuda").half()
+    act = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float16
+    w, b = (torch.rand(spec.n, device="cuda") + 0.5).to(act), torch.randn(spec.n, device="cuda").to(act)
     op = LayerNormOp(folder, spec, w, b)
     for m in (1, 5, 37, 2, 130):
-        x = torch.randn(m, spec.n, device="cuda").half()
-        r = torch.randn(m, spec.n, device="cuda").half() if spec.residual else None
+        x = (torch.randn(m, spec.n, device="cuda") * 4 + 3).to(act)
+        r = torch.randn(m, spec.n, device="cuda").to(act) if spec.residual else None
         outs = op(x, r) if r is not None else op(x)
         outs = outs if isinstance(outs, tuple) else (outs,)
         y = layer_norm_ref(x + r if r is not None else x, w, b, spec.eps)
         if spec.out != "int8":
-            torch.testing.assert_close(outs[0].float(), y.float(), rtol=2e-3, atol=4e-3)
+            assert outs[0].dtype == act
+            tol = dict(rtol=1.6e-2, atol=3e-2) if act == torch.bfloat16 else dict(rtol=2e-3, atol=4e-3)
+            torch.testing.assert_close(outs[0].float(), y.float(), **tol)
         if spec.out != "fp16":
             xq, xs = quantize_rows(outs[0] if spec.out == "both" else y)
             torch.testing.assert_close(outs[-1], xs, rtol=4e-3, atol=0)
             assert (outs[-2].int() - xq.int()).abs().max() <= 1, f"{name} at M={m}"
 
 
-def test_row_quantizer_takes_any_number_of_rows():
+@pytest.mark.parametrize("name", ["r_quant_rows", "r_quant_bf16"])
+def test_row_quantizer_takes_any_number_of_rows(name):
     from sparta.runtime.quant import RowQuantizer
     from sparta.templates.quant.spec import quantize_rows
-    q = RowQuantizer(_folder("r_quant_rows"))
+    q = RowQuantizer(_folder(name))
     for m in (1, 37, 4, 100):
-        x = torch.randn(m, q.k, device="cuda").half()
+        x = torch.randn(m, q.k, device="cuda").to(q.dtype)
         xq, xs = q(x)
         rq, rs = quantize_rows(x)
         assert torch.equal(xq, rq) and torch.equal(xs, rs), f"M={m}"
