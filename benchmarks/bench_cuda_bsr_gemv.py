@@ -28,10 +28,14 @@ from common import bench_mask, gpu_kernel_us, save  # noqa: E402
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 SHAPES = {"qkvo": (2048, 2048), "gate_up": (5632, 2048), "down": (2048, 5632)}
 ROWS = (1, 2, 4, 8, 16, 32)
+GEMV_ROWS = 8                   # the GEMV variants are built for up to 8 rows
 SPARSITY = 90
 WARPS = (2, 4, 8, 16)
 TILE = dict(bn=32, bk=32, tm=128, warps_m=2, warps_n=1, stages=4)     # cuda_kernels.json fp16_tiles["32"]
 ROTATE_BYTES = 120e6
+SMALL_TILES = {"t64w2": dict(TILE, tm=64), "t32w2": dict(TILE, tm=32), "t64w4": dict(TILE, tm=64, warps_m=4),
+               "t128w4": dict(TILE, warps_m=4), "t64w2s3": dict(TILE, tm=64, stages=3)}   # the tile per bucket of M
+TILE_ROWS = (8, 32, 128, 512, 2048)
 
 
 def mask_of(shape: str) -> torch.Tensor:
@@ -46,10 +50,12 @@ def kernels() -> dict:
     specs = {}
     for shape, (n, k) in SHAPES.items():
         for w in WARPS:
-            specs[f"bg_{shape}_gemv_w{w}"] = BsrGemvSpec(n, k, warps=w)
-            specs[f"bg_{shape}_gemv_w{w}_pdl"] = BsrGemvSpec(n, k, warps=w, pdl=True)
+            specs[f"bg_{shape}_gemv_w{w}"] = BsrGemvSpec(n, k, warps=w, rows=GEMV_ROWS)
+            specs[f"bg_{shape}_gemv_w{w}_pdl"] = BsrGemvSpec(n, k, warps=w, pdl=True, rows=GEMV_ROWS)
         specs[f"bg_{shape}_tile_any"] = BsrSpec(0, n, k, **TILE)
         specs[f"bg_{shape}_tile_m512"] = BsrSpec(512, n, k, **TILE)
+        for name, tile in SMALL_TILES.items():
+            specs[f"bg_{shape}_tile_{name}"] = BsrSpec(0, n, k, **tile)
     return {name: type(s)(**{**s.__dict__, "name": name}) for name, s in specs.items()}
 
 
@@ -64,7 +70,7 @@ def picked_warps(shape: str) -> int:
     return fp16_gemv_tiling(site, TILE, load_target("cuda"))["warps"]
 
 
-def bench_shape(shape: str, bw: float) -> dict:
+def bench_shape(shape: str, bw: float, tiles_only: bool = False) -> dict:
     from sparta.runtime.bsr_linear import BsrGemvOp, BsrLinearOp, load_spec
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.spec import reference
@@ -89,17 +95,17 @@ def bench_shape(shape: str, bw: float) -> dict:
             gemvs[f"w{warps}{sfx}"] = [BsrGemvOp(folder, spec, t.wp, t.table, t.bias) for t in tiles]
     wf = [w.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
     rows, floor_us = [], kept / bw / 1e3
-    for m in ROWS:
+    for m in () if tiles_only else ROWS:
         xs = [torch.randn(m, k, device="cuda").half() for _ in range(sets)]
         ref = reference(xs[0], w, mask, bias, "none", 32, 32)
         res = {}
-        for variant, ops in gemvs.items() if m <= 16 else ():
+        for variant, ops in gemvs.items() if m <= GEMV_ROWS else ():
             y = ops[0](xs[0])
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             res[f"gemv_{variant}"] = {"kernel_us": gpu_kernel_us(lambda i: ops[i](xs[i]), sets), "max_rel_err": err}
         res["tile_any"] = {"kernel_us": gpu_kernel_us(lambda i: tiles[i](xs[i]), sets)}
         res["cublas_fp16"] = {"kernel_us": gpu_kernel_us(lambda i: F.linear(xs[i % sets], wf[i], bias), len(wf))}
-        if m > 16:
+        if m > GEMV_ROWS:
             print(f"{shape} m={m}: tile {res['tile_any']['kernel_us']:.2f} | cuBLAS "
                   f"{res['cublas_fp16']['kernel_us']:.2f}", flush=True)
             rows.append({"m": m, "results": res})
@@ -111,18 +117,31 @@ def bench_shape(shape: str, bw: float) -> dict:
               f"{res['cublas_fp16']['kernel_us']:.2f} | err {res[pick]['max_rel_err']:.1e}", flush=True)
         rows.append({"m": m, "picked": pick, "results": res})
     xs = [torch.randn(512, k, device="cuda").half() for _ in range(sets)]
-    m512 = {"tile_any": gpu_kernel_us(lambda i: tiles[i](xs[i]), sets),
+    m512 = {} if tiles_only else {"tile_any": gpu_kernel_us(lambda i: tiles[i](xs[i]), sets),
             "tile_m512": gpu_kernel_us(lambda i: fixed[i](xs[i]), sets),
             "cublas_fp16": gpu_kernel_us(lambda i: F.linear(xs[i % sets], wf[i], bias), len(wf))}
-    print(f"{shape} m=512: tile for any M {m512['tile_any']:.2f} us, built for 512 {m512['tile_m512']:.2f} us, "
-          f"cuBLAS {m512['cublas_fp16']:.2f} us", flush=True)
+    if m512:
+        print(f"{shape} m=512: tile for any M {m512['tile_any']:.2f} us, built for 512 {m512['tile_m512']:.2f} us, "
+              f"cuBLAS {m512['cublas_fp16']:.2f} us", flush=True)
+    tile_ops = {"t128w2": tiles[:2]}
+    for name in SMALL_TILES:
+        folder = ROOT / f"bg_{shape}_tile_{name}"
+        tile_ops[name] = [BsrLinearOp(folder, load_spec(folder), w, mask, bias) for _ in range(2)]
+    tile_rows = []
+    for m in TILE_ROWS:
+        xs = [torch.randn(m, k, device="cuda").half() for _ in range(2)]
+        res = {name: gpu_kernel_us(lambda i: ops[i](xs[i]), 2) for name, ops in tile_ops.items()}
+        res["cublas_fp16"] = gpu_kernel_us(lambda i: F.linear(xs[i % 2], wf[i], bias), len(wf))
+        print(f"{shape} tiles m={m}: " + " ".join(f"{kk} {v:.2f}" for kk, v in res.items()), flush=True)
+        tile_rows.append({"m": m, "us": res})
     return {"shape": shape, "n": n, "k": k, "sparsity": SPARSITY, "kept_bytes": kept, "floor_us": floor_us,
-            "rows": rows, "m512_us": m512}
+            "rows": rows, "m512_us": m512, "tiles": tile_rows}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", action="store_true", help="build the kernels (TVM + nvcc) and exit")
+    ap.add_argument("--tiles-only", action="store_true", help="only the tile kernels per bucket of M")
     args = ap.parse_args()
     if args.build:
         from sparta.codegen.cuda_build import build_folders
@@ -131,8 +150,8 @@ def main():
     from bench_cuda_w4a16 import copy_bandwidth
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
-    shapes = [bench_shape(s, bw) for s in SHAPES]
-    print(f"wrote {save('bsr_gemv', {'copy_GBps': bw, 'shapes': shapes})}")
+    shapes = [bench_shape(s, bw, args.tiles_only) for s in SHAPES]
+    print(f"wrote {save('bsr_tiles' if args.tiles_only else 'bsr_gemv', {'copy_GBps': bw, 'shapes': shapes})}")
 
 
 if __name__ == "__main__":

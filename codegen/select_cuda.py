@@ -51,8 +51,9 @@ class GemmSite:
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
-           hopper: dict | None = None, note: str = "", gemv: dict | None = None) -> KernelChoice:
-    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv)
+           hopper: dict | None = None, note: str = "", gemv: dict | None = None,
+           buckets: list | None = None) -> KernelChoice:
+    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets)
 
 
 # ---- the rules, in order ---------------------------------------------------------------------------------------
@@ -129,9 +130,10 @@ def fp16_stream(site: GemmSite, target: Target):
 
 def bsr_tile(site: GemmSite, target: Target):
     dtype = "w4a16" if _runs_w4(site) else site.act16
-    tiles = target.tiles("fp16_tiles", site.side)
+    tiles, buckets = tile_buckets(site, target) if dtype != "w4a16" else (target.tiles("fp16_tiles", site.side), None)
     return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype, tiles,
-                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype != "w4a16" else None)
+                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype != "w4a16" else None,
+                  buckets=buckets)
 
 
 GEMM_RULES = (not_a_gemm, k_alignment, bias_shape, w4a16_gemv, w4a16_dense_tile, w8a8_gemv, w8a8_dense_tile,
@@ -174,18 +176,30 @@ def stream_tiles(m: int, mask: torch.Tensor, target: Target) -> dict | None:
     return dict(stream["tile"], groups=groups)
 
 
+def tile_buckets(site: GemmSite, target: Target) -> tuple[dict, list | None]:
+    """(tiles, buckets) of a 16-bit block tile kernel: for a graph of one M, the tile of the smallest bucket that
+    holds M (``fp16_tile_buckets``: smaller M tiles where few rows leave the SMs waiting on a long K loop, measured:
+    benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV"), the ``fp16_tiles`` one above them; for any rows, the
+    ``fp16_tiles`` one (the runtime does not yet pick a tile kernel per call: ``buckets`` stays None)."""
+    tiles = target.tiles("fp16_tiles", site.side)
+    if site.any_rows:
+        return tiles, None
+    buckets = target.tiles("fp16_tile_buckets").get(str(site.side), [])
+    return next((dict(t) for top, t in buckets if site.m <= top), tiles), None
+
+
 def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None:
-    """The block-sparse GEMV beside an fp16 tile kernel, over its packed blocks, for calls of up to
+    """The block-sparse GEMV beside a 16-bit tile kernel, over its packed blocks, for calls of up to
     ``bsr_gemv.max_rows`` rows (a graph of any rows, or one compiled for that few), else None: warps enough to take
-    the fullest block row's kept blocks in one round, up to 16, or up to 8 where the grid has more CTAs than the GPU
-    SMs (measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
+    the fullest block row's kept blocks in one round (two blocks a warp), up to 16, or up to 8 where the grid has more
+    CTAs than the GPU SMs (measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
     g = target.tiles("bsr_gemv")
     if not site.any_rows and site.m > g["max_rows"]:
         return None
     mask = block_mask_of(site.weight, tiles["bn"], tiles["bk"])
-    fullest = max(1, int(mask.sum(dim=1).max()) if mask.numel() else 1)
+    pairs = max(1, -(-int(mask.sum(dim=1).max()) // 2) if mask.numel() else 1)
     top = 16 if BsrGemvSpec(site.n, site.k, tiles["bn"], tiles["bk"]).ctas <= target.sms else 8
-    return dict(rows=g["max_rows"], warps=min(top, max(2, 1 << (fullest - 1).bit_length())), pdl=g["pdl"])
+    return dict(rows=g["max_rows"], warps=min(top, max(2, 1 << (pairs - 1).bit_length())), pdl=g["pdl"])
 
 
 def pingpong_pays(m: int, n: int, target: Target) -> bool:
@@ -305,4 +319,5 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
 
 
 __all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gemm_site", "stream_tiles", "fp16_gemv_tiling",
+           "tile_buckets",
            "int8_dense_tiles", "pingpong_pays", "w8a8_gemv_tiling", "gemv_tiling", "gemv_group"]

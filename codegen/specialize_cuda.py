@@ -134,8 +134,8 @@ def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
             continue
         y, x = op.outputs[0], graph.tensor(op.input_of("input"))
         readers = graph.consumers(y)
-        int8 = [r for r in readers if _reads_int8(replacements.get(r), y)] if x.dtype == torch.float16 else []
-        if x.dtype not in (torch.float16, torch.bfloat16):
+        int8 = [r for r in readers if _reads_int8(replacements.get(r), y)] if x.dtype != torch.bfloat16 else []
+        if not int8 and x.dtype not in (torch.float16, torch.bfloat16):
             continue
         fp16_too = not int8 or len(int8) < len(readers) or y in graph.outputs
         out = "int8" if not fp16_too else "both" if int8 else "fp16"

@@ -36,17 +36,22 @@ def bsr_gemv(spec: BsrGemvSpec):
 
     @T.macro
     def multiply(X, M, wv, wf, xv, acc, kb, o, kq):
-        # acc[i, m] += W piece i · X[m, the lane's 8 columns of the block]
-        for e in T.unroll(J * 8):
-            wf[e] = to_f32(wv[o * J * 8 + e], ACT)
+        # acc[i, m] += W piece i · X[m, the lane's 8 columns of the block]: every row's X piece in flight first
         for m in T.unroll(MR):
             if m < M:
                 if K % BK == 0 or kb[o] * BK + kq * 8 < K:
                     for v in T.vectorized(8):
-                        xv[v] = X[m, kb[o] * BK + kq * 8 + v]
-                    for i in T.unroll(J):
-                        for v in T.unroll(8):
-                            acc[i * MR + m] = acc[i * MR + m] + wf[i * 8 + v] * to_f32(xv[v], ACT)
+                        xv[m * 8 + v] = X[m, kb[o] * BK + kq * 8 + v]
+                else:
+                    for v in T.unroll(8):
+                        xv[m * 8 + v] = T.float16(0)
+        for e in T.unroll(J * 8):
+            wf[e] = to_f32(wv[o * J * 8 + e], ACT)
+        for m in T.unroll(MR):
+            if m < M:
+                for i in T.unroll(J):
+                    for v in T.unroll(8):
+                        acc[i * MR + m] = acc[i * MR + m] + wf[i * 8 + v] * to_f32(xv[m * 8 + v], ACT)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, b_h: T.handle, tab_h: T.handle, y_h: T.handle):
@@ -65,7 +70,7 @@ def bsr_gemv(spec: BsrGemvSpec):
         wv = T.alloc_buffer((2 * J * 8,), "float16", scope="local")     # two blocks in flight
         wf = T.alloc_buffer((J * 8,), "float32", scope="local")
         kb = T.alloc_buffer((2,), "int32", scope="local")
-        xv = T.alloc_buffer((8,), "float16", scope="local")
+        xv = T.alloc_buffer((MR * 8,), "float16", scope="local")
         tot = T.alloc_buffer((1,), "float32", scope="local")
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)

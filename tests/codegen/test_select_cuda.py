@@ -121,3 +121,13 @@ def test_a_cover_the_kernel_runs_otherwise_is_noted():
     assert "32x32 + 64x64 cover runs as one 64x64 block cover" in select_gemm(s, CUDA).note
     s.plan.subops = [SubOp("block_sparse", 16, 16, (64, 64), 3, 0, 1.0)]
     assert select_gemm(s, CUDA).note == ""
+
+
+def test_a_16_bit_tile_kernel_for_one_m_takes_the_tile_of_its_bucket():
+    """Few rows take the smaller M tiles of ``fp16_tile_buckets`` (measured faster there), many the large tile; a
+    graph of any rows keeps the large tile."""
+    buckets = CUDA.tiles("fp16_tile_buckets")["32"]
+    assert select_gemm(site(m=64), CUDA).tiles == buckets[0][1]
+    assert select_gemm(site(m=512), CUDA).tiles == buckets[1][1]
+    assert select_gemm(site(m=4096), CUDA).tiles == CUDA.tiles("fp16_tiles", 32)
+    assert select_gemm(site(m=64, any_rows=True), CUDA).tiles == CUDA.tiles("fp16_tiles", 32)
