@@ -134,11 +134,11 @@ def test_a_dynamic_cuda_compile_builds_kernels_for_any_rows(tmp_path, dtype):
         assert module.spec.m == 0 and launch["grid"][0][0] == "M" and launch["args"][-1] == \
             {"name": "M", "dtype": "int32", "scalar": True}
     for module in linears:
-        assert module.gemv is not None and module.gemv[1].rows == 8 and module.gemv[1].bn == module.spec.bn
+        assert module.gemv is not None and module.gemv[1].rows == 4 and module.gemv[1].bn == module.spec.bn
         assert module.spec.dtype == module.gemv[1].dtype == str(dtype)[6:] and module.wp.dtype == dtype
         assert json.loads((Path(module.gemv[0]) / "launch.json").read_text())["args"][-1]["name"] == "M"
-    assert all("up to 8 rows run the GEMV" in row["note"] for row in compiled.kernels if row["template"] == "bsr_linear")
-    assert "M<=8: bsr_gemv[" in compiled.plan_report(), "the plan report shows the kernel per bucket of rows"
+    assert all("up to 4 rows run the GEMV" in row["note"] for row in compiled.kernels if row["template"] == "bsr_linear")
+    assert "M<=4: bsr_gemv[" in compiled.plan_report(), "the plan report shows the kernel per bucket of rows"
     for shape in ((1, 1, 1024), (3, 17, 1024), (8, 128, 1024)):
         with FakeTensorMode():
             state = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda")
