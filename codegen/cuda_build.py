@@ -101,8 +101,8 @@ def cuda_templates() -> dict:
     from ..templates.w4a16_gemv.spec import W4A16Spec
     from ..templates.w8a8_gemv.kernel import w8a8_gemv
     from ..templates.w8a8_gemv.spec import W8A8GemvSpec
-    return {BsrSpec: bsr_linear, BsrGemvSpec: bsr_gemv, W4A16Spec: w4a16_gemv, W8A8GemvSpec: w8a8_gemv, LayerNormSpec: layer_norm_kernel,
-            QuantRowsSpec: quantize_rows_kernel}
+    return {BsrSpec: bsr_linear, BsrGemvSpec: bsr_gemv, W4A16Spec: w4a16_gemv, W8A8GemvSpec: w8a8_gemv,
+            LayerNormSpec: layer_norm_kernel, QuantRowsSpec: quantize_rows_kernel}
 
 
 def build_folders(specs: dict, out: Path, jobs: int = 2, templates: dict | None = None, log=print) -> None:

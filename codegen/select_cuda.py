@@ -51,9 +51,8 @@ class GemmSite:
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
-           hopper: dict | None = None, note: str = "", gemv: dict | None = None,
-           buckets: list | None = None) -> KernelChoice:
-    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets)
+           hopper: dict | None = None, note: str = "", gemv: dict | None = None) -> KernelChoice:
+    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv)
 
 
 # ---- the rules, in order ---------------------------------------------------------------------------------------
@@ -130,10 +129,9 @@ def fp16_stream(site: GemmSite, target: Target):
 
 def bsr_tile(site: GemmSite, target: Target):
     dtype = "w4a16" if _runs_w4(site) else site.act16
-    tiles, buckets = tile_buckets(site, target) if dtype != "w4a16" else (target.tiles("fp16_tiles", site.side), None)
+    tiles = tile_of_bucket(site, target) if dtype != "w4a16" else target.tiles("fp16_tiles", site.side)
     return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype, tiles,
-                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype != "w4a16" else None,
-                  buckets=buckets)
+                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype != "w4a16" else None)
 
 
 GEMM_RULES = (not_a_gemm, k_alignment, bias_shape, w4a16_gemv, w4a16_dense_tile, w8a8_gemv, w8a8_dense_tile,
@@ -176,16 +174,16 @@ def stream_tiles(m: int, mask: torch.Tensor, target: Target) -> dict | None:
     return dict(stream["tile"], groups=groups)
 
 
-def tile_buckets(site: GemmSite, target: Target) -> tuple[dict, list | None]:
-    """(tiles, buckets) of a 16-bit block tile kernel: for a graph of one M, the tile of the smallest bucket that
-    holds M (``fp16_tile_buckets``: smaller M tiles where few rows leave the SMs waiting on a long K loop, measured:
+def tile_of_bucket(site: GemmSite, target: Target) -> dict:
+    """The tiles of a 16-bit block tile kernel: for a graph of one M, the tile of the smallest bucket that holds M
+    (``fp16_tile_buckets``: smaller M tiles where few rows leave the SMs waiting on a long K loop, measured:
     benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV"), the ``fp16_tiles`` one above them; for any rows, the
-    ``fp16_tiles`` one (the runtime does not yet pick a tile kernel per call: ``buckets`` stays None)."""
+    ``fp16_tiles`` one (the runtime picks no tile kernel per call)."""
     tiles = target.tiles("fp16_tiles", site.side)
     if site.any_rows:
-        return tiles, None
+        return tiles
     buckets = target.tiles("fp16_tile_buckets").get(str(site.side), [])
-    return next((dict(t) for top, t in buckets if site.m <= top), tiles), None
+    return next((dict(t) for top, t in buckets if site.m <= top), tiles)
 
 
 def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None:
@@ -286,7 +284,7 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     requantized = plan is not None and out in plan.static_scales
     act16 = "bfloat16" if graph.tensor(view[0]).dtype == torch.bfloat16 else "float16"
     return GemmSite(op, op_plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
-                    weight, group, refusal, bool(graph.meta.get("dynamic_dims")), act16)
+                    weight, group, refusal, graph.any_rows, act16)
 
 
 def gemv_group(group: int, k: int) -> int:
@@ -319,5 +317,5 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
 
 
 __all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gemm_site", "stream_tiles", "fp16_gemv_tiling",
-           "tile_buckets",
+           "tile_of_bucket",
            "int8_dense_tiles", "pingpong_pays", "w8a8_gemv_tiling", "gemv_tiling", "gemv_group"]

@@ -65,7 +65,7 @@ def _dense_block(n_pad: int, k_pad: int) -> tuple[int, int]:
 
 def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
     x_name, _, _, m, n, k = gemm_view(graph, op)
-    any_rows = bool(graph.meta.get("dynamic_dims"))     # a graph captured dynamic: kernels take M at run time
+    any_rows = graph.any_rows
     weight = weight_matrix(graph, op)
     ph, pw = _padding(op_plan.subops)
     n_pad, k_pad = -(-n // ph) * ph, -(-k // pw) * pw

@@ -24,7 +24,7 @@ from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view
 from ..target import Target, load_target
-from ..runtime.bsr_linear import SparseLinearCUDA, gemv_fits
+from ..runtime.bsr_linear import SparseLinearCUDA
 from ..runtime.layernorm import LayerNormCUDA, quantized_names
 from ..runtime.w8a8_gemv import W8A8GemvCUDA
 from ..templates.bsr_linear.gemv import bsr_gemv
@@ -140,7 +140,7 @@ def _cuda_norms(graph: Graph, replacements: dict) -> list[dict]:
         fp16_too = not int8 or len(int8) < len(readers) or y in graph.outputs
         out = "int8" if not fp16_too else "both" if int8 else "fp16"
         add = _residual_add(graph, op, replacements)
-        m = 0 if _any_rows(graph) else replacements[int8[0]].spec.m if int8 else math.prod(x.shape[:-1])
+        m = 0 if graph.any_rows else replacements[int8[0]].spec.m if int8 else math.prod(x.shape[:-1])
         built = _build_norm(graph, op, out, m, add)
         if isinstance(built, str):
             rows.append(torch_row(op, "-", built))
@@ -208,22 +208,15 @@ def _build_norm(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None
     return module, report_row(op, "layer_norm", "-", bits, "-", [art])
 
 
-def _any_rows(graph: Graph) -> bool:
-    """Whether the graph was captured dynamic: its kernels take any number of rows (specs with ``m=0``)."""
-    return bool(graph.meta.get("dynamic_dims"))
-
-
 def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:
-    """The few-row GEMV selection chose beside ``spec``'s fp16 kernel (``KernelChoice.gemv``), over its packed blocks."""
+    """The few-row GEMV selection chose beside ``spec``'s 16-bit kernel (``KernelChoice.gemv``), over its packed blocks
+    (``SparseLinearCUDA`` refuses one that does not fit them)."""
     if not tiling:
         return None
-    g = BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups,
-                    dtype=spec.act16, **tiling,
-                    name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{tiling['warps']}"
-                                                                    f"{'_pdl' if tiling.get('pdl') else ''}")
-    if not gemv_fits(spec, g):
-        raise AssertionError(f"{g.name}: selection chose a GEMV that does not read {spec.name}'s blocks")
-    return g
+    return BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups,
+                       dtype=spec.act16, **tiling,
+                       name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{tiling['warps']}"
+                                                                       f"{'_pdl' if tiling.get('pdl') else ''}")
 
 
 def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
@@ -231,8 +224,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     choice = op_plan.kernel
     view = gemm_view(graph, op)
     x_name, _, _, m, n, k = view
-    rows = 0 if _any_rows(graph) else m
     site = gemm_site(graph, op, op_plan)
+    rows = 0 if site.any_rows else m
     weight = site.weight
     bias_name = gemm_bias(op)
     bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.float()) if bias_name else None

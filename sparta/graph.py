@@ -266,6 +266,11 @@ class Graph:
     def weights(self) -> dict[str, torch.Tensor]:
         return {v.name: v.data for v in self.tensors("weight") if v.data is not None}
 
+    @property
+    def any_rows(self) -> bool:
+        """Whether the graph was captured with dynamic dimensions: its kernels take the number of rows at run time."""
+        return bool(self.meta.get("dynamic_dims"))
+
     def dynamic_dims_of(self, name: str) -> dict[int, str]:
         """The dynamic dimensions of input ``name``: dim -> symbol."""
         return {d: sym for sym, (t, d) in self.meta.get("dynamic_dims", {}).items() if t == name}

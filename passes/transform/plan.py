@@ -99,16 +99,15 @@ class KernelChoice:
     hopper: dict | None = None     # tiling of the sm_90 twin over the same packed weights (wgmma), if any
     note: str = ""                 # what the plan asked for that this kernel does not run, and why
     gemv: dict | None = None       # the few-row GEMV over the same packed weights, run for calls of <= gemv["rows"]
-    buckets: list | None = None    # [[max rows, tiles], ...]: tile kernels over the same blocks for calls that small
 
     def describe(self) -> str:
         if self.kernel == "torch":
             return f"torch ({self.reason})"
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
         main = f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]"
-        parts = [f"M<={self.gemv['rows']}: bsr_gemv[{self.gemv['warps']} warps]"] if self.gemv else []
-        parts += [f"M<={top}: {t['tm']}x{t['bn']}x{t['bk']}" for top, t in self.buckets or ()]
-        return "; ".join(parts + [f"else {main}"]) if parts else main      # the kernel per bucket of rows
+        if self.gemv:                  # the kernel per bucket of rows, picked at each call
+            return f"M<={self.gemv['rows']}: bsr_gemv[{self.gemv['warps']} warps]; else {main}"
+        return main
 
 
 @dataclass

@@ -114,7 +114,7 @@ class BsrLinearOp:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        check_fp16_input(s.name, x, s.m, s.k, torch.float16 if s.dtype == "int8" else act16_dtype(s))
+        check_fp16_input(s.name, x, s.m, s.k, act16_dtype(s))
         if s.dtype == "int8":
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
         y = self._output(x) if out is None else out

@@ -67,7 +67,7 @@ def check_saved_spec(op_name: str, folder, spec, load=None) -> None:
 
 def act16_dtype(spec) -> torch.dtype:
     """The torch dtype of a kernel spec's 16-bit activations: bf16 where ``spec.act16`` (or its ``dtype``) says so."""
-    act = spec.get("dtype") if isinstance(spec, dict) else getattr(spec, "act16", None) or getattr(spec, "dtype", "")
+    act = getattr(spec, "act16", None) or getattr(spec, "dtype", "")
     return torch.bfloat16 if act == "bfloat16" else torch.float16
 
 
@@ -249,7 +249,8 @@ class PreparedLaunch:
         self.kernel, self.fn = kernel, fn
         names = [a["name"] for a in kernel.tensor_args]
         self.index = {n: i for i, n in enumerate(names)}
-        self.meta = {n: (a["shape"], t.dtype) for n, t, a in zip(names, tensors, kernel.tensor_args)}
+        self.meta = {n: ([e if isinstance(e, str) else d for e, d in zip(a["shape"], t.shape)], t.dtype)
+                     for n, t, a in zip(names, tensors, kernel.tensor_args)}   # sizes (M) free, other dims pinned
         self.shapes = [t.shape for t in tensors]
         self.keep = tensors     # keeps the fixed tensors (weights, tables) alive; per-call ones go at the next launch
         self.device = tensors[0].device.index

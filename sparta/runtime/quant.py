@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..templates.epilogue_ref import out_scale_arg
+from ..templates.quant.spec import QuantRowsSpec
 from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, kernel_file
 
 
@@ -37,8 +38,8 @@ class RowQuantizer:
         self.kernel = CudaKernel(folder)
         m, self.k = next(a["shape"] for a in self.kernel.launch["args"] if a["name"] == "X")
         self.m = m if type(m) is int else 0      # 0: a kernel for any number of rows
-        spec = json.loads(kernel_file(folder, "spec.json")) if (Path(folder) / "spec.json").is_file() else {}
-        self.dtype = act16_dtype(spec)
+        spec = json.loads(kernel_file(folder, "spec.json")) if (Path(folder) / "spec.json").is_file() else None
+        self.dtype = act16_dtype(QuantRowsSpec(**spec)) if spec else torch.float16
         self._prepared = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +124,7 @@ class QuantizedLinear(QuantizedInput, RequantizedOutput):
         if x_scale is not None:
             (y,) = self.call_kernel(x.reshape(-1, s.k), x_scale.reshape(-1))
         else:
-            (y,) = self.call_kernel(x.reshape(-1, s.k).to(act16_dtype(s))
-                                    .contiguous())
+            (y,) = self.call_kernel(x.reshape(-1, s.k).to(act16_dtype(s)).contiguous())
         rows = y.shape[0]
         y = y.reshape(*x.shape[:-1], s.n)
         if self.out_scale is not None:
