@@ -27,7 +27,7 @@ from ..templates.epilogue_ref import out_scale_arg
 from .quant import output_scale_arg
 from ..templates.quant.spec import quantize_rows
 from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
-                   device_arch)
+                   device_arch, lanes16)
 from .ops import KernelModule
 from .quant import QuantizedLinear, RowQuantizer
 
@@ -118,10 +118,10 @@ class BsrLinearOp:
         if s.dtype == "int8":
             return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
         y = self._output(x) if out is None else out
-        x16, y16 = x.view(torch.float16), y.view(torch.float16)        # bf16 moves as 16-bit lanes
+        x16, y16 = lanes16(x), lanes16(y)                              # bf16 moves as 16-bit lanes; int8 Y as is
         if self._prepared is None:
             self._prepared = self.kernel.prepare(("X", "Y"), X=x16, Wp=self.wp.view(-1).view(torch.float16),
-                                                 B=self.bias.view(torch.float16), Tab=self.table, Y=y16, **self._os())
+                                                 B=lanes16(self.bias), Tab=self.table, Y=y16, **self._os())
         else:
             self._prepared.launch(X=x16, Y=y16)
         return y
@@ -164,10 +164,10 @@ class BsrGemvOp:
         if x.shape[0] > s.rows:
             raise CudaRuntimeError(f"{s.name}: the GEMV takes at most {s.rows} rows, got {x.shape[0]}")
         y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
-        x16, y16 = x.view(torch.float16), y.view(torch.float16)
+        x16, y16 = lanes16(x), lanes16(y)
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "Y"), X=x16, Wp=self.wp.view(torch.float16),
-                                                 B=self.bias.view(torch.float16), Tab=self.table, Y=y16)
+            self._prepared = self.kernel.prepare(("X", "Y"), X=x16, Wp=lanes16(self.wp), B=lanes16(self.bias),
+                                                 Tab=self.table, Y=y16)
         else:
             self._prepared.launch(X=x16, Y=y16)
         return y

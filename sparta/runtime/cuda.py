@@ -50,7 +50,8 @@ def check_fp16_input(name: str, x: torch.Tensor, m: int, k: int, dtype: torch.dt
     """Refuse ``x`` unless it is a contiguous ``dtype`` (fp16 or bf16) ``(m, k)`` tensor (what every sparta kernel
     reads; ``m=0``: any number of rows)."""
     if x.dim() != 2 or x.shape[1] != k or (m and x.shape[0] != m) or x.dtype != dtype or not x.is_contiguous():
-        raise CudaRuntimeError(f"{name}: input must be a contiguous {str(dtype)[6:]} ({m or 'M'}, {k}) tensor, "
+        raise CudaRuntimeError(f"{name}: input must be a contiguous {'bf16' if dtype == torch.bfloat16 else 'fp16'} "
+                               f"({m or 'M'}, {k}) tensor, "
                                f"got {x.dtype} {tuple(x.shape)}")
 
 
@@ -69,6 +70,11 @@ def act16_dtype(spec) -> torch.dtype:
     """The torch dtype of a kernel spec's 16-bit activations: bf16 where ``spec.act16`` (or its ``dtype``) says so."""
     act = getattr(spec, "act16", None) or getattr(spec, "dtype", "")
     return torch.bfloat16 if act == "bfloat16" else torch.float16
+
+
+def lanes16(t: torch.Tensor) -> torch.Tensor:
+    """A 16-bit activation tensor as the fp16 lanes the kernels declare (bf16 viewed bit for bit; others as given)."""
+    return t.view(torch.float16) if t.dtype == torch.bfloat16 else t
 
 
 def device_arch(device=None) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..templates.layernorm.spec import LayerNormSpec
-from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, check_saved_spec
+from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, check_saved_spec, lanes16
 from .ops import KernelModule
 
 QUANT_SUFFIXES = (":int8", ":scale")
@@ -52,7 +52,7 @@ class LayerNormOp:
         res = {}
         if residual is not None:
             check_fp16_input(s.name, residual, x.shape[0], s.n, self.act)
-            res["R"] = residual.view(torch.float16)
+            res["R"] = lanes16(residual)
         if self.weight is not None and self.weight.device != x.device:
             self.weight = self.weight.to(x.device)
             self.bias = None if self.bias is None else self.bias.to(x.device)
@@ -63,12 +63,12 @@ class LayerNormOp:
         if s.out != "fp16":
             outs["XQ"] = torch.empty(m, s.n, dtype=torch.int8, device=x.device)
             outs["XS"] = torch.empty(m, dtype=torch.float32, device=x.device)
-        lanes = {k: v.view(torch.float16) if k == "Y" else v for k, v in outs.items()}   # bf16 as 16-bit lanes
+        lanes = {k: lanes16(v) for k, v in outs.items()}                 # bf16 as 16-bit lanes
         if self._prepared is None:
-            params = {k: v.view(torch.float16) for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
-            self._prepared = self.kernel.prepare(("X", *res, *outs), X=x.view(torch.float16), **res, **params, **lanes)
+            params = {k: lanes16(v) for k, v in (("G", self.weight), ("B", self.bias)) if v is not None}
+            self._prepared = self.kernel.prepare(("X", *res, *outs), X=lanes16(x), **res, **params, **lanes)
         else:
-            self._prepared.launch(X=x.view(torch.float16), **res, **lanes)
+            self._prepared.launch(X=lanes16(x), **res, **lanes)
         vals = tuple(outs.values())
         return vals[0] if len(vals) == 1 else vals
 

@@ -17,7 +17,7 @@ import torch
 
 from ..templates.epilogue_ref import out_scale_arg
 from ..templates.quant.spec import QuantRowsSpec
-from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, kernel_file
+from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, kernel_file, lanes16
 
 
 def output_scale_arg(out_scale, device) -> torch.Tensor:
@@ -47,9 +47,9 @@ class RowQuantizer:
         xq = torch.empty(x.shape[0], self.k, dtype=torch.int8, device=x.device)
         xs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "XQ", "XS"), X=x.view(torch.float16), XQ=xq, XS=xs)
+            self._prepared = self.kernel.prepare(("X", "XQ", "XS"), X=lanes16(x), XQ=xq, XS=xs)
         else:
-            self._prepared.launch(X=x.view(torch.float16), XQ=xq, XS=xs)
+            self._prepared.launch(X=lanes16(x), XQ=xq, XS=xs)
         return xq, xs
 
 
