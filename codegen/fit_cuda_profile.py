@@ -12,6 +12,12 @@ sparta's dense int8 tile is what a dense W8A8 sub-operator runs), ``bench_cuda_w
 results the W4A16 entry (dense rate: the best tile at M = 4096; blocks: the W4A16 kernel's
 times on the BERT FFN masks). The profile streams weights (``stream_weights``): small-M GEMMs
 cost at least their weight bytes over the copy bandwidth.
+
+``bench_cuda_bsr_gemv.py`` results fit what one row costs, kernel-only (the default CUDA model replays CUDA graphs,
+so a kernel's fixed cost is its GPU latency, not an eager launch's host time): ``fixed_us``, cuBLAS at one row less
+its weight bytes over the profile's bandwidth (median over the shapes); the W16A16 ``blocks_one_row`` of 32x32
+blocks, the GEMV's time at one row regressed on its kept blocks; 64x64 blocks four times that (a row's cost there is
+the blocks' bytes and latency: no one-row kernel runs 64x64 blocks yet).
 """
 
 from __future__ import annotations
@@ -45,6 +51,25 @@ def fit(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def fit_one_row(result: dict, prof: dict, where: str) -> None:
+    """``fixed_us`` and the W16A16 ``blocks_one_row`` from ``bench_cuda_bsr_gemv.py`` results (module docstring)."""
+    ones = [(s, next(r for r in s["rows"] if r["m"] == 1)) for s in result["shapes"]]
+    residual = sorted(r["results"]["cublas_fp16"]["kernel_us"] - 2 * s["n"] * s["k"] / (prof["bandwidth_gbs"] * 1e3)
+                      for s, r in ones)
+    prof["fixed_us"] = residual[len(residual) // 2]
+    pts = [(s["kept_bytes"] / 2048, r["results"][r["picked"]]["kernel_us"] * 1e3) for s, r in ones]
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    entry = next(k for k in prof["kernels"] if (k["weight_bits"], k["act_bits"]) == (16, 16))
+    entry["blocks_one_row"] = {"32x32": slope, "64x64": 4 * slope}
+    prof["rows"] = prof["notes"]["rows"]
+    prof["notes"]["fixed_us"] = ("one kernel's GPU latency in a CUDA graph: cuBLAS fp16 at one row less its weight "
+                                 f"bytes over the bandwidth, median of the LLaMA decoder's shapes ({where})")
+    prof["notes"]["one row"] = (f"W16A16 32x32: the block-sparse GEMV at one row regressed on its kept blocks; "
+                                f"64x64: four times that, an estimate ({where})")
+    print("fixed_us", round(prof["fixed_us"], 3), "W16A16 blocks_one_row 32x32", round(slope, 4))
+
+
 def main():
     prof = json.loads(PROFILE.read_text())
     for arg in sys.argv[1:]:
@@ -53,6 +78,9 @@ def main():
         meta = result.get("meta", {})
         where = (f"{meta.get('device')}, {meta.get('date')}, fitted by "
                  f"`python -m sparta.codegen.fit_cuda_profile {src.name}`")
+        if "shapes" in result:                                   # bench_cuda_bsr_gemv.py: one row
+            fit_one_row(result, prof, where)
+            continue
         w4 = bool(result.get("dense")) and "group" in result["dense"][0]
         if w4:                                                   # bench_cuda_w4_gemm.py
             bits = (4, 16)

@@ -51,8 +51,9 @@ class GemmSite:
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
-           hopper: dict | None = None, note: str = "", gemv: dict | None = None) -> KernelChoice:
-    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv)
+           hopper: dict | None = None, note: str = "", gemv: dict | None = None,
+           buckets: list | None = None) -> KernelChoice:
+    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets)
 
 
 # ---- the rules, in order ---------------------------------------------------------------------------------------
@@ -129,9 +130,12 @@ def fp16_stream(site: GemmSite, target: Target):
 
 def bsr_tile(site: GemmSite, target: Target):
     dtype = "w4a16" if _runs_w4(site) else site.act16
-    tiles = tile_of_bucket(site, target) if dtype != "w4a16" else target.tiles("fp16_tiles", site.side)
+    if dtype == "w4a16":
+        return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype,
+                      target.tiles("fp16_tiles", site.side), note=_unhonoured(site))
+    tiles, buckets = tile_buckets(site, target)
     return choice("bsr_linear", "bsr_tile", f"block-sparse in {site.side}x{site.side} blocks", dtype, tiles,
-                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target) if dtype != "w4a16" else None)
+                  note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target), buckets=buckets)
 
 
 GEMM_RULES = (not_a_gemm, k_alignment, bias_shape, w4a16_gemv, w4a16_dense_tile, w8a8_gemv, w8a8_dense_tile,
@@ -174,16 +178,16 @@ def stream_tiles(m: int, mask: torch.Tensor, target: Target) -> dict | None:
     return dict(stream["tile"], groups=groups)
 
 
-def tile_of_bucket(site: GemmSite, target: Target) -> dict:
-    """The tiles of a 16-bit block tile kernel: for a graph of one M, the tile of the smallest bucket that holds M
-    (``fp16_tile_buckets``: smaller M tiles where few rows leave the SMs waiting on a long K loop, measured:
-    benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV"), the ``fp16_tiles`` one above them; for any rows, the
-    ``fp16_tiles`` one (the runtime picks no tile kernel per call)."""
+def tile_buckets(site: GemmSite, target: Target) -> tuple[dict, list | None]:
+    """(tiles, buckets) of a 16-bit block tile kernel (``fp16_tile_buckets``: smaller M tiles where few rows leave the
+    SMs waiting on a long K loop, measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV"). A graph of one M
+    takes the tile of the smallest bucket that holds M, the ``fp16_tiles`` one above them (buckets None); a graph of
+    any rows takes the ``fp16_tiles`` one and every bucket's, picked per call by its rows."""
     tiles = target.tiles("fp16_tiles", site.side)
+    buckets = [[top, dict(t)] for top, t in target.tiles("fp16_tile_buckets").get(str(site.side), [])]
     if site.any_rows:
-        return tiles
-    buckets = target.tiles("fp16_tile_buckets").get(str(site.side), [])
-    return next((dict(t) for top, t in buckets if site.m <= top), tiles)
+        return tiles, buckets or None
+    return next((t for top, t in buckets if site.m <= top), tiles), None
 
 
 def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None:
@@ -317,5 +321,5 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
 
 
 __all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gemm_site", "stream_tiles", "fp16_gemv_tiling",
-           "tile_of_bucket",
+           "tile_buckets",
            "int8_dense_tiles", "pingpong_pays", "w8a8_gemv_tiling", "gemv_tiling", "gemv_group"]

@@ -255,6 +255,10 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         hopper = (build_cuda(bsr_linear, h_spec), h_spec)
     g_spec = _gemv_spec(spec, choice.gemv)
     gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
+    buckets = []                        # tile kernels over the same packed blocks for calls of few rows
+    for top, t in choice.buckets or ():
+        b_spec = dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")
+        buckets.append((top, build_cuda(bsr_linear, b_spec), b_spec))
     out_shape = graph.tensor(op.outputs[0]).shape
     if w4 is not None:
         scale, zero = w4.expand(k)
@@ -266,16 +270,17 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
                                               weight_scale=scale, quant_folder=quant,
                                               hopper=(hopper[0].path, hopper[1]) if hopper else None,
-                                              gemv=(gemv[0].path, gemv[1]) if gemv else None)
+                                              gemv=(gemv[0].path, gemv[1]) if gemv else None,
+                                              buckets=[(top, a.path, b) for top, a, b in buckets])
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
     bind(module, graph, op, view, reference=dtype not in ("float16", "bfloat16"))
     row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
                      {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype],
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
-                     [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []))
+                     [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets])
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
              if hopper else []) + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
-        + ([choice.note] if choice.note else [])
+        + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] + ([choice.note] if choice.note else [])
     if notes:
         row["note"] = "; ".join(notes)
     return module, row, fused if act != "none" else None

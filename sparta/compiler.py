@@ -66,7 +66,7 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
             quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None,
-            dynamic=False) -> CompiledModel:
+            dynamic=False, tokens=None) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -90,6 +90,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     the plan is made at the example's shapes. A dict is ``torch.export``'s ``dynamic_shapes`` (by forward's parameter
     names, e.g. ``{"input_ids": {0: Dim.AUTO}}``: only the batch free). On CUDA the fp16 block-sparse linears also
     get the few-row GEMV over the same packed blocks, run for calls of up to 16 rows.
+    ``tokens`` = ``(lo, hi)``: the tokens (batch x sequence) calls of a dynamic model will bring; every GEMM's plan is
+    costed across them (each op's rows scaled from the example's) and picks the cover cheapest relative to dense
+    over the range, the report showing the estimates at its ends. Default for a dynamic model: 1 to the example's.
     """
     from .frontend import capture
 
@@ -111,6 +114,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
     graph = simplify(graph)
+    _plan_tokens(graph, tokens)
     chosen = _target(target, profile)
     graph, plan = _propagate_and_plan(graph, chosen, propagate, timings, quantize)
     if dismantle is not None:
@@ -153,6 +157,21 @@ def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     compiled = read(path, CompiledModel, trust_kernels)
     compiled.inductor = inductor
     return compiled
+
+
+def _plan_tokens(graph: Graph, tokens) -> None:
+    """Record the token range a dynamic graph is planned over (``graph.meta["token_range"]``)."""
+    if tokens is None and not graph.any_rows:
+        return
+    if not graph.any_rows:
+        raise SpartaError("tokens= plans a model captured with dynamic dimensions over a range; this one was "
+                          "captured for one shape (compile with dynamic=True)")
+    example = graph.example_tokens
+    lo, hi = (1, example) if tokens is None else tokens if isinstance(tokens, (tuple, list)) and len(tokens) == 2 \
+        else (None, None)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in (lo, hi)) or not 1 <= lo <= hi:
+        raise SpartaError(f"tokens must be (lo, hi) with 1 <= lo <= hi, got {tokens!r}")
+    graph.meta["token_range"] = {"lo": lo, "hi": hi, "example": example}
 
 
 def _quantizer(calibration, quant_tolerance, target: str):
@@ -201,7 +220,8 @@ def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, qu
     t0 = time.perf_counter()
     # calibration reads weight values and data, which the key does not hash: it bypasses the cache
     options = {"propagate": propagate, "profile": target.profile.to_json(),
-               "dynamic": sorted(graph.meta.get("dynamic_dims", {}))}    # (and the weights it keeps)
+               "dynamic": sorted(graph.meta.get("dynamic_dims", {})),    # (and the weights it keeps)
+               "tokens": graph.meta.get("token_range")}
     key = pipeline_cache.pipeline_key(graph, target.name, options) if quantize is None else None
     hit = pipeline_cache.load(key) if key is not None else None
     if hit is not None:

@@ -10,6 +10,7 @@ names (``"linear"``, ``"conv2d"``, ``"add"``; see ``docs/ops.md``).
 from __future__ import annotations
 
 import difflib
+import math
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -270,6 +271,13 @@ class Graph:
     def any_rows(self) -> bool:
         """Whether the graph was captured with dynamic dimensions: its kernels take the number of rows at run time."""
         return bool(self.meta.get("dynamic_dims"))
+
+    @property
+    def example_tokens(self) -> int:
+        """The product of the dynamic dimensions' sizes at the example inputs (batch x sequence: the tokens a linear
+        over every position sees); 0 for a graph without dynamic dimensions."""
+        dims = self.meta.get("dynamic_dims", {})
+        return math.prod(self.tensor(t).shape[d] for t, d in dims.values()) if dims else 0
 
     def dynamic_dims_of(self, name: str) -> dict[int, str]:
         """The dynamic dimensions of input ``name``: dim -> symbol."""

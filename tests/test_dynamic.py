@@ -137,8 +137,13 @@ def test_a_dynamic_cuda_compile_builds_kernels_for_any_rows(tmp_path, dtype):
         assert module.gemv is not None and module.gemv[1].rows == 4 and module.gemv[1].bn == module.spec.bn
         assert module.spec.dtype == module.gemv[1].dtype == str(dtype)[6:] and module.wp.dtype == dtype
         assert json.loads((Path(module.gemv[0]) / "launch.json").read_text())["args"][-1]["name"] == "M"
+        tops = [top for top, _, _ in module.buckets]
+        assert tops == [128, 1024] and [b.tm for _, _, b in module.buckets] == [32, 64] and module.spec.tm == 128
+        assert all(b.m == 0 and (b.bn, b.bk, b.dtype) == (module.spec.bn, module.spec.bk, module.spec.dtype)
+                   for _, _, b in module.buckets)
     assert all("up to 4 rows run the GEMV" in row["note"] for row in compiled.kernels if row["template"] == "bsr_linear")
     assert "M<=4: bsr_gemv[" in compiled.plan_report(), "the plan report shows the kernel per bucket of rows"
+    assert "M<=128: tm 32; M<=1024: tm 64; else bsr_linear[" in compiled.plan_report()
     for shape in ((1, 1, 1024), (3, 17, 1024), (8, 128, 1024)):
         with FakeTensorMode():
             state = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda")
@@ -147,8 +152,8 @@ def test_a_dynamic_cuda_compile_builds_kernels_for_any_rows(tmp_path, dtype):
             assert out.device.type == "cuda" and out.shape == shape and out.dtype == dtype
     compiled.save(tmp_path / "saved")
     loaded = sparta.load(tmp_path / "saved")
-    assert [m.gemv[1] for m in loaded.module.modules() if isinstance(m, SparseLinearCUDA)] == \
-        [m.gemv[1] for m in linears]
+    assert [(m.gemv[1], [(t, b) for t, _, b in m.buckets]) for m in loaded.module.modules()
+            if isinstance(m, SparseLinearCUDA)] == [(m.gemv[1], [(t, b) for t, _, b in m.buckets]) for m in linears]
 
 
 def test_dynamic_is_refused_where_it_cannot_hold(tmp_path):

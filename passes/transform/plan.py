@@ -99,15 +99,17 @@ class KernelChoice:
     hopper: dict | None = None     # tiling of the sm_90 twin over the same packed weights (wgmma), if any
     note: str = ""                 # what the plan asked for that this kernel does not run, and why
     gemv: dict | None = None       # the few-row GEMV over the same packed weights, run for calls of <= gemv["rows"]
+    buckets: list | None = None    # [[max rows, tiles], ...]: tile kernels over the same packed weights, each run for
+    #                                calls of up to its rows (a graph of any rows; ``tiles`` runs above the last)
 
     def describe(self) -> str:
         if self.kernel == "torch":
             return f"torch ({self.reason})"
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
         main = f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]"
-        if self.gemv:                  # the kernel per bucket of rows, picked at each call
-            return f"M<={self.gemv['rows']}: bsr_gemv[{self.gemv['warps']} warps]; else {main}"
-        return main
+        parts = [f"M<={self.gemv['rows']}: bsr_gemv[{self.gemv['warps']} warps]"] if self.gemv else []
+        parts += [f"M<={top}: tm {t['tm']}" for top, t in self.buckets or ()]
+        return "; ".join(parts + [f"else {main}"]) if parts else main     # the kernel per bucket of rows, per call
 
 
 @dataclass
@@ -138,6 +140,7 @@ class OpPlan:
     weight_quant: dict[int, WeightQuant] = field(default_factory=dict)   # integer width -> how its scales are fitted
     note: str = ""                                 # what the plan could not honour, and why
     kernel: KernelChoice | None = None             # the kernel selection chose (sparse ops; see codegen/select_*)
+    rows_us: list = field(default_factory=list)    # [[rows, est µs, dense µs], ...] over the token range planned for
 
     def kept(self, n: int, k: int):
         """The (N, K) weight elements the sub-operators compute (bool)."""
@@ -199,7 +202,7 @@ class Plan:
             if p.kind == "sparse" and p.epilogue and (p.kernel is None or p.kernel.kernel != "torch"):
                 kernel += " +" + "+".join(p.epilogue)
             why = p.kernel.reason if p.kernel is not None and p.kernel.kernel != "torch" else ""
-            note = "; ".join(x for x in (p.note, why, p.kernel.note if p.kernel is not None else "") if x)
+            note = "; ".join(x for x in (p.note, why, p.kernel.note if p.kernel is not None else "", _range(p)) if x)
             rows.append((p.op, p.op_type, p.kind, f"{p.density:.3f}" if p.gemm else "", bits, blocks, kernel,
                          f"{p.est_us:.1f}", f"{p.dense_us:.1f}", note))
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
@@ -235,6 +238,14 @@ def _sub_to_json(s: SubOp) -> dict:
     d["blocks"] = s.blocks.to_json() if s.blocks is not None else None
     d["elements"] = s.elements.to_json() if s.elements is not None else None
     return d
+
+
+def _range(p: OpPlan) -> str:
+    """An op planned over a token range: its estimated time against dense at the range's ends."""
+    if not p.rows_us:
+        return ""
+    ends = [p.rows_us[0]] + p.rows_us[-1:] if len(p.rows_us) > 1 else p.rows_us
+    return "over the token range " + ", ".join(f"M={r}: {e:.1f}/{d:.1f} µs" for r, e, d in ends)
 
 
 def _cpu_kernels(p: OpPlan) -> str:

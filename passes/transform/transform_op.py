@@ -92,6 +92,18 @@ def _menus(shapes):
     return menus
 
 
+def row_points(graph: Graph, m: int) -> list[int]:
+    """The rows an op of ``m`` rows at the example is costed at: ``[m]``, or for a graph planned over a token range
+    (``graph.meta["token_range"]``: ``lo``, ``hi``, the example's tokens) ``m`` first, then ``m`` scaled to ``lo``,
+    each power of 4 between, and ``hi`` tokens."""
+    span = graph.meta.get("token_range")
+    if not span:
+        return [m]
+    lo, hi, example = span["lo"], span["hi"], max(span["example"], 1)
+    tokens = [lo] + [4 ** i for i in range(1, 32) if lo < 4 ** i < hi] + ([hi] if hi > lo else [])
+    return [m] + sorted({max(1, round(m * t / example)) for t in tokens})
+
+
 def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=None) -> OpPlan | None:
     view = gemm_view(graph, op)
     if view is None:
@@ -100,8 +112,10 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
     wv = graph.tensor(w)
     model_bits = bits_of_dtype(wv.dtype)
     act_model_bits = bits_of_dtype(graph.tensor(x).dtype)
-    dense_us = profile.dense_us(m, n, k, profile.round_up(model_bits, profile.act_widths()),
-                                profile.round_up(act_model_bits, profile.act_widths()))
+    rows = row_points(graph, m)
+    dense_at = [profile.dense_us(r, n, k, profile.round_up(model_bits, profile.act_widths()),
+                                 profile.round_up(act_model_bits, profile.act_widths())) for r in rows]
+    dense_us = dense_at[0]
     base = dict(op=op.name, op_type=op.op, weight=w, gemm=(m, n, k), density=wtesa.density,
                 bits=wtesa.bit_histogram(), epilogue=epilogue(graph, op, profile.target), dense_us=dense_us)
     dense_candidate = Candidate("dense", dense_us, f"vendor dense GEMM at W{model_bits}A{act_model_bits}")
@@ -113,25 +127,33 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
         return OpPlan(kind="dense", est_us=dense_us, subops=[sub], candidates=[dense_candidate, *note], **base)
 
     act_bits = profile.round_up(int(graph.tesa(x).max_bits()) or act_model_bits, profile.act_widths())
-    m_eff = _kept_rows(graph, x, m)
+    kept_rows = [max(1, round(r * _kept_rows(graph, x, m) / max(m, 1))) for r in rows]
+
+    def score(costs):       # over a token range: the mean of cost / dense at each row count, in the example's µs
+        if len(costs) == 1:
+            return costs[0]
+        return dense_us * sum(c / d for c, d in zip(costs[1:], dense_at[1:])) / (len(costs) - 1)
+
     widths = profile.weight_widths(act_bits)
     candidates = [dense_candidate]
     seen = set()
-    options = [(dense_us, None)]
+    options = [(score(dense_at), None, dense_at)]
     for grouping in groupings(wtesa, widths):
         per_group = []
         for group in grouping:
-            per_group.append(_group_options(group, profile, act_bits, m_eff, (model_bits, act_model_bits)))
+            per_group.append(_group_options(group, profile, act_bits, kept_rows, (model_bits, act_model_bits)))
         for combo in itertools.product(*per_group):
-            cost = sum(c for c, _, _ in combo)
+            costs = [sum(c[i] for c, _, _ in combo) for i in range(len(rows))]
             name = " + ".join(d for _, _, d in combo) or "all pruned (output is the bias)"
             if name in seen:
                 continue
             seen.add(name)
-            candidates.append(Candidate(name, cost))
-            options.append((cost, [s for _, subs, _ in combo for s in subs]))
+            candidates.append(Candidate(name, costs[0]))
+            options.append((score(costs), [s for _, subs, _ in combo for s in subs], costs))
     base["note"] = _rounding_note(wtesa, widths, act_bits, profile.target)
-    cost, subops = choose(options)
+    _, subops, costs = choose(options)
+    if len(rows) > 1:
+        base["rows_us"] = [[r, round(c, 3), round(d, 3)] for r, c, d in zip(rows[1:], costs[1:], dense_at[1:])]
     if subops is None:
         if lower := sorted(b for b in wtesa.bit_histogram() if 0 < b < model_bits):
             best = min(candidates[1:], key=lambda c: c.est_us, default=None)
@@ -145,7 +167,7 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
     nnz = sum(s.nnz for s in subops if s.template == "fine_sparse")
     small = blocks <= profile.full_max_blocks and nnz <= FULL_DISMANTLE_MAX_NNZ
     dismantle = "full" if small else profile.large_dismantle
-    return OpPlan(kind="sparse", est_us=cost, subops=subops, candidates=candidates, dismantle=dismantle, **base)
+    return OpPlan(kind="sparse", est_us=costs[0], subops=subops, candidates=candidates, dismantle=dismantle, **base)
 
 
 def _rounding_note(wtesa: TeSA, widths: list[int], act_bits: int, target: str) -> str:
@@ -158,27 +180,27 @@ def _rounding_note(wtesa: TeSA, widths: list[int], act_bits: int, target: str) -
 
 
 def choose(options):
-    """The cheapest (cost, sub-ops); within TIE_MARGIN of it, the simplest: fewest kernels, then
+    """The cheapest (cost, sub-ops, ...); within TIE_MARGIN of it, the simplest: fewest kernels, then
     fewest blocks (the dense path counts as one kernel of one block).
 
     Costs closer than the profile's run-to-run spread are not a real difference, and fewer,
     larger blocks mean fewer passes over the activation and shorter code.
     """
-    best = min(c for c, _ in options)
-    near = [(c, subs) for c, subs in options if c <= best * (1 + TIE_MARGIN)]
+    best = min(o[0] for o in options)
+    near = [o for o in options if o[0] <= best * (1 + TIE_MARGIN)]
     return min(near, key=lambda o: (1, 1, o[0]) if o[1] is None else
                (len(o[1]), sum(max(s.n_blocks, 1) for s in o[1]), o[0]))
 
 
-def _group_options(group, profile: HardwareProfile, act_bits: int, m: int, model_bits: tuple[int, int]):
-    """(cost, sub-ops, description) for each way to run one bit group."""
+def _group_options(group, profile: HardwareProfile, act_bits: int, rows: list[int], model_bits: tuple[int, int]):
+    """(cost at each of ``rows``, sub-ops costed at the first, description) for each way to run one bit group."""
     mask = group.tesa.mask
     kern = profile.kernel(group.bits, act_bits)
     n, k = mask.shape
     options = []
     if (group.bits, act_bits) != model_bits:  # at the model's own widths this is the dense candidate
-        us = profile.dense_us(m, n, k, group.bits, act_bits)
-        options.append((us, [SubOp("dense", group.bits, act_bits, None, 0, int(torch.count_nonzero(mask)), us,
+        us = [profile.dense_us(m, n, k, group.bits, act_bits) for m in rows]
+        options.append((us, [SubOp("dense", group.bits, act_bits, None, 0, int(torch.count_nonzero(mask)), us[0],
                                    elements=group.tesa)], f"dense@W{group.bits}A{act_bits}"))
     seen = set()
     for menu in _menus(kern.block_shapes()):
@@ -187,17 +209,17 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, m: int, model
         if key in seen:
             continue
         seen.add(key)
-        subs, cost = [], 0.0
+        subs, costs = [], [0.0] * len(rows)
         for c in cover:
-            us = profile.sub_op_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits, k)
+            us = [profile.sub_op_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits, k) for m in rows]
             fine = c.shape == (1, 1)
             subs.append(SubOp("fine_sparse" if fine else "block_sparse", group.bits, act_bits, c.shape,
-                              c.n_blocks, int(torch.count_nonzero(c.assigned)), us,
+                              c.n_blocks, int(torch.count_nonzero(c.assigned)), us[0],
                               blocks=TeSA.from_mask(c.blocks, 1) if not fine else None,
                               elements=TeSA.from_mask(c.assigned, group.bits)))
-            cost += us
+            costs = [a + b for a, b in zip(costs, us)]
         desc = " + ".join(f"{c.n_blocks}x{c.shape[0]}x{c.shape[1]}@W{group.bits}A{act_bits}" for c in cover)
-        options.append((cost, subs, desc or "empty"))
+        options.append((costs, subs, desc or "empty"))
     return options
 
 
@@ -249,5 +271,5 @@ def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict,
     return out
 
 
-__all__ = ["transform_gemm", "gemm_view", "GEMM_OPS", "weight_matrix", "in_weight_layout", "gemm_bias",
+__all__ = ["transform_gemm", "row_points", "gemm_view", "GEMM_OPS", "weight_matrix", "in_weight_layout", "gemm_bias",
            "weight_quantisation"]

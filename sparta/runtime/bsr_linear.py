@@ -195,7 +195,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     input is quantised per token by the kernel in ``quant_folder`` (torch ops without one).
     ``hopper`` = (folder, spec): a ``wgmma`` kernel over the same blocks, run instead on sm_90 GPUs.
     ``gemv`` = (folder, spec): the few-row GEMV over the same blocks, run instead for inputs of up to ``spec.rows``
-    rows (fp16 kernels).
+    rows (16-bit kernels). ``buckets`` = [(max rows, folder, spec), ...] in increasing rows: tile kernels over the same
+    blocks with smaller M tiles, each run for inputs of up to its rows that the GEMV does not take (kernels of any M).
     A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
     :meth:`requantize_output` it returns the int8 codes of its output at one static scale and that scale
     per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``. The kernel runs as the
@@ -208,7 +209,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
                  weight_scale: torch.Tensor | None = None, quant_folder: str | None = None,
-                 hopper: tuple | None = None, gemv: tuple | None = None):
+                 hopper: tuple | None = None, gemv: tuple | None = None, buckets=()):
         super().__init__()
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
         self.hopper = None
@@ -225,6 +226,12 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                 raise CudaRuntimeError(f"op {op_name!r}: the GEMV must read the fp16 kernel's blocks and table and "
                                        "compute its epilogue")
             self.gemv = (str(gemv[0]), gemv[1])
+        self.buckets = [(int(top), str(folder), b) for top, folder, b in buckets]
+        same = ("n", "k", "bn", "bk", "bias", "act", "dtype", "table", "groups", "out")
+        if any(b.m != 0 or spec.m != 0 or any(getattr(b, f) != getattr(spec, f) for f in same) for _, _, b in
+               self.buckets) or [t for t, _, _ in self.buckets] != sorted({t for t, _, _ in self.buckets}):
+            raise CudaRuntimeError(f"op {op_name!r}: the kernels per bucket of rows must take any M, read the same "
+                                   f"blocks and compute the same epilogue ({', '.join(same)}), in increasing rows")
         int8 = spec.dtype == "int8"
         if int8 and (wp.dtype != torch.int8 or weight_scale is None):
             raise CudaRuntimeError(f"op {op_name!r}: a W8A8 kernel needs int8 blocks and per-channel weight scales")
@@ -241,6 +248,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
         self.output_names, self.out_scale = None, None     # set by requantize_output
         self._op = self._gemv_op = None
+        self._bucket_ops = {}
         self.register_kernel(op_name)
 
     @property
@@ -259,14 +267,14 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         specs = [self.spec] + ([self.hopper[1]] if self.hopper else [])
         if any(s.out != "int8" for s in specs):
             raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8'")
-        self.gemv = None           # the GEMV writes fp16
+        self.gemv, self.buckets = None, []          # the GEMV and the bucket kernels write 16-bit outputs
         self._requantized(names, scale, self.spec.m, self.wp.device)
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
                     block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
                     weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None,
-                    gemv=None) -> SparseLinearCUDA:
+                    gemv=None, buckets=()) -> SparseLinearCUDA:
         """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
         scales, e.g. by calibration; default: each channel's absolute maximum / 127). W4A16 kernels
         round it to nearest in groups of 128 (fitted codes and scales: :meth:`from_w4_codes`)."""
@@ -283,7 +291,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             wp, table = pack_weight(codes, spec, block_mask)
         else:
             wp, table = pack_weight(weight.to(act16_dtype(spec)), spec, block_mask)
-        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper, gemv)
+        return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper, gemv,
+                   buckets)
 
     @classmethod
     def from_w4_codes(cls, op_name: str, x_name: str, folder, spec: BsrSpec, codes: torch.Tensor,
@@ -320,6 +329,13 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             if self._gemv_op is None or self._gemv_op.wp.data_ptr() != self.wp.data_ptr():
                 self._gemv_op = BsrGemvOp(*self.gemv, self.wp, self.table, self.bias)
             return [self._gemv_op(x.contiguous())]
+        top = next((t for t, _, _ in self.buckets if x.shape[0] <= t), None)
+        if top is not None:
+            op = self._bucket_ops.get(top)
+            if op is None or op.wp.data_ptr() != self.wp.data_ptr():
+                _, folder, spec = next(b for b in self.buckets if b[0] == top)
+                op = self._bucket_ops[top] = BsrLinearOp.packed(folder, spec, self.wp, self.table, self.bias)
+            return [op(x.contiguous())]
         return [self._op(x.contiguous())]
 
     def dense_weight(self) -> torch.Tensor:
@@ -351,6 +367,10 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             g_folder = Path(self.gemv[0])
             config["gemv"] = {"kernel": g_folder.name, "spec": dataclasses.asdict(self.gemv[1])}
             folders[g_folder.name] = g_folder
+        if self.buckets:
+            config["buckets"] = [{"rows": top, "kernel": Path(f).name, "spec": spec_to_json(b)}
+                                 for top, f, b in self.buckets]
+            folders.update({Path(f).name: Path(f) for _, f, _ in self.buckets})
         config.update(self.output_config())
         return config, tensors, folders
 
@@ -365,10 +385,13 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         if gemv is not None:
             gemv = (folders[gemv["kernel"]], BsrGemvSpec(**gemv["spec"]))
             check_saved_spec(config["op_name"], *gemv)
+        buckets = [(b["rows"], folders[b["kernel"]], spec_from_json(b["spec"])) for b in config.get("buckets", ())]
+        for _, folder, bspec in buckets:
+            check_saved_spec(config["op_name"], folder, bspec, load=load_spec)
         module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
                      folders[config["quantizer"]] if config.get("quantizer") else None,
-                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv)
+                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_output(config)
@@ -379,6 +402,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                 f"{ {'int8': 'W8A8', 'w4a16': 'W4A16', 'bfloat16': 'bf16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
                 f"{', wgmma on sm_90' if self.hopper else ''}"
                 f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}"
+                f"{''.join(f', tm {b.tm} up to {t} rows' for t, _, b in self.buckets)}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 

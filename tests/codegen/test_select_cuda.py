@@ -123,11 +123,19 @@ def test_a_cover_the_kernel_runs_otherwise_is_noted():
     assert select_gemm(s, CUDA).note == ""
 
 
-def test_a_16_bit_tile_kernel_for_one_m_takes_the_tile_of_its_bucket():
+def test_a_16_bit_tile_kernel_takes_the_tile_of_its_bucket_of_rows():
     """Few rows take the smaller M tiles of ``fp16_tile_buckets`` (measured faster there), many the large tile; a
-    graph of any rows keeps the large tile."""
+    graph of any rows keeps the large tile and carries every bucket's, picked per call (the report names each)."""
     buckets = CUDA.tiles("fp16_tile_buckets")["32"]
     assert select_gemm(site(m=64), CUDA).tiles == buckets[0][1]
     assert select_gemm(site(m=512), CUDA).tiles == buckets[1][1]
     assert select_gemm(site(m=4096), CUDA).tiles == CUDA.tiles("fp16_tiles", 32)
     assert select_gemm(site(m=64, any_rows=True), CUDA).tiles == CUDA.tiles("fp16_tiles", 32)
+    assert all(select_gemm(site(m=m), CUDA).buckets is None for m in (64, 512, 4096))
+    picked = select_gemm(site(m=64, any_rows=True), CUDA)
+    assert picked.buckets == [list(b) for b in buckets] and len(buckets) >= 2
+    assert all(t["bn"] == picked.tiles["bn"] and t["bk"] == picked.tiles["bk"] for _, t in picked.buckets)
+    text = picked.describe()
+    assert text.index("bsr_gemv") < text.index(f"M<={buckets[0][0]}: ") < text.index(f"M<={buckets[1][0]}: ") \
+        < text.index("else bsr_linear"), text
+    assert select_gemm(site(m=64, any_rows=True, bits="W8A8"), CUDA).buckets is None

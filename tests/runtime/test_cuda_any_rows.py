@@ -17,7 +17,7 @@ import torch
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
-LINEARS = ["r_odd_gelu", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu", "r_wg_b64",
+LINEARS = ["r_odd_gelu", "r_odd_gelu_tm32", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu", "r_wg_b64",
            "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu"]
 GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "r_gemv_b16_nobias_m5",
          "r_gemv_k128_m8_w16", "r_gemv_square_pdl", "r_gemv_bf16_odd_gelu", "r_gemv_bf16_b64_nobias"]
@@ -167,6 +167,40 @@ def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monke
     torch.cuda.synchronize()
     ref = reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)
     assert _err(y, ref) < 2e-3, "a GEMV captured in a CUDA graph reads the input written after capture"
+
+
+def test_linear_module_runs_the_tile_kernel_of_each_bucket_of_rows(monkeypatch):
+    """Calls the GEMV does not take run the tile kernel of the smallest bucket that holds their rows (each over the same
+    packed blocks), larger calls the module's own; each correct, also replayed from a CUDA graph."""
+    from sparta.runtime.bsr_linear import BsrLinearOp, SparseLinearCUDA, load_spec
+    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
+    from sparta.templates.bsr_linear.spec import reference
+    folder, b_folder, g_folder = _folder("r_odd_gelu"), _folder("r_odd_gelu_tm32"), _folder("r_gemv_odd_gelu")
+    spec, b_spec = load_spec(folder), load_spec(b_folder)
+    g_spec = BsrGemvSpec(**json.loads((g_folder / "spec.json").read_text()))
+    mask = torch.rand(spec.row_blocks, spec.k_blocks) < 0.5
+    w, bias = torch.randn(spec.n, spec.k).half(), torch.randn(spec.n).half()
+    module = SparseLinearCUDA.from_weight("lin", "x", folder, spec, w, mask, bias, (0, spec.n),
+                                          gemv=(g_folder, g_spec), buckets=[(40, b_folder, b_spec)]).cuda()
+    tiles, call = [], BsrLinearOp.__call__
+    monkeypatch.setattr(BsrLinearOp, "__call__", lambda self, x, out=None: tiles.append((x.shape[0], self.spec.tm))
+                        or call(self, x, out))
+    for m in (1, 9, 40, 41, 130, 20):
+        x = torch.randn(m, spec.k, device="cuda").half()
+        ref = reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)
+        assert _err(module(x), ref) < 2e-3, f"M={m}"
+    assert tiles == [(9, 32), (40, 32), (41, 64), (130, 64), (20, 32)], tiles
+    graph, x = torch.cuda.CUDAGraph(), torch.randn(33, spec.k, device="cuda").half()
+    module(x)
+    with torch.cuda.graph(graph):
+        y = module(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _err(y, reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)) < 2e-3
+    with pytest.raises(Exception, match="same blocks"):
+        SparseLinearCUDA.from_weight("lin", "x", folder, spec, w, mask, bias, (0, spec.n),
+                                     buckets=[(40, g_folder, load_spec(_folder("r_stream_ragged_relu")))])
 
 
 @pytest.mark.parametrize("name", ["r_ln_res_warp_both", "r_ln_cta_int8", "r_ln_bf16_res_warp_both", "r_ln_bf16_cta"])
