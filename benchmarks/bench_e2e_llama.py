@@ -44,8 +44,9 @@ def hf_llama(graph, device):
     return transformers.LlamaModel(cfg).eval().to(graph.tensor("embed_tokens.weight").dtype).to(device)
 
 
-def gpu_busy_us(fn, reps: int = 5) -> float:
-    """GPU time of one call: the sum of its kernels' device times (profiler), without idle gaps."""
+def gpu_busy_us(fn, reps: int = 5, by_kernel: dict | None = None) -> float:
+    """GPU time of one call: the sum of its kernels' device times (profiler), without idle gaps; ``by_kernel`` gets
+    each kernel's µs per call and calls per call, the largest first."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -53,8 +54,11 @@ def gpu_busy_us(fn, reps: int = 5) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return sum(ev.self_device_time_total for ev in prof.key_averages()
-               if ev.device_type == torch.autograd.DeviceType.CUDA) / reps
+    events = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    if by_kernel is not None:
+        for ev in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+            by_kernel[ev.key[:90]] = [round(ev.self_device_time_total / reps, 2), ev.count // reps]
+    return sum(ev.self_device_time_total for ev in events) / reps
 
 
 def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -> dict:
@@ -76,7 +80,8 @@ def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -
         sensitivity = float((first_tensor(eager(ids)).float() - want.float()).abs().max())
         probe.wp.neg_()
         floor = gpu_kernel_us(lambda i: eager.module(ids), 1, reps=5, per_graph=3)
-        busy = gpu_busy_us(lambda: default(ids))
+        kernels = {}
+        busy = gpu_busy_us(lambda: default(ids), by_kernel=kernels)
         rows = {"sparta (sparta.load default: CUDA graphs)": gpu_wall_us(lambda i: default(ids), 1, 100),
                 "sparta, kernels launched from Python": gpu_wall_us(lambda i: eager(ids), 1, 30)}
     hf = hf_llama(eager.graph, "cuda")
@@ -93,7 +98,7 @@ def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -
               "eager_in_one_cuda_graph_us": floor, "default_gpu_busy_us": busy, "sparta_us": rows,
               "dense_torch_compile": dense, "speedup_vs_best_dense_compile": {k: best / v for k, v in rows.items()},
               "host_overhead_of_default": rows["sparta (sparta.load default: CUDA graphs)"] / busy - 1,
-              "dense_best_gpu_busy_us": dense_busy}
+              "dense_best_gpu_busy_us": dense_busy, "default_gpu_us_by_kernel": kernels}
     print(f"{path}: {ids.numel()} tokens; verified (worst rel. err {max(worst.values()):.2e}; vs the dense reference "
           f"{vs_reference:.3g}, one kernel negated moves it {sensitivity:.3g}, output max {result['output_max_abs']:.3g}); "
           f"GPU time: eager graph in one CUDA graph {floor:.1f} us, the default call's kernels {busy:.1f} us")

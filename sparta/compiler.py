@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import difflib
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import GraphError, QuantizationError, SpartaError, TeSAError
+from .errors import CaptureError, GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
 from .runtime.inductor import compiled_runner, inductor_mode
@@ -66,7 +67,7 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
             quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None,
-            dynamic=False, tokens=None) -> CompiledModel:
+            dynamic=None, tokens=None) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -85,23 +86,24 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     around sparta's kernel ops): ``"cudagraph"`` (Inductor's default mode, each input shape's forward captured by sparta
     in one CUDA graph), a ``torch.compile`` mode, or ``False`` for none; default: ``"cudagraph"`` on CUDA, none on the
     CPU. See :attr:`CompiledModel.inductor`.
-    ``dynamic``: True frees the inputs' batch and sequence dimensions (captured symbolic by ``torch.export``, every
-    kernel built for any number of rows): one compile serves every batch and sequence length the model allows;
-    the plan is made at the example's shapes. A dict is ``torch.export``'s ``dynamic_shapes`` (by forward's parameter
-    names, e.g. ``{"input_ids": {0: Dim.AUTO}}``: only the batch free). On CUDA the fp16 block-sparse linears also
-    get the few-row GEMV over the same packed blocks, run for calls of up to 16 rows.
+    ``dynamic``: how the inputs' sizes are captured. By default (None) a torch module's batch and sequence dimensions
+    stay free (captured symbolic by ``torch.export``; every kernel built for any number of rows): one compile serves
+    every batch and sequence length the model allows; where the model cannot be captured so, it is captured for the
+    example's shapes with a warning and the reason in the plan report. True demands the free dimensions (an error
+    where they cannot be); False specialises to the example's shapes (ONNX models always are); a dict is
+    ``torch.export``'s ``dynamic_shapes`` (by forward's parameter names, e.g. ``{"input_ids": {0: Dim.AUTO}}``: only
+    the batch free). On CUDA the 16-bit block-sparse linears of a dynamic model also get the few-row GEMV and the
+    tile kernels of smaller M tiles over the same packed blocks, each run for the calls of its bucket of rows.
     ``tokens`` = ``(lo, hi)``: the tokens (batch x sequence) calls of a dynamic model will bring; every GEMM's plan is
     costed across them (each op's rows scaled from the example's) and picks the cover cheapest relative to dense
     over the range, the report showing the estimates at its ends. Default for a dynamic model: 1 to the example's.
     """
-    from .frontend import capture
-
     if target not in TARGETS:
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
     if dismantle not in (None, "full", "tile", "none"):
         raise SpartaError(f"dismantle must be 'full', 'tile', 'none' or None, got {dismantle!r}")
-    if not isinstance(dynamic, (bool, dict)):
-        raise SpartaError(f"dynamic must be True, False or a torch.export dynamic_shapes dict, got {dynamic!r}")
+    if dynamic is not None and not isinstance(dynamic, (bool, dict)):
+        raise SpartaError(f"dynamic must be None, True, False or a torch.export dynamic_shapes dict, got {dynamic!r}")
     for flag, value in (("propagate", propagate), ("verify", verify)):
         if not isinstance(value, bool):
             raise SpartaError(f"{flag} must be True or False, got {value!r}")
@@ -109,7 +111,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     inductor = inductor_mode(inductor, target)
     timings = {}
     t0 = time.perf_counter()
-    graph = capture(model, example_inputs, example_kwargs, parameters=parameters, dynamic=dynamic)
+    graph = _capture(model, example_inputs, example_kwargs, parameters, dynamic)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
@@ -157,6 +159,27 @@ def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     compiled = read(path, CompiledModel, trust_kernels)
     compiled.inductor = inductor
     return compiled
+
+
+def _capture(model, example_inputs, example_kwargs, parameters, dynamic) -> Graph:
+    """The graph of ``model``: by default (``dynamic=None``) a torch module with its batch and sequence dimensions
+    free, or, where it cannot be captured so, at the example's shapes (warned, the reason in the plan report)."""
+    from .frontend import capture
+    if dynamic is not None or not isinstance(model, torch.nn.Module):
+        return capture(model, example_inputs, example_kwargs, parameters=parameters, dynamic=bool(dynamic)
+                       if not isinstance(dynamic, dict) else dynamic)
+    try:
+        graph = capture(model, example_inputs, example_kwargs, dynamic=True)
+        if not graph.any_rows:
+            graph.meta["one_shape"] = ("the example's only: the model fixes its batch and sequence sizes (torch.export "
+                                       "kept them static)")
+        return graph
+    except CaptureError as exc:
+        graph = capture(model, example_inputs, example_kwargs, dynamic=False)
+        why = f"captured for the example's shapes only: with free batch and sequence dimensions, {exc}"
+        warnings.warn(f"sparta.compile: {why} (dynamic=False silences this)", stacklevel=3)
+        graph.meta["one_shape"] = why
+        return graph
 
 
 def _plan_tokens(graph: Graph, tokens) -> None:
@@ -413,7 +436,17 @@ class CompiledModel(torch.nn.Module):
         """The execution plan as a table: op, density, bits, chosen blocks, estimated µs, dense µs."""
         if self.plan is None:
             return "no plan"
-        return self.plan.report(only_gemm)
+        return self.plan.report(only_gemm) + "\n" + self.shapes_line()
+
+    def shapes_line(self) -> str:
+        """The input shapes the model takes, and the token range its plan was costed over."""
+        meta = self.graph.meta
+        if not self.graph.any_rows:
+            return "shapes: " + meta.get("one_shape", "the example's only (compiled with dynamic=False, or from ONNX)")
+        span = meta.get("token_range")
+        free = ", ".join(f"{t}[{d}]" for t, d in meta["dynamic_dims"].values())
+        return (f"shapes: any size of {free}" + (f"; planned over {span['lo']}-{span['hi']} tokens (the example's: "
+                                                  f"{span['example']})" if span else ""))
 
     def kernel_report(self) -> str:
         """The compiled kernels: op, template, blocks, bits, dismantle level, build time, cache, code size."""

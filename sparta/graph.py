@@ -328,6 +328,13 @@ class Graph:
             if x.dtype != self.tensor(name).dtype:
                 raise SpartaError(f"input {name!r}: dtype {x.dtype} differs from the compiled {self.tensor(name).dtype}; "
                                   f"convert it (x.to({self.tensor(name).dtype})) or recompile")
+        if check:
+            shapes = dict(zip(self.inputs, (tuple(x.shape) for x in flat)))
+            for sym, uses in self.meta.get("dim_uses", {}).items():
+                sizes = {f"{t}[{d}]": shapes[t][d] for t, d in uses}
+                if len(set(sizes.values())) > 1:
+                    raise SpartaError(f"inputs {', '.join(sizes)} share one dynamic dimension ({sym}) of their shapes but got sizes "
+                                      f"{', '.join(map(str, sizes.values()))}")
         return flat
 
     # ---- TeSAs ---------------------------------------------------------------------------

@@ -267,6 +267,10 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
     if graph.meta.get("dynamic_dims"):
         meta["dynamic_dims"] = {k: list(v) for k, v in graph.meta["dynamic_dims"].items()}
         meta["dim_ranges"] = {k: list(v) for k, v in graph.meta.get("dim_ranges", {}).items()}
+        meta["dim_uses"] = {k: [list(u) for u in v] for k, v in graph.meta.get("dim_uses", {}).items()}
+    for key in ("token_range", "one_shape"):
+        if graph.meta.get(key) is not None:
+            meta[key] = graph.meta[key]
     for key in ("in_spec", "out_spec"):
         if graph.meta.get(key) is not None:
             with warnings.catch_warnings():  # torch's own dumps trips its LeafSpec deprecation
@@ -289,9 +293,23 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
         for k, v in ranges.items())
     if not ok:
         raise GraphFormatError("malformed dynamic dimensions")
+    uses = meta.get("dim_uses", {})
+    ok = isinstance(uses, dict) and all(k in dims and isinstance(v, list) and all(
+        isinstance(u, list) and len(u) == 2 and u[0] in g.inputs and type(u[1]) is int
+        and 0 <= u[1] < len(g.tensor(u[0]).shape) for u in v) for k, v in uses.items())
+    span = meta.get("token_range")
+    ok = ok and (span is None or isinstance(span, dict) and set(span) == {"lo", "hi", "example"}
+                 and all(type(x) is int for x in span.values()))
+    if not ok or not isinstance(meta.get("one_shape", ""), str):
+        raise GraphFormatError("malformed dynamic dimensions")
     if dims:
         g.meta["dynamic_dims"] = {k: list(v) for k, v in dims.items()}
         g.meta["dim_ranges"] = {k: list(v) for k, v in ranges.items()}
+        g.meta["dim_uses"] = {k: [list(u) for u in v] for k, v in uses.items()}
+    if span is not None:
+        g.meta["token_range"] = dict(span)
+    if meta.get("one_shape"):
+        g.meta["one_shape"] = meta["one_shape"]
     unknown = {n for o in g.ops() for n in _symbols(o.args) | _symbols(o.kwargs)} - set(dims)
     if unknown:
         raise GraphFormatError(f"symbolic sizes name unknown dimensions {sorted(unknown)}")

@@ -181,3 +181,67 @@ def test_dynamic_shapes_pick_which_dimensions_stay_free():
         compiled(torch.randn(4, 9, 64))
     with pytest.raises(sparta.SpartaError, match="dynamic must be"):
         sparta.compile(model, {}, (x,), dynamic="yes")
+
+
+def test_by_default_one_compile_takes_any_rows_and_dynamic_false_specialises():
+    """The default frees the batch and sequence dimensions (a size-1 one too: export would pin it to 1); the plan
+    report's last line says so and names the token range; ``dynamic=False`` gives a model of the example's shape
+    that refuses others, and says how to free them."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256).eval()
+    mask = {"weight": block_mask(256, 256, 0.3, 5)}
+    any_rows = sparta.compile(lin, mask, (torch.randn(64, 256),))
+    ref = any_rows.reference()
+    with torch.no_grad():
+        for m in (1, 7, 128):
+            x = torch.randn(m, 256)
+            torch.testing.assert_close(any_rows(x), ref(x)[0], rtol=1e-4, atol=1e-4)
+    assert any_rows.shapes_line() == "shapes: any size of input[0]; planned over 1-64 tokens (the example's: 64)"
+    assert any_rows.plan_report().endswith(any_rows.shapes_line())
+    one = sparta.compile(lin, mask, (torch.randn(1, 1, 256),))
+    assert one.graph.any_rows and one(torch.randn(3, 5, 256)).shape == (3, 5, 256)
+    fixed = sparta.compile(lin, mask, (torch.randn(64, 256),), dynamic=False)
+    assert "the example's only" in fixed.shapes_line()
+    with pytest.raises(sparta.SpartaError, match="does not fit the compiled"):
+        fixed(torch.randn(1, 256))
+
+
+def test_a_model_export_cannot_free_is_compiled_for_its_example_with_a_warning(monkeypatch):
+    """Where torch.export cannot capture free dimensions, the default falls back to the example's shapes, warns and
+    puts the reason in the plan report; ``dynamic=True`` makes it an error."""
+    real = torch.export.export
+
+    def no_dynamic(*args, dynamic_shapes=None, **kwargs):
+        if dynamic_shapes is not None:
+            raise RuntimeError("a guard on the batch size")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch.export, "export", no_dynamic)
+    lin = torch.nn.Linear(64, 64).eval()
+    with pytest.warns(UserWarning, match="example's shapes only"):
+        compiled = sparta.compile(lin, {}, (torch.randn(4, 64),))
+    assert not compiled.graph.any_rows and "a guard on the batch size" in compiled.plan_report().splitlines()[-1]
+    with pytest.raises(CaptureError, match="a guard on the batch size"):
+        sparta.compile(lin, {}, (torch.randn(4, 64),), dynamic=True)
+
+
+def test_the_plan_is_costed_over_the_token_range():
+    """Each GEMM is costed at its rows scaled across ``tokens`` (powers of 4 between the ends); ``tokens`` is checked
+    and only for models of free dimensions."""
+    from sparta.passes.transform import row_points
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).eval()
+    tesa = {"0.weight": block_mask(512, 256, 0.2, 6), "2.weight": block_mask(256, 512, 0.2, 7)}
+    x = torch.randn(4, 64, 256)
+    compiled = sparta.compile(model, tesa, (x,), tokens=(2, 1000), target="cuda")
+    assert compiled.graph.meta["token_range"] == {"lo": 2, "hi": 1000, "example": 256}
+    assert row_points(compiled.graph, 256) == [256, 2, 4, 16, 64, 256, 1000]
+    assert row_points(compiled.graph, 8) == [8, 1, 2, 8, 31]          # an op over fewer rows (a pooler's batch)
+    p = compiled.plan.ops["linear"]
+    assert [r for r, _, _ in p.rows_us] == [2, 4, 16, 64, 256, 1000] and all(e > 0 and d > 0 for _, e, d in p.rows_us)
+    assert "M=2: " in compiled.plan_report() and "M=1000: " in compiled.plan_report()
+    assert "planned over 2-1000 tokens" in compiled.plan_report()
+    for bad in ((0, 10), (10, 2), (1.5, 8), 8):
+        with pytest.raises(sparta.SpartaError, match="tokens must be"):
+            sparta.compile(model, tesa, (x,), tokens=bad, target="cuda", propagate=False)
+    with pytest.raises(sparta.SpartaError, match="captured for one shape"):
+        sparta.compile(model, tesa, (x,), tokens=(1, 8), dynamic=False)

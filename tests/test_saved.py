@@ -308,8 +308,11 @@ for name in ("tvm", "tvm_ffi"):
 def test_cuda_model_saves_and_loads_without_tvm(cuda_mlp, tmp_path):
     """A model compiled for CUDA here (no GPU) saves; a fresh process that cannot import TVM loads it."""
     path = cuda_mlp[2].save(tmp_path / "cuda_model")
-    cubins = sorted(p.name for p in Path(path).rglob("*.cubin"))
-    assert cubins == ["kernel.sm_80.cubin", "kernel.sm_90.cubin"]
+    linear = cuda_mlp[2].module_replacements()["linear"]      # its tile kernel, GEMV and tiles per bucket of rows
+    folders = {p.parent for p in Path(path).rglob("*.cubin")}
+    assert len(folders) == 1 + (linear.gemv is not None) + len(linear.buckets) >= 3, folders
+    assert all(sorted(p.name for p in f.glob("*.cubin")) == ["kernel.sm_80.cubin", "kernel.sm_90.cubin"]
+               for f in folders)
     code = f"""
 {NO_TVM}import torch, sparta
 m = sparta.load({str(path)!r})

@@ -10,7 +10,8 @@ from .bitround import BitGroup, groupings, round_bits
 from .cover import ShapeCover, block_cover, check_cover, cover_cost
 from .plan import Candidate, OpPlan, Plan, SubOp
 from .profile import HardwareProfile, KernelCosts, load_profile
-from .transform_op import gemm_bias, gemm_view, in_weight_layout, transform_gemm, weight_matrix, weight_quantisation
+from .transform_op import (gemm_bias, gemm_view, in_weight_layout, row_points, transform_gemm, weight_matrix,
+                           weight_quantisation)
 
 
 def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quantization=None) -> Plan:
@@ -51,4 +52,4 @@ def _nbytes(graph: Graph, name: str) -> int:
 
 __all__ = ["transform", "Plan", "OpPlan", "SubOp", "Candidate", "HardwareProfile", "KernelCosts", "load_profile",
            "block_cover", "check_cover", "cover_cost", "ShapeCover", "round_bits", "groupings", "BitGroup",
-           "gemm_view", "gemm_bias", "transform_gemm", "weight_matrix", "in_weight_layout", "weight_quantisation"]
+           "gemm_view", "gemm_bias", "transform_gemm", "row_points", "weight_matrix", "in_weight_layout", "weight_quantisation"]

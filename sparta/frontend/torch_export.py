@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as fx_config
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
@@ -55,7 +56,7 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
     A module in ``train()`` mode is captured in eval mode (with a warning) and left as it was;
     a module that writes into its buffers or inputs is refused (sparta compiles inference graphs).
     ``dynamic``: the inputs' batch and sequence dimensions (every dimension of an integer input, all but the last of
-    a float one) stay symbolic where the model allows (``torch.export.Dim.AUTO``), or a dict of ``torch.export``'s
+    a float one of up to 3 dimensions, the first of a larger one: an image's batch) stay symbolic where the model allows (``torch.export.Dim.AUTO``), or a dict of ``torch.export``'s
     ``dynamic_shapes`` says which; the graph's shapes are the example's, and the sizes its ops compute from those
     dimensions are :class:`SymRef` expressions."""
     if isinstance(module, type):
@@ -68,7 +69,11 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
         try:
             shapes = dynamic if isinstance(dynamic, dict) else \
                 _dynamic_shapes(module, example_inputs, example_kwargs) if dynamic else None
-            ep = torch.export.export(module, example_inputs, example_kwargs, strict=False, dynamic_shapes=shapes)
+            # a free dimension of size 1 in the example (one sequence, one token) stays free: export would otherwise
+            # specialise it to 1 (its 0/1 rule)
+            with fx_config.patch(backed_size_oblivious=_free_size_one(shapes, module, example_inputs,
+                                                                      example_kwargs)):
+                ep = torch.export.export(module, example_inputs, example_kwargs, strict=False, dynamic_shapes=shapes)
             table = torch.export.default_decompositions()
             for op in KEEP:
                 table.pop(op, None)
@@ -84,13 +89,27 @@ def _dynamic_shapes(module, example_inputs, example_kwargs) -> dict:
     """``torch.export``'s ``dynamic_shapes`` for :func:`from_torch`'s ``dynamic``, by forward's parameter names."""
     auto = torch.export.Dim.AUTO
 
-    def dims(x):
+    def dims(x):        # ids: every dimension; features: all but the last; images and volumes: the batch
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return None
-        free = x.dim() if not x.is_floating_point() else x.dim() - 1
+        free = x.dim() if not x.is_floating_point() else x.dim() - 1 if x.dim() <= 3 else 1
         return {d: auto for d in range(free)} or None
     bound = inspect.signature(module.forward).bind(*example_inputs, **example_kwargs).arguments
     return {k: pytree.tree_map(dims, v) for k, v in bound.items()}
+
+
+def _free_size_one(shapes, module, example_inputs, example_kwargs) -> bool:
+    """Whether a dimension ``shapes`` frees has size 1 in the example inputs."""
+    if not shapes:
+        return False
+    bound = inspect.signature(module.forward).bind(*example_inputs, **example_kwargs).arguments
+    for name, spec in shapes.items():
+        tensors = pytree.tree_leaves(bound.get(name))
+        dims = pytree.tree_leaves(spec, is_leaf=lambda d: d is None or isinstance(d, dict))
+        for x, free in zip(tensors, dims):
+            if isinstance(x, torch.Tensor) and isinstance(free, dict) and any(x.shape[d] == 1 for d in free):
+                return True
+    return False
 
 
 def _hint(size) -> int:
@@ -216,6 +235,7 @@ def _build(ep, name: str) -> Graph:
             raise CaptureError(f"unsupported exported input {node_name!r} of kind {spec.kind.name}")
     nodes = {n.name: n for n in ep.graph.nodes}
     dynamic: dict[str, list] = {}    # symbol -> [input, dim]
+    uses: dict[str, list] = {}       # symbol -> every [input, dim] of that size
     tied = _tie(names, state, nodes)
     params = dict(ep.named_parameters())
     for n in ep.graph.nodes:
@@ -234,6 +254,7 @@ def _build(ep, name: str) -> Graph:
                 for d, size in enumerate(n.meta["val"].shape):
                     if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                         dynamic.setdefault(str(size.node.expr), [n.name, d])
+                        uses.setdefault(str(size.node.expr), []).append([n.name, d])
         elif n.op == "call_function":
             val = n.meta.get("val")
             if isinstance(val, torch.SymInt):       # a size computed from the inputs' dynamic dimensions
@@ -261,6 +282,7 @@ def _build(ep, name: str) -> Graph:
     g.meta["input_leaves"] = leaves
     if dynamic:
         g.meta["dynamic_dims"] = dynamic
+        g.meta["dim_uses"] = {sym: u for sym, u in uses.items() if len(u) > 1}
         g.meta["dim_ranges"] = {str(sym): [_bound(r.lower), _bound(r.upper)]
                                 for sym, r in ep.range_constraints.items() if str(sym) in dynamic}
     g.meta["in_spec"], g.meta["out_spec"] = ep.call_spec.in_spec, ep.call_spec.out_spec

@@ -38,7 +38,7 @@ def sparse_cpu():
     model = MLP().eval()
     tesa = {"up.weight": block_mask(160, 96, 32, 0.4, 1), "down.weight": block_mask(96, 160, 16, 0.3, 2)}
     x = torch.randn(2, 37, 96)
-    return sparta.compile(model, tesa, (x,)), x
+    return sparta.compile(model, tesa, (x,), dynamic=False), x      # kernels of one M (dynamic: test_dynamic.py)
 
 
 def kernel_modules(compiled):
