@@ -2,13 +2,13 @@
 
     python benchmarks/bench_dynamic_bert.py                     # CPU: {1, 3, 8, 32} x {1, 17, 128, 512}
     python benchmarks/bench_dynamic_bert.py --batches 1 3 --seqs 1 17 128
-    python examples/bert_cuda.py --dynamic --batch 8 --vocab 8192 --out artifacts/bert_dynamic   # TVM + nvcc
+    python examples/bert_cuda.py --batch 8 --vocab 8192 --out artifacts/bert_dynamic             # TVM + nvcc
     python benchmarks/bench_dynamic_bert.py --saved artifacts/bert_dynamic                       # the GPU
 
 BERT-base from its config, every encoder linear keeping 10% of its 32×32 blocks (random, seeded), compiled once at
 the example shape ``--example`` (the plan is made there). Each (batch, sequence): the compiled model's output against
 the masked dense model (the same graph run with torch ops on the masked weights; worst relative error) and the median
-time of both, interleaved. ``--saved``: a model compiled for CUDA (``examples/bert_cuda.py --dynamic``: fp16, 10% of
+time of both, interleaved. ``--saved``: a model compiled for CUDA (``examples/bert_cuda.py``: fp16, 10% of
 the 32×32 blocks with the largest norm), loaded without TVM and called as ``sparta.load`` returns it (Inductor and one
 CUDA graph per shape), against its masked dense graph in torch ops (verified; timed eagerly) and Hugging Face's dense
 ``BertModel`` (fp16, sdpa) through ``torch.compile(dynamic=True)`` in ``default`` and ``reduce-overhead`` mode (one

@@ -1,10 +1,9 @@
 """End to end on the GPU: saved LLaMA-style decoders (prefill, one token), against torch.compile of the dense model.
 
-    python examples/llama_cuda.py --tokens 512 --out artifacts/llama_prefill   # machine with TVM + nvcc
-    python examples/llama_cuda.py --tokens 1 --out artifacts/llama_decode
-    python benchmarks/bench_e2e_llama.py artifacts/llama_prefill artifacts/llama_decode   # GPU: torch + cuda-bindings
-    python examples/llama_cuda.py --dynamic --out artifacts/llama_dynamic      # one model, every sequence length
-    python benchmarks/bench_e2e_llama.py artifacts/llama_dynamic --tokens 512 1
+    python examples/llama_cuda.py --out artifacts/llama_dynamic                # machine with TVM + nvcc: any length
+    python benchmarks/bench_e2e_llama.py artifacts/llama_dynamic --tokens 512 1 4   # GPU: torch + cuda-bindings
+    python examples/llama_cuda.py --static --tokens 512 --out artifacts/llama_prefill   # one shape only
+    python benchmarks/bench_e2e_llama.py artifacts/llama_prefill
 
 Peers in one process, same token ids: sparta's model as ``sparta.load`` returns it (its calls under torch.compile
 with CUDA graphs, the default third stage on CUDA), the same model with its kernels launched from Python

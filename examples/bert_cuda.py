@@ -1,17 +1,17 @@
 """BERT-base for a GPU: prune its encoder linears in blocks, compile for CUDA (no GPU needed), save.
 
-    python examples/bert_cuda.py --out artifacts/bert_cuda          # here: TVM + nvcc, no GPU
-    python benchmarks/bench_e2e_bert.py artifacts/bert_cuda         # on the GPU: load (no TVM), verify, time
-    python examples/bert_cuda.py --dynamic --batch 8 --out artifacts/bert_dynamic   # one model, every shape
-    python benchmarks/bench_dynamic_bert.py --saved artifacts/bert_dynamic          # on the GPU
+    python examples/bert_cuda.py --batch 8 --out artifacts/bert_cuda    # here: TVM + nvcc, no GPU; every shape
+    python benchmarks/bench_dynamic_bert.py --saved artifacts/bert_cuda # on the GPU: every (batch, sequence)
+    python examples/bert_cuda.py --static --out artifacts/bert_static   # one shape (32 x 128)
+    python benchmarks/bench_e2e_bert.py artifacts/bert_static           # on the GPU: load (no TVM), verify, time
 
 The model is BERT-base from its config (12 layers, 768 hidden, 3072 FFN), fp16, run on
 ``--batch × --seq`` tokens. Each encoder linear keeps the ``--density`` fraction of its
 ``--block``-square blocks with the largest L2 norm (magnitude block pruning). With ``--w8a8``,
 calibration on ``--calib`` random batches fits int8 weights (per channel) and per-token int8
 activations for the linears the tolerance allows: they run sparta's W8A8 tensor-core kernels, and
-each LayerNorm that feeds them emits their int8 codes. ``--dynamic``: one model for every batch and sequence length
-(the example's shape only traces it and is where the plan is made).
+each LayerNorm that feeds them emits their int8 codes. One model serves every batch and sequence length (the example's
+shape traces it; the plan is costed from 1 token to its tokens); ``--static``: the example's shape only.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=30522,
                     help="embedding rows (fewer: a smaller save; the encoder's work is the same)")
-    ap.add_argument("--dynamic", action="store_true", help="one model for every batch and sequence length")
+    ap.add_argument("--static", action="store_true", help="a model of the example's shape only (dynamic=False)")
     ap.add_argument("--w8a8", action="store_true", help="calibrate to int8 weights and activations")
     ap.add_argument("--calib", type=int, default=2, help="calibration batches (with --w8a8)")
     ap.add_argument("--tolerance", type=float, default=1e-2, help="relative output MSE one op may add (--w8a8)")
@@ -78,7 +78,7 @@ def main():
         quant = dict(calibration=[(torch.randint(0, model.config.vocab_size, ids.shape, generator=gen),)
                                   for _ in range(args.calib)],
                      quant_tolerance={"tolerance": args.tolerance, "widths": (8,), "activations": True})
-    compiled = sparta.compile(model, tesa, (ids,), target="cuda", dynamic=args.dynamic, **quant)
+    compiled = sparta.compile(model, tesa, (ids,), target="cuda", dynamic=False if args.static else None, **quant)
     print(f"compiled for CUDA in {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in compiled.timings.items())})")
     print(compiled.kernel_report())

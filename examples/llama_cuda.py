@@ -1,16 +1,15 @@
 """A LLaMA-style decoder for a GPU: prune every linear in blocks, compile for CUDA (no GPU needed), save.
 
-    python examples/llama_cuda.py --tokens 512 --out artifacts/llama_prefill   # here: TVM + nvcc, no GPU
-    python examples/llama_cuda.py --tokens 1 --out artifacts/llama_decode
-    python benchmarks/bench_e2e_llama.py artifacts/llama_prefill artifacts/llama_decode   # on the GPU
-    python examples/llama_cuda.py --dynamic --out artifacts/llama_dynamic   # one model for every sequence length
-    python benchmarks/bench_e2e_llama.py artifacts/llama_dynamic --tokens 512 1
+    python examples/llama_cuda.py --out artifacts/llama_dynamic      # here: TVM + nvcc, no GPU; any length
+    python benchmarks/bench_e2e_llama.py artifacts/llama_dynamic --tokens 512 1   # on the GPU
+    python examples/llama_cuda.py --static --tokens 512 --out artifacts/llama_prefill   # one shape only
 
 The model is Hugging Face's ``LlamaModel`` from a config (hidden 2048, intermediate 5632, 16 heads, ``--layers``
 layers), fp16 (``--dtype bfloat16``: bf16, sparta's kernels in bf16), on one sequence of ``--tokens`` tokens without a KV cache (``--tokens 1``: the work of one decode step
 of the linears). Each linear of the decoder layers keeps the ``--density`` fraction of its ``--block``-square blocks
-with the largest L2 norm. ``--dynamic`` compiles one model for every batch and sequence length (the example's
-``--tokens`` only trace it): its kernels take any number of rows, and calls of up to 16 tokens run the linears' GEMV.
+with the largest L2 norm. One model serves every batch and sequence length (the example's ``--tokens`` trace it; the
+plan is costed from 1 token to them): its kernels take any number of rows, each linear picks per call its GEMV (up to
+4 tokens) or the tile kernel of the call's bucket of rows. ``--static``: a model of the example's shape only.
 """
 
 from __future__ import annotations
@@ -54,20 +53,20 @@ def main():
     ap.add_argument("--block", type=int, default=32, choices=(32, 64))
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--dynamic", action="store_true", help="one model for every batch and sequence length")
+    ap.add_argument("--static", action="store_true", help="a model of the example's shape only (dynamic=False)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"), help="the model's 16-bit type")
     ap.add_argument("--vocab", type=int, default=4096,
                     help="embedding rows (fewer: a smaller save; the decoder's work is the same)")
     args = ap.parse_args()
 
     model, tesa = pruned_llama(args.layers, args.block, args.density, args.vocab, dtype=getattr(torch, args.dtype))
-    batch = 2 if args.dynamic else 1         # a traced batch of 1 would stay 1 (torch.export specialises sizes 0 and 1)
+    batch = 1 if args.static else 2          # a traced batch of 1 would stay 1 (torch.export keeps sizes 0 and 1)
     ids = torch.randint(0, args.vocab, (batch, args.tokens), generator=torch.Generator().manual_seed(0))
     print(f"LLaMA-style decoder, {args.layers} layers, {args.dtype}, {batch}x{args.tokens} tokens"
-          f"{' (any batch and sequence length)' if args.dynamic else ''}; {len(tesa)} linears keep "
+          f"{'' if args.static else ' (any batch and sequence length)'}; {len(tesa)} linears keep "
           f"{args.density:.0%} of their {args.block}x{args.block} blocks")
     t0 = time.perf_counter()
-    compiled = sparta.compile(model, tesa, (ids,), target="cuda", dynamic=args.dynamic)
+    compiled = sparta.compile(model, tesa, (ids,), target="cuda", dynamic=False if args.static else None)
     print(f"compiled for CUDA in {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in compiled.timings.items())})")
     print(compiled.plan_report(only_gemm=True))

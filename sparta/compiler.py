@@ -170,16 +170,22 @@ def _capture(model, example_inputs, example_kwargs, parameters, dynamic) -> Grap
                        if not isinstance(dynamic, dict) else dynamic)
     try:
         graph = capture(model, example_inputs, example_kwargs, dynamic=True)
-        if not graph.any_rows:
-            graph.meta["one_shape"] = ("the example's only: the model fixes its batch and sequence sizes (torch.export "
-                                       "kept them static)")
-        return graph
     except CaptureError as exc:
         graph = capture(model, example_inputs, example_kwargs, dynamic=False)
         why = f"captured for the example's shapes only: with free batch and sequence dimensions, {exc}"
         warnings.warn(f"sparta.compile: {why} (dynamic=False silences this)", stacklevel=3)
         graph.meta["one_shape"] = why
         return graph
+    from .frontend.torch_export import size_one_dims
+    if ones := size_one_dims(model, example_inputs, example_kwargs):
+        why = (f"{', '.join(ones)} fixed at the example's size 1 (torch.export keeps sizes 0 and 1 static): "
+               "trace with 2 or more to free them")
+        warnings.warn(f"sparta.compile: {why} (dynamic=False silences this)", stacklevel=3)
+        graph.meta["size_one"] = why
+    if not graph.any_rows:
+        graph.meta["one_shape"] = graph.meta.pop("size_one", None) or (
+            "the example's only: the model fixes its batch and sequence sizes (torch.export kept them static)")
+    return graph
 
 
 def _plan_tokens(graph: Graph, tokens) -> None:
@@ -446,7 +452,8 @@ class CompiledModel(torch.nn.Module):
         span = meta.get("token_range")
         free = ", ".join(f"{t}[{d}]" for t, d in meta["dynamic_dims"].values())
         return (f"shapes: any size of {free}" + (f"; planned over {span['lo']}-{span['hi']} tokens (the example's: "
-                                                  f"{span['example']})" if span else ""))
+                                                  f"{span['example']})" if span else "")
+                + (f"; {meta['size_one']}" if meta.get("size_one") else ""))
 
     def kernel_report(self) -> str:
         """The compiled kernels: op, template, blocks, bits, dismantle level, build time, cache, code size."""

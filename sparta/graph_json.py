@@ -268,7 +268,7 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
         meta["dynamic_dims"] = {k: list(v) for k, v in graph.meta["dynamic_dims"].items()}
         meta["dim_ranges"] = {k: list(v) for k, v in graph.meta.get("dim_ranges", {}).items()}
         meta["dim_uses"] = {k: [list(u) for u in v] for k, v in graph.meta.get("dim_uses", {}).items()}
-    for key in ("token_range", "one_shape"):
+    for key in ("token_range", "one_shape", "size_one"):
         if graph.meta.get(key) is not None:
             meta[key] = graph.meta[key]
     for key in ("in_spec", "out_spec"):
@@ -300,7 +300,7 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
     span = meta.get("token_range")
     ok = ok and (span is None or isinstance(span, dict) and set(span) == {"lo", "hi", "example"}
                  and all(type(x) is int for x in span.values()))
-    if not ok or not isinstance(meta.get("one_shape", ""), str):
+    if not ok or not all(isinstance(meta.get(k, ""), str) for k in ("one_shape", "size_one")):
         raise GraphFormatError("malformed dynamic dimensions")
     if dims:
         g.meta["dynamic_dims"] = {k: list(v) for k, v in dims.items()}
@@ -308,8 +308,9 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
         g.meta["dim_uses"] = {k: [list(u) for u in v] for k, v in uses.items()}
     if span is not None:
         g.meta["token_range"] = dict(span)
-    if meta.get("one_shape"):
-        g.meta["one_shape"] = meta["one_shape"]
+    for key in ("one_shape", "size_one"):
+        if meta.get(key):
+            g.meta[key] = meta[key]
     unknown = {n for o in g.ops() for n in _symbols(o.args) | _symbols(o.kwargs)} - set(dims)
     if unknown:
         raise GraphFormatError(f"symbolic sizes name unknown dimensions {sorted(unknown)}")

@@ -184,9 +184,9 @@ def test_dynamic_shapes_pick_which_dimensions_stay_free():
 
 
 def test_by_default_one_compile_takes_any_rows_and_dynamic_false_specialises():
-    """The default frees the batch and sequence dimensions (a size-1 one too: export would pin it to 1); the plan
-    report's last line says so and names the token range; ``dynamic=False`` gives a model of the example's shape
-    that refuses others, and says how to free them."""
+    """The default frees the batch and sequence dimensions; the plan report's last line says so and names the token
+    range; a dimension of size 1 in the example stays 1 (torch.export's 0/1 rule), with a warning saying how to free
+    it; ``dynamic=False`` gives a model of the example's shape that refuses others."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 256).eval()
     mask = {"weight": block_mask(256, 256, 0.3, 5)}
@@ -198,8 +198,12 @@ def test_by_default_one_compile_takes_any_rows_and_dynamic_false_specialises():
             torch.testing.assert_close(any_rows(x), ref(x)[0], rtol=1e-4, atol=1e-4)
     assert any_rows.shapes_line() == "shapes: any size of input[0]; planned over 1-64 tokens (the example's: 64)"
     assert any_rows.plan_report().endswith(any_rows.shapes_line())
-    one = sparta.compile(lin, mask, (torch.randn(1, 1, 256),))
-    assert one.graph.any_rows and one(torch.randn(3, 5, 256)).shape == (3, 5, 256)
+    with pytest.warns(UserWarning, match=r"input\[0\] fixed at the example's size 1"):
+        one = sparta.compile(lin, mask, (torch.randn(1, 5, 256),))
+    assert one.graph.any_rows and one(torch.randn(1, 9, 256)).shape == (1, 9, 256)
+    assert "trace with 2 or more" in one.shapes_line()
+    with pytest.raises(sparta.SpartaError, match="does not fit"):
+        one(torch.randn(3, 5, 256))
     fixed = sparta.compile(lin, mask, (torch.randn(64, 256),), dynamic=False)
     assert "the example's only" in fixed.shapes_line()
     with pytest.raises(sparta.SpartaError, match="does not fit the compiled"):

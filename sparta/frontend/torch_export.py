@@ -16,7 +16,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.fx.experimental._config as fx_config
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
@@ -69,11 +68,7 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
         try:
             shapes = dynamic if isinstance(dynamic, dict) else \
                 _dynamic_shapes(module, example_inputs, example_kwargs) if dynamic else None
-            # a free dimension of size 1 in the example (one sequence, one token) stays free: export would otherwise
-            # specialise it to 1 (its 0/1 rule)
-            with fx_config.patch(backed_size_oblivious=_free_size_one(shapes, module, example_inputs,
-                                                                      example_kwargs)):
-                ep = torch.export.export(module, example_inputs, example_kwargs, strict=False, dynamic_shapes=shapes)
+            ep = torch.export.export(module, example_inputs, example_kwargs, strict=False, dynamic_shapes=shapes)
             table = torch.export.default_decompositions()
             for op in KEEP:
                 table.pop(op, None)
@@ -98,18 +93,21 @@ def _dynamic_shapes(module, example_inputs, example_kwargs) -> dict:
     return {k: pytree.tree_map(dims, v) for k, v in bound.items()}
 
 
-def _free_size_one(shapes, module, example_inputs, example_kwargs) -> bool:
-    """Whether a dimension ``shapes`` frees has size 1 in the example inputs."""
-    if not shapes:
-        return False
+def size_one_dims(module, example_inputs, example_kwargs) -> list[str]:
+    """The dimensions the default ``dynamic`` would free that have size 1 in the example (``"input_ids[0]"``):
+    torch.export keeps those at 1 (its 0/1 rule; lifting it, ``backed_size_oblivious``, captures graphs that index
+    as if the batch were 1)."""
+    example_inputs, example_kwargs = _check_examples(module, example_inputs, example_kwargs)
+    shapes = _dynamic_shapes(module, example_inputs, example_kwargs)
     bound = inspect.signature(module.forward).bind(*example_inputs, **example_kwargs).arguments
+    out = []
     for name, spec in shapes.items():
-        tensors = pytree.tree_leaves(bound.get(name))
-        dims = pytree.tree_leaves(spec, is_leaf=lambda d: d is None or isinstance(d, dict))
-        for x, free in zip(tensors, dims):
-            if isinstance(x, torch.Tensor) and isinstance(free, dict) and any(x.shape[d] == 1 for d in free):
-                return True
-    return False
+        leaves = pytree.tree_leaves(bound.get(name))
+        specs = pytree.tree_leaves(spec, is_leaf=lambda d: d is None or isinstance(d, dict))
+        for i, (x, free) in enumerate(zip(leaves, specs)):
+            if isinstance(x, torch.Tensor) and isinstance(free, dict):
+                out += [f"{name}{f'.{i}' if len(leaves) > 1 else ''}[{d}]" for d in free if x.shape[d] == 1]
+    return out
 
 
 def _hint(size) -> int:
