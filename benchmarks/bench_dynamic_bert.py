@@ -56,8 +56,8 @@ def run_saved(args):
     compiled = sparta.load(args.saved).to("cuda")
     reference = compiled.reference().to("cuda")
     hf = hf_bert(compiled.graph, "cuda")
-    peers = {f"dense_compile_{mode}": torch.compile(hf, mode=mode, dynamic=True)       # one compile each, as sparta's
-             for mode in ("default", "reduce-overhead")}
+    peers = {} if args.static_peers else {f"dense_compile_{mode}": torch.compile(hf, mode=mode, dynamic=True)
+                                          for mode in ("default", "reduce-overhead")}     # one compile each, as sparta's
     vocab = compiled.graph.tensor("embeddings.word_embeddings.weight").shape[0]
     gen = torch.Generator().manual_seed(2)
     rows = []
@@ -71,7 +71,7 @@ def run_saved(args):
                 err = float((got - want).abs().max() / want.abs().max())
                 us = {"sparta": gpu_wall_us(lambda i: compiled(ids), 1, 20),
                       "dense": gpu_wall_us(lambda i: reference(ids), 1, 20)}
-                for name, fn in peers.items():
+                for name, fn in (peers or _static_peers(hf, args.static_peers)).items():
                     for _ in range(3):
                         fn(input_ids=ids)
                     us[name] = gpu_wall_us(lambda i: fn(input_ids=ids), 1, 20)
@@ -79,11 +79,23 @@ def run_saved(args):
                 rows.append({"batch": batch, "seq": seq, "rel_err": err, "sparta_us": us["sparta"],
                              "dense_us": us["dense"], "speedup": us["dense"] / us["sparta"], "us": us,
                              "speedup_vs_best_dense_compile": best / us["sparta"]})
+                dense = " / ".join(f"{k[len('dense_compile_'):]} {v:.1f}" for k, v in us.items()
+                                   if k.startswith("dense_compile"))
                 print(f"  {batch:3d} x {seq:4d}: rel. err {err:.1e}  sparta {us['sparta']:8.1f} us  masked dense "
-                      f"eager {us['dense']:8.1f} us  dense torch.compile default / reduce-overhead "
-                      f"{us['dense_compile_default']:8.1f} / {us['dense_compile_reduce-overhead']:8.1f} us  "
-                      f"({best / us['sparta']:.2f}x the best)", flush=True)
-    print(save("dynamic_bert_cuda", {"saved": args.saved, "rows": rows}))
+                      f"eager {us['dense']:8.1f} us  dense torch.compile {dense} us  ({best / us['sparta']:.2f}x the "
+                      "best)", flush=True)
+    name = "static_peers_bert_cuda" if args.static_peers else "dynamic_bert_cuda"
+    print(save(name, {"saved": args.saved, "peer_modes": args.static_peers or ["default", "reduce-overhead"],
+                      "peers_dynamic": not args.static_peers, "rows": rows}))
+
+
+def _static_peers(hf, modes):
+    """Dense ``torch.compile`` of the model for the next call's shape alone, one per mode (compiled afresh)."""
+    out = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        out[f"dense_compile_{mode}"] = torch.compile(hf, mode=mode, dynamic=False)
+    return out
 
 
 def main():
@@ -94,6 +106,9 @@ def main():
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--saved", help="a saved CUDA model compiled dynamic (run on the GPU)")
+    ap.add_argument("--static-peers", nargs="+", metavar="MODE",
+                    help="with --saved: the dense peers compiled for each shape alone in these torch.compile modes "
+                         "(e.g. default reduce-overhead max-autotune), instead of once with dynamic=True")
     args = ap.parse_args()
     if args.saved:
         return run_saved(args)
