@@ -35,7 +35,7 @@ def hf_llama(graph, device):
     import transformers
     vocab, hidden = graph.tensor("embed_tokens.weight").shape
     layers = 1 + max(int(n.split(".")[1]) for n in graph.tensor_names() if n.startswith("layers."))
-    inter = graph.tensor("layers.0.mlp.up_proj.weight").shape[0]
+    inter = graph.tensor("layers.0.mlp.down_proj.weight").shape[1]     # gate and up may run stacked
     heads = hidden // 128
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                                    num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,

@@ -128,6 +128,116 @@ def _rebuild(graph: Graph, rewrites: dict[str, str], renames: dict[str, str] | N
     return out
 
 
+def fuse_sibling_linears(graph: Graph) -> Graph:
+    """A copy of ``graph`` where linears reading one input (attention's q/k/v, a gated MLP's gate/up) run as one linear
+    over their weights stacked along N, each former output a slice of its output (or ``graph`` itself if none).
+
+    Each linear's weight (and bias, if all have one) must be a constant only it reads, of one dtype and K; the stacked
+    weight's TeSA stacks theirs. One kernel launch instead of several: on a GPU each costs a few µs of latency at
+    decode and prefill sizes, and a wider N fills the SMs better."""
+    groups: dict[str, list[Op]] = {}
+    for op in graph.ops("linear"):
+        x, w, b = op.input_of("input"), op.input_of("weight"), op.input_of("bias")
+        wv = graph.tensor(w) if w is not None else None
+        if x is None or wv is None or wv.data is None or len(wv.shape) != 2 or graph.consumers(w) != [op.name] \
+                or (b is not None and (graph.tensor(b).data is None or graph.consumers(b) != [op.name])) \
+                or op.outputs[0] in graph.outputs:
+            continue
+        groups.setdefault(x, []).append(op)
+    fused = {}
+    for x, ops in groups.items():
+        ws = [graph.tensor(o.input_of("weight")) for o in ops]
+        same = {(w.dtype, w.shape[1], o.input_of("bias") is None) for w, o in zip(ws, ops)}
+        if len(ops) > 1 and len(same) == 1:
+            fused[ops[0].name] = ops
+    if not fused:
+        return graph
+    members = {o.name for ops in fused.values() for o in ops}
+    stacked = {t for ops in fused.values() for o in ops for t in (o.input_of("weight"), o.input_of("bias")) if t}
+    out = Graph(graph.name)
+    for v in graph.tensors():
+        if v.name not in stacked:
+            out.add_tensor(dataclasses.replace(v))
+    for op in graph.ops():
+        if op.name in fused:
+            for new in _stacked_linear(graph, out, fused[op.name]):
+                out.add_op(new)
+        elif op.name not in members:
+            out.add_op(Op(op.name, op.op, list(op.inputs), list(op.outputs), dict(op.attrs), list(op.roles),
+                          op.target, op.args, dict(op.kwargs), op.source, op.multi_output))
+    out.inputs, out.outputs = list(graph.inputs), list(graph.outputs)
+    out.in_spec, out.out_spec, out.meta = graph.in_spec, graph.out_spec, dict(graph.meta)
+    out.meta["simplified"] = {**graph.meta.get("simplified", {}),
+                              "stacked_linears": {ops[0].name: [o.name for o in ops] for ops in fused.values()}}
+    out.meta["stacked_weights"] = {**graph.meta.get("stacked_weights", {}), **_row_ranges(graph, fused.values())}
+    return out
+
+
+def _row_ranges(graph: Graph, groups) -> dict[str, list]:
+    """Each stacked weight or bias: ``[[its part, first row, end row], ...]``."""
+    out = {}
+    for ops in groups:
+        for role in ("weight", "bias"):
+            names = [o.input_of(role) for o in ops]
+            if names[0] is None:
+                continue
+            start, parts = 0, []
+            for n in names:
+                rows = graph.tensor(n).shape[0]
+                parts.append([n, start, start + rows])
+                start += rows
+            out[_stacked_name(names)] = parts
+    return out
+
+
+def _stacked_name(names: list[str]) -> str:
+    """``a.q_proj.weight`` + ``a.k_proj.weight`` -> ``a.q_proj+k_proj.weight``."""
+    parts = [n.split(".") for n in names]
+    head = 0
+    while all(len(p) > head + 1 and p[head] == parts[0][head] for p in parts):
+        head += 1
+    tail = 0
+    while all(len(p) > head + tail + 1 and p[-1 - tail] == parts[0][-1 - tail] for p in parts):
+        tail += 1
+    mids = ["_".join(p[head:len(p) - tail]) for p in parts]
+    return ".".join(parts[0][:head] + ["+".join(mids)] + (parts[0][len(parts[0]) - tail:] if tail else []))
+
+
+def _stacked_linear(graph: Graph, out: Graph, ops: list[Op]) -> list[Op]:
+    """The stacked linear of ``ops`` (its weight, bias and output added to ``out``) and one slice per former output."""
+    from ..graph import Value
+    from ..tesa import TeSA, bits_of_dtype
+    first = ops[0]
+    x = first.input_of("input")
+    values = {}
+    for role in ("weight", "bias"):
+        names = [o.input_of(role) for o in ops]
+        if names[0] is None:
+            continue
+        vs = [graph.tensor(n) for n in names]
+        tesa = TeSA(torch.cat([v.tesa.view() for v in vs]), _trusted=True)
+        data = torch.cat([v.data for v in vs])
+        values[role] = out.add_tensor(Value(_stacked_name(names), tuple(data.shape), data.dtype, "weight", tesa,
+                                            data, is_parameter=False)).name
+    y0 = graph.tensor(first.outputs[0])
+    n = sum(graph.tensor(o.outputs[0]).shape[-1] for o in ops)
+    y = out.add_tensor(Value(f"{first.outputs[0]}_stacked", (*y0.shape[:-1], n), y0.dtype, "activation",
+                             TeSA.dense((*y0.shape[:-1], n), bits_of_dtype(y0.dtype)))).name
+    args = (TensorRef(x), TensorRef(values["weight"])) + ((TensorRef(values["bias"]),) if "bias" in values else ())
+    target = torch.ops.aten.linear.default
+    inputs, roles, attrs = bind_call(target, args, {})
+    new = [Op(first.name, "linear", inputs, [y], attrs, roles, target, args, {}, first.source)]
+    start, dim = 0, len(y0.shape) - 1
+    for o in ops:
+        width = graph.tensor(o.outputs[0]).shape[-1]
+        args = (TensorRef(y), dim, start, start + width)
+        inputs, roles, attrs = bind_call(torch.ops.aten.slice.Tensor, args, {})
+        new.append(Op(f"{o.name}_part", "slice", inputs, list(o.outputs), attrs, roles, torch.ops.aten.slice.Tensor,
+                      args, {}, o.source))
+        start += width
+    return new
+
+
 SIMPLIFICATIONS = (drop_trivial_masks, drop_copies)
 
 
@@ -138,4 +248,4 @@ def simplify(graph: Graph) -> Graph:
     return graph
 
 
-__all__ = ["simplify", "drop_trivial_masks", "drop_copies", "SIMPLIFICATIONS"]
+__all__ = ["simplify", "drop_trivial_masks", "drop_copies", "fuse_sibling_linears", "SIMPLIFICATIONS"]

@@ -116,6 +116,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
     graph = simplify(graph)
+    if target == "cuda":        # one launch for the linears that read one input (q/k/v, gate/up)
+        from .passes.simplify import fuse_sibling_linears
+        graph = fuse_sibling_linears(graph)
     _plan_tokens(graph, tokens)
     chosen = _target(target, profile)
     graph, plan = _propagate_and_plan(graph, chosen, propagate, timings, quantize)

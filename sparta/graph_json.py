@@ -268,7 +268,7 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
         meta["dynamic_dims"] = {k: list(v) for k, v in graph.meta["dynamic_dims"].items()}
         meta["dim_ranges"] = {k: list(v) for k, v in graph.meta.get("dim_ranges", {}).items()}
         meta["dim_uses"] = {k: [list(u) for u in v] for k, v in graph.meta.get("dim_uses", {}).items()}
-    for key in ("token_range", "one_shape", "size_one"):
+    for key in ("token_range", "one_shape", "size_one", "stacked_weights"):
         if graph.meta.get(key) is not None:
             meta[key] = graph.meta[key]
     for key in ("in_spec", "out_spec"):
@@ -311,6 +311,14 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
     for key in ("one_shape", "size_one"):
         if meta.get(key):
             g.meta[key] = meta[key]
+    stacked = meta.get("stacked_weights", {})
+    if not isinstance(stacked, dict) or not all(
+            isinstance(rows, list) and all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str)
+                                           and all(type(x) is int for x in r[1:]) for r in rows)
+            for rows in stacked.values()):
+        raise GraphFormatError("malformed stacked weights")
+    if stacked:
+        g.meta["stacked_weights"] = {k: [list(r) for r in v] for k, v in stacked.items()}
     unknown = {n for o in g.ops() for n in _symbols(o.args) | _symbols(o.kwargs)} - set(dims)
     if unknown:
         raise GraphFormatError(f"symbolic sizes name unknown dimensions {sorted(unknown)}")

@@ -132,14 +132,18 @@ def _source_json(compiled, tensors: dict) -> dict | None:
     if source is None:
         return None
     data, own = graph_to_json(source, prefix="source/")
-    shared = []
+    shared, sliced = [], {}
+    parts = {part: [stacked, start, end] for stacked, rows in compiled.graph.meta.get("stacked_weights", {}).items()
+             for part, start, end in rows if compiled.graph.has_tensor(stacked)}
     for key, t in own.items():
         name = key.removeprefix("source/")
         if compiled.graph.has_tensor(name) and compiled.graph.tensor(name).data is t:
             shared.append(name)
+        elif name in parts and torch.equal(compiled.graph.tensor(parts[name][0]).data[parts[name][1]:parts[name][2]], t):
+            sliced[name] = parts[name]       # rows of a stacked weight (sibling linears run as one)
         else:
             tensors[key] = t
-    return {**data, "shared": sorted(shared)}
+    return {**data, "shared": sorted(shared), **({"sliced": sliced} if sliced else {})}
 
 
 def _restorable_weights(compiled) -> set[str]:
@@ -198,10 +202,13 @@ def _build(root: Path, manifest: dict, trust_kernels: bool, build):
     source = None
     if "source" in manifest:    # weights a kernel restored stand in for the originals it does not keep
         shared = {"source/" + n: tensors.get("graph/" + n) for n in manifest["source"]["shared"]}
+        for n, (stacked, start, end) in manifest["source"].get("sliced", {}).items():
+            whole = tensors.get("graph/" + stacked)
+            shared["source/" + n] = whole[start:end].clone() if whole is not None else None
         if any(t is None for t in shared.values()):
             raise SavedModelError(f"saved model {root}: the source graph shares a weight the model does not hold")
         source_tensors = {**shared, **{k: v for k, v in tensors.items() if k.startswith("source/")}}
-        source_json = {k: v for k, v in manifest["source"].items() if k != "shared"}
+        source_json = {k: v for k, v in manifest["source"].items() if k not in ("shared", "sliced")}
         source = graph_from_json(source_json, source_tensors, prefix="source/")
     plan = Plan.from_json(manifest["plan"]) if manifest.get("plan") is not None else None
     kernels = [dict(row) for row in manifest.get("kernels", [])]

@@ -221,11 +221,15 @@ def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor], root: Path) 
                 check_declared(v, stored, root)
     source = manifest.get("source")
     if source is not None:
-        shared = source.get("shared", [])
+        shared, sliced = source.get("shared", []), source.get("sliced", {})
         if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
             raise SavedModelError(f"saved model {root}: malformed source graph (shared must be names)")
+        if not isinstance(sliced, dict) or not all(
+                isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and all(type(x) is int for x in r[1:])
+                and 0 <= r[1] < r[2] for r in sliced.values()):
+            raise SavedModelError(f"saved model {root}: malformed source graph (sliced must be [weight, start, end])")
         for v in _declared({"graph": source}, root):
-            if v["data"] and v["name"] not in shared:
+            if v["data"] and v["name"] not in shared and v["name"] not in sliced:
                 expected.add("source/" + v["name"])
                 if (stored := tensors.get("source/" + v["name"])) is not None:
                     check_declared(v, stored, root)

@@ -89,3 +89,49 @@ def test_a_copy_with_its_own_tesa_stays():
     mask = torch.rand(graph.tensor(clone.outputs[0]).shape) < 0.5
     graph.set_tesa(clone.outputs[0], sparta.TeSA.from_mask(mask))
     assert clone.name in {op.name for op in drop_copies(graph).ops()}
+
+
+class Siblings(torch.nn.Module):
+    """q/k/v-like linears on one input (biased), a gate/up-like pair (no bias), one linear of its own, and a linear on
+    the same input whose output is a model output (kept alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(64, 64) for _ in range(3))
+        self.gate, self.up = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
+        self.down = torch.nn.Linear(96, 64)
+
+    def forward(self, x):
+        a = self.q(x) * self.k(x) + self.v(x)
+        return self.down(torch.relu(self.gate(a)) * self.up(a))
+
+
+def test_sibling_linears_run_as_one_linear_over_stacked_weights():
+    """Linears reading one input become one linear over their weights (and biases, and TeSAs) stacked along N, each
+    former output a slice of its output: the same outputs, fewer linears."""
+    from sparta.backend.fx import to_graph_module
+    from sparta.passes.simplify import fuse_sibling_linears
+    torch.manual_seed(0)
+    model, x = Siblings().eval(), torch.randn(2, 5, 64)
+    graph = sparta.capture(model, (x,), dynamic=True)
+    keep = torch.rand(96, 64) < 0.5
+    graph.set_tesa("up.weight", sparta.TeSA.from_mask(keep))
+    fused = fuse_sibling_linears(graph)
+    assert sorted(fused.meta["simplified"]["stacked_linears"].values()) == [["linear", "linear_1", "linear_2"],
+                                                                            ["linear_3", "linear_4"]]
+    assert len(list(fused.ops("linear"))) == 3 and len(list(fused.ops("slice"))) == 5
+    qkv, gate_up = fused.tensor("q+k+v.weight"), fused.tensor("gate+up.weight")
+    assert qkv.shape == (192, 64) and fused.tensor("q+k+v.bias").shape == (192,) and gate_up.shape == (192, 64)
+    assert torch.equal(gate_up.data, torch.cat([model.gate.weight, model.up.weight]).detach())
+    assert torch.equal(fused.tesa(gate_up.name).mask, torch.cat([torch.ones(96, 64, dtype=torch.bool), keep]))
+    assert "q.weight" not in {v.name for v in fused.tensors("weight")}
+    masked = dict(up=model.up.weight * keep)
+    with torch.no_grad():
+        model.up.weight.copy_(masked["up"])
+        for shape in ((2, 5, 64), (1, 1, 64), (3, 7, 64)):
+            y = torch.randn(shape)
+            got = to_graph_module(fused, {n: fused.tesa(n).apply(v.data) for n, v in
+                                          ((v.name, v) for v in fused.tensors("weight"))})(y)
+            torch.testing.assert_close(got[0], model(y), rtol=1e-5, atol=1e-5)
+    lone = sparta.capture(torch.nn.Linear(8, 8), (torch.randn(2, 8),))
+    assert fuse_sibling_linears(lone) is lone, "nothing to stack: the graph itself"
