@@ -202,9 +202,14 @@ def _build(root: Path, manifest: dict, trust_kernels: bool, build):
     source = None
     if "source" in manifest:    # weights a kernel restored stand in for the originals it does not keep
         shared = {"source/" + n: tensors.get("graph/" + n) for n in manifest["source"]["shared"]}
+        declared = {v["name"]: v for v in manifest["source"].get("tensors", [])}
         for n, (stacked, start, end) in manifest["source"].get("sliced", {}).items():
             whole = tensors.get("graph/" + stacked)
-            shared["source/" + n] = whole[start:end].clone() if whole is not None else None
+            if whole is None or end > whole.shape[0] or n not in declared \
+                    or [end - start, *whole.shape[1:]] != list(declared[n]["shape"]):
+                raise SavedModelError(f"saved model {root}: the source weight {n!r} is not rows {start}:{end} of a "
+                                      "stacked weight the model holds")
+            shared["source/" + n] = whole[start:end].clone()
         if any(t is None for t in shared.values()):
             raise SavedModelError(f"saved model {root}: the source graph shares a weight the model does not hold")
         source_tensors = {**shared, **{k: v for k, v in tensors.items() if k.startswith("source/")}}

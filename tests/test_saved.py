@@ -376,3 +376,39 @@ def test_a_loaded_model_verifies_against_its_source_graph(compiled_mlp, tmp_path
     (Path(path) / "sparta.json").write_text(json.dumps(manifest))
     with pytest.raises(sparta.VerificationError, match="only the initial TeSAs"):
         sparta.load(path).verify()
+
+
+def test_a_cuda_model_with_stacked_linears_stores_their_weights_once(tmp_path, monkeypatch):
+    """q/k/v-like linears compiled for CUDA run stacked; the saved source graph reads its q/k/v weights back as rows
+    of the stacked weight (itself restored from the kernel's packed blocks), so the folder holds them once; a saved
+    manifest whose rows point past the stacked weight is refused."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(512, 512) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) * self.k(x) + self.v(x)
+    torch.manual_seed(0)
+    model = QKV().half().eval()
+    tesa = {f"{n}.weight": _block_mask((512, 512), 32, 0.1, i) for i, n in enumerate("qkv")}
+    compiled = sparta.compile(model, tesa, (torch.randn(4, 64, 512).half(),), target="cuda")
+    assert list(compiled.graph.meta["stacked_weights"]) == ["q+k+v.weight", "q+k+v.bias"]
+    path = Path(compiled.save(tmp_path / "m"))
+    from safetensors import safe_open
+    with safe_open(str(path / "tensors.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert not any(n.startswith("source/") and n.endswith(".weight") for n in names), sorted(names)
+    loaded = sparta.load(path)
+    for i, n in enumerate("qkv"):
+        want = (getattr(model, n).weight * tesa[f"{n}.weight"]).detach()
+        torch.testing.assert_close(loaded.source_graph.tensor(f"{n}.weight").data.half(), want, rtol=0, atol=0)
+    manifest = json.loads((path / "sparta.json").read_text())
+    manifest["source"]["sliced"]["q.weight"][2] = 4096
+    (path / "sparta.json").write_text(json.dumps(manifest))
+    with pytest.raises(sparta.SavedModelError):
+        sparta.load(path)
