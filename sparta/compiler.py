@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import difflib
 import time
-import warnings
 from collections.abc import Mapping
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import CaptureError, GraphError, QuantizationError, SpartaError, TeSAError
+from .errors import GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
+from .shapes import capture_shapes, plan_tokens
 from .runtime.inductor import compiled_runner, inductor_mode
 from .sampling import random_inputs, verification_sizes
 from .target import load_target
@@ -111,7 +111,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     inductor = inductor_mode(inductor, target)
     timings = {}
     t0 = time.perf_counter()
-    graph = _capture(model, example_inputs, example_kwargs, parameters, dynamic)
+    graph = capture_shapes(model, example_inputs, example_kwargs, parameters, dynamic)
     timings["capture"] = time.perf_counter() - t0
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
@@ -119,7 +119,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     if target == "cuda":        # one launch for the linears that read one input (q/k/v, gate/up)
         from .passes.simplify import fuse_sibling_linears
         graph = fuse_sibling_linears(graph)
-    _plan_tokens(graph, tokens)
+    plan_tokens(graph, tokens)
     chosen = _target(target, profile)
     graph, plan = _propagate_and_plan(graph, chosen, propagate, timings, quantize)
     if dismantle is not None:
@@ -162,48 +162,6 @@ def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     compiled = read(path, CompiledModel, trust_kernels)
     compiled.inductor = inductor
     return compiled
-
-
-def _capture(model, example_inputs, example_kwargs, parameters, dynamic) -> Graph:
-    """The graph of ``model``: by default (``dynamic=None``) a torch module with its batch and sequence dimensions
-    free, or, where it cannot be captured so, at the example's shapes (warned, the reason in the plan report)."""
-    from .frontend import capture
-    if dynamic is not None or not isinstance(model, torch.nn.Module):
-        return capture(model, example_inputs, example_kwargs, parameters=parameters, dynamic=bool(dynamic)
-                       if not isinstance(dynamic, dict) else dynamic)
-    try:
-        graph = capture(model, example_inputs, example_kwargs, dynamic=True)
-    except CaptureError as exc:
-        graph = capture(model, example_inputs, example_kwargs, dynamic=False)
-        why = f"captured for the example's shapes only: with free batch and sequence dimensions, {exc}"
-        warnings.warn(f"sparta.compile: {why} (dynamic=False silences this)", stacklevel=3)
-        graph.meta["one_shape"] = why
-        return graph
-    from .frontend.torch_export import size_one_dims
-    if ones := size_one_dims(model, example_inputs, example_kwargs):
-        why = (f"{', '.join(ones)} fixed at the example's size 1 (torch.export keeps sizes 0 and 1 static): "
-               "trace with 2 or more to free them")
-        warnings.warn(f"sparta.compile: {why} (dynamic=False silences this)", stacklevel=3)
-        graph.meta["size_one"] = why
-    if not graph.any_rows:
-        graph.meta["one_shape"] = graph.meta.pop("size_one", None) or (
-            "the example's only: the model fixes its batch and sequence sizes (torch.export kept them static)")
-    return graph
-
-
-def _plan_tokens(graph: Graph, tokens) -> None:
-    """Record the token range a dynamic graph is planned over (``graph.meta["token_range"]``)."""
-    if tokens is None and not graph.any_rows:
-        return
-    if not graph.any_rows:
-        raise SpartaError("tokens= plans a model captured with dynamic dimensions over a range; this one was "
-                          "captured for one shape (compile with dynamic=True)")
-    example = graph.example_tokens
-    lo, hi = (1, example) if tokens is None else tokens if isinstance(tokens, (tuple, list)) and len(tokens) == 2 \
-        else (None, None)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in (lo, hi)) or not 1 <= lo <= hi:
-        raise SpartaError(f"tokens must be (lo, hi) with 1 <= lo <= hi, got {tokens!r}")
-    graph.meta["token_range"] = {"lo": lo, "hi": hi, "example": example}
 
 
 def _quantizer(calibration, quant_tolerance, target: str):
@@ -449,14 +407,8 @@ class CompiledModel(torch.nn.Module):
 
     def shapes_line(self) -> str:
         """The input shapes the model takes, and the token range its plan was costed over."""
-        meta = self.graph.meta
-        if not self.graph.any_rows:
-            return "shapes: " + meta.get("one_shape", "the example's only (compiled with dynamic=False, or from ONNX)")
-        span = meta.get("token_range")
-        free = ", ".join(f"{t}[{d}]" for t, d in meta["dynamic_dims"].values())
-        return (f"shapes: any size of {free}" + (f"; planned over {span['lo']}-{span['hi']} tokens (the example's: "
-                                                  f"{span['example']})" if span else "")
-                + (f"; {meta['size_one']}" if meta.get("size_one") else ""))
+        from .shapes import shapes_line
+        return shapes_line(self.graph)
 
     def kernel_report(self) -> str:
         """The compiled kernels: op, template, blocks, bits, dismantle level, build time, cache, code size."""
