@@ -41,6 +41,9 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
             p = OpPlan(op.name, op.op, "torch", us, us)
         else:
             p.weight_quant = weight_quantisation(graph, op, p, fitted, prof)
+            if stacked := graph.meta.get("simplified", {}).get("stacked_linears", {}).get(op.name):
+                why = f"runs {', '.join(stacked)} stacked as one linear ({p.weight})"
+                p.note = f"{p.note}; {why}" if p.note else why
         plan.ops[op.name] = p
     return plan
 
