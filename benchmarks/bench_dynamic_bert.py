@@ -56,8 +56,8 @@ def run_saved(args):
     compiled = sparta.load(args.saved).to("cuda")
     reference = compiled.reference().to("cuda")
     hf = hf_bert(compiled.graph, "cuda")
-    peers = {} if args.static_peers else {f"dense_compile_{mode}": torch.compile(hf, mode=mode, dynamic=True)
-                                          for mode in ("default", "reduce-overhead")}     # one compile each, as sparta's
+    peers = {} if args.static_peers else {           # one compile each, as sparta's
+        f"dense_compile_{mode}": torch.compile(hf, mode=mode, dynamic=True) for mode in ("default", "reduce-overhead")}
     vocab = compiled.graph.tensor("embeddings.word_embeddings.weight").shape[0]
     gen = torch.Generator().manual_seed(2)
     rows = []

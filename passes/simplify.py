@@ -19,6 +19,7 @@ that hands them their int8 codes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from torch.utils import _pytree as pytree
@@ -158,9 +159,10 @@ def fuse_sibling_linears(graph: Graph) -> Graph:
     for v in graph.tensors():
         if v.name not in stacked:
             out.add_tensor(dataclasses.replace(v))
+    ranges = {}                 # each stacked weight or bias: [[its part, first row, end row], ...]
     for op in graph.ops():
         if op.name in fused:
-            for new in _stacked_linear(graph, out, fused[op.name]):
+            for new in _stacked_linear(graph, out, fused[op.name], ranges):
                 out.add_op(new)
         elif op.name not in members:
             out.add_op(Op(op.name, op.op, list(op.inputs), list(op.outputs), dict(op.attrs), list(op.roles),
@@ -169,24 +171,7 @@ def fuse_sibling_linears(graph: Graph) -> Graph:
     out.in_spec, out.out_spec, out.meta = graph.in_spec, graph.out_spec, dict(graph.meta)
     out.meta["simplified"] = {**graph.meta.get("simplified", {}),
                               "stacked_linears": {ops[0].name: [o.name for o in ops] for ops in fused.values()}}
-    out.meta["stacked_weights"] = {**graph.meta.get("stacked_weights", {}), **_row_ranges(graph, fused.values())}
-    return out
-
-
-def _row_ranges(graph: Graph, groups) -> dict[str, list]:
-    """Each stacked weight or bias: ``[[its part, first row, end row], ...]``."""
-    out = {}
-    for ops in groups:
-        for role in ("weight", "bias"):
-            names = [o.input_of(role) for o in ops]
-            if names[0] is None:
-                continue
-            start, parts = 0, []
-            for n in names:
-                rows = graph.tensor(n).shape[0]
-                parts.append([n, start, start + rows])
-                start += rows
-            out[_stacked_name(names)] = parts
+    out.meta["stacked_weights"] = {**graph.meta.get("stacked_weights", {}), **ranges}
     return out
 
 
@@ -203,8 +188,9 @@ def _stacked_name(names: list[str]) -> str:
     return ".".join(parts[0][:head] + ["+".join(mids)] + (parts[0][len(parts[0]) - tail:] if tail else []))
 
 
-def _stacked_linear(graph: Graph, out: Graph, ops: list[Op]) -> list[Op]:
-    """The stacked linear of ``ops`` (its weight, bias and output added to ``out``) and one slice per former output."""
+def _stacked_linear(graph: Graph, out: Graph, ops: list[Op], ranges: dict) -> list[Op]:
+    """The stacked linear of ``ops`` (its weight, bias and output added to ``out``, the parts' rows of each to
+    ``ranges``) and one slice per former output."""
     from ..graph import Value
     from ..tesa import TeSA, bits_of_dtype
     first = ops[0]
@@ -219,6 +205,8 @@ def _stacked_linear(graph: Graph, out: Graph, ops: list[Op]) -> list[Op]:
         data = torch.cat([v.data for v in vs])
         values[role] = out.add_tensor(Value(_stacked_name(names), tuple(data.shape), data.dtype, "weight", tesa,
                                             data, is_parameter=False)).name
+        ends = itertools.accumulate(v.shape[0] for v in vs)
+        ranges[values[role]] = [[n, end - v.shape[0], end] for n, v, end in zip(names, vs, ends)]
     y0 = graph.tensor(first.outputs[0])
     n = sum(graph.tensor(o.outputs[0]).shape[-1] for o in ops)
     y = out.add_tensor(Value(f"{first.outputs[0]}_stacked", (*y0.shape[:-1], n), y0.dtype, "activation",

@@ -333,8 +333,8 @@ class Graph:
             for sym, uses in self.meta.get("dim_uses", {}).items():
                 sizes = {f"{t}[{d}]": shapes[t][d] for t, d in uses}
                 if len(set(sizes.values())) > 1:
-                    raise SpartaError(f"inputs {', '.join(sizes)} share one dynamic dimension ({sym}) of their shapes but got sizes "
-                                      f"{', '.join(map(str, sizes.values()))}")
+                    raise SpartaError(f"inputs {', '.join(sizes)} share one dynamic dimension ({sym}) of their shapes "
+                                      f"but got sizes {', '.join(map(str, sizes.values()))}")
         return flat
 
     # ---- TeSAs ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import SpartaError
 from .graph import SIZE_FUNCTIONS, Graph, Op, SymRef, TensorRef, Value, bind_call
-from .saved_checks import SavedModelError
+from .saved_checks import SavedModelError, is_row_range
 from .tesa import TeSA
 
 FORMAT = 1
@@ -313,9 +313,7 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
             g.meta[key] = meta[key]
     stacked = meta.get("stacked_weights", {})
     if not isinstance(stacked, dict) or not all(
-            isinstance(rows, list) and all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str)
-                                           and all(type(x) is int for x in r[1:]) for r in rows)
-            for rows in stacked.values()):
+            isinstance(rows, list) and all(is_row_range(r) for r in rows) for rows in stacked.values()):
         raise GraphFormatError("malformed stacked weights")
     if stacked:
         g.meta["stacked_weights"] = {k: [list(r) for r in v] for k, v in stacked.items()}

@@ -139,7 +139,8 @@ def _source_json(compiled, tensors: dict) -> dict | None:
         name = key.removeprefix("source/")
         if compiled.graph.has_tensor(name) and compiled.graph.tensor(name).data is t:
             shared.append(name)
-        elif name in parts and torch.equal(compiled.graph.tensor(parts[name][0]).data[parts[name][1]:parts[name][2]], t):
+        elif name in parts and torch.equal(compiled.graph.tensor(parts[name][0]).data[parts[name][1]:parts[name][2]],
+                                           t):
             sliced[name] = parts[name]       # rows of a stacked weight (sibling linears run as one)
         else:
             tensors[key] = t

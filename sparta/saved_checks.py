@@ -204,6 +204,12 @@ def _features(manifest: dict):
         yield 5, "a source graph"
 
 
+def is_row_range(r) -> bool:
+    """Whether ``r`` is ``[tensor name, first row, end row]`` with ``0 <= first < end`` (a part of a stacked weight)."""
+    return (isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and all(type(x) is int for x in r[1:])
+            and 0 <= r[1] < r[2])
+
+
 def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor], root: Path) -> None:
     """Refuse stored tensors the manifest does not name, and graph weights whose stored shape or
     dtype differ from the graph's declaration (weights a kernel module restores are checked on restore)."""
@@ -224,9 +230,7 @@ def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor], root: Path) 
         shared, sliced = source.get("shared", []), source.get("sliced", {})
         if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
             raise SavedModelError(f"saved model {root}: malformed source graph (shared must be names)")
-        if not isinstance(sliced, dict) or not all(
-                isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and all(type(x) is int for x in r[1:])
-                and 0 <= r[1] < r[2] for r in sliced.values()):
+        if not isinstance(sliced, dict) or not all(is_row_range(r) for r in sliced.values()):
             raise SavedModelError(f"saved model {root}: malformed source graph (sliced must be [weight, start, end])")
         for v in _declared({"graph": source}, root):
             if v["data"] and v["name"] not in shared and v["name"] not in sliced:

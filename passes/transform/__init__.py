@@ -55,4 +55,5 @@ def _nbytes(graph: Graph, name: str) -> int:
 
 __all__ = ["transform", "Plan", "OpPlan", "SubOp", "Candidate", "HardwareProfile", "KernelCosts", "load_profile",
            "block_cover", "check_cover", "cover_cost", "ShapeCover", "round_bits", "groupings", "BitGroup",
-           "gemm_view", "gemm_bias", "transform_gemm", "row_points", "weight_matrix", "in_weight_layout", "weight_quantisation"]
+           "gemm_view", "gemm_bias", "transform_gemm", "row_points", "weight_matrix", "in_weight_layout",
+           "weight_quantisation"]

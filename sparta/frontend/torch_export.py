@@ -55,7 +55,8 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
     A module in ``train()`` mode is captured in eval mode (with a warning) and left as it was;
     a module that writes into its buffers or inputs is refused (sparta compiles inference graphs).
     ``dynamic``: the inputs' batch and sequence dimensions (every dimension of an integer input, all but the last of
-    a float one of up to 3 dimensions, the first of a larger one: an image's batch) stay symbolic where the model allows (``torch.export.Dim.AUTO``), or a dict of ``torch.export``'s
+    a float one of up to 3 dimensions, the first of a larger one: an image's batch) stay symbolic where the model
+    allows (``torch.export.Dim.AUTO``), or a dict of ``torch.export``'s
     ``dynamic_shapes`` says which; the graph's shapes are the example's, and the sizes its ops compute from those
     dimensions are :class:`SymRef` expressions."""
     if isinstance(module, type):

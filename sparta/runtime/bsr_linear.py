@@ -329,11 +329,11 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             if self._gemv_op is None or self._gemv_op.wp.data_ptr() != self.wp.data_ptr():
                 self._gemv_op = BsrGemvOp(*self.gemv, self.wp, self.table, self.bias)
             return [self._gemv_op(x.contiguous())]
-        top = next((t for t, _, _ in self.buckets if x.shape[0] <= t), None)
-        if top is not None:
+        bucket = next((b for b in self.buckets if x.shape[0] <= b[0]), None)
+        if bucket is not None:
+            top, folder, spec = bucket
             op = self._bucket_ops.get(top)
             if op is None or op.wp.data_ptr() != self.wp.data_ptr():
-                _, folder, spec = next(b for b in self.buckets if b[0] == top)
                 op = self._bucket_ops[top] = BsrLinearOp.packed(folder, spec, self.wp, self.table, self.bias)
             return [op(x.contiguous())]
         return [self._op(x.contiguous())]

@@ -17,8 +17,8 @@ import torch
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
-LINEARS = ["r_odd_gelu", "r_odd_gelu_tm32", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu", "r_wg_b64",
-           "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu"]
+LINEARS = ["r_odd_gelu", "r_odd_gelu_tm32", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu",
+           "r_wg_b64", "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu"]
 GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "r_gemv_b16_nobias_m5",
          "r_gemv_k128_m8_w16", "r_gemv_square_pdl", "r_gemv_bf16_odd_gelu", "r_gemv_bf16_b64_nobias"]
 
@@ -139,6 +139,19 @@ def test_gemv_chained_as_programmatic_dependents_reads_what_the_previous_one_wro
     assert _err(y, want) < 5e-3
 
 
+def _replayed_from_a_cuda_graph(module, rows: int, k: int):
+    """(x, y): ``module`` captured in a CUDA graph on fp16 ``x`` of ``rows`` rows, ``x`` then refilled with fresh
+    values and the graph replayed; ``y`` is what the replay wrote."""
+    graph, x = torch.cuda.CUDAGraph(), torch.randn(rows, k, device="cuda").half()
+    module(x)
+    with torch.cuda.graph(graph):
+        y = module(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    return x, y
+
+
 def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monkeypatch):
     from sparta.runtime.bsr_linear import BsrGemvOp, SparseLinearCUDA, load_spec
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
@@ -158,13 +171,7 @@ def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monke
         torch.cuda.synchronize()
         assert _err(y.reshape(-1, spec.n), ref) < 2e-3, f"M={2 * m}"
     assert calls == [2, 10], "the GEMV runs calls of up to 16 rows, the tile kernel the others"
-    graph, x = torch.cuda.CUDAGraph(), torch.randn(3, spec.k, device="cuda").half()
-    module(x)
-    with torch.cuda.graph(graph):
-        y = module(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
+    x, y = _replayed_from_a_cuda_graph(module, 3, spec.k)
     ref = reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)
     assert _err(y, ref) < 2e-3, "a GEMV captured in a CUDA graph reads the input written after capture"
 
@@ -185,19 +192,13 @@ def test_linear_module_runs_the_tile_kernel_of_each_bucket_of_rows(monkeypatch):
     tiles, call = [], BsrLinearOp.__call__
     monkeypatch.setattr(BsrLinearOp, "__call__", lambda self, x, out=None: tiles.append((x.shape[0], self.spec.tm))
                         or call(self, x, out))
-    for m in (1, 9, 17, 40, 41, 130, 20):
+    calls = (1, 9, 17, 40, 41, 130, 20)
+    for m in calls:
         x = torch.randn(m, spec.k, device="cuda").half()
         ref = reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)
         assert _err(module(x), ref) < 2e-3, f"M={m}"
-    calls = (1, 9, 17, 40, 41, 130, 20)
     assert tiles == [(m, 32 if m <= 40 else 64) for m in calls if m > g_spec.rows], (tiles, g_spec.rows)
-    graph, x = torch.cuda.CUDAGraph(), torch.randn(33, spec.k, device="cuda").half()
-    module(x)
-    with torch.cuda.graph(graph):
-        y = module(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
+    x, y = _replayed_from_a_cuda_graph(module, 33, spec.k)
     assert _err(y, reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)) < 2e-3
     with pytest.raises(Exception, match="same blocks"):
         SparseLinearCUDA.from_weight("lin", "x", folder, spec, w, mask, bias, (0, spec.n),
