@@ -12,17 +12,18 @@ Adding a kernel variant: its family folder under ``templates/``, one rule here, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..graph import Graph, Op
-from ..passes.transform.fusion import fused_activation
+from ..passes.transform.fusion import fused_activation, fused_gate, is_gated
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
 from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.packing import block_mask_of
+from ..templates.bsr_linear.spec import gate_padded
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
 EPILOGUE_OF = {"w4a16_gemv": ("bias",), "torch": ()}   # kernels whose epilogue computes less than the plan's
@@ -48,6 +49,7 @@ class GemmSite:
     w4_refusal: str                # why the 4-bit scales do not suit the kernels ("" where they do)
     any_rows: bool = False         # the graph was captured dynamic: kernels take any number of rows (m: the hint)
     act16: str = "float16"         # the 16-bit activations' type: "float16", or "bfloat16" for a bf16 model
+    gate: bool = False             # the epilogue computes a gated unit act(gate)·up of the output's halves
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
@@ -124,7 +126,7 @@ def fp16_stream(site: GemmSite, target: Target):
     if site.side == 64 and not _runs_w4(site) and (tiles := stream_tiles(site.m, block_mask_of(
             site.weight, 64, 64), target)) is not None:
         return choice("bsr_linear", "fp16_stream", "few kept 64-blocks per block row: the streaming grid", site.act16,
-                      tiles, note=_unhonoured(site), gemv=fp16_gemv_tiling(site, tiles, target))
+                      tiles, note=_unhonoured(site), gemv=fp16_gemv_tiling(replace(site, gate=False), tiles, target))
     return None
 
 
@@ -198,9 +200,13 @@ def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None
     g = target.tiles("bsr_gemv")
     if not site.any_rows and site.m > g["max_rows"]:
         return None
-    mask = block_mask_of(site.weight, tiles["bn"], tiles["bk"])
-    pairs = max(1, -(-int(mask.sum(dim=1).max()) // 2) if mask.numel() else 1)
-    top = 16 if BsrGemvSpec(site.n, site.k, tiles["bn"], tiles["bk"]).ctas <= target.sms else 8
+    n = site.n // 2 if site.gate else site.n
+    mask = block_mask_of(gate_padded(site.weight, n, tiles["bn"]) if site.gate else site.weight, tiles["bn"], tiles["bk"])
+    counts = mask.sum(dim=1)
+    if site.gate:                      # a slot runs the gate's block row and the up's
+        counts = counts[: counts.numel() // 2] + counts[counts.numel() // 2:]
+    pairs = max(1, -(-int(counts.max()) // 2) if counts.numel() else 1)
+    top = 16 if BsrGemvSpec(n, site.k, tiles["bn"], tiles["bk"]).ctas <= target.sms else 8
     return dict(rows=g["max_rows"], warps=min(top, max(2, 1 << (pairs - 1).bit_length())), pdl=g["pdl"])
 
 
@@ -272,9 +278,9 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     bias_name = gemm_bias(op)
     bias = "none" if bias_name is None else \
         "vector" if graph.tensor(bias_name).shape == (n,) and graph.tensor(bias_name).data is not None else "other"
-    fused = fused_activation(graph, op, op_plan)
-    act = op_plan.epilogue[-1] if fused is not None else "none"
-    out = (fused or op).outputs[0]
+    fused, unit = fused_activation(graph, op, op_plan), fused_gate(graph, op, op_plan)
+    act = unit.activation if unit is not None else op_plan.epilogue[-1] if fused is not None else "none"
+    out = unit.mul.outputs[0] if unit is not None else (fused or op).outputs[0]
     group, refusal = 0, ""
     if bits == "W4A16":
         quant = op_plan.weight_quant.get(4)
@@ -288,7 +294,7 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     requantized = plan is not None and out in plan.static_scales
     act16 = "bfloat16" if graph.tensor(view[0]).dtype == torch.bfloat16 else "float16"
     return GemmSite(op, op_plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
-                    weight, group, refusal, graph.any_rows, act16)
+                    weight, group, refusal, graph.any_rows, act16, unit is not None)
 
 
 def gemv_group(group: int, k: int) -> int:
@@ -317,9 +323,21 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         fuses = EPILOGUE_OF.get(op_plan.kernel.kernel)
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
             op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
+        if not gates(op_plan.kernel):  # the gated unit runs as torch ops (slices, activation, product)
+            op_plan.epilogue = [e for e in op_plan.epilogue if not is_gated(e)]
+        elif (unit := fused_gate(graph, op, op_plan)) is not None:
+            for o in unit.ops:
+                plan.ops[o.name].est_us = 0.0
+                plan.ops[o.name].note = f"computed by {op.name}'s epilogue ({op_plan.epilogue[-1]})"
     return plan
 
 
-__all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gemm_site", "stream_tiles", "fp16_gemv_tiling",
+def gates(picked: KernelChoice) -> bool:
+    """Whether a chosen kernel computes a gated unit in its epilogue: the 16-bit block tile kernel of one tile per CTA
+    (and its GEMV)."""
+    return picked.kernel == "bsr_linear" and picked.dtype in ("float16", "bfloat16") and not picked.tiles.get("groups")
+
+
+__all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gates", "gemm_site", "stream_tiles", "fp16_gemv_tiling",
            "tile_buckets",
            "int8_dense_tiles", "pingpong_pays", "w8a8_gemv_tiling", "gemv_tiling", "gemv_group"]

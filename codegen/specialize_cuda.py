@@ -21,6 +21,7 @@ import torch
 
 from ..backend.fx import Fused, Passthrough
 from ..graph import Graph, Op
+from ..passes.transform.fusion import GatedUnit, fused_gate
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view
 from ..target import Target, load_target
@@ -30,7 +31,7 @@ from ..runtime.w8a8_gemv import W8A8GemvCUDA
 from ..templates.bsr_linear.gemv import bsr_gemv
 from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.kernel import bsr_linear
-from ..templates.bsr_linear.packing import block_mask_of
+from ..templates.bsr_linear.packing import block_mask_for
 from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.layernorm.kernel import layer_norm_kernel
 from ..templates.layernorm.spec import LayerNormSpec, pick_threads
@@ -68,7 +69,9 @@ def specialize_cuda(graph: Graph, plan: Plan, target: Target | None = None):
             continue
         module, row, fused = _build_op(graph, op, op_plan)
         replacements[op.name] = module
-        if fused is not None:
+        if isinstance(fused, GatedUnit):       # the kernel writes act(gate)·up itself
+            replacements.update({o.name: Fused(op.name) for o in fused.ops})
+        elif fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report.append(row)
     _requantized_outputs(graph, plan, target, replacements, {r["op"]: r for r in report})
@@ -214,13 +217,14 @@ def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:
     if not tiling:
         return None
     return BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups,
-                       dtype=spec.act16, **tiling,
+                       dtype=spec.act16, gate=spec.gate, **tiling,
                        name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{tiling['warps']}"
                                                                        f"{'_pdl' if tiling.get('pdl') else ''}")
 
 
 def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
-    """The kernel module of ``op_plan.kernel`` for ``op``: (module, report row, fused activation op or None)."""
+    """The kernel module of ``op_plan.kernel`` for ``op``: (module, report row, the fused activation op, gated unit
+    or None)."""
     choice = op_plan.kernel
     view = gemm_view(graph, op)
     x_name, _, _, m, n, k = view
@@ -229,25 +233,23 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     weight = site.weight
     bias_name = gemm_bias(op)
     bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.float()) if bias_name else None
-    fused = fused_activation(graph, op, op_plan)
+    fused, unit = fused_activation(graph, op, op_plan), fused_gate(graph, op, op_plan)
     act = site.act
     if choice.kernel == "w4a16_gemv":
         return build_w4a16_gemv(graph, op, op_plan, view, weight, bias, op_plan.weight_quant[4].params(weight))
     if choice.kernel == "w8a8_gemv":
         return build_w8a8_gemv(graph, op, op_plan, view, weight, bias, act, fused)
     dtype, tiles = choice.dtype, dict(choice.tiles)
-    if choice.rule in ("w4a16_dense_tile", "w8a8_dense_tile"):
-        # every block computed, zeros included (a dense tile does not skip empty blocks)
-        mask = torch.ones_like(block_mask_of(weight, tiles["bn"], tiles["bk"]))
-    else:
-        mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
     w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
-    spec = BsrSpec(rows, n, k, bias=bias is not None, act=act, dtype=dtype,
-                   zero=w4 is not None and w4.zero is not None, **tiles)
+    spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype,
+                   zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
+    mask = block_mask_for(weight, spec)
+    if choice.rule in ("w4a16_dense_tile", "w8a8_dense_tile"):
+        mask = torch.ones_like(mask)   # every block computed, zeros included (a dense tile does not skip empty blocks)
     tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
     spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
                                           f"{f'_g{spec.groups}' if spec.groups else ''}_"
-                                          f"{act}{'_bias' if spec.bias else ''}")
+                                          f"{act}{'_gated' if spec.gate else ''}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
     hopper = None
     if choice.hopper is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
@@ -259,7 +261,7 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     for top, t in choice.buckets or ():
         b_spec = dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")
         buckets.append((top, build_cuda(bsr_linear, b_spec), b_spec))
-    out_shape = graph.tensor(op.outputs[0]).shape
+    out_shape = graph.tensor((unit.mul if unit else op).outputs[0]).shape
     if w4 is not None:
         scale, zero = w4.expand(k)
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
@@ -272,6 +274,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
                                               hopper=(hopper[0].path, hopper[1]) if hopper else None,
                                               gemv=(gemv[0].path, gemv[1]) if gemv else None,
                                               buckets=[(top, a.path, b) for top, a, b in buckets])
+    if unit is not None:
+        module.write_gated(unit.mul.outputs[0])
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
     bind(module, graph, op, view, reference=dtype not in ("float16", "bfloat16"))
     row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
@@ -280,7 +284,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
                      [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets])
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
              if hopper else []) + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
-        + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] + ([choice.note] if choice.note else [])
+        + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] + ([choice.note] if choice.note else []) \
+        + ([f"writes {unit.activation}(gate) * up ({', '.join(o.name for o in unit.ops)} fused)"] if unit else [])
     if notes:
         row["note"] = "; ".join(notes)
-    return module, row, fused if act != "none" else None
+    return module, row, unit if unit is not None else fused if act != "none" else None

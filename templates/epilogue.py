@@ -22,7 +22,17 @@ def tir_activate(v, bias, act: str):
         v = gelu_tanh(v)
     elif act == "gelu":
         v = gelu_erf(v)
+    elif act == "silu":
+        v = silu(v)
     return v
+
+
+def silu(v):
+    """TIR: x·σ(x) = x / (1 + 2^(-x·log2(e))): one ``ex2.approx``, one ``rcp.approx``."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+    x = tirx.Var("sx", "float32")
+    return tirx.Let(x, v, x * mufu("rcp", T.float32(1) + mufu("ex2", x * T.float32(-1.4426950408889634))))
 
 
 def gelu_tanh(v):

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh")    # gelu: exact (erf), as torch's default; gelu_tanh: the tanh form
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # gelu: exact (erf), as torch's default; gelu_tanh: the
+                                                              # tanh form
 OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
 
 # The epilogue's GELUs (``epilogue.gelu_erf`` / ``gelu_tanh``) and their fp32 twins here. Exact GELU:
@@ -49,7 +50,16 @@ def activate(y: torch.Tensor, act: str) -> torch.Tensor:
         return torch.nn.functional.gelu(y, approximate="tanh")
     if act == "gelu":
         return torch.nn.functional.gelu(y)
+    if act == "silu":
+        return torch.nn.functional.silu(y)
     return y
+
+
+def gated(y: torch.Tensor, act: str) -> torch.Tensor:
+    """A gated linear unit of fp32 ``y`` = [gate | up] along its last dimension: ``act(gate) · up`` (SwiGLU for
+    ``silu``, GeGLU for ``gelu``)."""
+    gate, up = y.chunk(2, dim=-1)
+    return activate(gate, act) * up
 
 
 def requantize(y: torch.Tensor, scale: float) -> torch.Tensor:

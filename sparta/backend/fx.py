@@ -191,6 +191,8 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
         if op.name in replacements:
             mod_name = "kernel_" + _fx_name(op.name)
             root.add_module(mod_name, replacements[op.name])
+            if isinstance(replacements[op.name], Fused):      # another op's kernel does its work: no call
+                continue
             names = getattr(replacements[op.name], "input_names", None)
             names = op.inputs if names is None else names
             result = fg.create_node("call_module", mod_name, tuple(lookup(t) for t in names),

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..templates.bsr_linear.int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
-from ..templates.bsr_linear.packing import block_mask_of, pack_weight, unpack_weight
+from ..templates.bsr_linear.packing import block_mask_for, pack_weight, unpack_weight
 from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.epilogue_ref import out_scale_arg
@@ -52,10 +52,11 @@ class BsrLinearOp:
                  bias: torch.Tensor | None = None, quantizer=None, group: int = 128, out_scale: float | None = None):
         self.kernel, self.spec = CudaKernel(folder), spec
         self.quantizer = quantizer          # int8: x -> (codes, scales); default: torch ops
-        if tuple(weight.shape) != (spec.n, spec.k):
-            raise CudaRuntimeError(f"{spec.name}: weight is {tuple(weight.shape)}, the kernel wants {(spec.n, spec.k)}")
+        if tuple(weight.shape) != (spec.weight_rows, spec.k):
+            raise CudaRuntimeError(f"{spec.name}: weight is {tuple(weight.shape)}, the kernel wants "
+                                   f"{(spec.weight_rows, spec.k)}")
         if block_mask is None:
-            block_mask = block_mask_of(weight, spec.bn, spec.bk)
+            block_mask = block_mask_for(weight, spec)
         block_mask = block_mask.bool().cpu()
         if spec.table == "const":
             if not torch.equal(spec.pattern_mask(), block_mask):
@@ -81,7 +82,8 @@ class BsrLinearOp:
         if wp.dim() != len(block) + 1 or tuple(wp.shape[1:]) != block or table.dtype != torch.int32 \
                 or table.numel() < heads or table.numel() - heads > wp.shape[0]:
             raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
-                                   f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.row_blocks} rows")
+                                   f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.weight_row_blocks} "
+                                   "rows")
         op._setup(wp, table, bias, weight_scale, out_scale)
         return op
 
@@ -106,11 +108,11 @@ class BsrLinearOp:
         self.wp, self.table = (wp if int8 or w4 else wp.to(act)).contiguous(), table.to(dev).contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
         self.bias = bias.to(act).contiguous().to(dev) if bias is not None else \
-            torch.zeros(self.spec.n, dtype=act, device=dev)
+            torch.zeros(self.spec.weight_rows, dtype=act, device=dev)
         self.out_scale = None if out_scale is None else output_scale_arg(out_scale, dev)
         self._prepared = None
         nnz = self.table.numel() - self.spec.table_head
-        self.density = nnz / max(self.spec.row_blocks * self.spec.k_blocks, 1)
+        self.density = nnz / max(self.spec.weight_row_blocks * self.spec.k_blocks, 1)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
@@ -176,8 +178,8 @@ class BsrGemvOp:
 def gemv_fits(spec: BsrSpec, gemv: BsrGemvSpec) -> bool:
     """Whether ``gemv`` reads the packed weights, table and bias of ``spec``'s kernel and computes its epilogue."""
     return (spec.dtype in ("float16", "bfloat16") and spec.out == "float16" and spec.table == "arg"
-            and (gemv.n, gemv.k, gemv.bn, gemv.bk, gemv.bias, gemv.act, gemv.groups, gemv.dtype)
-            == (spec.n, spec.k, spec.bn, spec.bk, spec.bias, spec.act, spec.groups, spec.dtype))
+            and (gemv.n, gemv.k, gemv.bn, gemv.bk, gemv.bias, gemv.act, gemv.groups, gemv.dtype, gemv.gate)
+            == (spec.n, spec.k, spec.bn, spec.bk, spec.bias, spec.act, spec.groups, spec.dtype, spec.gate))
 
 
 def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
@@ -215,7 +217,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         self.hopper = None
         if hopper is not None:
             h_folder, h_spec = hopper
-            same = ("m", "n", "k", "bn", "bk", "bias", "act", "dtype", "table")
+            same = ("m", "n", "k", "bn", "bk", "bias", "act", "dtype", "table", "gate")
             if h_spec.mma != "wgmma" or any(getattr(h_spec, f) != getattr(spec, f) for f in same):
                 raise CudaRuntimeError(f"op {op_name!r}: the Hopper kernel must be a wgmma kernel over the same "
                                        f"blocks and epilogue ({', '.join(same)})")
@@ -227,7 +229,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                                        "compute its epilogue")
             self.gemv = (str(gemv[0]), gemv[1])
         self.buckets = [(int(top), str(folder), b) for top, folder, b in buckets]
-        same = ("n", "k", "bn", "bk", "bias", "act", "dtype", "table", "groups", "out")
+        same = ("n", "k", "bn", "bk", "bias", "act", "dtype", "table", "groups", "out", "gate")
         if any(b.m != 0 or spec.m != 0 or any(getattr(b, f) != getattr(spec, f) for f in same) for _, _, b in
                self.buckets) or [t for t, _, _ in self.buckets] != sorted({t for t, _, _ in self.buckets}):
             raise CudaRuntimeError(f"op {op_name!r}: the kernels per bucket of rows must take any M, read the same "
@@ -242,7 +244,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         self.register_buffer("weight_scale", weight_scale.float() if int8 else None)
         self.quant_folder = str(quant_folder) if quant_folder else None
         self.register_buffer("table", table.to(torch.int32))
-        self.register_buffer("bias", bias.to(act) if bias is not None else torch.zeros(spec.n, dtype=act))
+        self.register_buffer("bias", bias.to(act) if bias is not None else torch.zeros(spec.weight_rows, dtype=act))
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
@@ -269,6 +271,13 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8'")
         self.gemv, self.buckets = None, []          # the GEMV and the bucket kernels write 16-bit outputs
         self._requantized(names, scale, self.spec.m, self.wp.device)
+
+    def write_gated(self, name: str) -> None:
+        """A gated kernel's output is the graph tensor ``name`` (the product ``act(gate) · up``), not the op's own
+        ``(M, 2N)`` output, which no kernel writes."""
+        if not self.spec.gate:
+            raise CudaRuntimeError(f"op {self.op_name!r}: only a gated kernel writes act(gate) * up")
+        self.output_names = [name]
 
     @classmethod
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
@@ -339,7 +348,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         return [self._op(x.contiguous())]
 
     def dense_weight(self) -> torch.Tensor:
-        """The ``(N, K)`` 16-bit weight the kernel applies (pruned blocks zero; W8A8: dequantised), on the CPU."""
+        """The ``(N, K)`` 16-bit weight the kernel applies (pruned blocks zero; W8A8: dequantised; gated: ``(2N, K)``,
+        the gate's rows then the up's), on the CPU."""
         if self.spec.dtype == "w4a16":
             return unpack_w4(self.wp.cpu(), self.table.cpu(), self.spec)
         w = unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
@@ -372,6 +382,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                                  for top, f, b in self.buckets]
             folders.update({Path(f).name: Path(f) for _, f, _ in self.buckets})
         config.update(self.output_config())
+        if self.spec.gate:
+            config["gated_output"] = self.output_names[0]
         return config, tensors, folders
 
     @classmethod
@@ -395,11 +407,14 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_output(config)
+        if spec.gate:
+            module.write_gated(config["gated_output"])
         return module
 
     def extra_repr(self) -> str:
         return (f"{self.op_name}: {self.spec.k}->{self.spec.n}, {self.spec.bn}x{self.spec.bk} blocks, "
                 f"{ {'int8': 'W8A8', 'w4a16': 'W4A16', 'bfloat16': 'bf16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
+                f"{' (gated: act(gate) * up)' if self.spec.gate else ''}"
                 f"{', wgmma on sm_90' if self.hopper else ''}"
                 f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}"
                 f"{''.join(f', tm {b.tm} up to {t} rows' for t, _, b in self.buckets)}"

@@ -54,8 +54,13 @@ class FragmentEpilogue:
         span, offset = code_span(spec.act, fold)
         inv_span = T.float32(1.0 / span)
 
-        def value(a, xs, kc, e, OS):
-            # fp32 y (fp16 out) or z in [0, 1] (int8 out) of accumulator a
+        GATE = spec.gate
+
+        def value(a, xs, kc, e, OS, up=None):
+            # fp32 y (fp16 out) or z in [0, 1] (int8 out) of accumulator a (gated: of the pair a, up)
+            if GATE:          # the up's bias sits in the constants' ws slots
+                g = tir_activate(a, kc[2 + e] if spec.bias else None, spec.act)
+                return g * (up + kc[e] if spec.bias else up)
             v = T.Cast("float32", T.reinterpret("int32", a)) * xs if int8 else a
             if fold:
                 return unit_value(v, kc[e], kc[2 + e])
@@ -65,6 +70,8 @@ class FragmentEpilogue:
             return unit_value(y, OS[1] * inv_span, T.float32(offset / span)) if q8 else y
 
         def column_constants(WS, B, OS, c):      # fp32 (ws, b) of column c; folded: (ws · r/span, b · r/span + ½)
+            if GATE:                             # (up's bias, gate's bias)
+                return (to_f32(B[N + c], spec.act16), to_f32(B[c], spec.act16)) if spec.bias else (zero, zero)
             ws = WS[c] if int8 else one
             b = to_f32(B[c], spec.act16) if spec.bias else zero
             if not fold:
@@ -110,6 +117,22 @@ class FragmentEpilogue:
                 for r in T.unroll(2 * mi):
                     xsr[r] = XS[T.min(m0 + r0 + r // 2 * 16 + lane // 4 + r % 2 * 8, M - 1)]
         self.load_scales = load_scales
+
+        @T.macro
+        def stage_gated(acc, acc_up, smem, cst, kc, yv, r0, c0, lane, out0, buf):
+            # a gated kernel's tile: act(gate + bg) · (up + bu) per pair of accumulators
+            for j in T.unroll(nj):
+                T.evaluate(shared_io("ld_f32x4", cst.ptr_to([const0 + buf * BN * 2 + (c0 + j * 8) * 2 +
+                                                             (lane % 4) * 4]), kc.ptr_to([0])))
+                for i in T.unroll(mi):
+                    for h in T.unroll(2):
+                        lr = T.meta_var(r0 + i * 16 + lane // 4 + h * 8)
+                        lc = T.meta_var(c0 + j * 8 + (lane % 4) * 2)
+                        for e in T.unroll(2):
+                            a = T.meta_var((i * nj + j) * 4 + h * 2 + e)
+                            yv[e] = value(acc[a], None, kc, e, None, acc_up[a])
+                        T.evaluate(shared_io(STORE16, smem.ptr_to([out0 + lr * OUT_LD + lc]), yv[0], yv[1]))
+        self.stage_gated = stage_gated
 
         @T.macro
         def stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, r0, c0, lane, out0, buf):

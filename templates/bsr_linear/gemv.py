@@ -34,8 +34,11 @@ def bsr_gemv(spec: BsrGemvSpec):
                     wv[(o * J + i) * 8 + v] = Wp[(first + warp + j * W) * BLOCK + (r0 + i * RPI + rr) * BK + kq * 8 + v]
             kb[o] = Tab[HEAD + first + warp + j * W]
 
+    GATE, SI = spec.gate, spec.slot_ints
+    SUMS = J * MR                            # a thread's sums (a gated kernel keeps the up's after the gate's)
+
     @T.macro
-    def multiply(X, M, wv, wf, xv, acc, kb, o, kq):
+    def multiply(X, M, wv, wf, xv, acc, kb, o, kq, a0):
         # acc[i, m] += W piece i · X[m, the lane's 8 columns of the block]: every row's X piece in flight first
         for m in T.unroll(MR):
             if m < M:
@@ -51,7 +54,18 @@ def bsr_gemv(spec: BsrGemvSpec):
             if m < M:
                 for i in T.unroll(J):
                     for v in T.unroll(8):
-                        acc[i * MR + m] = acc[i * MR + m] + wf[i * 8 + v] * to_f32(xv[m * 8 + v], ACT)
+                        acc[a0 + i * MR + m] = acc[a0 + i * MR + m] + wf[i * 8 + v] * to_f32(xv[m * 8 + v], ACT)
+
+    @T.macro
+    def multiply_block(X, M, wv, wf, xv, acc, kb, o, kq, j, warp, gate_count):
+        # the warp's j-th block into the gate's sums or the up's
+        if GATE:
+            if warp + j * W < gate_count:
+                multiply(X, M, wv, wf, xv, acc, kb, o, kq, 0)
+            else:
+                multiply(X, M, wv, wf, xv, acc, kb, o, kq, SUMS)
+        else:
+            multiply(X, M, wv, wf, xv, acc, kb, o, kq, 0)
 
     @T.prim_func
     def kernel(x_h: T.handle, wp_h: T.handle, b_h: T.handle, tab_h: T.handle, y_h: T.handle):
@@ -60,28 +74,29 @@ def bsr_gemv(spec: BsrGemvSpec):
         ntab = T.int32()
         X = T.match_buffer(x_h, (M, K), "float16")
         Wp = T.match_buffer(wp_h, (wlen,), "float16")
-        B = T.match_buffer(b_h, (N,), "float16")
+        B = T.match_buffer(b_h, (2 * N if GATE else N,), "float16")
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
         Y = T.match_buffer(y_h, (M, N), "float16")
         bx = T.launch_thread("blockIdx.x", spec.ctas)
         tx = T.launch_thread("threadIdx.x", 32 * W)
-        red = T.alloc_buffer((W * UR * MR,), "float32", scope="shared")
-        acc = T.alloc_buffer((J * MR,), "float32", scope="local")
+        red = T.alloc_buffer(((1 + GATE) * W * UR * MR,), "float32", scope="shared")
+        acc = T.alloc_buffer(((1 + GATE) * SUMS,), "float32", scope="local")
         wv = T.alloc_buffer((2 * J * 8,), "float16", scope="local")     # two blocks in flight
         wf = T.alloc_buffer((J * 8,), "float32", scope="local")
         kb = T.alloc_buffer((2,), "int32", scope="local")
         xv = T.alloc_buffer((MR * 8,), "float16", scope="local")
-        tot = T.alloc_buffer((1,), "float32", scope="local")
+        tot = T.alloc_buffer((2,), "float32", scope="local")
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
         slot = T.meta_var(bx // U)
         r0 = T.meta_var((bx % U) * UR)       # the CTA's first row inside the block row
         kq = T.meta_var(lane % LPR)          # the lane's 8 columns of a block
         rr = T.meta_var(lane // LPR)
-        row = T.meta_var(Tab[slot * 3])
-        first = T.meta_var(Tab[slot * 3 + 1])
-        count = T.meta_var(Tab[slot * 3 + 2])
-        for i in T.unroll(J * MR):
+        row = T.meta_var(Tab[slot * SI])
+        first = T.meta_var(Tab[slot * SI + 1])
+        count = T.meta_var(Tab[slot * SI + 2])
+        gate_count = T.meta_var(Tab[slot * SI + SI - 1])     # gated: the gate's blocks come first
+        for i in T.unroll((1 + GATE) * SUMS):
             acc[i] = T.float32(0)
         for t in T.serial((count - warp + 2 * W - 1) // (2 * W)):     # the warp's blocks, two at a time
             load_block(Wp, Tab, wv, kb, 0, 2 * t, first, r0, rr, kq, count, warp)
@@ -89,21 +104,23 @@ def bsr_gemv(spec: BsrGemvSpec):
             if PDL:
                 if t == 0:                   # the weights load while the previous kernel finishes; X is its output
                     T.evaluate(grid_dependency("wait"))
-            multiply(X, M, wv, wf, xv, acc, kb, 0, kq)
+            multiply_block(X, M, wv, wf, xv, acc, kb, 0, kq, 2 * t, warp, gate_count)
             if warp + (2 * t + 1) * W < count:
-                multiply(X, M, wv, wf, xv, acc, kb, 1, kq)
+                multiply_block(X, M, wv, wf, xv, acc, kb, 1, kq, 2 * t + 1, warp, gate_count)
         if PDL:                              # every write after the previous kernel completed
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
-        for m in T.unroll(MR):
-            if m < M:
-                for i in T.unroll(J):
-                    for s in T.unroll(STEPS):
-                        T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[0], acc[i * MR + m], T.uint32(LPR // 2 >> s),
-                                                                T.uint32(31), FULL))
-                        acc[i * MR + m] = acc[i * MR + m] + tot[0]
-                    if kq == 0:
-                        red[(warp * UR + i * RPI + rr) * MR + m] = acc[i * MR + m]
+        for g in T.unroll(1 + GATE):
+            for m in T.unroll(MR):
+                if m < M:
+                    for i in T.unroll(J):
+                        a = T.meta_var(g * SUMS + i * MR + m)
+                        for s in T.unroll(STEPS):
+                            T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[0], acc[a], T.uint32(LPR // 2 >> s),
+                                                                    T.uint32(31), FULL))
+                            acc[a] = acc[a] + tot[0]
+                        if kq == 0:
+                            red[g * W * UR * MR + (warp * UR + i * RPI + rr) * MR + m] = acc[a]
         T.tvm_storage_sync("shared")
         for it in T.unroll(OUTS):
             o = T.meta_var(tx + it * 32 * W)
@@ -118,6 +135,13 @@ def bsr_gemv(spec: BsrGemvSpec):
                     if spec.bias:
                         tot[0] = tot[0] + to_f32(B[n], ACT)
                     tot[0] = tir_activate(tot[0], None, spec.act)
+                    if GATE:
+                        tot[1] = T.float32(0)
+                        for w in T.unroll(W):
+                            tot[1] = tot[1] + red[W * UR * MR + (w * UR + r) * MR + m]
+                        if spec.bias:
+                            tot[1] = tot[1] + to_f32(B[N + n], ACT)
+                        tot[0] = tot[0] * tot[1]
                     Y[m, n] = from_f32(tot[0], ACT)
 
     return tvm.IRModule({spec.name: kernel})

@@ -34,6 +34,7 @@ class BsrGemvSpec:
     groups: int = 0             # the table's layout: the streaming kernel's (groups > 0) or the one-tile kernel's
     pdl: bool = False           # programmatic dependent launch (sm_90): weights load before the previous kernel ends
     dtype: str = "float16"      # the 16-bit activations and weights: "float16" or "bfloat16"
+    gate: bool = False          # a gated linear unit over the tile kernel's gated table (``BsrSpec.gate``)
     name: str = "bsr_gemv"
 
     def __post_init__(self):
@@ -52,6 +53,8 @@ class BsrGemvSpec:
             bad.append(f"activation {self.act!r} not in {ACTIVATIONS}")
         if self.groups < 0:
             bad.append("groups must be >= 0")
+        if self.gate and self.groups:
+            bad.append("gate: the one-tile kernel's table (groups=0)")
         if self.dtype not in ("float16", "bfloat16"):
             bad.append(f"dtype {self.dtype!r} must be 'float16' or 'bfloat16'")
         if bad:
@@ -82,10 +85,17 @@ class BsrGemvSpec:
     @property
     def table_head(self) -> int:
         """int32 entries of the shared table before the K indices (``BsrSpec.table_head``)."""
-        return 3 * self.row_blocks + (2 * (self.groups + 1) if self.groups else 0)
+        return self.slot_ints * self.row_blocks + (2 * (self.groups + 1) if self.groups else 0)
+
+    @property
+    def slot_ints(self) -> int:
+        return 4 if self.gate else 3
 
     def key(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.gate:
+            del d["gate"]
+        return d
 
 
 def argument_names(spec: BsrGemvSpec) -> list[str]:

@@ -32,6 +32,7 @@ def bsr_linear_mma(spec: BsrSpec):
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
 
     epi = FragmentEpilogue(spec, NT, MI, NI, M)
+    GATE, SI = spec.gate, spec.slot_ints
     PDL, LATE, TAIL = bool(spec.pdl), spec.pdl == "late", spec.pdl == "tail"   # bools: TVMScript ifs
 
     @T.prim_func
@@ -44,7 +45,7 @@ def bsr_linear_mma(spec: BsrSpec):
         Wp = T.match_buffer(wp_h, (wlen,), "float16")
         XS = T.match_buffer(xs_h, (M,), "float32")      # int8 only: per-row and per-channel scales
         WS = T.match_buffer(ws_h, (N,), "float32")
-        B = T.match_buffer(b_h, (N,), "float16")
+        B = T.match_buffer(b_h, (spec.weight_rows,), "float16")
         OS = T.match_buffer(os_h, (2,), "float32")       # out="int8" only: the output scale and its reciprocal
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
         Y = T.match_buffer(y_h, (M, N), spec.out)
@@ -55,6 +56,7 @@ def bsr_linear_mma(spec: BsrSpec):
         smo = T.decl_buffer((spec.shared_bytes,), "int8", data=smem.data, scope="shared.dyn")   # out="int8" tile
         cst = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smem.data, scope="shared.dyn")
         acc = T.alloc_buffer((MI * NI * 4,), ACC, scope="local")
+        acc_up = T.alloc_buffer((MI * NI * 4 if GATE else 1,), ACC, scope="local")     # gate: the up's sums
         kr = T.alloc_buffer((epi.held,), "float32", scope="local")      # the tile's column constants
         kc = T.alloc_buffer((4,), "float32", scope="local")
         xsr = T.alloc_buffer((2 * MI,), "float32", scope="local")
@@ -70,12 +72,14 @@ def bsr_linear_mma(spec: BsrSpec):
         wr = T.meta_var(tx // 32 // WN)
         wc = T.meta_var(tx // 32 % WN)
         m0 = T.meta_var(bx * TM)
-        row = tab(Tab, by * 3)
-        first = tab(Tab, by * 3 + 1)
-        count = tab(Tab, by * 3 + 2)
+        row = tab(Tab, by * SI)
+        first = tab(Tab, by * SI + 1)
+        count = tab(Tab, by * SI + 2)
         epi.load_constants(cst, kr, WS, B, OS, tx, row, 0)
         for i in T.unroll(MI * NI * 4):
             acc[i] = T.Cast(ACC, 0)
+            if GATE:
+                acc_up[i] = T.Cast(ACC, 0)
         if PDL:
             # programmatic dependent launch: the prologue's weight blocks load while the previous kernel in the
             # stream finishes (the first commit group holds them); X (its output) and every write after the wait
@@ -94,14 +98,22 @@ def bsr_linear_mma(spec: BsrSpec):
         else:
             wmma.prologue(smem, X, Wp, Tab, kn, tx, m0, first, count)
         regs = T.meta_var((smw, smb, acc, af, bf, wq, sz, lane, wr, wc))
-        for t in T.serial(count):
-            wmma.step(smem, X, Wp, Tab, kn, tx, m0, first, count, t, regs)
+        if GATE:
+            gate_count = tab(Tab, by * SI + 3)
+            for t in T.serial(count):
+                wmma.step_gated(smem, X, Wp, Tab, kn, tx, m0, first, count, t, regs, acc_up, gate_count)
+        else:
+            for t in T.serial(count):
+                wmma.step(smem, X, Wp, Tab, kn, tx, m0, first, count, t, regs)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         if TAIL:                                       # the next kernel may launch once every CTA got here
             T.evaluate(grid_dependency("launch_dependents"))
         T.tvm_storage_sync("shared")                   # every warp is done with the stages
-        epi.load_scales(xsr, XS, m0, wr * WTM, lane)
-        epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, wr * WTM, wc * WTN, lane, 0, 0)
+        if GATE:
+            epi.stage_gated(acc, acc_up, smem, cst, kc, yv, wr * WTM, wc * WTN, lane, 0, 0)
+        else:
+            epi.load_scales(xsr, XS, m0, wr * WTM, lane)
+            epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, wr * WTM, wc * WTN, lane, 0, 0)
         T.tvm_storage_sync("shared")
         store_tile(smem, smo, Y, tx, m0, row, 0)
 

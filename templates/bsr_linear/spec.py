@@ -12,6 +12,11 @@ dismantled at the tile level, one kernel per sparsity pattern) or passed as an i
 argument (``table="arg"``: one kernel per shape, shared by every layer of that shape).
 Dense is the same kernel with every block kept (``bn`` = the CTA's N extent).
 
+``gate=True`` is a gated linear unit (SwiGLU, GeGLU): ``W`` is ``(2N, K)``, the gate's rows then the up's, and
+``Y = act(X · Gᵀ + bg) · (X · Uᵀ + bu)`` is ``(M, N)``. A CTA's slot holds both block rows' kept blocks, the
+gate's first (a fourth table entry counts them), each into its own accumulators; the epilogue multiplies them, so
+the ``(M, 2N)`` product is never written.
+
 ``dtype="int8"`` is the W8A8 kernel: ``X`` int8 (per-row scales ``XS``), ``W`` int8 (per-channel
 scales ``WS``), int32 accumulation and ``y = acc · XS[m] · WS[n]`` (+ bias, activation) in the epilogue. Its data
 movement is the fp16 kernel's, byte for byte: the int8 operands are handed over as fp16 views of half the width
@@ -46,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..epilogue_ref import ACTIVATIONS, OUTPUTS, activate, to_output
+from ..epilogue_ref import ACTIVATIONS, OUTPUTS, activate, gated, to_output
 
 HOPPER_SHARED_BYTES = 227 * 1024                       # the most dynamic shared memory one sm_90 CTA may have
 SETMAXNREG = (40, 232)    # ping-pong with > 96 accumulators: registers per producer / consumer thread (setmaxnreg)
@@ -77,6 +82,7 @@ class BsrSpec:
     ctas: int = 0                                     # producer: > 0 = a persistent grid of that many CTAs
     pingpong: bool = False                            # persistent producer: two consumer warpgroups, a tile each
     pdl: str = ""                                     # programmatic dependent launch (sm_90), "late" or "tail"
+    gate: bool = False                                # a gated linear unit: Y = act(X·Gᵀ + bg) · (X·Uᵀ + bu)
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -125,6 +131,10 @@ class BsrSpec:
                                                                    or self.dtype == "w4a16")):
             bad.append(f"pdl {self.pdl!r}: '' (off), 'late' or 'tail', for the fp16 or int8 mma.sync kernel of one "
                        "tile per CTA (groups=0)")
+        if self.gate and (self.dtype not in ("float16", "bfloat16") or self.mma != "sync" or self.groups
+                          or self.out != "float16" or self.table != "arg" or self.pdl):
+            bad.append("gate: the 16-bit mma.sync kernel of one tile per CTA (groups=0), table 'arg', 16-bit out, "
+                       "no pdl")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":
@@ -167,6 +177,21 @@ class BsrSpec:
     @property
     def row_blocks(self) -> int:
         return -(-self.n // self.bn)
+
+    @property
+    def weight_rows(self) -> int:
+        """Rows of the weight the kernel applies: ``n``, or ``2n`` for a gated kernel (gate rows, then up rows)."""
+        return 2 * self.n if self.gate else self.n
+
+    @property
+    def weight_row_blocks(self) -> int:
+        """Block rows of the packed weight: the output's, twice over for a gated kernel (``packing.gate_padded``)."""
+        return 2 * self.row_blocks if self.gate else self.row_blocks
+
+    @property
+    def slot_ints(self) -> int:
+        """int32 entries per table slot: (row, first block, count), and for a gated kernel the gate's count."""
+        return 4 if self.gate else 3
 
     @property
     def k_blocks(self) -> int:
@@ -250,8 +275,8 @@ class BsrSpec:
 
     @property
     def table_head(self) -> int:
-        """int32 entries before the K indices: (row, first block, count) per slot, then the tail."""
-        return 3 * self.row_blocks + self.table_tail
+        """int32 entries before the K indices: ``slot_ints`` per slot, then the tail."""
+        return self.slot_ints * self.row_blocks + self.table_tail
 
     def rows(self):
         """M in the kernel's TIR: the spec's rows, or for ``m=0`` the scalar argument ``M`` (call once per build:
@@ -283,6 +308,8 @@ class BsrSpec:
             del d["pingpong"]
         if not self.pdl:
             del d["pdl"]
+        if not self.gate:
+            del d["gate"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d
@@ -300,20 +327,41 @@ def record_lanes(bn: int, bk: int, zero: bool) -> int:
     return bn * bk // 4 + kw * bn + (kw * bn // 2 if zero else 0)
 
 
+def gate_padded(w: torch.Tensor, n: int, bn: int) -> torch.Tensor:
+    """A gated kernel's ``(2n, K)`` weight (gate rows, then up rows) as its packed layout's rows: the gate's block
+    rows padded to ``bn``, then the up's (``2 · ceil(n / bn) · bn`` rows), so no block row holds both."""
+    rows = -(-n // bn) * bn
+    out = w.new_zeros(2 * rows, w.shape[1])
+    out[:n], out[rows:rows + n] = w[:n], w[n:2 * n]
+    return out
+
+
+def gate_unpadded(p: torch.Tensor, n: int, bn: int) -> torch.Tensor:
+    """Inverse of :func:`gate_padded` (rows of a weight, or columns of ``p.t()``'s product)."""
+    rows = p.shape[0] // 2
+    return torch.cat([p[:n], p[rows:rows + n]])
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None, bias: torch.Tensor | None,
-              act: str, bn: int, bk: int, out_scale: float | None = None) -> torch.Tensor:
+              act: str, bn: int, bk: int, out_scale: float | None = None, gate: bool = False) -> torch.Tensor:
     """What the kernel computes, in fp32 from the 16-bit operands, rounded to ``x``'s 16-bit type at the end (bf16
-    for bf16 ``x``, else fp16; or, with ``out_scale``, requantised to int8 codes: ``out="int8"``)."""
+    for bf16 ``x``, else fp16; or, with ``out_scale``, requantised to int8 codes: ``out="int8"``). ``gate``: ``w``
+    and ``bias`` hold the gate's rows then the up's (``block_mask`` over :func:`gate_padded`'s rows), the output is
+    ``act(gate) · up``."""
     w = w.float()
+    n = w.shape[0] // 2 if gate else w.shape[0]
     if block_mask is not None:
-        keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
-        w = w * keep.to(w.device)
+        p = gate_padded(w, n, bn) if gate else w
+        keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: p.shape[0], : p.shape[1]]
+        p = p * keep.to(w.device)
+        w = gate_unpadded(p, n, bn) if gate else p
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
+    y = gated(y, act) if gate else activate(y, act)
     if x.dtype == torch.bfloat16 and out_scale is None:
-        return activate(y, act).bfloat16()
-    return to_output(activate(y, act), out_scale)
+        return y.bfloat16()
+    return to_output(y, out_scale)
 
 
 def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int,

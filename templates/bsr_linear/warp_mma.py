@@ -116,4 +116,20 @@ class WarpMma:
             else:
                 mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
 
-        self.prologue, self.step = prologue, step
+        @T.macro
+        def step_gated(smem, X, Wp, Tab, kn, tx, m0, first, count, t, regs, acc_up, gate_count):
+            # a gated kernel's block t: the gate's blocks (t < gate_count) into acc, the up's into acc_up
+            smw, smb, acc, af, bf, wq, sz, lane, wr, wc = T.meta_var(regs)
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.tvm_storage_sync("shared")
+            if t + (S - 1) < count:
+                load_stage(smem, X, Wp, tx, m0, (t + (S - 1)) % S, kn[0], first + t + (S - 1))
+                if t + S < count:
+                    kn[0] = tab(Tab, HEAD + first + t + S)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            if t < gate_count:
+                mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
+            else:
+                mma_stage(smem, acc_up, af, bf, lane, wr, wc, (t % S) * STAGE)
+
+        self.prologue, self.step, self.step_gated = prologue, step, step_gated

@@ -241,3 +241,36 @@ def test_row_quantizer_takes_any_number_of_rows(name):
         xq, xs = q(x)
         rq, rs = quantize_rows(x)
         assert torch.equal(xq, rq) and torch.equal(xs, rs), f"M={m}"
+
+
+@pytest.mark.parametrize("density", [0.0, 0.35, 1.0])
+@pytest.mark.parametrize("tile_name, gemv_name", [("r_gate_odd_silu", "r_gemv_gate_silu"),
+                                                  ("r_gate_bf16_gelu_tm32", "r_gemv_gate_bf16_gelu")])
+def test_gated_kernels_write_act_gate_times_up(tile_name, gemv_name, density):
+    """A gated linear unit's tile kernel and its GEMV over one packing (gate and up blocks of a slot, the gate's
+    counted apart) write act(gate) · up at every row count, N and K ragged, as the reference computes it from the
+    (2N, K) weight; nothing of the (M, 2N) product is written."""
+    from sparta.runtime.bsr_linear import BsrGemvOp, BsrLinearOp, load_spec
+    from sparta.runtime.cuda import act16_dtype
+    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
+    from sparta.templates.bsr_linear.spec import reference
+    tile_folder, gemv_folder = _folder(tile_name), _folder(gemv_name)
+    spec, gspec = load_spec(tile_folder), BsrGemvSpec(**json.loads((gemv_folder / "spec.json").read_text()))
+    assert spec.gate and gspec.gate and spec.m == 0
+    act = act16_dtype(spec)
+    mask = torch.rand(spec.weight_row_blocks, spec.k_blocks) < density
+    w = torch.randn(2 * spec.n, spec.k, device="cuda").to(act)
+    bias = torch.randn(2 * spec.n, device="cuda").to(act) if spec.bias else None
+    op = BsrLinearOp(tile_folder, spec, w, mask, bias)
+    gemv = BsrGemvOp(gemv_folder, gspec, op.wp, op.table, op.bias)
+    tol = 1e-2 if act == torch.bfloat16 else 2e-3
+    for m in ROWS:
+        x = torch.randn(m, spec.k, device="cuda").to(act)
+        out = torch.full((m, spec.n), float("nan"), device="cuda", dtype=act)
+        op(x, out=out)
+        ref = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk, gate=True)
+        torch.cuda.synchronize()
+        assert ref.shape == (m, spec.n) and not out.isnan().any() and _err(out, ref) < tol, f"{tile_name} at M={m}"
+        if m <= gspec.rows:
+            y = gemv(x)
+            assert y.shape == (m, spec.n) and _err(y, ref) < tol, f"{gemv_name} at M={m}"
