@@ -60,7 +60,7 @@ def run_saved(args):
         f"dense_compile_{mode}": torch.compile(hf, mode=mode, dynamic=True) for mode in ("default", "reduce-overhead")}
     vocab = compiled.graph.tensor("embeddings.word_embeddings.weight").shape[0]
     gen = torch.Generator().manual_seed(2)
-    rows = []
+    rows, name = [], "static_peers_bert_cuda" if args.static_peers else "dynamic_bert_cuda"
     print(f"{args.saved}: dynamic dims {compiled.graph.meta['dynamic_dims']}; {torch.cuda.get_device_name()}")
     with torch.no_grad():
         for batch in args.batches:
@@ -84,9 +84,9 @@ def run_saved(args):
                 print(f"  {batch:3d} x {seq:4d}: rel. err {err:.1e}  sparta {us['sparta']:8.1f} us  masked dense "
                       f"eager {us['dense']:8.1f} us  dense torch.compile {dense} us  ({best / us['sparta']:.2f}x the "
                       "best)", flush=True)
-    name = "static_peers_bert_cuda" if args.static_peers else "dynamic_bert_cuda"
-    print(save(name, {"saved": args.saved, "peer_modes": args.static_peers or ["default", "reduce-overhead"],
-                      "peers_dynamic": not args.static_peers, "rows": rows}))
+                path = save(name, {"saved": args.saved, "peer_modes": args.static_peers or ["default", "reduce-overhead"],
+                                   "peers_dynamic": not args.static_peers, "rows": rows})   # each row as it comes
+    print(path)
 
 
 def _static_peers(hf, modes):

@@ -139,3 +139,21 @@ def test_a_16_bit_tile_kernel_takes_the_tile_of_its_bucket_of_rows():
     assert text.index("bsr_gemv") < text.index(f"M<={buckets[0][0]}: ") < text.index(f"M<={buckets[1][0]}: ") \
         < text.index("else bsr_linear"), text
     assert select_gemm(site(m=64, any_rows=True, bits="W8A8"), CUDA).buckets is None
+
+
+@pytest.mark.parametrize("kw, gates", [(dict(m=512), True), (dict(m=512, any_rows=True), True),
+                                       (dict(m=4096, side=64, density=0.02), False),   # the streaming grid
+                                       (dict(m=4096, bits="W8A8"), False), (dict(m=512, bits="W4A16", w4_group=128),
+                                                                             False)])
+def test_only_the_16_bit_one_tile_kernel_computes_a_gated_unit(kw, gates):
+    """The gated epilogue (act(gate)·up) is the 16-bit one-tile kernel's and its GEMV's; any other pick leaves the
+    gated unit to torch ops. A gated site's GEMV takes warps for a slot's gate and up blocks together."""
+    from dataclasses import replace
+    from sparta.codegen.select_cuda import fp16_gemv_tiling, gates as computes_gate
+    s = site(n=2 * 1408, k=1024, **kw)
+    picked = select_gemm(replace(s, gate=True), CUDA)
+    assert computes_gate(picked) == gates, picked
+    if gates and picked.gemv:
+        one = fp16_gemv_tiling(replace(s, any_rows=True), picked.tiles, CUDA)
+        both = fp16_gemv_tiling(replace(s, gate=True, any_rows=True), picked.tiles, CUDA)
+        assert both["warps"] >= one["warps"]
