@@ -241,12 +241,14 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         return build_w8a8_gemv(graph, op, op_plan, view, weight, bias, act, fused)
     dtype, tiles = choice.dtype, dict(choice.tiles)
     w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
-    spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype,
+    out = "bfloat16" if dtype == "int8" and site.act16 == "bfloat16" else "float16"    # W8A8 in a bf16 model
+    spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
                    zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
     mask = block_mask_for(weight, spec)
     if choice.rule in ("w4a16_dense_tile", "w8a8_dense_tile"):
         mask = torch.ones_like(mask)   # every block computed, zeros included (a dense tile does not skip empty blocks)
     tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
+    tag += "bf16_" if out == "bfloat16" else ""
     spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
                                           f"{f'_g{spec.groups}' if spec.groups else ''}_"
                                           f"{act}{'_gated' if spec.gate else ''}{'_bias' if spec.bias else ''}")
@@ -267,7 +269,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
                                                 mask, bias, out_shape)
     else:
-        scale, quant = (int8_weight_scale(op_plan, weight, k), row_quantizer(rows, k)) if dtype == "int8" else \
+        scale, quant = (int8_weight_scale(op_plan, weight, k), row_quantizer(rows, k, site.act16)) \
+            if dtype == "int8" else \
             (None, None)
         module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
                                               weight_scale=scale, quant_folder=quant,
@@ -279,7 +282,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
     bind(module, graph, op, view, reference=dtype not in ("float16", "bfloat16"))
     row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
-                     {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype],
+                     {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype]
+                     + (" (bf16 out)" if out == "bfloat16" else ""),
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
                      [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets])
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]

@@ -31,10 +31,12 @@ def int8_weight_scale(op_plan: OpPlan, weight: torch.Tensor, k: int) -> torch.Te
     return params.scale[:, 0] if params is not None and params.group >= k else None
 
 
-def row_quantizer(m: int, k: int):
-    """The folder of the per-token int8 quantiser a W8A8 kernel's fp16 input goes through."""
-    return build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, threads=pick_quant_threads(k),
-                                                          name=f"quantize_rows_{m or 'M'}x{k}")).path
+def row_quantizer(m: int, k: int, act16: str = "float16"):
+    """The folder of the per-token int8 quantiser a W8A8 kernel's 16-bit (``act16``) input goes through."""
+    bf16 = act16 == "bfloat16"
+    return build_cuda(quantize_rows_kernel, QuantRowsSpec(m, k, threads=pick_quant_threads(k), dtype=act16,
+                                                          name=f"quantize_rows_{m or 'M'}x{k}{'_bf16' if bf16 else ''}")
+                      ).path
 
 
 def build_w8a8_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.Tensor, bias, act: str, fused):
@@ -45,11 +47,13 @@ def build_w8a8_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.T
     x_name, _, _, m, n, k = view
     tiles = op_plan.kernel.tiles
     sparse = bool(tiles.get("sparse"))
-    spec = W8A8GemvSpec(m, n, k, bias=bias is not None, act=act, **tiles,
-                        name=f"w8a8_gemv_{m}x{n}x{k}{'_sparse' if sparse else ''}_{act}{'_bias' if bias is not None else ''}")
+    act16 = "bfloat16" if graph.tensor(x_name).dtype == torch.bfloat16 else "float16"
+    spec = W8A8GemvSpec(m, n, k, bias=bias is not None, act=act, out=act16, **tiles,
+                        name=f"w8a8_gemv_{m}x{n}x{k}{'_sparse' if sparse else ''}_{act}{'_bias' if bias is not None else ''}"
+                             f"{'_bf16' if act16 == 'bfloat16' else ''}")
     art = build_cuda(w8a8_gemv, spec)
     module = W8A8GemvCUDA.from_weight(op.name, x_name, art.path, spec, weight, int8_weight_scale(op_plan, weight, k),
-                                      bias, graph.tensor(op.outputs[0]).shape, row_quantizer(m, k))
+                                      bias, graph.tensor(op.outputs[0]).shape, row_quantizer(m, k, act16))
     bind(module, graph, op, view, reference=True)
     blocks = f"{module.table.numel() - spec.tiles - 1}x16x32" if sparse else "dense"
     return module, report_row(op, "w8a8_gemv", blocks, "W8A8", "tile (table argument)" if sparse else "-", [art]), fused

@@ -8,7 +8,7 @@ Shared by the block kernels (``bsr_linear/fragment_epilogue.py``) and the W8A8 G
 from __future__ import annotations
 
 from .epilogue_ref import GELU_ERF_EX2, GELU_ERF_POLY, GELU_ERF_T, GELU_TANH_K
-from .ptx import mufu
+from .ptx import from_f32, mufu
 
 
 def tir_activate(v, bias, act: str):
@@ -89,12 +89,17 @@ def requantize_bits(z, span: float = 254.0, offset: float = 127.0):
 
 
 def output_value(v, bias, act: str, out: str, OS):
-    """TIR: the value written for fp32 ``v``: fp16 ``act(v + b)``, or (``out="int8"``) its int8 code at the static
-    scale ``OS`` (the unfolded requantisation: one ``FFMA.SAT`` into [0, 1], one ``FFMA`` to the code)."""
+    """TIR: the value written for fp32 ``v``: fp16 ``act(v + b)`` (bf16 for ``out="bfloat16"``: its bits in the
+    16-bit lane), or (``out="int8"``) its int8 code at the static scale ``OS`` (the unfolded requantisation: one
+    ``FFMA.SAT`` into [0, 1], one ``FFMA`` to the code). ``bias``: fp32 (or fp16)."""
+    from tvm import tirx
     from tvm.script import tirx as T
     y = tir_activate(v, bias, act)
     if out == "float16":
         return T.Cast("float16", y)
+    if out == "bfloat16":
+        r = tirx.Var("ry", "float32")
+        return tirx.Let(r, y, from_f32(r, "bfloat16"))
     span, offset = code_span(act, False)
     z = unit_value(y, OS[1] * T.float32(1.0 / span), T.float32(offset / span))
     return T.Cast("int8", requantize_bits(z, span, offset))

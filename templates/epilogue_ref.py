@@ -13,7 +13,7 @@ import torch
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # gelu: exact (erf), as torch's default; gelu_tanh: the
                                                               # tanh form
-OUTPUTS = ("float16", "int8")                          # int8: codes of one static scale (requantised)
+OUTPUTS = ("float16", "bfloat16", "int8")              # int8: codes of one static scale (requantised)
 
 # The epilogue's GELUs (``epilogue.gelu_erf`` / ``gelu_tanh``) and their fp32 twins here. Exact GELU:
 # h = ½·erfc(|x|/√2) by Abramowitz & Stegun 7.1.26 (erf(a) = 1 - t·P(t)·exp(-a²), t = 1/(1 + p·a), |error| <= 1.5e-7).
@@ -77,6 +77,7 @@ def out_scale_arg(scale: float) -> torch.Tensor:
     return torch.cat([s, 1.0 / s])
 
 
-def to_output(y: torch.Tensor, out_scale: float | None) -> torch.Tensor:
-    """What a kernel writes for the fp32 epilogue value ``y``: fp16, or int8 codes at ``out_scale``."""
-    return y.half() if out_scale is None else requantize(y, out_scale)
+def to_output(y: torch.Tensor, out_scale: float | None, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """What a kernel writes for the fp32 epilogue value ``y``: ``dtype`` (fp16 or bf16), or int8 codes at
+    ``out_scale``."""
+    return y.to(dtype) if out_scale is None else requantize(y, out_scale)

@@ -139,9 +139,10 @@ class BsrLinearOp:
         x16, xs = xq.view(torch.float16), xs.float().contiguous()
         if self._prepared is None:
             self._prepared = self.kernel.prepare(("X", "XS", "Y"), X=x16, XS=xs, Wp=self.wp.view(-1).view(torch.float16),
-                                                 WS=self.weight_scale, B=self.bias, Tab=self.table, Y=y, **self._os())
+                                                 WS=self.weight_scale, B=lanes16(self.bias), Tab=self.table,
+                                                 Y=lanes16(y), **self._os())
         else:
-            self._prepared.launch(X=x16, XS=xs, Y=y)
+            self._prepared.launch(X=x16, XS=xs, Y=lanes16(y))
         return y
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 from ..templates.epilogue_ref import out_scale_arg
 from ..templates.quant.spec import quantize_rows
 from ..templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, unpack_weight
-from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
+from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
+                   lanes16)
 from .ops import KernelModule
 from .quant import QuantizedLinear, RowQuantizer, output_scale_arg
 
@@ -51,7 +52,7 @@ class W8A8GemvOp:
         dev = wq.device
         self.wq = wq.contiguous()
         self.weight_scale = weight_scale.float().contiguous().to(dev)
-        self.bias = bias.half().contiguous().to(dev) if spec.bias else None
+        self.bias = bias.to(act16_dtype(spec)).contiguous().to(dev) if spec.bias else None
         self.out_scale = None if out_scale is None else output_scale_arg(out_scale, dev)
         self.table = None if table is None else table.contiguous().to(dev)
         self._prepared = None
@@ -60,16 +61,17 @@ class W8A8GemvOp:
         s = self.spec
         if xq.shape != (s.m, s.k) or xq.dtype != torch.int8 or not xq.is_contiguous() or xs.numel() != s.m:
             raise CudaRuntimeError(f"{s.name}: takes contiguous int8 ({s.m}, {s.k}) codes and {s.m} fp32 scales")
-        dtype = torch.int8 if s.out == "int8" else torch.float16
+        dtype = torch.int8 if s.out == "int8" else act16_dtype(s)
         y = torch.empty(s.m, s.n, dtype=dtype, device=xq.device) if out is None else out
-        xw, xs = xq.view(torch.int32), xs.float().contiguous()
+        xw, xs, y16 = xq.view(torch.int32), xs.float().contiguous(), lanes16(y)
         if self._prepared is None:
             self._prepared = self.kernel.prepare(("XQ", "XS", "Y"), XQ=xw, XS=xs, WQ=self.wq.view(torch.int32),
-                                                 WS=self.weight_scale, Y=y, **({"B": self.bias} if s.bias else {}),
+                                                 WS=self.weight_scale, Y=y16,
+                                                 **({"B": lanes16(self.bias)} if s.bias else {}),
                                                  **({"OS": self.out_scale} if s.out == "int8" else {}),
                                                  **({"Tab": self.table} if s.sparse else {}))
         else:
-            self._prepared.launch(XQ=xw, XS=xs, Y=y)
+            self._prepared.launch(XQ=xw, XS=xs, Y=y16)
         return y
 
 
@@ -93,7 +95,7 @@ class W8A8GemvCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
         self.register_buffer("wq", wq.contiguous())
         self.register_buffer("weight_scale", weight_scale.float())
-        self.register_buffer("bias", bias.half() if bias is not None else None)
+        self.register_buffer("bias", bias.to(act16_dtype(spec)) if bias is not None else None)
         self.register_buffer("table", table)
         self.quant_folder = str(quant_folder) if quant_folder else None
         self.out_shape = tuple(out_shape)
@@ -139,7 +141,7 @@ class W8A8GemvCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             xq, xs = x.contiguous(), inputs[1]
         else:
             xh = x.contiguous()
-            check_fp16_input(s.name, xh, s.m, s.k)
+            check_fp16_input(s.name, xh, s.m, s.k, act16_dtype(s))
             if self.quant_folder and self._quantizer is None:
                 self._quantizer = RowQuantizer(self.quant_folder)
             xq, xs = (self._quantizer or quantize_rows)(xh)

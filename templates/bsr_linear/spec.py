@@ -27,7 +27,8 @@ scale ``s`` (argument ``OS = [s, 1/s]``, e.g. fitted by calibration), computed f
 value — what a W8A8 linear behind this one reads, without a quantisation pass over an fp16 ``Y``.
 
 ``dtype="bfloat16"`` is the fp16 kernel for bf16 ``X``, weights, bias and ``Y`` (mma.sync kernels): the same data
-movement of 16-bit lanes, the bf16 MMA, bf16 bias and output rounding (to nearest even) in the epilogue.
+movement of 16-bit lanes, the bf16 MMA, bf16 bias and output rounding (to nearest even) in the epilogue. A W8A8
+kernel of a bf16 model writes bf16 ``Y`` from a bf16 bias (``out="bfloat16"``).
 
 ``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
 scales (and zero points, ``zero=True``; ``int4_records.py``), copied to shared memory as
@@ -77,7 +78,8 @@ class BsrSpec:
     mma: str = "sync"                                 # "sync" (mma.sync, sm_80+) or "wgmma" (sm_90a)
     zero: bool = False                                # w4a16: a uint8 zero point per scale (else code 8)
     groups: int = 0                                   # > 0: streaming grid, CTA (m tile, group) runs its rows in turn
-    out: str = "float16"                              # Y: 16-bit (bf16 for dtype "bfloat16"), or "int8" codes
+    out: str = "float16"                              # Y: 16-bit (bf16 for dtype "bfloat16"), "bfloat16" (W8A8 in
+                                                      # a bf16 model: bf16 Y and bias), or "int8" codes
     producer: bool = False                            # wgmma: a producer warpgroup loads, mbarrier rings
     ctas: int = 0                                     # producer: > 0 = a persistent grid of that many CTAs
     pingpong: bool = False                            # persistent producer: two consumer warpgroups, a tile each
@@ -109,6 +111,8 @@ class BsrSpec:
             bad.append(f"dtype {self.dtype!r} must be 'float16', 'bfloat16', 'int8' or 'w4a16'")
         elif self.dtype == "bfloat16" and (self.mma != "sync" or self.out != "float16" or self.pdl):
             bad.append("bfloat16: the mma.sync kernels (one tile or streaming), 16-bit out, no pdl")
+        if self.out == "bfloat16" and self.dtype != "int8":
+            bad.append("out='bfloat16' is the W8A8 kernel's bf16 output (16-bit kernels follow their dtype)")
         elif self.dtype == "int8" and (self.k % 16 or self.bk % 32):
             bad.append(f"int8: K={self.k} must be a multiple of 16 and bk={self.bk} of 32")
         elif self.dtype == "w4a16" and (self.bk % 32 or self.bn % 16 or self.mma != "sync"):
@@ -167,7 +171,12 @@ class BsrSpec:
     @property
     def act16(self) -> str:
         """The 16-bit activation type of X, the bias and a 16-bit Y: bf16 for ``dtype="bfloat16"``, else fp16."""
-        return "bfloat16" if self.dtype == "bfloat16" else "float16"
+        return "bfloat16" if "bfloat16" in (self.dtype, self.out) else "float16"
+
+    @property
+    def y_lanes(self) -> str:
+        """The TIR type of ``Y``'s elements: int8 codes, or 16-bit lanes typed fp16 (bf16 bits moved as they are)."""
+        return "int8" if self.out == "int8" else "float16"
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -365,9 +374,9 @@ def reference(x: torch.Tensor, w: torch.Tensor, block_mask: torch.Tensor | None,
 
 
 def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int,
-                   out_scale: float | None = None) -> torch.Tensor:
-    """What the W8A8 kernel computes: exact int32 dot products, scaled in fp32, fp16 out (or, with
-    ``out_scale``, int8 codes)."""
+                   out_scale: float | None = None, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """What the W8A8 kernel computes: exact int32 dot products, scaled in fp32, ``dtype`` out (fp16, or bf16 for
+    ``out="bfloat16"``; or, with ``out_scale``, int8 codes)."""
     w = wq.double()
     if block_mask is not None:
         keep = block_mask.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
@@ -375,4 +384,4 @@ def reference_int8(xq, xs, wq, ws, block_mask, bias, act: str, bn: int, bk: int,
     y = (xq.double() @ w.t()).float() * xs.float()[:, None] * ws.float()[None, :]
     if bias is not None:
         y = y + bias.float()
-    return to_output(activate(y, act), out_scale)
+    return to_output(activate(y, act), out_scale, dtype)

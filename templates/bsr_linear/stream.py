@@ -53,7 +53,7 @@ def bsr_linear_stream(spec: BsrSpec):
         B = T.match_buffer(b_h, (N,), "float16")
         OS = T.match_buffer(os_h, (2,), "float32")       # out="int8" only: the output scale and its reciprocal
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
-        Y = T.match_buffer(y_h, (M, N), spec.out)
+        Y = T.match_buffer(y_h, (M, N), spec.y_lanes)
         bx = T.launch_thread("blockIdx.x", -(-M // TM))
         g = T.launch_thread("blockIdx.y", G)
         tx = T.launch_thread("threadIdx.x", NT)

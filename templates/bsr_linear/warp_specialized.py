@@ -102,7 +102,7 @@ def bsr_linear_warp_specialized(spec: BsrSpec):
         B = T.match_buffer(b_h, (N,), "float16")
         OS = T.match_buffer(os_h, (2,), "float32")
         Tab = T.match_buffer(tab_h, (ntab,), "int32")
-        Y = T.match_buffer(y_h, (M, N), spec.out)
+        Y = T.match_buffer(y_h, (M, N), spec.y_lanes)
         bx = T.launch_thread("blockIdx.x", P)
         tx = T.launch_thread("threadIdx.x", NT)
         smem = T.decl_buffer((spec.shared_bytes // 2,), "float16", scope="shared.dyn")

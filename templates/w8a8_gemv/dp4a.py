@@ -11,7 +11,7 @@ lane every row's sum; lane ``m`` applies the epilogue to row ``m`` and writes it
 from __future__ import annotations
 
 from ..epilogue import output_value
-from ..ptx import grid_dependency
+from ..ptx import grid_dependency, to_f32
 from .spec import CHUNK, W8A8GemvSpec
 
 
@@ -48,7 +48,7 @@ def w8a8_gemv_dp4a(spec: W8A8GemvSpec):
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
         OS = T.match_buffer(os_h, (2,), "float32")               # out="int8": the output scale and its reciprocal
-        Y = T.match_buffer(y_h, (M, N), spec.out)
+        Y = T.match_buffer(y_h, (M, N), spec.y_lanes)
         bx = T.launch_thread("blockIdx.x", -(-N // W))
         tx = T.launch_thread("threadIdx.x", 32 * W)
         wv = T.alloc_buffer((2 * G * 4,), "int32", scope="local")  # two batches of weight chunks
@@ -95,6 +95,7 @@ def w8a8_gemv_dp4a(spec: W8A8GemvSpec):
             for m in T.unroll(M):
                 if lane == m:
                     v = T.meta_var(T.Cast("float32", acc[m]) * cst[1] * cst[0])
-                    Y[m, n] = output_value(v, bv[0] if spec.bias else None, spec.act, spec.out, OS)
+                    Y[m, n] = output_value(v, to_f32(bv[0], spec.act16) if spec.bias else None, spec.act, spec.out,
+                                           OS)
 
     return tvm.IRModule({spec.name: kernel})

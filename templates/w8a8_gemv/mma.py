@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..epilogue import output_value
-from ..ptx import grid_dependency
+from ..ptx import grid_dependency, to_f32
 from .spec import MMA_K, W8A8GemvSpec
 
 
@@ -59,7 +59,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
         B = T.match_buffer(b_h, (N,), "float16")
         OS = T.match_buffer(os_h, (2,), "float32")
         Tab = T.match_buffer(tab_h, (ntab,), "int32")            # sparse: offsets per tile, then chunk K indices
-        Y = T.match_buffer(y_h, (M, N), spec.out)
+        Y = T.match_buffer(y_h, (M, N), spec.y_lanes)
         bx = T.launch_thread("blockIdx.x", TL)
         tx = T.launch_thread("threadIdx.x", 32 * W)
         wv = T.alloc_buffer((2 * G * 4,), "uint32", scope="local")  # two batches of A fragments
@@ -81,7 +81,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
         for it in T.unroll(OUT):
             n = T.meta_var(T.min(bx * 16 + (tx + it * 32 * W) % 16, N - 1))
             cst[it * 3] = WS[n]
-            cst[it * 3 + 1] = T.Cast("float32", B[n]) if spec.bias else T.float32(0)
+            cst[it * 3 + 1] = to_f32(B[n], spec.act16) if spec.bias else T.float32(0)
         if PDL:
             T.evaluate(grid_dependency("wait"))
             if not EARLY:
@@ -125,6 +125,6 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                 if bx * 16 + nl < N:
                     v = T.meta_var(T.Cast("float32", tot[0]) * cst[it * 3 + 2] * cst[it * 3])
                     Y[m, bx * 16 + nl] = output_value(
-                        v, T.Cast("float16", cst[it * 3 + 1]) if spec.bias else None, spec.act, spec.out, OS)
+                        v, cst[it * 3 + 1] if spec.bias else None, spec.act, spec.out, OS)
 
     return tvm.IRModule({spec.name: kernel})

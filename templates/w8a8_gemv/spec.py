@@ -43,7 +43,8 @@ class W8A8GemvSpec:
     act: str = "none"
     pdl: str = ""              # programmatic dependent launch (sm_90): "", "early" or "late"
     mma: bool = False          # tensor cores (weights in fragment order, ``pack_mma``) instead of dp4a
-    out: str = "float16"       # Y: fp16, or "int8" codes of one static scale (argument OS, as ``bsr_linear``'s)
+    out: str = "float16"       # Y: fp16, "bfloat16" (and bias; a bf16 model), or "int8" codes of one static scale
+                               # (argument OS, as ``bsr_linear``'s)
     sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
     name: str = "w8a8_gemv"
 
@@ -67,6 +68,15 @@ class W8A8GemvSpec:
             bad.append("sparse: for the tensor-core kernel (mma=True)")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    @property
+    def act16(self) -> str:
+        """The 16-bit type of the bias and a 16-bit ``Y``."""
+        return "bfloat16" if self.out == "bfloat16" else "float16"
+
+    @property
+    def y_lanes(self) -> str:
+        return "int8" if self.out == "int8" else "float16"
 
     @property
     def chunks(self) -> int:
@@ -99,9 +109,11 @@ def argument_names(spec: W8A8GemvSpec) -> list[str]:
 
 
 def reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-              bias: torch.Tensor | None = None, act: str = "none", out_scale: float | None = None) -> torch.Tensor:
-    """What the kernel computes: the W8A8 tile kernels' reference on every block kept (``out_scale``: int8 codes)."""
-    return reference_int8(xq, xs, wq, ws, None, bias, act, 1, 1, out_scale)
+              bias: torch.Tensor | None = None, act: str = "none", out_scale: float | None = None,
+              dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """What the kernel computes: the W8A8 tile kernels' reference on every block kept (``out_scale``: int8 codes;
+    ``dtype``: bf16 for ``out="bfloat16"``)."""
+    return reference_int8(xq, xs, wq, ws, None, bias, act, 1, 1, out_scale, dtype)
 
 
 def pack_mma(wq: torch.Tensor) -> torch.Tensor:

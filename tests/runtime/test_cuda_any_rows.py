@@ -18,7 +18,7 @@ ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().par
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
 LINEARS = ["r_odd_gelu", "r_odd_gelu_tm32", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu",
-           "r_wg_b64", "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu"]
+           "r_wg_b64", "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu", "r_i8_bf16_odd_gelu"]
 GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "r_gemv_b16_nobias_m5",
          "r_gemv_k128_m8_w16", "r_gemv_square_pdl", "r_gemv_bf16_odd_gelu", "r_gemv_bf16_b64_nobias"]
 
@@ -54,12 +54,13 @@ def test_tile_kernels_take_any_number_of_rows(name):
     scale = 0.05 if spec.out == "int8" else None
     op = BsrLinearOp(folder, spec, w, mask, bias, group=64, out_scale=scale)
     for m in ROWS:
-        x = torch.randn(m, spec.k, device="cuda").to(act if spec.dtype != "int8" else torch.float16)
+        x = torch.randn(m, spec.k, device="cuda").to(act)
         out = torch.full((m, spec.n), -128 if scale else float("nan"), device="cuda",
                          dtype=torch.int8 if scale else act)
         op(x, out=out)
         if spec.dtype == "int8":
-            y = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk)
+            y = reference_int8(*quantize_rows(x), *quantize_rows(w), mask, bias, spec.act, spec.bn, spec.bk,
+                               dtype=act)
         elif spec.dtype == "w4a16":
             y = reference(x, unpack_w4(op.wp, op.table, spec), None, bias, spec.act, spec.bn, spec.bk)
         else:

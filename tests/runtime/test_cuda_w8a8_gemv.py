@@ -31,7 +31,7 @@ def _case(name, seed=0, density=1.0):
                                                                     * 10 + 0.1)
     w = torch.randn(spec.n, spec.k, device="cuda", generator=g) * (torch.rand(spec.n, 1, device="cuda", generator=g)
                                                                     + 0.01)
-    bias = torch.randn(spec.n, device="cuda", generator=g).half() if spec.bias else None
+    bias = torch.randn(spec.n, device="cuda", generator=g).to(_dtype(spec)) if spec.bias else None
     if density < 1:       # prune whole 16-row x 32-K chunks (what the sparse kernel skips); a pruned row has scale 0
         keep = torch.rand(-(-spec.n // 16), spec.k // 32, device="cuda", generator=g) < density
         w = w * keep.repeat_interleave(16, 0)[:spec.n].repeat_interleave(32, 1)
@@ -54,16 +54,21 @@ def _check(spec, y, xq, xs, wq, ws, bias, scale):
         assert (y != -128).all() and diff.max() <= 1 and diff.float().mean() < 0.01
         assert (codes.abs() == 127).any(), "the scale clips some outputs"
         return
-    ref = reference(xq, xs, wq, ws, bias, spec.act).float()
-    assert torch.isfinite(y).all()
-    # exact int32 sums; the fp32 epilogue and fp16 rounding differ from the reference's by an fp16 ulp at most
-    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+    ref = reference(xq, xs, wq, ws, bias, spec.act, dtype=_dtype(spec))
+    assert torch.isfinite(y).all() and y.dtype == ref.dtype
+    # exact int32 sums; the fp32 epilogue and 16-bit rounding differ from the reference's by an ulp at most
+    tol = 1e-2 if y.dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
 
 
 def _poisoned(spec):
     if spec.out == "int8":
         return torch.full((spec.m, spec.n), -128, dtype=torch.int8, device="cuda")     # no code is -128
-    return torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
+    return torch.full((spec.m, spec.n), float("nan"), dtype=_dtype(spec), device="cuda")
+
+
+def _dtype(spec):
+    return torch.bfloat16 if spec.out == "bfloat16" else torch.float16
 
 
 SPARSE = [n for n in GEMVS if json.loads((ROOT / n / "spec.json").read_text()).get("sparse")]
