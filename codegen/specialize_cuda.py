@@ -241,7 +241,7 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         return build_w8a8_gemv(graph, op, op_plan, view, weight, bias, act, fused)
     dtype, tiles = choice.dtype, dict(choice.tiles)
     w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
-    out = "bfloat16" if dtype == "int8" and site.act16 == "bfloat16" else "float16"    # W8A8 in a bf16 model
+    out = "bfloat16" if dtype in ("int8", "w4a16") and site.act16 == "bfloat16" else "float16"  # low bits, bf16 model
     spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
                    zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
     mask = block_mask_for(weight, spec)

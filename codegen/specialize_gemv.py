@@ -65,16 +65,17 @@ def build_w4a16_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.
     sym = params.zero is None
     tiling = dict(op_plan.kernel.tiles)
     group = tiling.pop("group")
-    spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, **tiling,
+    act16 = "bfloat16" if graph.tensor(x_name).dtype == torch.bfloat16 else "float16"
+    spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, dtype=act16, **tiling,
                      name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}"
                           f"{'_fold' if tiling['fold'] else ''}{'_ks2' if tiling.get('ksplit') else ''}"
                           f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}"
-                          f"{'_pdl' if tiling.get('pdl') else ''}")
+                          f"{'_pdl' if tiling.get('pdl') else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
     art = build_cuda(w4a16_gemv, spec)
     scale_el, zero_el = params.expand(k)
     zero = None if sym else zero_el[:, ::group].to(torch.uint8)
     module = W4A16GemvCUDA.from_codes(op.name, x_name, art.path, spec, w4_codes(params, weight),
-                                      scale_el[:, ::group].half(), zero, bias, graph.tensor(op.outputs[0]).shape)
+                                      scale_el[:, ::group], zero, bias, graph.tensor(op.outputs[0]).shape)
     bind(module, graph, op, view, reference=True)
     return module, report_row(op, "w4a16_gemv", "dense", "W4A16", "-", [art]), None
 

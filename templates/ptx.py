@@ -43,24 +43,32 @@ def half2_splat(h):
     return u | (u << T.uint32(16))
 
 
-def zero_terms(z=None):
+def zero_terms(z=None, act16: str = "float16"):
     """TIR ``(zl, zh)`` of :func:`dequant_word` for a uint32 zero point ``z`` (0..15): half2(1024 + z) and
-    half2(-(64 + z)); ``None``: the symmetric zero point 8, as constants."""
+    half2(-(64 + z)) (bf16: bf16x2(-(128 + z)) twice); ``None``: the symmetric zero point 8, as constants."""
     from tvm.script import tirx as T
+    if act16 == "bfloat16":
+        if z is None:
+            return T.uint32(0xC308C308), T.uint32(0xC308C308)
+        t = z | T.uint32(0xC300)
+        return t | (t << T.uint32(16)), t | (t << T.uint32(16))
     if z is None:
         return T.uint32(0x64086408), T.uint32(0xD480D480)
     lo, hi = z | T.uint32(0x6400), (z << T.uint32(4)) | T.uint32(0xD400)
     return lo | (lo << T.uint32(16)), hi | (hi << T.uint32(16))
 
 
-def dequant_word(scaled: bool = True):
+def dequant_word(scaled: bool = True, act16: str = "float16"):
     """TIR macro ``dequant(b, o, w, s2, zl, zh)``: the 8 nibbles of uint32 ``w`` (in ``w4a16_gemv.spec.ORDER``) to four
     half2 ``b[o .. o+3]`` = elements (0, 1), (2, 3), (4, 5), (6, 7), each ``(q - zero) · scale``: one
     ``lop3`` per pair into the mantissa of fp16 1024, one exact ``sub``/``fma`` removing 1024 + zero
     (``zl`` = half2(1024 + z), ``zh`` = half2(-(64 + z)) for the high nibbles, taken ×1/16), one ``mul``
     by ``s2`` = half2(scale) (none if not ``scaled``: ``q - zero``, ``s2`` unused). Shared by the W4A16
-    GEMV and the ``bsr_linear`` W4A16 kernel."""
+    GEMV and the ``bsr_linear`` W4A16 kernel. ``act16="bfloat16"``: bf16x2 pairs for bf16 activations
+    (:func:`_dequant_word_bf16`)."""
     from tvm.script import tirx as T
+    if act16 == "bfloat16":
+        return _dequant_word_bf16(scaled)
 
     MAGIC, LO, HI = T.uint32(0x64006400), T.uint32(0x000F000F), T.uint32(0x00F000F0)
     SIXTEENTH = T.uint32(0x2C002C00)           # half2(1/16, 1/16)
@@ -77,6 +85,27 @@ def dequant_word(scaled: bool = True):
             if scaled:
                 T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h], b[o + 2 * h], s2))
                 T.evaluate(T.ptx["mul.f16x2"](b[o + 2 * h + 1], b[o + 2 * h + 1], s2))
+    return dequant
+
+
+def _dequant_word_bf16(scaled: bool):
+    """:func:`dequant_word` for bf16: each nibble pair shifted to the low bits and ORed by one ``lop3`` into the
+    mantissa of bf16 128 (0x4300: an ulp of 1 there, so only the low nibble fits, the high ones are shifted down
+    first), one exact ``fma`` by 1 adding ``zl`` = bf16x2(-(128 + z)), one ``fma`` by ``s2`` (adding -0) rounding
+    ``(q - z) · scale`` to bf16 once (sm_80 has bf16x2 ``fma`` but no bf16x2 ``sub``/``mul``); ``zh`` unused."""
+    from tvm.script import tirx as T
+
+    MAGIC, LO = T.uint32(0x43004300), T.uint32(0x000F000F)
+    ONE, NEG_ZERO = T.uint32(0x3F803F80), T.uint32(0x80008000)
+
+    @T.macro
+    def dequant(b, o, w, s2, zl, zh):
+        for p in T.unroll(4):
+            T.evaluate(T.ptx["lop3.b32"](b[o + p], w >> T.uint32(4 * p), LO, MAGIC, 0xEA))
+        for p in T.unroll(4):
+            T.evaluate(T.ptx["fma.rn.bf16x2"](b[o + p], b[o + p], ONE, zl))               # 128+q - (128+z)
+            if scaled:
+                T.evaluate(T.ptx["fma.rn.bf16x2"](b[o + p], b[o + p], s2, NEG_ZERO))
     return dequant
 
 

@@ -184,7 +184,7 @@ def gemv_fits(spec: BsrSpec, gemv: BsrGemvSpec) -> bool:
 
 
 def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
-    codes, scale, zero = quantize_w4(weight, group, spec.zero)
+    codes, scale, zero = quantize_w4(weight, group, spec.zero, act16_dtype(spec))
     k = weight.shape[1]
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
 
@@ -310,7 +310,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                       bias: torch.Tensor | None, out_shape: tuple) -> SparseLinearCUDA:
         """A W4A16 op from element-wise ``(N, K)`` uint8 codes (0..15), scales and zero points (None:
         symmetric, code 8 is zero), e.g. the ones calibration fitted."""
-        wp, table = pack_w4(codes, scale.half(), zero, spec, block_mask)
+        wp, table = pack_w4(codes, scale.to(act16_dtype(spec)), zero, spec, block_mask)
         return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape)
 
     def kernel_for(self, device) -> tuple[str, BsrSpec]:
@@ -355,7 +355,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             return unpack_w4(self.wp.cpu(), self.table.cpu(), self.spec)
         w = unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
         if self.spec.dtype == "int8":
-            return (w.float() * self.weight_scale.cpu()[:, None]).half()
+            return (w.float() * self.weight_scale.cpu()[:, None]).to(act16_dtype(self.spec))
         return w
 
     # ---- saved models (sparta.saved) ------------------------------------------------

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..templates.w4a16_gemv.spec import W4A16Spec, dequantize, pack_codes, split_buffers
-from .cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_fp16_input, check_saved_spec
+from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
+                   lanes16)
 from .ops import KernelModule
 
 
@@ -36,9 +37,10 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
             raise CudaRuntimeError(f"op {op_name!r}: the kernel adds a bias; pass one")
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
         self.register_buffer("wq", wq)
-        self.register_buffer("scale", scale.half())
+        act = act16_dtype(spec)
+        self.register_buffer("scale", scale.to(act))
         self.register_buffer("zero", zero)
-        self.register_buffer("bias", bias.half() if bias is not None else None)
+        self.register_buffer("bias", bias.to(act) if bias is not None else None)
         for key, buf in split_buffers(spec, wq.device).items():     # split-K workspace: not saved
             self.register_buffer(f"split_{key}", buf, persistent=False)
         self.out_shape = tuple(out_shape)
@@ -54,34 +56,34 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
         return cls(op_name, x_name, folder, spec, wq, s, z, bias, out_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(torch.float16).contiguous())
+        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(act16_dtype(self.spec)).contiguous())
         return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
 
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The GEMV on ``[x (M, K) fp16]``: ``[(M, N) fp16]``."""
+        """The GEMV on ``[x (M, K) fp16 or bf16]``: ``[(M, N)]`` of its type."""
         xh, s = inputs[0].contiguous(), self.spec
         if not xh.is_cuda or not self.wq.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
-        check_fp16_input(s.name, xh, s.m, s.k)
-        y = torch.empty(s.m, s.n, dtype=torch.float16, device=xh.device)
-        args = dict(X=xh, Wq=self.wq, S=self.scale, Y=y, **({} if s.sym else {"Z": self.zero}),
-                    **({"B": self.bias} if s.bias else {}),
+        check_fp16_input(s.name, xh, s.m, s.k, act16_dtype(s))
+        y = torch.empty(s.m, s.n, dtype=xh.dtype, device=xh.device)
+        args = dict(X=lanes16(xh), Wq=self.wq, S=lanes16(self.scale), Y=lanes16(y), **({} if s.sym else {"Z": self.zero}),
+                    **({"B": lanes16(self.bias)} if s.bias else {}),
                     **({"P": self.split_P, "C": self.split_C} if s.ksplit > 1 else {}))
         if self._prepared is None or self._prepared_for != self.wq.data_ptr():
             self._kernel = self._kernel or CudaKernel(self.folder)
             self._prepared, self._prepared_for = self._kernel.prepare(("X", "Y"), **args), self.wq.data_ptr()
         else:
-            self._prepared.launch(X=xh, Y=y)
+            self._prepared.launch(X=lanes16(xh), Y=lanes16(y))
         return [y]
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n)]
+        return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=act16_dtype(self.spec))]
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
         z = None if self.zero is None else self.zero.cpu()
-        return dequantize(self.wq.cpu(), self.scale.cpu(), z, self.spec).half()
+        return dequantize(self.wq.cpu(), self.scale.cpu(), z, self.spec).to(act16_dtype(self.spec))
 
     # ---- saved models (sparta.saved) ------------------------------------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:

@@ -150,7 +150,8 @@ class W8A8GemvCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` fp16 weight the kernel applies (dequantised), on the CPU."""
         table = None if self.table is None else self.table.cpu()
-        return (unpack_weight(self.spec, self.wq.cpu(), table).float() * self.weight_scale.cpu()[:, None]).half()
+        return (unpack_weight(self.spec, self.wq.cpu(), table).float() * self.weight_scale.cpu()[:, None]).to(
+            act16_dtype(self.spec))
 
     # ---- saved models (sparta.saved) ------------------------------------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:

@@ -22,18 +22,18 @@ from .packing import build_table, table_parts
 from .spec import KPACK, BsrSpec
 
 
-def quantize_w4(w: torch.Tensor, group: int, zero: bool = False):
-    """Round-to-nearest codes (uint8 0..15), per-group fp16 scales ``(N, ceil(K/group))`` and
+def quantize_w4(w: torch.Tensor, group: int, zero: bool = False, dtype: torch.dtype = torch.float16):
+    """Round-to-nearest codes (uint8 0..15), per-group ``dtype`` (fp16 or bf16) scales ``(N, ceil(K/group))`` and
     uint8 zero points (None when symmetric: codes -7..7 stored +8) of ``w`` ``(N, K)``."""
     n, k = w.shape
     g = -(-k // group)
     wf = torch.nn.functional.pad(w.float(), (0, g * group - k)).reshape(n, g, group)
     if not zero:
-        scale = (wf.abs().amax(-1) / 7).clamp_min(1e-6).half()
+        scale = (wf.abs().amax(-1) / 7).clamp_min(1e-6).to(dtype)
         q = torch.round(wf / scale.float()[..., None]).clamp(-7, 7) + 8
         return q.reshape(n, -1)[:, :k].to(torch.uint8), scale, None
     lo, hi = wf.amin(-1).clamp(max=0), wf.amax(-1).clamp(min=0)
-    scale = ((hi - lo) / 15).clamp_min(1e-6).half()
+    scale = ((hi - lo) / 15).clamp_min(1e-6).to(dtype)
     z = torch.round(-lo / scale.float()).clamp(0, 15)
     q = (torch.round(wf / scale.float()[..., None]) + z[..., None]).clamp(0, 15)
     return q.reshape(n, -1)[:, :k].to(torch.uint8), scale, z.to(torch.uint8)
@@ -44,11 +44,16 @@ def expand_groups(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
     return t.repeat_interleave(group, dim=1)[:, :k]
 
 
-def dequantize_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """The fp16 weight the kernel multiplies by, from element-wise codes, scales and zero points
-    (``(q - zero)`` exact, one fp16 rounding of the product, as ``mul.f16x2`` does)."""
+def dequantize_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                  dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The ``dtype`` (fp16 or bf16) weight the kernel multiplies by, from element-wise codes, scales and zero points
+    (``(q - zero)`` exact, one rounding of the product, as ``mul.f16x2`` / bf16x2 ``fma`` does)."""
     z = 8.0 if zero is None else zero.float()
-    return ((codes.float() - z) * scale.half().float()).half()
+    return ((codes.float() - z) * scale.to(dtype).float()).to(dtype)
+
+
+def _act(spec: BsrSpec) -> torch.dtype:
+    return torch.bfloat16 if spec.act16 == "bfloat16" else torch.float16
 
 
 def pack_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: BsrSpec,
@@ -65,10 +70,10 @@ def pack_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     dev = codes.device
     q = torch.full((rb * bn, kb * bk), 8, dtype=torch.int64, device=dev)
     q[:n, :k] = codes.to(torch.int64)
-    s = torch.zeros(rb * bn, kb * bk, dtype=torch.float16, device=dev)
-    s[:n, :k] = scale.half()
+    s = torch.zeros(rb * bn, kb * bk, dtype=_act(spec), device=dev)
+    s[:n, :k] = scale.to(s.dtype)
     s32 = s[:, ::KPACK]
-    if not torch.equal(s32.repeat_interleave(KPACK, 1)[:n, :k], scale.half()):
+    if not torch.equal(s32.repeat_interleave(KPACK, 1)[:n, :k], scale.to(s.dtype)):
         raise ValueError(f"{spec.name}: scales vary inside a 32-column group (group must be a multiple of 32)")
     z32 = torch.zeros(rb * bn, kb * kw, dtype=torch.uint8, device=dev)
     if zero is not None:
@@ -103,13 +108,13 @@ def unpack_w4(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Ten
     words = rec[:, :nw].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     q = torch.stack([(words >> (4 * pos)) & 0xF for pos in ORDER], -1)           # (blocks, n8*32*kw, 8)
     q = q.reshape(-1, bn // 8, 8, 4, kw, 2, 2, 2).permute(0, 1, 2, 4, 5, 6, 3, 7).reshape(-1, bn, bk)
-    s32 = rec[:, nw:nw + 2 * kw * bn].contiguous().view(torch.float16).reshape(-1, kw, bn)
+    s32 = rec[:, nw:nw + 2 * kw * bn].contiguous().view(_act(spec)).reshape(-1, kw, bn)
     z32 = rec[:, nw + 2 * kw * bn:].reshape(-1, kw, bn) if spec.zero else None
     scale = s32.permute(0, 2, 1).repeat_interleave(KPACK, 2)
     zero = z32.permute(0, 2, 1).repeat_interleave(KPACK, 2) if z32 is not None else None
-    blocks = dequantize_w4(q, scale, zero)
+    blocks = dequantize_w4(q, scale, zero, _act(spec))
     head, kidx = table_parts(table, spec)
-    pad = torch.zeros(spec.row_blocks * bn, spec.k_blocks * bk, dtype=torch.float16, device=wp.device)
+    pad = torch.zeros(spec.row_blocks * bn, spec.k_blocks * bk, dtype=_act(spec), device=wp.device)
     for row, first, count in head:
         for j in range(first, first + count):
             pad[row * bn:(row + 1) * bn, kidx[j] * bk:(kidx[j] + 1) * bk] = blocks[j]

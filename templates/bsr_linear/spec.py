@@ -28,7 +28,8 @@ value — what a W8A8 linear behind this one reads, without a quantisation pass 
 
 ``dtype="bfloat16"`` is the fp16 kernel for bf16 ``X``, weights, bias and ``Y`` (mma.sync kernels): the same data
 movement of 16-bit lanes, the bf16 MMA, bf16 bias and output rounding (to nearest even) in the epilogue. A W8A8
-kernel of a bf16 model writes bf16 ``Y`` from a bf16 bias (``out="bfloat16"``).
+kernel of a bf16 model writes bf16 ``Y`` from a bf16 bias (``out="bfloat16"``); a W4A16 one also reads bf16 ``X``
+and holds bf16 scales (bf16x2 dequantisation, the bf16 MMA).
 
 ``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
 scales (and zero points, ``zero=True``; ``int4_records.py``), copied to shared memory as
@@ -111,8 +112,9 @@ class BsrSpec:
             bad.append(f"dtype {self.dtype!r} must be 'float16', 'bfloat16', 'int8' or 'w4a16'")
         elif self.dtype == "bfloat16" and (self.mma != "sync" or self.out != "float16" or self.pdl):
             bad.append("bfloat16: the mma.sync kernels (one tile or streaming), 16-bit out, no pdl")
-        if self.out == "bfloat16" and self.dtype != "int8":
-            bad.append("out='bfloat16' is the W8A8 kernel's bf16 output (16-bit kernels follow their dtype)")
+        if self.out == "bfloat16" and self.dtype not in ("int8", "w4a16"):
+            bad.append("out='bfloat16' is for the W8A8 and W4A16 kernels of a bf16 model (16-bit kernels follow "
+                       "their dtype)")
         elif self.dtype == "int8" and (self.k % 16 or self.bk % 32):
             bad.append(f"int8: K={self.k} must be a multiple of 16 and bk={self.bk} of 32")
         elif self.dtype == "w4a16" and (self.bk % 32 or self.bn % 16 or self.mma != "sync"):

@@ -24,7 +24,7 @@ class WarpMma:
         self.wtm, self.wtn = WTM, WTN = TM // spec.warps_m, BN // spec.warps_n       # warp tile
         self.mi, self.ni = MI, NI = WTM // 16, WTN // 8        # mma tiles per warp: 16 rows x 8 cols each
         X_ELEMS, swz = mv.x_elems, mv.swz
-        op16 = "bf16" if spec.dtype == "bfloat16" else "f16"
+        op16 = "bf16" if spec.act16 == "bfloat16" else "f16"
         MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" if int8 else \
             f"mma.sync.aligned.m16n8k16.row.col.f32.{op16}.{op16}.f32"
         self.acc = "uint32" if int8 else "float32"          # PTX's int mma takes .u32 registers (int32 bits)
@@ -62,7 +62,8 @@ class WarpMma:
 
         KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
         NW = BN * spec.bk // 8                   # w4a16: words per block; scales follow, then zero points
-        dequant = dequant_word()
+        dequant = dequant_word(act16=spec.act16)
+        ACT = spec.act16
 
         @T.macro
         def mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, base):
@@ -76,12 +77,13 @@ class WarpMma:
                     sz[0] = half2_splat(smem[base + X_ELEMS + NW * 2 + kw * BN + n])
                     if spec.zero:
                         sz[3] = T.Cast("uint32", smb[(base + X_ELEMS + NW * 2 + KW * BN) * 2 + kw * BN + n])
-                        zt = T.meta_var(zero_terms(sz[3]))
+                        zt = T.meta_var(zero_terms(sz[3], ACT))
                         sz[1] = zt[0]                                              # half2(1024 + z)
                         sz[2] = zt[1]                                              # half2(-(64 + z))
                         dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], sz[1], sz[2])
                     else:
-                        dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], zero_terms()[0], zero_terms()[1])
+                        dequant(bf, ni * 4, wq[ni * KW + kw], sz[0], zero_terms(None, ACT)[0],
+                                zero_terms(None, ACT)[1])
                 for h in T.unroll(2):
                     load_a(smem, af, lane, wr, base, kw * 2 + h)
                     mma_tiles(acc, af, bf, 4, 2 * h)

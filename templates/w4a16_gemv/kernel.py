@@ -25,7 +25,7 @@ previous kernel that triggers (these do); after one that does not, the launch is
 
 from __future__ import annotations
 
-from ..ptx import dequant_word, grid_dependency, half2_splat, zero_terms
+from ..ptx import dequant_word, from_f32, grid_dependency, half2_splat, to_f32, zero_terms
 from .spec import W4A16Spec
 
 
@@ -46,8 +46,10 @@ def w4a16_gemv(spec: W4A16Spec):
     GRID = spec.grid
     f16acc = spec.acc == "float16"
     NACC = RH * NP * (2 if f16acc else 4)
+    ACT = spec.dtype                          # X, S, B, Y: 16-bit lanes of this type
+    op16 = "bf16" if ACT == "bfloat16" else "f16"
     MMA = ("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16" if f16acc
-           else "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+           else f"mma.sync.aligned.m16n8k16.row.col.f32.{op16}.{op16}.f32")
     ACC = "uint32" if f16acc else "float32"
     OUTS = M * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
@@ -62,12 +64,12 @@ def w4a16_gemv(spec: W4A16Spec):
         return acc[i * 4 + r]
 
     def zero_lo(zl, i):                        # half2(1024 + zero)
-        return zero_terms()[0] if sym else zl[i]
+        return zero_terms(None, ACT)[0] if sym else zl[i]
 
     def zero_hi(zh, i):                        # half2(-(64 + zero))
-        return zero_terms()[1] if sym else zh[i]
+        return zero_terms(None, ACT)[1] if sym else zh[i]
 
-    dequant = dequant_word(scaled=not fold)
+    dequant = dequant_word(scaled=not fold, act16=ACT)
 
     @T.macro
     def sum_warps(tot, red, o):                # output o's partial sums of the CTA's W warps, in warp order
@@ -78,9 +80,9 @@ def w4a16_gemv(spec: W4A16Spec):
     @T.macro
     def store(Y, B, m, n, v):
         if use_bias:
-            Y[m, n] = T.Cast("float16", v + T.Cast("float32", B[n]))
+            Y[m, n] = from_f32(v + to_f32(B[n], ACT), ACT)
         else:
-            Y[m, n] = T.Cast("float16", v)
+            Y[m, n] = from_f32(v, ACT)
 
     @T.macro
     def store_outputs(Y, B, P, red, tot, tx, bx):
@@ -137,11 +139,11 @@ def w4a16_gemv(spec: W4A16Spec):
                             T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                                 wq[o], wq[o + 1], wq[o + 2], wq[o + 3], Wq.ptr_to([tl, c, lane, 0])))
                             if fold:
-                                sf[u * NT + tile] = T.Cast("float32", S[tl, kb // G, g])
+                                sf[u * NT + tile] = to_f32(S[tl, kb // G, g], ACT)
                             else:
                                 sc[u * NT + tile] = half2_splat(S[tl, kb // G, g])
                             if not sym:
-                                zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g])))
+                                zt = T.meta_var(zero_terms(T.Cast("uint32", Z[tl, kb // G, g]), ACT))
                                 zl[u * NT + tile] = zt[0]
                                 zh[u * NT + tile] = zt[1]
                 if part != "w":

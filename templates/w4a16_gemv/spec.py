@@ -44,6 +44,7 @@ class W4A16Spec:
     ksplit: int = 1                  # CTAs splitting K per row block (the last to finish sums their partials)
     min_ctas: int = 0                # > 0: __launch_bounds__(threads, min_ctas), registers capped to fit them per SM
     pdl: str = ""                    # programmatic dependent launch (sm_90), "early" or "late": see the module doc
+    dtype: str = "float16"           # X, scales, bias and Y: "float16", or "bfloat16" (bf16 MMA, bf16x2 dequantisation)
     name: str = "w4a16_gemv"
 
     def __post_init__(self):
@@ -69,6 +70,8 @@ class W4A16Spec:
             bad.append(f"min_ctas={self.min_ctas}: 0 (no bound) or CTAs of {self.warps} warps that fit 64 per SM")
         if self.pdl not in ("", "early", "late"):
             bad.append(f"pdl {self.pdl!r} must be '' (off), 'early' or 'late'")
+        if self.dtype not in ("float16", "bfloat16") or (self.dtype == "bfloat16" and self.acc != "float32"):
+            bad.append(f"dtype {self.dtype!r}: 'float16', or 'bfloat16' with fp32 accumulation")
         if not 1 <= self.ksplit <= -(-self.k // KCHUNK):
             bad.append(f"ksplit {self.ksplit} must be 1..{-(-self.k // KCHUNK)} (the K chunks of 128)")
         if bad:
@@ -98,6 +101,8 @@ class W4A16Spec:
             del d["min_ctas"]
         if not self.pdl:
             del d["pdl"]
+        if self.dtype == "float16":
+            del d["dtype"]
         return d
 
 
@@ -154,7 +159,8 @@ def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
         out[:n, : k // g] = t.to(dtype)
         return out.reshape(spec.tiles, 8, spec.groups).permute(0, 2, 1).contiguous()
 
-    return wq, per_group(scale, torch.float16), None if zero is None else per_group(zero, torch.uint8)
+    act = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float16
+    return wq, per_group(scale, act), None if zero is None else per_group(zero, torch.uint8)
 
 
 def pack_weight(w_fp: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: W4A16Spec):

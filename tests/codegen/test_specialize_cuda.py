@@ -319,7 +319,7 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
     assert "writes int8 codes of gelu" in row["note"] and row["artifact"] == fc1.folder
     launch = json.loads((Path(fc1.folder) / "launch.json").read_text())
     assert {a["name"]: a["dtype"] for a in launch["args"]}["Y"] == "int8"
-    assert "kernel_linear" in compiled.module.code and "kernel_gelu" in compiled.module.code
+    assert "kernel_linear" in compiled.module.code and "gelu" not in compiled.module.code   # no call: fused
     loaded = sparta.load(compiled.save(tmp_path / "saved"))
     again = loaded.module_replacements()
     assert again["linear"].spec == fc1.spec and again["linear"].output_names == fc1.output_names
@@ -506,3 +506,38 @@ def test_a_4bit_tesa_without_calibration_runs_w4a16_and_the_report_says_why(tmp_
     eight = sparta.compile(lin, {"weight": sparta.TeSA.dense((4096, 4096), 8)}, (torch.randn(1, 4096).half(),),
                            target="cuda")
     assert "8-bit weights run at the next width cuda has for A16" in eight.plan_report()
+
+
+@pytest.mark.parametrize("widths, rows", [((8,), 64), ((8,), 8), ((4,), 8)])
+def test_a_bf16_model_gets_bf16_low_bit_kernels(tmp_path, monkeypatch, widths, rows):
+    """A bf16 model's W8A8 (tile kernel, GEMV) and W4A16 (block kernel, GEMV) linears are built for bf16: bf16 in
+    (the quantiser reads bf16), bf16 bias and out, bf16 scales and MMA for 4 bits; no cast to fp16 around them.
+    The specs survive a save and load."""
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
+    model, mask = _mlp_and_mask(1)
+    model = model.bfloat16()
+    batches = [(torch.randn(1, rows, 1024).bfloat16(),) for _ in range(2)]
+    tolerance = {"tolerance": 1.0, "widths": widths, "activations": widths == (8,), "progress": False,
+                 **({"group_size": 64} if widths == (4,) else {})}
+    compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", dynamic=False,
+                              calibration=batches, quant_tolerance=tolerance)
+    rows_ = {k["op"]: k for k in compiled.kernels}
+    assert {r["bits"].split()[0] for r in rows_.values()} == {f"W{widths[0]}A{8 if widths == (8,) else 16}"}, \
+        compiled.kernel_report()
+    for name, module in compiled.module_replacements().items():
+        spec = getattr(module, "spec", None)
+        if spec is None:
+            continue
+        if getattr(spec, "out", "") != "int8":          # a linear writing int8 codes for the next one has no 16-bit Y
+            assert getattr(spec, "act16", getattr(spec, "dtype", None)) == "bfloat16", (name, spec)
+            assert module.dense_weight().dtype == torch.bfloat16
+        src = (Path(module.folder) / "kernel.cu").read_text()
+        assert (".bf16.bf16" in src) == (widths == (4,)), name      # bf16 MMA for 4 bits; s8 MMA or dp4a for 8
+        if getattr(module, "quant_folder", None):
+            assert json.loads((Path(module.quant_folder) / "spec.json").read_text())["dtype"] == "bfloat16"
+    families = {type(m).__name__ for m in compiled.module_replacements().values()}
+    assert {"W8A8GemvCUDA" if widths == (8,) else "W4A16GemvCUDA"} <= families or rows > 16, families
+    loaded = sparta.load(compiled.save(tmp_path / "m"))
+    for name, module in compiled.module_replacements().items():
+        if getattr(module, "spec", None) is not None:
+            assert loaded.module_replacements()[name].spec == module.spec

@@ -18,7 +18,8 @@ ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().par
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
 LINEARS = ["r_odd_gelu", "r_odd_gelu_tm32", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu",
-           "r_wg_b64", "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu", "r_i8_bf16_odd_gelu"]
+           "r_wg_b64", "r_bf16_odd_gelu", "r_bf16_stream_ragged_relu", "r_i8_bf16_odd_gelu",
+           "r_w4_bf16_ragged_zero_relu"]
 GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "r_gemv_b16_nobias_m5",
          "r_gemv_k128_m8_w16", "r_gemv_square_pdl", "r_gemv_bf16_odd_gelu", "r_gemv_bf16_b64_nobias"]
 

@@ -22,7 +22,8 @@ SMALL = sorted(p.name for p in W4.glob("t_*") if (p / "spec.json").is_file()) if
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(not SMALL, reason=f"no built w4a16 kernels in {W4}")]
-LIMITS = {"float32": (55.0, 2e-3), "float16": (35.0, 1e-2)}     # (min SQNR dB, max error / max |ref|)
+LIMITS = {"float32": (55.0, 2e-3), "float16": (35.0, 1e-2),     # (min SQNR dB, max error / max |ref|)
+          "bfloat16": (45.0, 1e-2)}                              # bf16 X, weights and Y: 8-bit mantissas
 RESULTS = {}
 
 
@@ -39,9 +40,13 @@ def _operands(spec, gain=None):
         w = w * (gain / w.norm(dim=1, keepdim=True))
     scale, zero = quantize(w, spec.group, spec.sym)
     wq, s, z = pack_weight(w, scale, zero, spec)
-    x = torch.randn(spec.m, spec.k, device="cuda").half()
-    bias = torch.randn(spec.n, device="cuda").half() if spec.bias else None
+    x = torch.randn(spec.m, spec.k, device="cuda").to(_act(spec))
+    bias = torch.randn(spec.n, device="cuda").to(_act(spec)) if spec.bias else None
     return {"X": x, "Wq": wq, "S": s, "Z": z, "B": bias, **split_buffers(spec, "cuda")}
+
+
+def _act(spec):
+    return torch.bfloat16 if spec.dtype == "bfloat16" else torch.float16
 
 
 def _errors(y, ref):
@@ -53,8 +58,9 @@ def _errors(y, ref):
 
 def _run(spec, kernel, ops):
     from sparta.templates.w4a16_gemv.spec import reference
-    y = torch.full((spec.m, spec.n), float("nan"), dtype=torch.float16, device="cuda")
-    kernel.call(**{k: v for k, v in ops.items() if v is not None}, Y=y)
+    from sparta.runtime.cuda import lanes16
+    y = torch.full((spec.m, spec.n), float("nan"), dtype=_act(spec), device="cuda")
+    kernel.call(**{k: lanes16(v) for k, v in ops.items() if v is not None}, Y=lanes16(y))
     torch.cuda.synchronize()
     return y, reference(ops["X"], ops["Wq"], ops["S"], ops["Z"], ops["B"], spec)
 
@@ -66,7 +72,7 @@ def test_w4a16_matches_reference(name):
         y, ref = _run(spec, kernel, _operands(spec))
         sqnr, err = _errors(y, ref)
         RESULTS.setdefault(name, []).append({"sqnr_db": sqnr, "max_err": err})
-        min_sqnr, max_err = LIMITS[spec.acc]
+        min_sqnr, max_err = LIMITS["bfloat16" if spec.dtype == "bfloat16" else spec.acc]
         assert sqnr > min_sqnr and err < max_err, f"{name}: SQNR {sqnr:.1f} dB, max error {err:.2e}"
 
 
