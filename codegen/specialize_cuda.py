@@ -283,7 +283,7 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     bind(module, graph, op, view, reference=dtype not in ("float16", "bfloat16"))
     row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
                      {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype]
-                     + (" (bf16 out)" if out == "bfloat16" else ""),
+                     + (" (bf16)" if out == "bfloat16" else ""),
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
                      [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets])
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]

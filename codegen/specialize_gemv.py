@@ -56,7 +56,8 @@ def build_w8a8_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.T
                                       bias, graph.tensor(op.outputs[0]).shape, row_quantizer(m, k, act16))
     bind(module, graph, op, view, reference=True)
     blocks = f"{module.table.numel() - spec.tiles - 1}x16x32" if sparse else "dense"
-    return module, report_row(op, "w8a8_gemv", blocks, "W8A8", "tile (table argument)" if sparse else "-", [art]), fused
+    bits = "W8A8 (bf16)" if act16 == "bfloat16" else "W8A8"
+    return module, report_row(op, "w8a8_gemv", blocks, bits, "tile (table argument)" if sparse else "-", [art]), fused
 
 
 def build_w4a16_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.Tensor, bias, params):
@@ -77,7 +78,8 @@ def build_w4a16_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.
     module = W4A16GemvCUDA.from_codes(op.name, x_name, art.path, spec, w4_codes(params, weight),
                                       scale_el[:, ::group], zero, bias, graph.tensor(op.outputs[0]).shape)
     bind(module, graph, op, view, reference=True)
-    return module, report_row(op, "w4a16_gemv", "dense", "W4A16", "-", [art]), None
+    bits = "W4A16 (bf16)" if act16 == "bfloat16" else "W4A16"
+    return module, report_row(op, "w4a16_gemv", "dense", bits, "-", [art]), None
 
 
 def w4_codes(params, weight: torch.Tensor) -> torch.Tensor:
