@@ -38,6 +38,9 @@ def w8a8_gemv_dp4a(spec: W8A8GemvSpec):
                     T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                         wv[o], wv[o + 1], wv[o + 2], wv[o + 3], WQ.ptr_to([n, (lane + it * 32) * 4])))
 
+    def bias_value(bv):                       # the bias as the epilogue adds it: fp16 as is, bf16 widened to fp32
+        return to_f32(bv[0], "bfloat16") if spec.act16 == "bfloat16" else bv[0]
+
     @T.prim_func
     def kernel(xq_h: T.handle, xs_h: T.handle, wq_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
                y_h: T.handle):
@@ -95,7 +98,6 @@ def w8a8_gemv_dp4a(spec: W8A8GemvSpec):
             for m in T.unroll(M):
                 if lane == m:
                     v = T.meta_var(T.Cast("float32", acc[m]) * cst[1] * cst[0])
-                    Y[m, n] = output_value(v, to_f32(bv[0], spec.act16) if spec.bias else None, spec.act, spec.out,
-                                           OS)
+                    Y[m, n] = output_value(v, bias_value(bv) if spec.bias else None, spec.act, spec.out, OS)
 
     return tvm.IRModule({spec.name: kernel})

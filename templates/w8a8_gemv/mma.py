@@ -24,6 +24,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     EVEN = CH % W == 0
     H = -(-M // 8)                            # 8-row halves of X: one MMA each
     OUT = -(-16 * M // (32 * W))              # outputs per thread
+    BF16 = spec.act16 == "bfloat16"
     PDL, EARLY, SPARSE = bool(spec.pdl), spec.pdl == "early", spec.sparse
     MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
 
@@ -125,6 +126,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                 if bx * 16 + nl < N:
                     v = T.meta_var(T.Cast("float32", tot[0]) * cst[it * 3 + 2] * cst[it * 3])
                     Y[m, bx * 16 + nl] = output_value(
-                        v, cst[it * 3 + 1] if spec.bias else None, spec.act, spec.out, OS)
+                        v, (cst[it * 3 + 1] if BF16 else T.Cast("float16", cst[it * 3 + 1])) if spec.bias else None,
+                        spec.act, spec.out, OS)
 
     return tvm.IRModule({spec.name: kernel})
