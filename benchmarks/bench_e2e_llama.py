@@ -8,7 +8,8 @@
 Peers in one process, same token ids: sparta's model as ``sparta.load`` returns it (its calls under torch.compile
 with CUDA graphs, the default third stage on CUDA), the same model with its kernels launched from Python
 (``inductor=False``), and Hugging Face's ``LlamaModel`` of the same config and dtype (dense) through ``torch.compile``
-``default`` and ``reduce-overhead``. Times are the host clock per forward, as a user calls the model. The floor beside
+``default`` and ``reduce-overhead``. Times are the host clock per forward, as a user calls the model (sparta's and the
+peers' default-mode calls: the median of 5 windows of calls, so one host stall moves one window). The floor beside
 them: the GPU time of the default call's kernels (profiler); the host overhead of a call is what its wall time adds to
 that. Also reported: the eager model's forward captured in one CUDA graph (sparta's kernels with the torch ops unfused).
 ``--tokens``: a model compiled ``dynamic`` is measured at each of these sequence lengths (batch 1), one load serving
@@ -28,6 +29,8 @@ from common import first_tensor, gpu_kernel_us, gpu_wall_us, save, torch_compile
 
 import sparta  # noqa: E402
 from sparta.sampling import random_inputs  # noqa: E402
+
+WINDOWS = 5                 # timed windows per measured call; their median is reported
 
 
 def hf_llama(graph, device):
@@ -81,10 +84,11 @@ def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -
         floor = gpu_kernel_us(lambda i: eager.module(ids), 1, reps=5, per_graph=3)
         kernels = {}
         busy = gpu_busy_us(lambda: default(ids), by_kernel=kernels)
-        rows = {"sparta (sparta.load default: CUDA graphs)": gpu_wall_us(lambda i: default(ids), 1, 100),
+        rows = {"sparta (sparta.load default: CUDA graphs)": gpu_wall_us(lambda i: default(ids), 1, 100, WINDOWS),
                 "sparta, kernels launched from Python": gpu_wall_us(lambda i: eager(ids), 1, 30)}
     hf = hf_llama(eager.graph, "cuda")
-    dense = torch_compile_peers({f"hf_llama_{str(hf.dtype)[6:]}": hf}, lambda name, fn: fn(input_ids=ids))
+    dense = torch_compile_peers({f"hf_llama_{str(hf.dtype)[6:]}": hf}, lambda name, fn: fn(input_ids=ids),
+                                windows=WINDOWS)
     best = min(v["wall_us"] for v in dense.values())
     with torch.no_grad():       # the dense model's own GPU time, under the mode that ran fastest
         mode = min(dense, key=lambda k: dense[k]["wall_us"]).split("@")[1]

@@ -75,16 +75,21 @@ def gpu_kernel_us(fn, variants: int, reps: int = 5, per_graph: int = 40) -> floa
     return statistics.median(times)
 
 
-def gpu_wall_us(fn, variants: int, iters: int = 50) -> float:
-    """µs per call from the host's clock, synchronised at the end: what an eager caller waits."""
+def gpu_wall_us(fn, variants: int, iters: int = 50, windows: int = 1) -> float:
+    """µs per call from the host's clock, synchronised at the end of each window of ``iters`` calls: what an eager
+    caller waits; the median over ``windows`` windows (one host stall, e.g. a garbage collection, moves one window
+    only)."""
     for i in range(variants):
         fn(i)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(iters):
-        fn(i % variants)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / iters
+    means = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(i % variants)
+        torch.cuda.synchronize()
+        means.append((time.perf_counter() - t0) * 1e6 / iters)
+    return statistics.median(means)
 
 
 def first_tensor(out) -> torch.Tensor:
@@ -96,7 +101,8 @@ def first_tensor(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def torch_compile_peers(models: dict, call, modes=("default", "reduce-overhead"), iters: int = 50) -> dict:
+def torch_compile_peers(models: dict, call, modes=("default", "reduce-overhead"), iters: int = 50,
+                        windows: int = 1) -> dict:
     """Each of ``models`` (name -> module) through ``torch.compile`` in each mode, called as ``call(name, fn)``:
     µs per forward by the host clock, compile time (three first calls) and the largest difference of the first
     output from the module uncompiled. Sparta's models compile with ``fullgraph=True`` (no graph break allowed)."""
@@ -113,7 +119,7 @@ def torch_compile_peers(models: dict, call, modes=("default", "reduce-overhead")
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t0
                 diff = float((first_tensor(got).float() - want.float()).abs().max())
-                out[f"{name}@{mode}"] = {"wall_us": gpu_wall_us(lambda i: call(name, fn), 1, iters),
+                out[f"{name}@{mode}"] = {"wall_us": gpu_wall_us(lambda i: call(name, fn), 1, iters, windows),
                                          "compile_s": compile_s, "max_abs_diff": diff}
     return out
 
