@@ -85,7 +85,7 @@ def bsr_gemv(spec: BsrGemvSpec):
         wf = T.alloc_buffer((J * 8,), "float32", scope="local")
         kb = T.alloc_buffer((2,), "int32", scope="local")
         xv = T.alloc_buffer((MR * 8,), "float16", scope="local")
-        tot = T.alloc_buffer((2,), "float32", scope="local")
+        tot = T.alloc_buffer((1 + GATE,), "float32", scope="local")
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
         slot = T.meta_var(bx // U)
