@@ -63,7 +63,8 @@ def gpu_busy_us(fn, reps: int = 5, by_kernel: dict | None = None) -> float:
     return sum(ev.self_device_time_total for ev in events) / reps
 
 
-def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -> dict:
+def measure(path: str, eager, default, worst: dict, tokens: int | None = None,
+            modes=("default", "reduce-overhead")) -> dict:
     if tokens is None:
         ids = random_inputs(eager.graph, 3)[0].cuda()
     else:
@@ -88,7 +89,7 @@ def measure(path: str, eager, default, worst: dict, tokens: int | None = None) -
                 "sparta, kernels launched from Python": gpu_wall_us(lambda i: eager(ids), 1, 30)}
     hf = hf_llama(eager.graph, "cuda")
     dense = torch_compile_peers({f"hf_llama_{str(hf.dtype)[6:]}": hf}, lambda name, fn: fn(input_ids=ids),
-                                windows=WINDOWS)
+                                modes=modes, windows=WINDOWS)
     best = min(v["wall_us"] for v in dense.values())
     with torch.no_grad():       # the dense model's own GPU time, under the mode that ran fastest
         mode = min(dense, key=lambda k: dense[k]["wall_us"]).split("@")[1]
@@ -119,6 +120,8 @@ def main():
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--name", default="e2e_llama")
     ap.add_argument("--tokens", type=int, nargs="*", help="sequence lengths to call a dynamic model at")
+    ap.add_argument("--peer-modes", nargs="+", default=["default", "reduce-overhead"],
+                    help="torch.compile modes of the dense peer (e.g. max-autotune)")
     args = ap.parse_args()
     payload = {}
     for path in args.paths:
@@ -126,7 +129,8 @@ def main():
         default = sparta.load(path).to("cuda")          # CUDA graphs under torch.compile: the default on CUDA
         worst = eager.verify(trials=1)                  # a dynamic model: at three shapes or more
         for tokens in args.tokens or [None]:
-            payload[path if tokens is None else f"{path}@{tokens}"] = measure(path, eager, default, worst, tokens)
+            payload[path if tokens is None else f"{path}@{tokens}"] = measure(path, eager, default, worst, tokens,
+                                                                                args.peer_modes)
     print(f"wrote {save(args.name, payload)}")
 
 
