@@ -269,9 +269,9 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
                                                 mask, bias, out_shape)
     else:
-        scale, quant = (int8_weight_scale(op_plan, weight, k), row_quantizer(rows, k, site.act16)) \
-            if dtype == "int8" else \
-            (None, None)
+        int8 = dtype == "int8"
+        scale = int8_weight_scale(op_plan, weight, k) if int8 else None
+        quant = row_quantizer(rows, k, site.act16) if int8 else None
         module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
                                               weight_scale=scale, quant_folder=quant,
                                               hopper=(hopper[0].path, hopper[1]) if hopper else None,
