@@ -84,8 +84,9 @@ def run_saved(args):
                 print(f"  {batch:3d} x {seq:4d}: rel. err {err:.1e}  sparta {us['sparta']:8.1f} us  masked dense "
                       f"eager {us['dense']:8.1f} us  dense torch.compile {dense} us  ({best / us['sparta']:.2f}x the "
                       "best)", flush=True)
-                path = save(name, {"saved": args.saved, "peer_modes": args.static_peers or ["default", "reduce-overhead"],
-                                   "peers_dynamic": not args.static_peers, "rows": rows})   # each row as it comes
+                modes = args.static_peers or ["default", "reduce-overhead"]
+                path = save(name, {"saved": args.saved, "peer_modes": modes, "peers_dynamic": not args.static_peers,
+                                   "rows": rows})                       # each row as it comes
     print(path)
 
 

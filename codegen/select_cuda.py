@@ -201,7 +201,8 @@ def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None
     if not site.any_rows and site.m > g["max_rows"]:
         return None
     n = site.n // 2 if site.gate else site.n
-    mask = block_mask_of(gate_padded(site.weight, n, tiles["bn"]) if site.gate else site.weight, tiles["bn"], tiles["bk"])
+    weight = gate_padded(site.weight, n, tiles["bn"]) if site.gate else site.weight
+    mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
     counts = mask.sum(dim=1)
     if site.gate:                      # a slot runs the gate's block row and the up's
         counts = counts[: counts.numel() // 2] + counts[counts.numel() // 2:]
@@ -338,6 +339,7 @@ def gates(picked: KernelChoice) -> bool:
     return picked.kernel == "bsr_linear" and picked.dtype in ("float16", "bfloat16") and not picked.tiles.get("groups")
 
 
-__all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gates", "gemm_site", "stream_tiles", "fp16_gemv_tiling",
+__all__ = ["GemmSite", "GEMM_RULES", "select_gemm", "select_kernels", "gates", "gemm_site", "stream_tiles",
+           "fp16_gemv_tiling",
            "tile_buckets",
            "int8_dense_tiles", "pingpong_pays", "w8a8_gemv_tiling", "gemv_tiling", "gemv_group"]

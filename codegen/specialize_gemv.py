@@ -49,8 +49,8 @@ def build_w8a8_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.T
     sparse = bool(tiles.get("sparse"))
     act16 = "bfloat16" if graph.tensor(x_name).dtype == torch.bfloat16 else "float16"
     spec = W8A8GemvSpec(m, n, k, bias=bias is not None, act=act, out=act16, **tiles,
-                        name=f"w8a8_gemv_{m}x{n}x{k}{'_sparse' if sparse else ''}_{act}{'_bias' if bias is not None else ''}"
-                             f"{'_bf16' if act16 == 'bfloat16' else ''}")
+                        name=f"w8a8_gemv_{m}x{n}x{k}{'_sparse' if sparse else ''}_{act}"
+                             f"{'_bias' if bias is not None else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
     art = build_cuda(w8a8_gemv, spec)
     module = W8A8GemvCUDA.from_weight(op.name, x_name, art.path, spec, weight, int8_weight_scale(op_plan, weight, k),
                                       bias, graph.tensor(op.outputs[0]).shape, row_quantizer(m, k, act16))

@@ -67,7 +67,8 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
                                    "(compiled.to('cuda'))")
         check_fp16_input(s.name, xh, s.m, s.k, act16_dtype(s))
         y = torch.empty(s.m, s.n, dtype=xh.dtype, device=xh.device)
-        args = dict(X=lanes16(xh), Wq=self.wq, S=lanes16(self.scale), Y=lanes16(y), **({} if s.sym else {"Z": self.zero}),
+        args = dict(X=lanes16(xh), Wq=self.wq, S=lanes16(self.scale), Y=lanes16(y),
+                    **({} if s.sym else {"Z": self.zero}),
                     **({"B": lanes16(self.bias)} if s.bias else {}),
                     **({"P": self.split_P, "C": self.split_C} if s.ksplit > 1 else {}))
         if self._prepared is None or self._prepared_for != self.wq.data_ptr():
