@@ -26,7 +26,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved, save  # noqa: E402
+from common import gpu_busy_us, interleaved, save  # noqa: E402
 
 import sparta  # noqa: E402
 
@@ -60,7 +60,7 @@ def run_saved(args):
         f"dense_compile_{mode}": torch.compile(hf, mode=mode, dynamic=True) for mode in ("default", "reduce-overhead")}
     vocab = compiled.graph.tensor("embeddings.word_embeddings.weight").shape[0]
     gen = torch.Generator().manual_seed(2)
-    rows, name = [], "static_peers_bert_cuda" if args.static_peers else "dynamic_bert_cuda"
+    rows, name = [], args.name or ("static_peers_bert_cuda" if args.static_peers else "dynamic_bert_cuda")
     print(f"{args.saved}: dynamic dims {compiled.graph.meta['dynamic_dims']}; {torch.cuda.get_device_name()}")
     with torch.no_grad():
         for batch in args.batches:
@@ -69,33 +69,70 @@ def run_saved(args):
                 want = reference(ids)[0].float()
                 got = first_tensor(compiled(ids)).float()
                 err = float((got - want).abs().max() / want.abs().max())
-                us = {"sparta": gpu_wall_us(lambda i: compiled(ids), 1, 20),
+                us = {"sparta": gpu_wall_us(lambda i: compiled(ids), 1, 20, WINDOWS),
                       "dense": gpu_wall_us(lambda i: reference(ids), 1, 20)}
-                for name, fn in (peers or _static_peers(hf, args.static_peers)).items():
+                row = {"batch": batch, "seq": seq, "rel_err": err}
+                static = _static_peers(hf, reference, args.static_peers) if args.static_peers else {}
+                for peer, (fn, call) in (static or {k: (v, "hf") for k, v in peers.items()}).items():
                     for _ in range(3):
-                        fn(input_ids=ids)
-                    us[name] = gpu_wall_us(lambda i: fn(input_ids=ids), 1, 20)
-                best = min(v for k, v in us.items() if k.startswith("dense_compile"))
-                rows.append({"batch": batch, "seq": seq, "rel_err": err, "sparta_us": us["sparta"],
-                             "dense_us": us["dense"], "speedup": us["dense"] / us["sparta"], "us": us,
-                             "speedup_vs_best_dense_compile": best / us["sparta"]})
-                dense = " / ".join(f"{k[len('dense_compile_'):]} {v:.1f}" for k, v in us.items()
-                                   if k.startswith("dense_compile"))
+                        _call(fn, call, ids)
+                    us[peer] = gpu_wall_us(lambda i: _call(fn, call, ids), 1, 20, WINDOWS)
+                compiled_peers = {k: v for k, v in us.items() if "_compile_" in k}
+                best = min(compiled_peers.values())
+                row.update({"sparta_us": us["sparta"], "dense_us": us["dense"], "speedup": us["dense"] / us["sparta"],
+                            "us": us, "speedup_vs_best_dense_compile": best / us["sparta"]})
+                if static:
+                    graph_best = min((k for k in compiled_peers if k.startswith("graph_")), key=us.get)
+                    row["speedup_vs_best_graph_compile"] = us[graph_best] / us["sparta"]
+                    row["gpu_us"] = {"sparta": _gpu_split(lambda: compiled(ids)),
+                                     graph_best: _gpu_split(lambda: _call(*static[graph_best], ids))}
+                rows.append(row)
+                dense = " / ".join(f"{k.replace('_compile_', ' ')} {v:.1f}" for k, v in compiled_peers.items())
                 print(f"  {batch:3d} x {seq:4d}: rel. err {err:.1e}  sparta {us['sparta']:8.1f} us  masked dense "
-                      f"eager {us['dense']:8.1f} us  dense torch.compile {dense} us  ({best / us['sparta']:.2f}x the "
-                      "best)", flush=True)
+                      f"eager {us['dense']:8.1f} us  torch.compile: {dense} us  ({best / us['sparta']:.2f}x the "
+                      f"best){_gpu_note(row)}", flush=True)
                 modes = args.static_peers or ["default", "reduce-overhead"]
                 path = save(name, {"saved": args.saved, "peer_modes": modes, "peers_dynamic": not args.static_peers,
                                    "rows": rows})                       # each row as it comes
     print(path)
 
 
-def _static_peers(hf, modes):
-    """Dense ``torch.compile`` of the model for the next call's shape alone, one per mode (compiled afresh)."""
+WINDOWS = 5                 # timed windows per measured call; their median is reported
+KERNEL_KINDS = (("attention", ("fmha", "flash", "attention", "sdpa")),
+                ("linears", ("bsr_", "gemm", "nvjet", "xmma", "cutlass", "cublas")))
+
+
+def _call(fn, call: str, ids):
+    return fn(input_ids=ids) if call == "hf" else fn(ids)
+
+
+def _gpu_split(fn) -> dict:
+    """GPU time of one call by kernel kind (linears, attention, the rest), from the profiler."""
+    kernels = {}
+    total = gpu_busy_us(fn, by_kernel=kernels, top=None)
+    split = {"total": round(total, 1)}
+    for key, (t, _) in kernels.items():
+        low = key.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in low for w in words)), "rest")
+        split[kind] = round(split.get(kind, 0.0) + t, 1)
+    return split
+
+
+def _gpu_note(row) -> str:
+    if "gpu_us" not in row:
+        return ""
+    return "; GPU us " + ", ".join(f"{k}: {v}" for k, v in row["gpu_us"].items())
+
+
+def _static_peers(hf, graph, modes):
+    """Dense ``torch.compile`` for the next call's shape alone, one per mode (compiled afresh): Hugging Face's model
+    (``dense_compile_<mode>``) and the same graph as sparta's in dense torch ops on the masked weights
+    (``graph_compile_<mode>``)."""
     out = {}
     for mode in modes:
         torch._dynamo.reset()
-        out[f"dense_compile_{mode}"] = torch.compile(hf, mode=mode, dynamic=False)
+        out[f"dense_compile_{mode}"] = (torch.compile(hf, mode=mode, dynamic=False), "hf")
+        out[f"graph_compile_{mode}"] = (torch.compile(graph, mode=mode, dynamic=False), "graph")
     return out
 
 
@@ -107,6 +144,7 @@ def main():
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--saved", help="a saved CUDA model compiled dynamic (run on the GPU)")
+    ap.add_argument("--name", help="with --saved: the results file's name")
     ap.add_argument("--static-peers", nargs="+", metavar="MODE",
                     help="with --saved: the dense peers compiled for each shape alone in these torch.compile modes "
                          "(e.g. default reduce-overhead max-autotune), instead of once with dynamic=True")

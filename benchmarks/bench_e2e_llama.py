@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import first_tensor, gpu_kernel_us, gpu_wall_us, save, torch_compile_peers  # noqa: E402
+from common import first_tensor, gpu_busy_us, gpu_kernel_us, gpu_wall_us, save, torch_compile_peers  # noqa: E402
 
 import sparta  # noqa: E402
 from sparta.sampling import random_inputs  # noqa: E402
@@ -44,23 +44,6 @@ def hf_llama(graph, device):
                                    num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
                                    use_cache=False)
     return transformers.LlamaModel(cfg).eval().to(graph.tensor("embed_tokens.weight").dtype).to(device)
-
-
-def gpu_busy_us(fn, reps: int = 5, by_kernel: dict | None = None) -> float:
-    """GPU time of one call: the sum of its kernels' device times (profiler), without idle gaps; ``by_kernel`` gets
-    each kernel's µs per call and calls per call, the largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    events = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
-    if by_kernel is not None:
-        for ev in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-            by_kernel[ev.key[:90]] = [round(ev.self_device_time_total / reps, 2), ev.count // reps]
-    return sum(ev.self_device_time_total for ev in events) / reps
 
 
 def measure(path: str, eager, default, worst: dict, tokens: int | None = None,

@@ -92,6 +92,24 @@ def gpu_wall_us(fn, variants: int, iters: int = 50, windows: int = 1) -> float:
     return statistics.median(means)
 
 
+def gpu_busy_us(fn, reps: int = 5, by_kernel: dict | None = None, top: int | None = 25) -> float:
+    """GPU time of one call: the sum of its kernels' device times (profiler), without idle gaps; ``by_kernel`` gets
+    each kernel's µs per call and calls per call, the ``top`` largest first (None: all)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    if by_kernel is not None:
+        for ev in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+            us, calls = by_kernel.get(ev.key[:90], (0.0, 0))       # keys cut to 90 characters may meet
+            by_kernel[ev.key[:90]] = [round(us + ev.self_device_time_total / reps, 2), calls + ev.count // reps]
+    return sum(ev.self_device_time_total for ev in events) / reps
+
+
 def first_tensor(out) -> torch.Tensor:
     """The first output (the last hidden state) of a model's tuple, dict or Hugging Face output."""
     if hasattr(out, "last_hidden_state"):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..graph import Graph, Op
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
+from .select_attention import select_attention
 from ..passes.transform.transform_op import gemm_bias
 from ..runtime import cpu_int8
 from ..target import Target
@@ -61,7 +62,8 @@ def cpu_site(graph: Graph, op: Op, op_plan: OpPlan) -> CpuSite:
 
 
 def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
-    """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``), in place; returns the plan."""
+    """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``) and of the attention ops
+    ``select_attention`` takes, in place; returns the plan."""
     for op_plan in plan.ops.values():
         if op_plan.kind != "sparse":
             continue
@@ -70,7 +72,7 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         fuses = EPILOGUE_OF.get(op_plan.kernel.kernel)
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
             op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
-    return plan
+    return select_attention(graph, plan)
 
 
 __all__ = ["CpuSite", "GEMM_RULES", "select_kernels", "cpu_site", "EPILOGUE_OF"]

@@ -19,6 +19,7 @@ import torch
 from ..graph import Graph, Op
 from ..passes.transform.fusion import fused_activation, fused_gate, is_gated
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
+from .select_attention import select_attention
 from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
 from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
@@ -313,7 +314,8 @@ def select_gemm(site: GemmSite, target: Target) -> KernelChoice:
 
 
 def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
-    """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``), in place; returns the plan."""
+    """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``) and of the attention ops
+    ``select_attention`` takes, in place; returns the plan."""
     for op_plan in plan.ops.values():
         if op_plan.kind != "sparse":
             continue
@@ -330,7 +332,7 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
             for o in unit.ops:
                 plan.ops[o.name].est_us = 0.0
                 plan.ops[o.name].note = f"computed by {op.name}'s epilogue ({op_plan.epilogue[-1]})"
-    return plan
+    return select_attention(graph, plan)
 
 
 def gates(picked: KernelChoice) -> bool:

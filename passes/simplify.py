@@ -7,7 +7,9 @@ efficient) kernels — with a stride-0 boolean mask torch falls back to the fp32
 which measured 2.7 ms of a 5.4 ms BERT-base forward on an H100. ``drop_trivial_masks``
 evaluates every mask that depends on no graph input, and where it keeps everything (bool
 all True, or a float mask of zeros) rewrites the attention op without it; the ops that
-only fed the mask are removed.
+only fed the mask are removed. A mask computed from a dynamic size is a different mask at every
+length (a sliding window keeps everything below its width): one evaluation proves nothing, so it
+stays, and the runtime decides it per shape (``sparta/runtime/attention.py``).
 
 ``drop_copies`` removes value-preserving copies (``clone`` — what an exported eval-mode dropout
 becomes —, ``alias``, ``detach``) whose input and output carry the same TeSA: their readers read the
@@ -24,7 +26,7 @@ import itertools
 import torch
 from torch.utils import _pytree as pytree
 
-from ..graph import Graph, Op, TensorRef, bind_call
+from ..graph import Graph, Op, SymRef, TensorRef, bind_call
 
 ATTENTION = ("scaled_dot_product_attention",)
 COPIES = ("clone", "alias", "detach")
@@ -55,12 +57,30 @@ def _masks_nothing(mask: torch.Tensor) -> bool:
     return mask.is_floating_point() and not bool(mask.any())
 
 
+def _follows_sizes(graph: Graph, name: str) -> bool:
+    """Whether the computation of tensor ``name`` reads a symbolic size (an op argument following a dynamic
+    dimension)."""
+    seen, todo = set(), [name]
+    while todo:
+        t = todo.pop()
+        if t in seen or (producer := graph.producer(t)) is None:
+            continue
+        seen.add(t)
+        op = graph.op(producer)
+        if any(isinstance(leaf, SymRef) for leaf in pytree.tree_leaves((op.args, op.kwargs))):
+            return True
+        todo.extend(op.inputs)
+    return False
+
+
 def drop_trivial_masks(graph: Graph) -> Graph:
     """A copy of ``graph`` with all-keeping attention masks removed (or ``graph`` itself if none)."""
     cache, rewrites = {}, {}
     for op in graph.ops(ATTENTION):
         mask_name = op.input_of("attn_mask")
         if mask_name is None:
+            continue
+        if _follows_sizes(graph, mask_name):
             continue
         mask = _constant_value(graph, mask_name, cache)
         if mask is not None and _masks_nothing(mask):

@@ -143,6 +143,8 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         t0 = time.perf_counter()
         replacements, kernels = specialize_cuda(graph, plan, chosen)
         timings["codegen"] = time.perf_counter() - t0
+    from .codegen.select_attention import attention_modules
+    replacements.update(attention_modules(graph, plan))
     compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
                              kernels=kernels, source=source, inductor=inductor)
     if verify:

@@ -43,6 +43,7 @@ MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from
     "layer_norm_cuda": "sparta.runtime.layernorm:LayerNormCUDA",
     "sparse_linear_cpu": "sparta.runtime.cpu_linear:SparseLinearCPU",
     "int8_linear_cpu": "sparta.runtime.cpu_int8:Int8LinearCPU",
+    "attention": "sparta.runtime.attention:SizesOnlyMaskAttention",
 }
 # what a malformed folder can raise from deep inside torch, safetensors or a module's from_saved
 _MALFORMED = (SpartaError, KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError,

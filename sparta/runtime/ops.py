@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from ..errors import SpartaError
 
-FAMILIES = ("linear_cpu", "int8_linear_cpu", "linear_cuda", "gemv_w8a8_cuda", "gemv_w4a16_cuda", "layer_norm_cuda")
+FAMILIES = ("linear_cpu", "int8_linear_cpu", "linear_cuda", "gemv_w8a8_cuda", "gemv_w4a16_cuda", "layer_norm_cuda",
+            "attention")
 
 _modules: weakref.WeakValueDictionary[str, KernelModule] = weakref.WeakValueDictionary()
 _serial = itertools.count()

@@ -42,18 +42,42 @@ def test_only_masks_that_keep_everything_are_dropped(kind, dropped):
 
 @pytest.mark.parametrize("padding", [False, True])
 def test_bert_mask_from_constants_is_dropped_a_real_padding_mask_is_not(padding):
+    """Compiled for its example's shapes, BERT's all-true mask goes; compiled for any shape it stays in the graph and
+    the runtime drops it per shape (its sizes change it); a padding mask is an input and stays."""
+    from sparta.runtime.attention import SizesOnlyMaskAttention
     model = tiny_bert()
     ids = torch.randint(0, 100, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0
     inputs, kwargs = (ids,), ({"attention_mask": mask} if padding else {})
-    compiled = sparta.compile(model, {}, inputs, example_kwargs=kwargs)
-    masks = [op.input_of("attn_mask") for op in compiled.graph.ops("scaled_dot_product_attention")]
-    assert all(m is not None for m in masks) if padding else all(m is None for m in masks)
-    with torch.no_grad():
-        want = model(ids, **kwargs).last_hidden_state
-        got = compiled(ids, **kwargs)[0]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for dynamic in (False, None):
+        compiled = sparta.compile(model, {}, inputs, example_kwargs=kwargs, dynamic=dynamic)
+        masks = [op.input_of("attn_mask") for op in compiled.graph.ops("scaled_dot_product_attention")]
+        assert all(m is not None for m in masks) if padding or dynamic is None else all(m is None for m in masks)
+        per_shape = [m for m in compiled.module_replacements().values() if isinstance(m, SizesOnlyMaskAttention)]
+        assert len(per_shape) == (len(masks) if dynamic is None and not padding else 0)
+        with torch.no_grad():
+            want = model(ids, **kwargs).last_hidden_state
+            got = compiled(ids, **kwargs)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert all(c == "none" for m in per_shape for c in m.classes.values())
+
+
+class SlidingWindow(torch.nn.Module):
+    def forward(self, q):
+        i = torch.arange(q.shape[-2])
+        keep = i[:, None] - i[None, :] < 6            # a window of 6 past keys (and every future one): all true below 7
+        return F.scaled_dot_product_attention(q, q * 2, q + 1, attn_mask=keep)
+
+
+def test_a_mask_of_a_dynamic_size_is_not_judged_at_the_example_alone():
+    """All true at the example's length, a window further on: dropping it at compile time would be wrong at 20."""
+    model = SlidingWindow()
+    compiled = sparta.compile(model, {}, (torch.randn(2, 3, 5, 8),), dynamic={"q": {2: torch.export.Dim("n")}})
+    assert next(compiled.graph.ops("scaled_dot_product_attention")).input_of("attn_mask") is not None
+    for n in (5, 20):
+        x = torch.randn(2, 3, n, 8)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 class CopyChain(torch.nn.Module):
