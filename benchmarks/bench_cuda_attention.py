@@ -5,7 +5,9 @@
 Hugging Face's models reach ``scaled_dot_product_attention`` with a boolean mask built from the sequence length alone:
 all true for BERT without padding, causal for LLaMA. Kernel-only µs (CUDA graph replays, inputs rotated) of the call
 with that mask (broadcast over heads, as the graph passes it) against ``attn_mask=None`` (BERT) or ``is_causal=True``
-(LLaMA), under torch's own backend choice and each backend forced; each checked against the masked call.
+(LLaMA), under torch's own backend choice and each backend forced, and sparta's attention op (the mask's class
+decided on the first call of the shape, the output in the layout its fake promises); each checked against the masked
+call, q, k and v laid out as the graphs pass them (heads split from one projection, transposed).
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ def graph_mask(batch: int, seq: int, causal: bool) -> torch.Tensor:
 
 
 def main():
+    from sparta.runtime.attention import SizesOnlyMaskAttention
     rows = {}
     for name, b, h, s, d, dtype, causal in CASES:
-        qkv = [[torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3)] for _ in range(4)]
+        # q, k, v as the graphs pass them: heads split from a (B, L, H·E) projection, transposed
+        qkv = [[torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3)]
+               for _ in range(4)]
         mask = graph_mask(b, s, causal)
+        sparta_attention = SizesOnlyMaskAttention(name, ["q", "k", "v", "mask"])
         calls = {"masked": lambda i: F.scaled_dot_product_attention(*qkv[i], attn_mask=mask),
                  "specialised": lambda i: F.scaled_dot_product_attention(*qkv[i], is_causal=causal)}
         want = calls["masked"](0).float()
@@ -60,7 +66,11 @@ def main():
                     row[f"{backend}/{kind}"] = str(exc).splitlines()[0][:80]
                     continue
                 err = float((got.float() - want).abs().max() / want.abs().max())
-                row[f"{backend}/{kind}"] = {"us": round(us, 2), "rel_err": err}
+                row[f"{backend}/{kind}"] = {"us": round(us, 2), "rel_err": err, "strides": list(got.stride())}
+        got = sparta_attention(*qkv[0], mask)           # the first call of the shape decides its mask's class
+        row["sparta"] = {"us": round(gpu_kernel_us(lambda i: sparta_attention(*qkv[i], mask), 4), 2),
+                         "class": next(iter(sparta_attention.classes.values())),
+                         "rel_err": float((got.float() - want).abs().max() / want.abs().max())}
         rows[name] = row
         print(name, {k: (v["us"] if isinstance(v, dict) else "n/a") for k, v in row.items()}, flush=True)
     print(save("cuda_attention", {"cases": rows}))

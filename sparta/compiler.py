@@ -401,6 +401,13 @@ class CompiledModel(torch.nn.Module):
             raise VerificationError(f"output {name!r} differs from {what}: max abs error {err:.3g} "
                                     f"(rtol={tol_r}, atol={tol_a}, trial {trial})")
 
+    def profile(self, *args, reps: int = 10, **kwargs):
+        """Time one forward op by op (sparta's kernels and torch ops alone, on the tensors the call gives them) against
+        the dense reference's ops and the plan's estimates, and the whole call: a :class:`~sparta.profiling.Profile`
+        (``.report()``, ``.slower_than_dense()``, ``.to_json()``). No inputs: random ones of the example's shapes."""
+        from .profiling import profile
+        return profile(self, args, kwargs, reps)
+
     def plan_report(self, only_gemm: bool = False) -> str:
         """The execution plan as a table: op, density, bits, chosen blocks, estimated µs, dense µs."""
         if self.plan is None:

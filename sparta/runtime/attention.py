@@ -25,7 +25,11 @@ def classify_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> str:
     """``"none"`` if ``mask`` masks nothing, ``"causal"`` if it is SDPA's ``is_causal`` mask (the lower triangle,
     upper-left aligned: key ``j`` kept for query ``i`` iff ``j <= i``) on every slice, else ``"mask"``. Boolean masks
     (true = attend) and additive float masks (0 = attend, -inf = masked)."""
-    if mask.dim() < 2 or mask.shape[-2:] != (q_len, kv_len):
+    if mask.dim() < 2:
+        return "mask"
+    try:                                    # a mask broadcast over queries or keys is judged as sdpa reads it
+        mask = mask.expand(*mask.shape[:-2], q_len, kv_len)
+    except RuntimeError:
         return "mask"
     causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:

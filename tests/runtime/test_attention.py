@@ -14,13 +14,20 @@ import sparta
 from sparta.codegen.select_attention import input_reaching
 from sparta.runtime.attention import SizesOnlyMaskAttention, classify_mask, in_layout, output_strides
 
-MASKS = ("ones", "causal", "band", "causal_one_flip", "random", "float_zero", "float_causal", "float_bias")
+MASKS = ("ones", "causal", "band", "causal_one_flip", "random", "float_zero", "float_causal", "float_bias", "keys_ones",
+         "keys_padded")
 
 
 def make_mask(kind: str, q_len: int, kv_len: int, gen: torch.Generator) -> torch.Tensor:
     causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
     if kind == "ones":
         return torch.ones(q_len, kv_len, dtype=torch.bool)
+    if kind == "keys_ones":                             # one row, broadcast over the queries
+        return torch.ones(1, kv_len, dtype=torch.bool)
+    if kind == "keys_padded":
+        mask = torch.ones(1, kv_len, dtype=torch.bool)
+        mask[0, kv_len - 1] = kv_len == 1               # the last key padded (unless it is the only one)
+        return mask
     if kind == "causal":
         return causal
     if kind == "band":                                  # sliding window of 3: causal only while q_len <= 3
@@ -45,11 +52,12 @@ def make_mask(kind: str, q_len: int, kv_len: int, gen: torch.Generator) -> torch
 
 def expected_class(kind: str, q_len: int, kv_len: int) -> str | None:
     causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
-    if kind in ("ones", "float_zero") or (kind in ("causal", "float_causal", "band") and bool(causal.all())):
+    if kind in ("ones", "float_zero", "keys_ones") or kind == "keys_padded" and kv_len == 1 or \
+            (kind in ("causal", "float_causal", "band") and bool(causal.all())):
         return "none"
     if kind in ("causal", "float_causal") or (kind == "band" and q_len <= 3):
         return "causal"
-    return None if kind in ("causal_one_flip", "random") else "mask"
+    return None if kind in ("causal_one_flip", "random", "keys_padded") else "mask"
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,8 +67,7 @@ def test_a_mask_class_runs_the_same_attention_as_the_mask(kind, q_len, extra, ba
     """Soundness: whatever class a mask gets, the call it allows equals sdpa with the mask (fresh random q, k, v)."""
     gen = torch.Generator().manual_seed(seed)
     kv_len = q_len + extra
-    mask = make_mask(kind, q_len, kv_len, gen)
-    full = mask[None, None].expand(batch, 1, q_len, kv_len)
+    full = make_mask(kind, q_len, kv_len, gen)[None, None]         # broadcast over batch and heads, as graphs pass it
     q = torch.randn(batch, heads, q_len, 16, generator=gen)
     k, v = torch.randn(2, batch, heads, kv_len, 16, generator=gen)
     kind_of = classify_mask(full, q_len, kv_len)

@@ -1,0 +1,164 @@
+"""Where a compiled model's time goes, op by op: ``compiled.profile(*inputs)``.
+
+The measurement that closes a researcher's loop (prune → compile → profile → adjust the TeSA): each op of the graph
+timed alone on the tensors one forward hands it, as sparta runs it (its kernel or the torch op) and as the dense
+reference runs it (the torch op on the masked weights), beside the plan's estimates; the ops sparta runs slower than
+dense are named. The whole forward is timed too, as the user calls the model (through its third stage) and as the
+dense reference runs eagerly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import fx
+
+from .backend.fx import Fused, Passthrough, _fx_name
+from .text import table
+
+
+@dataclass
+class OpTime:
+    """One graph op: what ran it, its measured µs (sparta's and the dense reference's) and the plan's estimates."""
+
+    op: str
+    op_type: str
+    runs: str                       # the sparta kernel that ran it (the plan's kernel column), "fused" (another op's
+    #                                 kernel did its work) or "torch"
+    measured_us: float              # sparta's call of the op, alone, on the tensors the forward gave it
+    dense_us: float                 # the dense reference's op on the same tensors
+    est_us: float | None = None     # the plan's estimate, for the ops it costs (GEMMs)
+    dense_est_us: float | None = None
+    note: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.dense_us / self.measured_us if self.measured_us > 0 else float("inf")
+
+
+@dataclass
+class Profile:
+    """A profile of one forward (see :func:`profile`): ``report()`` prints it, ``to_json()`` keeps it."""
+
+    device: str
+    inputs: list[list[int]]
+    ops: list[OpTime] = field(default_factory=list)
+    forward_us: float = 0.0         # the compiled model as the user calls it (third stage included)
+    dense_forward_us: float = 0.0   # the dense reference module, eager
+
+    def op(self, name: str) -> OpTime:
+        return next(o for o in self.ops if o.op == name)
+
+    def sparta_ops(self) -> list[OpTime]:
+        return [o for o in self.ops if o.runs not in ("torch", "fused")]
+
+    def slower_than_dense(self, margin: float = 1.0) -> list[str]:
+        """The ops a sparta kernel runs that measured slower than ``margin`` × their dense op."""
+        return [o.op for o in self.sparta_ops() if o.measured_us > margin * o.dense_us]
+
+    def report(self, top: int | None = 20) -> str:
+        """The ``top`` ops by sparta's measured time (None: all), then totals and the ops slower than dense."""
+        rows = [("op", "type", "runs", "est µs", "measured µs", "dense µs", "×", "note")]
+        for o in sorted(self.ops, key=lambda o: -o.measured_us)[:top]:
+            rows.append((o.op, o.op_type, o.runs, "" if o.est_us is None else f"{o.est_us:.1f}",
+                         f"{o.measured_us:.1f}", f"{o.dense_us:.1f}", f"{o.speedup:.2f}", o.note))
+        ours, dense = sum(o.measured_us for o in self.ops), sum(o.dense_us for o in self.ops)
+        lines = [table(rows),
+                 f"ops alone: {ours:.1f} µs, dense {dense:.1f} µs ({dense / ours:.2f}x); sparta kernels "
+                 f"{sum(o.measured_us for o in self.sparta_ops()):.1f} µs against their dense ops' "
+                 f"{sum(o.dense_us for o in self.sparta_ops()):.1f} µs",
+                 f"forward as called: {self.forward_us:.1f} µs; dense reference, eager: {self.dense_forward_us:.1f} µs "
+                 f"({self.dense_forward_us / self.forward_us:.2f}x) on {self.device}, inputs {self.inputs}"]
+        slow = self.slower_than_dense()
+        if slow:
+            lines.append(f"slower than dense: {', '.join(slow)} (prune them coarser, or leave their weights out of "
+                         "the TeSA to keep them dense)")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class _OpTimer(fx.Interpreter):
+    """Runs a GraphModule node by node, timing each node that computes a graph op (summed per op)."""
+
+    def __init__(self, gm: fx.GraphModule, ops_by_node: dict[str, str], reps: int):
+        super().__init__(gm)
+        self.ops_by_node, self.reps, self.times = ops_by_node, reps, {}
+
+    def run_node(self, n: fx.Node):
+        op = self.ops_by_node.get(n.name)
+        if op is None or n.op not in ("call_module", "call_function", "call_method"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        call = getattr(self, n.op)
+        out = call(n.target, args, kwargs)
+        self.times[op] = self.times.get(op, 0.0) + median_us(lambda: call(n.target, args, kwargs), self.reps)
+        return out
+
+
+def median_us(fn, reps: int) -> float:
+    """Median µs of ``fn()`` over ``reps`` calls after one more: CUDA events around each call on a GPU, the host
+    clock on the CPU."""
+    fn()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def op_times(gm: fx.GraphModule, graph, flat: list[torch.Tensor], reps: int) -> dict[str, float]:
+    """µs of each graph op of ``graph`` as ``gm`` (an fx module built from it) runs it on ``flat``."""
+    timer = _OpTimer(gm, {_fx_name(op.name): op.name for op in graph.ops()}, reps)
+    with torch.no_grad():
+        timer.run(*flat)
+    return timer.times
+
+
+def profile(compiled, args=(), kwargs=None, reps: int = 10) -> Profile:
+    """Profile ``compiled`` on one call's inputs (``args``/``kwargs`` as the model takes them; none: random inputs
+    of the example's shapes on the model's device)."""
+    from .sampling import random_inputs
+    if reps < 1:
+        raise ValueError(f"profile needs reps >= 1, got {reps!r}")
+    graph, device = compiled.graph, compiled.device
+    if not args and not kwargs:
+        args = tuple(x.to(device) for x in random_inputs(graph, seed=0))
+    flat = graph.flat_inputs(args, kwargs)
+    reference = compiled.reference().to(device)
+    ours = op_times(compiled.module, graph, flat, reps)
+    dense = op_times(reference, graph, flat, reps)
+    replacements, plan = compiled.module_replacements(), compiled.plan
+    rows = []
+    for op in graph.ops():
+        p = plan.ops.get(op.name) if plan is not None else None
+        module = replacements.get(op.name)
+        runs, note = "torch", p.note if p is not None else ""
+        if isinstance(module, (Fused, Passthrough)):
+            runs, note = "fused", f"done by {module.into}" if isinstance(module, Fused) else "by its producer's kernel"
+        elif module is not None:
+            runs = p.kernel.describe() if p is not None and p.kernel is not None else type(module).__name__
+        costed = p is not None and p.gemm is not None
+        rows.append(OpTime(op.name, op.op, runs, ours.get(op.name, 0.0), dense.get(op.name, 0.0),
+                           p.est_us if costed else None, p.dense_us if costed else None, note))
+    with torch.no_grad():
+        forward = median_us(lambda: compiled(*args, **(kwargs or {})), reps)
+        dense_forward = median_us(lambda: reference(*flat), reps)
+    return Profile(str(device), [list(x.shape) for x in flat], rows, forward, dense_forward)
+
+
+__all__ = ["OpTime", "Profile", "median_us", "op_times", "profile"]

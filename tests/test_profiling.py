@@ -1,0 +1,69 @@
+"""``compiled.profile()``: one forward timed op by op against the dense reference and the plan's estimates."""
+
+import time
+
+import pytest
+import torch
+
+import sparta
+from sparta.profiling import OpTime, Profile
+
+pytest.importorskip("tvm", reason="compiles CPU kernels")
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=128, h=256):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x))) + x
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    torch.manual_seed(0)
+    grid = torch.rand(256 // 32, 128 // 32, generator=torch.Generator().manual_seed(1)) < 0.3
+    grid[0, 0] = True
+    mask = grid.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    return sparta.compile(MLP().eval(), {"up.weight": mask}, (torch.randn(2, 24, 128),), dynamic=False)
+
+
+def test_every_op_is_timed_beside_its_dense_op_and_the_plans_estimate(compiled):
+    prof = compiled.profile(torch.randn(2, 24, 128), reps=3)
+    assert [o.op for o in prof.ops] == [op.name for op in compiled.graph.ops()]
+    up = prof.op("linear")
+    assert up.runs.startswith("cpu_linear[") and up.est_us == compiled.plan["linear"].est_us
+    assert up.dense_est_us == compiled.plan["linear"].dense_us and up.measured_us > 0 and up.dense_us > 0
+    gelu = prof.op("gelu")
+    assert gelu.runs == "fused" and gelu.est_us is None and gelu.dense_us > 0, "the epilogue computes the GELU"
+    assert prof.op("linear_1").runs == "torch", "the dense linear runs the torch op"
+    assert prof.forward_us > 0 and prof.dense_forward_us > 0 and prof.inputs == [[2, 24, 128]]
+    text = prof.report()
+    assert "cpu_linear[" in text and "forward as called" in text
+    assert prof.to_json()["ops"][0]["op"] == prof.ops[0].op
+
+
+def test_the_times_are_the_ops_own(compiled, monkeypatch):
+    """A kernel made 20 ms slower measures 20 ms slower, and is named slower than dense; the others are not."""
+    module = compiled.module_replacements()["linear"]
+    launch = module.launch
+
+    def slow(inputs):
+        time.sleep(0.02)
+        return launch(inputs)
+
+    monkeypatch.setattr(module, "launch", slow)
+    prof = compiled.profile(reps=2)             # random inputs of the example's shapes
+    assert prof.op("linear").measured_us > 2e4 > prof.op("linear_1").measured_us
+    assert prof.slower_than_dense() == ["linear"] and "slower than dense: linear" in prof.report()
+
+
+def test_a_profile_reads_as_a_table():
+    prof = Profile("cpu", [[1, 4]], [OpTime("a", "linear", "cpu_linear[float32]", 10.0, 30.0, 12.0, 25.0),
+                                     OpTime("b", "add", "torch", 1.0, 1.0)], 20.0, 40.0)
+    assert prof.op("a").speedup == 3.0 and prof.slower_than_dense() == [] and prof.slower_than_dense(0.2) == ["a"]
+    lines = prof.report(top=1).splitlines()
+    assert lines[2].startswith("a ") and not any(line.startswith("b ") for line in lines)
+    with pytest.raises(ValueError, match="reps"):
+        sparta.profiling.profile(None, reps=0)
