@@ -40,7 +40,9 @@ BLOCKS = [(64, 64), (32, 32), (16, 16), (1, 32), (1, 1)]
 DENSE_ROWS = (1, 4, 16, 64)         # rows at which the CPU's vendor GEMM rate is measured beside the main one
 
 
-def _timer(device: str):
+def median_timer(device: str):
+    """``run(fn, iters)``: the median µs of ``fn()`` over ``iters`` calls after one more (CUDA events around each
+    call on ``"cuda"``, the host clock otherwise)."""
     if device == "cuda":
         def run(fn, iters):
             fn()
@@ -75,7 +77,7 @@ def measure(target: str, m: int | None = None, iters: int = 20, size: int | None
     device = "cuda" if target == "cuda" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("profiling the cuda target needs a GPU")
-    timed = _timer(device)
+    timed = median_timer(device)
     m = m or (4096 if device == "cuda" else 128)
     n = k = size or (1024 if device == "cpu" else 3072)
     notes = {"dense": "vendor library through torch", "blocks": "bmm over blocks (stand-in for block-sparse)",
@@ -178,7 +180,7 @@ def measure_sparta_cpu(m: int = 256, size: int = 768, iters: int = 15, shapes=tu
     from ..templates.cpu_linear.fine import fine_linear
     from .build import build_cpu
     gen = torch.Generator().manual_seed(0)
-    timed = _timer("cpu")
+    timed = median_timer("cpu")
     x = torch.randn(m, size, generator=gen)
     call_us = kernel_call_us(iters)        # first: a quiet process
     base = measure("cpu", m=m, iters=iters, size=size)
@@ -296,7 +298,7 @@ def kernel_call_us(iters: int = 15) -> float:
                     {"key": ""})
     module = SparseLinearCPU("profile", "x", [sub], 32, 32, 32, 32, (1, 32), torch.randn(32), None, None)
     x = torch.randn(1, 32)
-    timed = _timer("cpu")
+    timed = median_timer("cpu")
 
     def calls():
         for _ in range(100):

@@ -9,8 +9,6 @@ dense reference runs eagerly.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -85,9 +83,9 @@ class Profile:
 class _OpTimer(fx.Interpreter):
     """Runs a GraphModule node by node, timing each node that computes a graph op (summed per op)."""
 
-    def __init__(self, gm: fx.GraphModule, ops_by_node: dict[str, str], reps: int):
+    def __init__(self, gm: fx.GraphModule, ops_by_node: dict[str, str], reps: int, device: torch.device):
         super().__init__(gm)
-        self.ops_by_node, self.reps, self.times = ops_by_node, reps, {}
+        self.ops_by_node, self.reps, self.device, self.times = ops_by_node, reps, device, {}
 
     def run_node(self, n: fx.Node):
         op = self.ops_by_node.get(n.name)
@@ -96,34 +94,21 @@ class _OpTimer(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         call = getattr(self, n.op)
         out = call(n.target, args, kwargs)
-        self.times[op] = self.times.get(op, 0.0) + median_us(lambda: call(n.target, args, kwargs), self.reps)
+        self.times[op] = self.times.get(op, 0.0) + median_us(lambda: call(n.target, args, kwargs), self.reps,
+                                                                     self.device)
         return out
 
 
-def median_us(fn, reps: int) -> float:
-    """Median µs of ``fn()`` over ``reps`` calls after one more: CUDA events around each call on a GPU, the host
-    clock on the CPU."""
-    fn()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+def median_us(fn, reps: int, device: torch.device) -> float:
+    """Median µs of ``fn()`` over ``reps`` calls after one more, on ``device``'s clock."""
+    from .codegen.profile import median_timer
+    return median_timer(device.type)(fn, reps)
 
 
 def op_times(gm: fx.GraphModule, graph, flat: list[torch.Tensor], reps: int) -> dict[str, float]:
     """µs of each graph op of ``graph`` as ``gm`` (an fx module built from it) runs it on ``flat``."""
-    timer = _OpTimer(gm, {_fx_name(op.name): op.name for op in graph.ops()}, reps)
+    device = flat[0].device if flat else torch.device("cpu")
+    timer = _OpTimer(gm, {_fx_name(op.name): op.name for op in graph.ops()}, reps, device)
     with torch.no_grad():
         timer.run(*flat)
     return timer.times
@@ -156,8 +141,8 @@ def profile(compiled, args=(), kwargs=None, reps: int = 10) -> Profile:
         rows.append(OpTime(op.name, op.op, runs, ours.get(op.name, 0.0), dense.get(op.name, 0.0),
                            p.est_us if costed else None, p.dense_us if costed else None, note))
     with torch.no_grad():
-        forward = median_us(lambda: compiled(*args, **(kwargs or {})), reps)
-        dense_forward = median_us(lambda: reference(*flat), reps)
+        forward = median_us(lambda: compiled(*args, **(kwargs or {})), reps, device)
+        dense_forward = median_us(lambda: reference(*flat), reps, device)
     return Profile(str(device), [list(x.shape) for x in flat], rows, forward, dense_forward)
 
 
