@@ -67,7 +67,7 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
             quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None,
-            dynamic=None, tokens=None) -> CompiledModel:
+            dynamic=None, tokens=None, measure: bool = False) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -97,6 +97,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     ``tokens`` = ``(lo, hi)``: the tokens (batch x sequence) calls of a dynamic model will bring; every GEMM's plan is
     costed across them (each op's rows scaled from the example's) and picks the cover cheapest relative to dense
     over the range, the report showing the estimates at its ends. Default for a dynamic model: 1 to the example's.
+    ``measure=True``: time every sparse op against its dense op at the example's shapes on the target's device (the
+    CPU; a GPU if this machine has one) and run dense those more than 10% slower, the plan noting the measurement
+    (the estimate overridden; :meth:`CompiledModel.run_dense`).
     """
     if target not in TARGETS:
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
@@ -104,7 +107,7 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
         raise SpartaError(f"dismantle must be 'full', 'tile', 'none' or None, got {dismantle!r}")
     if dynamic is not None and not isinstance(dynamic, (bool, dict)):
         raise SpartaError(f"dynamic must be None, True, False or a torch.export dynamic_shapes dict, got {dynamic!r}")
-    for flag, value in (("propagate", propagate), ("verify", verify)):
+    for flag, value in (("propagate", propagate), ("verify", verify), ("measure", measure)):
         if not isinstance(value, bool):
             raise SpartaError(f"{flag} must be True or False, got {value!r}")
     quantize = _quantizer(calibration, quant_tolerance, target)
@@ -147,9 +150,15 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     replacements.update(attention_modules(graph, plan))
     compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
                              kernels=kernels, source=source, inductor=inductor)
+    if measure:
+        from .dense_fallback import measure_and_fall_back
+        t0 = time.perf_counter()
+        measure_and_fall_back(compiled)
+        compiled.timings["measure"] = time.perf_counter() - t0
     if verify:
         compiled.verify()
     return compiled
+
 
 
 def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
@@ -257,27 +266,39 @@ class CompiledModel(torch.nn.Module):
     def __init__(self, graph: Graph, *, target: str = "cpu", plan=None, replacements=None, timings=None,
                  kernels=None, source: Graph | None = None, inductor: str | None = None):
         super().__init__()
-        from .backend.fx import to_graph_module
-
         self.graph = graph
         self.source_graph = source
         self.target = target
         self.plan = plan
         self.timings = dict(timings or {})
         self.kernels = list(kernels or [])
-        replacements = dict(replacements or {})
-        self._replacements = replacements
-        self.module = to_graph_module(graph, masked_weights(graph), replacements)
-        # the reference sees what the kernels really apply: quantised weights dequantised
-        self._reference_weights = {**masked_weights(graph), **{
-            m.weight_name: m.reference_weight for m in replacements.values()
-            if getattr(m, "reference_weight", None) is not None}}
-        self._quantized = any(k.get("bits", "W32A32") != "W32A32" for k in self.kernels)
         self.quantization = graph.meta.get("quantization")   # the calibration report, if one ran
-        self._reference = None
         self._source_reference = None
         self._propagated_module = None
-        self._inductor, self._inductor_fn = inductor, None     # a mode inductor_mode resolved (None: none)
+        self._inductor = inductor                            # a mode inductor_mode resolved (None: none)
+        self.rebuild(replacements or {})
+
+    def rebuild(self, replacements: Mapping[str, torch.nn.Module]) -> None:
+        """Run the graph with these kernel modules standing in for its ops (the rest as torch ops), on the device
+        the model is on."""
+        from .backend.fx import to_graph_module
+        device = self.device if hasattr(self, "module") else None
+        self._replacements = dict(replacements)
+        self.module = to_graph_module(self.graph, masked_weights(self.graph), self._replacements)
+        if device is not None:
+            self.module.to(device)
+        # the reference sees what the kernels really apply: quantised weights dequantised
+        self._reference_weights = {**masked_weights(self.graph), **{
+            m.weight_name: m.reference_weight for m in self._replacements.values()
+            if getattr(m, "reference_weight", None) is not None}}
+        self._quantized = any(k.get("bits", "W32A32") != "W32A32" for k in self.kernels)
+        self._reference, self._inductor_fn = None, None
+
+    def run_dense(self, ops, why: str = "asked for") -> list[str]:
+        """Run these sparse ops as their dense torch ops (their fused activations too); the plan says so, with
+        ``why``. ``compiled.run_dense(compiled.profile().slower_than_dense(), "measured slower")`` closes the loop."""
+        from .dense_fallback import run_dense
+        return run_dense(self, ops, why)
 
     @property
     def inductor(self) -> str | None:

@@ -72,8 +72,8 @@ class Profile:
                  f"({self.dense_forward_us / self.forward_us:.2f}x) on {self.device}, inputs {self.inputs}"]
         slow = self.slower_than_dense()
         if slow:
-            lines.append(f"slower than dense: {', '.join(slow)} (prune them coarser, or leave their weights out of "
-                         "the TeSA to keep them dense)")
+            lines.append(f"slower than dense: {', '.join(slow)} (compiled.run_dense(profile.slower_than_dense()) runs "
+                         "them dense; or prune them coarser)")
         return "\n".join(lines)
 
     def to_json(self) -> dict:

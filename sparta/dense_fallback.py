@@ -1,0 +1,84 @@
+"""Run chosen sparse ops dense again: ``compiled.run_dense(ops, why)``, and ``compile(..., measure=True)``.
+
+The plan is the contract and a plan is never measured slower than dense: where a sparta kernel measures slower than
+the dense op it replaces (``compiled.profile()`` names them), the op runs the torch op on its masked weight instead,
+and the plan says so (kind ``dense``, the measurement in its note). Ops fused into the kernel (its activation, a gated
+unit's slices and product) run as torch ops again. A kernel that hands its readers int8 codes, or reads a LayerNorm's,
+is part of a chain the dense op cannot join; it is refused with the reason.
+"""
+
+from __future__ import annotations
+
+from .backend.fx import Fused, Passthrough
+from .errors import SpartaError
+
+
+def dense_fallback_blocker(compiled, op: str) -> str | None:
+    """Why the sparse op ``op`` cannot run dense alone, or None."""
+    module = compiled.module_replacements().get(op)
+    plan = compiled.plan.ops.get(op) if compiled.plan is not None else None
+    if module is None or plan is None or plan.kind != "sparse" or isinstance(module, (Fused, Passthrough)):
+        return "it runs no sparta GEMM kernel"
+    graph = compiled.graph
+    if any(not graph.has_tensor(t) for t in getattr(module, "output_names", None) or ()):
+        return "its readers take the int8 codes its kernel writes"
+    if any(not graph.has_tensor(t) for t in getattr(module, "input_names", None) or ()):
+        return "it reads the int8 codes another kernel writes"
+    return None
+
+
+def run_dense(compiled, ops, why: str) -> list[str]:
+    """Make each op of ``ops`` run its dense torch op (in place); returns the ops changed. Raises for an op that
+    runs no sparta GEMM kernel or cannot leave its int8 chain."""
+    replacements = compiled.module_replacements()
+    changed = []
+    for op in ops:
+        blocker = dense_fallback_blocker(compiled, op)
+        if blocker is not None:
+            raise SpartaError(f"op {op!r} cannot run dense: {blocker}")
+        out = compiled.graph.op(op).outputs[0]
+        del replacements[op]
+        for name, module in list(replacements.items()):
+            if isinstance(module, Fused) and module.into == op or \
+                    isinstance(module, Passthrough) and module.input_names == [out]:
+                del replacements[name]
+                p = compiled.plan.ops[name]
+                compiled.plan.pin(name, est_us=p.dense_us, note="")
+        p = compiled.plan.ops[op]
+        compiled.plan.pin(op, kind="dense", est_us=p.dense_us, subops=[], epilogue=[], kernel=None,
+                          note=f"runs dense: {why}")
+        changed.append(op)
+    if changed:
+        compiled.kernels = [row for row in compiled.kernels if row.get("op") not in changed]
+        compiled.rebuild(replacements)
+    return changed
+
+
+def measured_slower(compiled, margin: float = 1.1, reps: int = 5) -> dict[str, str]:
+    """The sparse ops that measure more than ``margin`` × their dense op on random inputs of the example's shapes
+    (on the model's device), with the measurement in words."""
+    prof = compiled.profile(reps=reps)
+    return {name: f"measured {prof.op(name).measured_us:.1f} µs against dense {prof.op(name).dense_us:.1f} µs at "
+                  f"{prof.inputs}" for name in prof.slower_than_dense(margin)
+            if dense_fallback_blocker(compiled, name) is None}
+
+
+def measure_and_fall_back(compiled, margin: float = 1.1) -> dict[str, str]:
+    """``compile(..., measure=True)``: run dense the sparse ops measured slower than ``margin`` × their dense op on
+    the target's device; returns them with the measurement."""
+    import torch
+    if compiled.target == "cuda" and not torch.cuda.is_available():
+        raise SpartaError("measure=True times the kernels on the target's device and this machine has no GPU: load "
+                          "the saved model on one and call compiled.run_dense(compiled.profile().slower_than_dense())")
+    home = compiled.device
+    compiled.to(compiled.target)
+    try:
+        slow = measured_slower(compiled, margin)
+        for op, why in slow.items():
+            run_dense(compiled, [op], why)
+    finally:
+        compiled.to(home)
+    return slow
+
+
+__all__ = ["dense_fallback_blocker", "measure_and_fall_back", "measured_slower", "run_dense"]
