@@ -67,3 +67,19 @@ def test_a_profile_reads_as_a_table():
     assert lines[2].startswith("a ") and not any(line.startswith("b ") for line in lines)
     with pytest.raises(ValueError, match="reps"):
         sparta.profiling.profile(None, reps=0)
+
+
+def test_the_prune_loop_example_runs_a_round(monkeypatch):
+    import sys
+    from pathlib import Path
+
+    from models import tiny_bert
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples"))
+    sys.modules.pop("prune_loop", None)
+    from prune_loop import prune_round
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    row, compiled = prune_round(tiny_bert(), 0.5, ids, reps=2)
+    assert row["max_abs_err"] < 1e-4 and row["forward_us"] > 0 and row["dense_forward_us"] > 0
+    plans = compiled.plan.ops.values()
+    assert row["sparse_ops"] == sum(p.kind == "sparse" for p in plans) > 0
+    assert row["run_dense"] == sum(p.note.startswith("runs dense") for p in plans)
