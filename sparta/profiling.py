@@ -54,8 +54,9 @@ class Profile:
         return [o for o in self.ops if o.runs not in ("torch", "fused")]
 
     def slower_than_dense(self, margin: float = 1.0) -> list[str]:
-        """The ops a sparta kernel runs that measured slower than ``margin`` × their dense op."""
-        return [o.op for o in self.sparta_ops() if o.measured_us > margin * o.dense_us]
+        """The GEMMs a sparta kernel runs that measured slower than ``margin`` × their dense op (what
+        ``compiled.run_dense`` takes)."""
+        return [o.op for o in self.sparta_ops() if o.est_us is not None and o.measured_us > margin * o.dense_us]
 
     def report(self, top: int | None = 20) -> str:
         """The ``top`` ops by sparta's measured time (None: all), then totals and the ops slower than dense."""

@@ -61,8 +61,11 @@ def test_the_times_are_the_ops_own(compiled, monkeypatch):
 
 def test_a_profile_reads_as_a_table():
     prof = Profile("cpu", [[1, 4]], [OpTime("a", "linear", "cpu_linear[float32]", 10.0, 30.0, 12.0, 25.0),
-                                     OpTime("b", "add", "torch", 1.0, 1.0)], 20.0, 40.0)
-    assert prof.op("a").speedup == 3.0 and prof.slower_than_dense() == [] and prof.slower_than_dense(0.2) == ["a"]
+                                     OpTime("b", "add", "torch", 1.0, 1.0),
+                                     OpTime("c", "scaled_dot_product_attention", "attention[float32]", 2.0, 1.0)],
+                   20.0, 40.0)
+    assert prof.op("a").speedup == 3.0 and prof.slower_than_dense(0.2) == ["a"]
+    assert prof.slower_than_dense() == [], "only GEMMs run_dense can take (attention has no dense plan to fall to)"
     lines = prof.report(top=1).splitlines()
     assert lines[2].startswith("a ") and not any(line.startswith("b ") for line in lines)
     with pytest.raises(ValueError, match="reps"):
