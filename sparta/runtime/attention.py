@@ -73,7 +73,7 @@ class SizesOnlyMaskAttention(KernelModule):
         found = self.classes.get(key)
         if found is not None:
             return found
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing(q):
             return "mask"                   # no host read inside a capture; this shape stays undecided
         found = self.classes[key] = classify_mask(mask, q.shape[-2], k.shape[-2])
         return found
@@ -108,6 +108,11 @@ class SizesOnlyMaskAttention(KernelModule):
     def extra_repr(self) -> str:
         decided = ", ".join(f"{key[0]}: {kind}" for key, kind in self.classes.items())
         return f"{self.op_name}: mask from sizes alone{'; ' + decided if decided else ''}"
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``t``'s device (its stream may not wait for the host)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

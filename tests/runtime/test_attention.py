@@ -93,6 +93,29 @@ def test_each_shape_is_decided_once_and_on_its_own():
     assert classes == {3: "causal", 8: "mask"} and len(module.classes) == 2
 
 
+def test_a_shape_first_met_in_a_capture_runs_masked_and_stays_undecided(monkeypatch):
+    from sparta.runtime import attention
+    module = SizesOnlyMaskAttention("attn", ["q", "k", "v", "mask"])
+    q, k, v = torch.randn(3, 1, 2, 6, 8)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        seen.append("mask" if kwargs.get("attn_mask") is not None else "causal" if kwargs.get("is_causal") else "none")
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(attention, "capturing", lambda t: True)
+    torch.testing.assert_close(module(q, k, v, mask), real_sdpa(q, k, v, attn_mask=mask))
+    assert seen == ["mask"] and module.classes == {}, "no host read while capturing"
+    monkeypatch.setattr(attention, "capturing", lambda t: False)
+    module(q, k, v, mask)
+    monkeypatch.setattr(attention, "capturing", lambda t: True)
+    module(q, k, v, mask)
+    assert seen == ["mask", "causal", "causal"], "a shape decided before the capture keeps its class in it"
+
+
 def test_outputs_take_the_layout_the_fake_promises():
     q = torch.randn(2, 3, 5, 4)
     same = torch.randn(2, 5, 3, 4).transpose(1, 2)           # (B, L, H, E) in memory already
