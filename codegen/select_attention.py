@@ -70,7 +70,7 @@ def attention_modules(graph: Graph, plan: Plan) -> dict:
     for op in graph.ops(ATTENTION_OPS):
         choice = plan.ops[op.name].kernel if op.name in plan.ops else None
         if choice is not None and choice.kernel == "attention":
-            names = [op.input_of(role) for role in ("query", "key", "value", "attn_mask")]
+            names = [op.input_of(role) for role in ("query", "key", "value", "attn_mask")] + list(graph.inputs)
             out[op.name] = SizesOnlyMaskAttention(op.name, names, op.attrs.get("scale"),
                                                   op.attrs.get("enable_gqa", False))
     return out

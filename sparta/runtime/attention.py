@@ -5,8 +5,8 @@ Hugging Face's models reach ``scaled_dot_product_attention`` through torch.expor
 ``arange`` of the sequence length (all true for BERT without padding, causal for LLaMA): the exported graph must
 keep it, since the graph serves every length. A masked call cannot skip the tiles a causal call skips, nor take the
 mask-free kernels. Selection (``codegen/select_attention.py``) marks the attention ops whose mask depends on no
-input's values, only on sizes; for them the mask is a function of the call's shapes, so classifying it once per
-shape is exact. The first call of a shape reads the mask (one host synchronisation, outside any CUDA-graph capture);
+input's values, only on sizes; for them the mask is a function of the call's shapes (the graph's inputs are passed
+along for theirs), so classifying it once per shape is exact. The first call of a shape reads the mask (one host synchronisation, outside any CUDA-graph capture);
 later calls of that shape run the kernel its class allows. A call met first while a CUDA graph is being captured
 runs masked and decides nothing.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import SpartaError
 from .ops import KernelModule
 
 MASK_CLASSES = ("none", "causal", "mask")
@@ -57,19 +58,20 @@ class SizesOnlyMaskAttention(KernelModule):
     kernel_family = "attention"
 
     def __init__(self, op_name: str, input_names: list[str], scale: float | None = None, enable_gqa: bool = False):
+        """``input_names``: query, key, value, mask, then the graph's inputs (read for their shapes only)."""
         super().__init__()
-        if len(input_names) != 4:
-            raise ValueError(f"attention {op_name!r}: wants query, key, value and mask, got {input_names}")
+        if len(input_names) < 4:
+            raise SpartaError(f"attention {op_name!r}: wants query, key, value and mask, got {input_names}")
         self.op_name, self.input_names = op_name, list(input_names)
         self.scale, self.enable_gqa = scale, bool(enable_gqa)
         self.classes: dict[tuple, str] = {}
         self.register_kernel(f"attention_{op_name}")
 
-    def forward(self, q, k, v, mask):
-        return self.call_kernel(q, k, v, mask)[0]
+    def forward(self, q, k, v, mask, *graph_inputs):
+        return self.call_kernel(q, k, v, mask, *graph_inputs)[0]
 
-    def mask_class(self, q, k, v, mask) -> str:
-        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(mask.shape), mask.dtype, q.device)
+    def mask_class(self, q, k, v, mask, graph_inputs=()) -> str:
+        key = (*(tuple(t.shape) for t in (q, k, v, mask, *graph_inputs)), mask.dtype, q.device)
         found = self.classes.get(key)
         if found is not None:
             return found
@@ -79,8 +81,8 @@ class SizesOnlyMaskAttention(KernelModule):
         return found
 
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        q, k, v, mask = inputs
-        kind = self.mask_class(q, k, v, mask)
+        q, k, v, mask, *graph_inputs = inputs
+        kind = self.mask_class(q, k, v, mask, graph_inputs)
         extra = {"enable_gqa": True} if self.enable_gqa else {}
         if kind == "none":
             out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, **extra)
@@ -91,8 +93,7 @@ class SizesOnlyMaskAttention(KernelModule):
         return [in_layout(out)]
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        q, _, v, _ = inputs
-        return [output_like(q, v)]
+        return [output_like(inputs[0], inputs[2])]
 
     def saved_state(self):
         config = {"op_name": self.op_name, "input_names": self.input_names, "scale": self.scale,

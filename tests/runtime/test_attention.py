@@ -155,7 +155,7 @@ def llama():
 def test_a_decoder_runs_causal_and_one_token_without_its_mask(llama, tmp_path):
     model, compiled = llama
     attn = [m for m in compiled.module_replacements().values() if isinstance(m, SizesOnlyMaskAttention)]
-    assert len(attn) == 2
+    assert len(attn) == 2 and all(m.input_names[4:] == compiled.graph.inputs for m in attn), "keyed on every size"
     report = compiled.plan_report()
     assert report.count("attention[float32]") == 2 and "its mask is computed from sizes alone" in report
     reference = compiled.reference()
