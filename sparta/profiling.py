@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from .backend.fx import Fused, Passthrough, _fx_name
+from .errors import SpartaError
 from .text import table
 
 
@@ -119,9 +120,12 @@ def profile(compiled, args=(), kwargs=None, reps: int = 10) -> Profile:
     """Profile ``compiled`` on one call's inputs (``args``/``kwargs`` as the model takes them; none: random inputs
     of the example's shapes on the model's device)."""
     from .sampling import random_inputs
-    if reps < 1:
-        raise ValueError(f"profile needs reps >= 1, got {reps!r}")
+    if not isinstance(reps, int) or reps < 1:
+        raise SpartaError(f"profile needs reps >= 1, got {reps!r}")
     graph, device = compiled.graph, compiled.device
+    if device.type != compiled.target:
+        raise SpartaError(f"a model compiled for {compiled.target} is profiled there: compiled.to({compiled.target!r}) "
+                          f"first (it is on {device})")
     if not args and not kwargs:
         args = tuple(x.to(device) for x in random_inputs(graph, seed=0))
     flat = graph.flat_inputs(args, kwargs)

@@ -68,7 +68,7 @@ def test_a_profile_reads_as_a_table():
     assert prof.slower_than_dense() == [], "only GEMMs run_dense can take (attention has no dense plan to fall to)"
     lines = prof.report(top=1).splitlines()
     assert lines[2].startswith("a ") and not any(line.startswith("b ") for line in lines)
-    with pytest.raises(ValueError, match="reps"):
+    with pytest.raises(sparta.SpartaError, match="reps"):
         sparta.profiling.profile(None, reps=0)
 
 
@@ -90,3 +90,10 @@ def test_the_prune_loop_example_runs_a_round(monkeypatch):
     plans = compiled.plan.ops.values()
     assert row["sparse_ops"] == sum(p.kind == "sparse" for p in plans) > 0
     assert row["run_dense"] == sum(p.note.startswith("runs dense") for p in plans)
+
+
+def test_a_cuda_model_is_profiled_on_its_gpu():
+    model = MLP().eval()
+    compiled = sparta.compile(model, {}, (torch.randn(2, 4, 128),), target="cuda", dynamic=False)
+    with pytest.raises(sparta.SpartaError, match=r"compiled.to\('cuda'\) first"):
+        compiled.profile()
