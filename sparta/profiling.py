@@ -1,6 +1,6 @@
 """Where a compiled model's time goes, op by op: ``compiled.profile(*inputs)``.
 
-The measurement that closes a researcher's loop (prune → compile → profile → adjust the TeSA): each op of the graph
+The measurement that closes a researcher's loop (prune → compile → profile → adjust the TeSA): each graph op
 timed alone on the tensors one forward hands it, as sparta runs it (its kernel or the torch op) and as the dense
 reference runs it (the torch op on the masked weights), beside the plan's estimates; the ops sparta runs slower than
 dense are named. The whole forward is timed too, as the user calls the model (through its third stage) and as the
@@ -70,7 +70,8 @@ class Profile:
                  f"ops alone: {ours:.1f} µs, dense {dense:.1f} µs ({dense / ours:.2f}x); sparta kernels "
                  f"{sum(o.measured_us for o in self.sparta_ops()):.1f} µs against their dense ops' "
                  f"{sum(o.dense_us for o in self.sparta_ops()):.1f} µs",
-                 f"forward as called: {self.forward_us:.1f} µs; dense reference, eager: {self.dense_forward_us:.1f} µs "
+                 f"forward as called: {self.forward_us:.1f} µs; dense reference, eager: "
+                 f"{self.dense_forward_us:.1f} µs "
                  f"({self.dense_forward_us / self.forward_us:.2f}x) on {self.device}, inputs {self.inputs}"]
         slow = self.slower_than_dense()
         if slow:

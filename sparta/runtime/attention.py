@@ -6,9 +6,9 @@ Hugging Face's models reach ``scaled_dot_product_attention`` through torch.expor
 keep it, since the graph serves every length. A masked call cannot skip the tiles a causal call skips, nor take the
 mask-free kernels. Selection (``codegen/select_attention.py``) marks the attention ops whose mask depends on no
 input's values, only on sizes; for them the mask is a function of the call's shapes (the graph's inputs are passed
-along for theirs), so classifying it once per shape is exact. The first call of a shape reads the mask (one host synchronisation, outside any CUDA-graph capture);
-later calls of that shape run the kernel its class allows. A call met first while a CUDA graph is being captured
-runs masked and decides nothing.
+along for theirs), so classifying it once per shape is exact. The first call of a shape reads the mask (one host
+synchronisation, outside any CUDA-graph capture); later calls of that shape run the kernel its class allows. A call
+met first while a CUDA graph is being captured runs masked and decides nothing.
 """
 
 from __future__ import annotations
