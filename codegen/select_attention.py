@@ -10,9 +10,9 @@ shape.
 from __future__ import annotations
 
 from ..graph import Graph, Op
+from ..passes.simplify import ATTENTION as ATTENTION_OPS
 from ..passes.transform.plan import KernelChoice, Plan
 
-ATTENTION_OPS = ("scaled_dot_product_attention",)
 RANDOM_OPS = ("rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "normal", "uniform", "dropout",
               "native_dropout", "poisson", "exponential", "geometric", "cauchy", "log_normal", "empty",
               "empty_like", "empty_strided", "new_empty")
@@ -21,21 +21,13 @@ RANDOM_OPS = ("rand", "randn", "randint", "randperm", "bernoulli", "multinomial"
 def input_reaching(graph: Graph, tensor: str) -> str | None:
     """The first graph input, random or uninitialised op the computation of ``tensor`` reads, or None if it is a
     function of sizes and constants alone."""
-    seen, todo = set(), [tensor]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        producer = graph.producer(name)
-        if producer is None:
-            if graph.tensor(name).kind != "weight":
-                return f"input {name!r}"
-            continue
-        op = graph.op(producer)
+    ops, sources = graph.upstream(tensor)
+    for name in sources:
+        if graph.tensor(name).kind != "weight":
+            return f"input {name!r}"
+    for op in ops:
         if op.op in RANDOM_OPS or op.op.rstrip("_") in RANDOM_OPS:
             return f"{op.op} ({op.name})"
-        todo.extend(op.inputs)
     return None
 
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from ..graph import Graph, Op
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
-from .select_attention import select_attention
 from ..passes.transform.transform_op import gemm_bias
 from ..runtime import cpu_int8
 from ..target import Target
+from .select_attention import select_attention
 
 EPILOGUE_OF = {"onednn_int8": ("bias",)}   # kernels whose epilogue computes less than the plan's
 

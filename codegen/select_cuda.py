@@ -19,12 +19,12 @@ import torch
 from ..graph import Graph, Op
 from ..passes.transform.fusion import fused_activation, fused_gate, is_gated
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
-from .select_attention import select_attention
 from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
 from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.packing import block_mask_of
 from ..templates.bsr_linear.spec import gate_padded
+from .select_attention import select_attention
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
 EPILOGUE_OF = {"w4a16_gemv": ("bias",), "torch": ()}   # kernels whose epilogue computes less than the plan's

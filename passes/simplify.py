@@ -60,17 +60,8 @@ def _masks_nothing(mask: torch.Tensor) -> bool:
 def _follows_sizes(graph: Graph, name: str) -> bool:
     """Whether the computation of tensor ``name`` reads a symbolic size (an op argument following a dynamic
     dimension)."""
-    seen, todo = set(), [name]
-    while todo:
-        t = todo.pop()
-        if t in seen or (producer := graph.producer(t)) is None:
-            continue
-        seen.add(t)
-        op = graph.op(producer)
-        if any(isinstance(leaf, SymRef) for leaf in pytree.tree_leaves((op.args, op.kwargs))):
-            return True
-        todo.extend(op.inputs)
-    return False
+    ops, _ = graph.upstream(name)
+    return any(isinstance(leaf, SymRef) for op in ops for leaf in pytree.tree_leaves((op.args, op.kwargs)))
 
 
 def drop_trivial_masks(graph: Graph) -> Graph:

@@ -255,6 +255,13 @@ class Graph:
         succ = {k[1] for k in self._g.successors(_t(tensor))} if self._g.has_node(_t(tensor)) else set()
         return [n for n in self._order if n in succ]
 
+    def upstream(self, tensor: str) -> tuple[list[Op], list[str]]:
+        """What ``tensor`` is computed from: the ops (transitively, in topological order) and the tensors no op
+        produces (inputs, weights) that start it."""
+        nodes = nx.ancestors(self._g, _t(tensor)) | {_t(tensor)}
+        ops = [self.op(n) for n in self._order if _o(n) in nodes]
+        return ops, sorted(k[1] for k in nodes if k[0] == "t" and self.producer(k[1]) is None)
+
     def neighbors(self, op: str) -> list[str]:
         """Ops sharing a tensor with ``op``: producers of its inputs, consumers of its outputs."""
         o = self.op(op)
