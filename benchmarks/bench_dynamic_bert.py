@@ -99,7 +99,7 @@ def run_saved(args):
 
 WINDOWS = 5                 # timed windows per measured call; their median is reported
 KERNEL_KINDS = (("attention", ("fmha", "flash", "attention", "sdpa")),
-                ("linears", ("bsr_", "gemm", "nvjet", "xmma", "cutlass", "cublas")))
+                ("linears", ("bsr_", "gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "_mm_", "addmm")))
 
 
 def _call(fn, call: str, ids):

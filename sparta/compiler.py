@@ -160,7 +160,6 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     return compiled
 
 
-
 def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     """Load a model written by ``compiled.save(path)``; CUDA models need no TVM.
 
