@@ -9,6 +9,8 @@ dense reference runs eagerly.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -29,9 +31,10 @@ class OpTime:
     #                                 kernel did its work) or "torch"
     measured_us: float              # sparta's call of the op, alone, on the tensors the forward gave it
     dense_us: float                 # the dense reference's op on the same tensors
-    est_us: float | None = None     # the plan's estimate, for the ops it costs (GEMMs)
+    est_us: float | None = None     # the plan's estimate at this call's rows, for the ops it costs (GEMMs)
     dense_est_us: float | None = None
     note: str = ""
+    rows: int | None = None         # a GEMM's rows (M) at this call
 
     @property
     def speedup(self) -> float:
@@ -117,6 +120,31 @@ def op_times(gm: fx.GraphModule, graph, flat: list[torch.Tensor], reps: int) -> 
     return timer.times
 
 
+def call_rows(p, graph, flat: list[torch.Tensor]) -> int | None:
+    """A costed GEMM's rows (M) at a call of these inputs: its rows at the example scaled by the call's tokens (the
+    product of the dynamic dimensions), as the plan scales them over its token range."""
+    if p is None or p.gemm is None:
+        return None
+    dims, m = graph.meta.get("dynamic_dims", {}), p.gemm[0]
+    if not dims:
+        return m
+    sizes = {t: x.shape for t, x in zip(graph.inputs, flat)}
+    tokens = math.prod(sizes[t][d] for t, d in dims.values())
+    return max(1, round(m * tokens / max(graph.example_tokens, 1)))
+
+
+def estimate_at(p, rows: int) -> tuple[float, float]:
+    """The plan's (estimate, dense estimate) of a GEMM at ``rows``: linear between the rows it was costed at
+    (``OpPlan.rows_us``, and the example's), continued from the nearest two beyond them."""
+    points = sorted({(p.gemm[0], p.est_us, p.dense_us), *((r, e, d) for r, e, d in p.rows_us)})
+    if len(points) == 1:
+        return p.est_us, p.dense_us
+    i = min(max(bisect.bisect_left([r for r, _, _ in points], rows), 1), len(points) - 1)
+    (r0, e0, d0), (r1, e1, d1) = points[i - 1], points[i]
+    t = (rows - r0) / (r1 - r0) if r1 != r0 else 0.0
+    return e0 + t * (e1 - e0), d0 + t * (d1 - d0)
+
+
 def profile(compiled, args=(), kwargs=None, reps: int = 10) -> Profile:
     """Profile ``compiled`` on one call's inputs (``args``/``kwargs`` as the model takes them; none: random inputs
     of the example's shapes on the model's device)."""
@@ -143,9 +171,10 @@ def profile(compiled, args=(), kwargs=None, reps: int = 10) -> Profile:
             runs, note = "fused", f"done by {module.into}" if isinstance(module, Fused) else "by its producer's kernel"
         elif module is not None:
             runs = p.kernel.describe() if p is not None and p.kernel is not None else type(module).__name__
-        costed = p is not None and p.gemm is not None
-        rows.append(OpTime(op.name, op.op, runs, ours.get(op.name, 0.0), dense.get(op.name, 0.0),
-                           p.est_us if costed else None, p.dense_us if costed else None, note))
+        m = call_rows(p, graph, flat)
+        est, dense_est = estimate_at(p, m) if m is not None else (None, None)
+        rows.append(OpTime(op.name, op.op, runs, ours.get(op.name, 0.0), dense.get(op.name, 0.0), est, dense_est,
+                           note, m))
     with torch.no_grad():
         forward = median_us(lambda: compiled(*args, **(kwargs or {})), reps, device)
         dense_forward = median_us(lambda: reference(*flat), reps, device)

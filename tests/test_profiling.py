@@ -97,3 +97,22 @@ def test_a_cuda_model_is_profiled_on_its_gpu():
     compiled = sparta.compile(model, {}, (torch.randn(2, 4, 128),), target="cuda", dynamic=False)
     with pytest.raises(sparta.SpartaError, match=r"compiled.to\('cuda'\) first"):
         compiled.profile()
+
+
+def test_a_dynamic_models_estimates_are_read_at_the_calls_rows():
+    """Planned over 1..48 tokens: a one-token call is held against the plan's one-token estimate, not the example's."""
+    from types import SimpleNamespace
+
+    from sparta.profiling import estimate_at
+    plan = SimpleNamespace(gemm=(48, 256, 128), est_us=40.0, dense_us=80.0, rows_us=[[1, 2.0, 4.0], [4, 5.0, 10.0],
+                                                                                     [16, 14.0, 30.0], [48, 40.0, 80.0]])
+    assert estimate_at(plan, 4) == (5.0, 10.0) and estimate_at(plan, 10) == (9.5, 20.0)
+    assert estimate_at(plan, 96) == (79.0, 155.0), "continued beyond the range from its last two points"
+    grid = torch.rand(256 // 32, 128 // 32, generator=torch.Generator().manual_seed(1)) < 0.3
+    grid[0, 0] = True
+    mask = grid.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    compiled = sparta.compile(MLP().eval(), {"up.weight": mask}, (torch.randn(2, 24, 128),))
+    up = compiled.plan["linear"]
+    one = compiled.profile(torch.randn(1, 1, 128), reps=2).op("linear")
+    assert one.rows == 1 and (one.est_us, one.dense_est_us) == estimate_at(up, 1) and one.est_us < up.est_us
+    assert compiled.profile(torch.randn(2, 24, 128), reps=2).op("linear").est_us == pytest.approx(up.est_us)
