@@ -422,9 +422,10 @@ class CompiledModel(torch.nn.Module):
                                     f"(rtol={tol_r}, atol={tol_a}, trial {trial})")
 
     def profile(self, *args, reps: int = 10, **kwargs):
-        """Time one forward op by op (sparta's kernels and torch ops alone, on the tensors the call gives them) against
-        the dense reference's ops and the plan's estimates, and the whole call: a :class:`~sparta.profiling.Profile`
-        (``.report()``, ``.slower_than_dense()``, ``.to_json()``). No inputs: random ones of the example's shapes."""
+        """Time one forward op by op (sparta's kernels and torch ops inside the forward, median over ``reps``
+        forwards) against the dense reference's ops and the plan's estimates, and the whole call: a
+        :class:`~sparta.profiling.Profile` (``.report()``, ``.slower_than_dense()``, ``.to_json()``). No inputs:
+        random ones of the example's shapes."""
         from .profiling import profile
         return profile(self, args, kwargs, reps)
 

@@ -1,7 +1,7 @@
 """Where a compiled model's time goes, op by op: ``compiled.profile(*inputs)``.
 
 The measurement that closes a researcher's loop (prune → compile → profile → adjust the TeSA): each graph op
-timed alone on the tensors one forward hands it, as sparta runs it (its kernel or the torch op) and as the dense
+timed inside the forward, on the tensors it hands it, as sparta runs it (its kernel or the torch op) and as the dense
 reference runs it (the torch op on the masked weights), beside the plan's estimates; the ops sparta runs slower than
 dense are named. The whole forward is timed too, as the user calls the model (through its third stage) and as the
 dense reference runs eagerly.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -29,7 +31,7 @@ class OpTime:
     op_type: str
     runs: str                       # the sparta kernel that ran it (the plan's kernel column), "fused" (another op's
     #                                 kernel did its work) or "torch"
-    measured_us: float              # sparta's call of the op, alone, on the tensors the forward gave it
+    measured_us: float              # sparta's call of the op inside the forward (median over forwards)
     dense_us: float                 # the dense reference's op on the same tensors
     est_us: float | None = None     # the plan's estimate at this call's rows, for the ops it costs (GEMMs)
     dense_est_us: float | None = None
@@ -70,7 +72,7 @@ class Profile:
                          f"{o.measured_us:.1f}", f"{o.dense_us:.1f}", f"{o.speedup:.2f}", o.note))
         ours, dense = sum(o.measured_us for o in self.ops), sum(o.dense_us for o in self.ops)
         lines = [table(rows),
-                 f"ops alone: {ours:.1f} µs, dense {dense:.1f} µs ({dense / ours:.2f}x); sparta kernels "
+                 f"ops: {ours:.1f} µs, dense {dense:.1f} µs ({dense / ours:.2f}x); sparta kernels "
                  f"{sum(o.measured_us for o in self.sparta_ops()):.1f} µs against their dense ops' "
                  f"{sum(o.dense_us for o in self.sparta_ops()):.1f} µs",
                  f"forward as called: {self.forward_us:.1f} µs; dense reference, eager: "
@@ -87,11 +89,13 @@ class Profile:
 
 
 class _OpTimer(fx.Interpreter):
-    """Runs a GraphModule node by node, timing each node that computes a graph op (summed per op)."""
+    """Runs a GraphModule node by node, timing once each node that computes a graph op (summed per op): in the
+    forward's own order, so every op meets the caches as the forward leaves them (a decode step's weights come from
+    memory, not from the cache a repeated call would warm)."""
 
-    def __init__(self, gm: fx.GraphModule, ops_by_node: dict[str, str], reps: int, device: torch.device):
+    def __init__(self, gm: fx.GraphModule, ops_by_node: dict[str, str], device: torch.device):
         super().__init__(gm)
-        self.ops_by_node, self.reps, self.device, self.times = ops_by_node, reps, device, {}
+        self.ops_by_node, self.cuda, self.times = ops_by_node, device.type == "cuda", {}
 
     def run_node(self, n: fx.Node):
         op = self.ops_by_node.get(n.name)
@@ -99,9 +103,18 @@ class _OpTimer(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         call = getattr(self, n.op)
-        out = call(n.target, args, kwargs)
-        self.times[op] = self.times.get(op, 0.0) + median_us(lambda: call(n.target, args, kwargs), self.reps,
-                                                                     self.device)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = call(n.target, args, kwargs)
+            end.record()
+            end.synchronize()
+            us = start.elapsed_time(end) * 1e3
+        else:
+            t0 = time.perf_counter()
+            out = call(n.target, args, kwargs)
+            us = (time.perf_counter() - t0) * 1e6
+        self.times[op] = self.times.get(op, 0.0) + us
         return out
 
 
@@ -112,12 +125,17 @@ def median_us(fn, reps: int, device: torch.device) -> float:
 
 
 def op_times(gm: fx.GraphModule, graph, flat: list[torch.Tensor], reps: int) -> dict[str, float]:
-    """µs of each graph op of ``graph`` as ``gm`` (an fx module built from it) runs it on ``flat``."""
+    """µs of each graph op of ``graph`` as ``gm`` (an fx module built from it) runs it on ``flat``: the median over
+    ``reps`` forwards (after one more) of its time inside each."""
     device = flat[0].device if flat else torch.device("cpu")
-    timer = _OpTimer(gm, {_fx_name(op.name): op.name for op in graph.ops()}, reps, device)
+    ops_by_node = {_fx_name(op.name): op.name for op in graph.ops()}
+    runs = []
     with torch.no_grad():
-        timer.run(*flat)
-    return timer.times
+        for _ in range(reps + 1):
+            timer = _OpTimer(gm, ops_by_node, device)
+            timer.run(*flat)
+            runs.append(timer.times)
+    return {op: statistics.median(r[op] for r in runs[1:]) for op in runs[0]}
 
 
 def call_rows(p, graph, flat: list[torch.Tensor]) -> int | None:
