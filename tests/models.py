@@ -18,6 +18,17 @@ class MLP(nn.Module):
         return self.fc3(F.gelu(self.fc2(F.relu(self.fc1(x)))))
 
 
+class ResidualMLP(nn.Module):
+    """up → GELU → down, plus the input: a transformer's FFN block."""
+
+    def __init__(self, d=128, h=256):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x))) + x
+
+
 class SmallCNN(nn.Module):
     """Conv-BN-ReLU, depthwise + pointwise (MobileNet style), pooling, classifier."""
 

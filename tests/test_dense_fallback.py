@@ -7,19 +7,11 @@ import pytest
 import torch
 
 import sparta
+from models import ResidualMLP
 from sparta.backend.fx import Fused, Passthrough
 from sparta.runtime.cpu_linear import SparseLinearCPU
 
 pytest.importorskip("tvm", reason="compiles CPU kernels")
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, d=128, h=256):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(x))) + x
 
 
 def block_mask(n, k, seed, density=0.3):
@@ -30,7 +22,7 @@ def block_mask(n, k, seed, density=0.3):
 
 def compiled_mlp(**options):
     torch.manual_seed(0)
-    model = MLP().eval()
+    model = ResidualMLP().eval()
     tesa = {"up.weight": block_mask(256, 128, 1), "down.weight": block_mask(128, 256, 2)}
     return model, sparta.compile(model, tesa, (torch.randn(2, 24, 128),), dynamic=False, **options)
 
@@ -74,7 +66,7 @@ def test_measure_runs_dense_what_measures_slower(monkeypatch):
     assert compiled.plan["linear_1"].kind == "dense" and "measured" in compiled.plan["linear_1"].note
     assert "linear_1" not in compiled.module_replacements() and compiled.timings["measure"] > 0
     with pytest.raises(sparta.SpartaError, match="no GPU"):
-        sparta.compile(MLP().eval(), {}, (torch.randn(2, 4, 128),), target="cuda", measure=True)
+        sparta.compile(ResidualMLP().eval(), {}, (torch.randn(2, 4, 128),), target="cuda", measure=True)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -6,18 +6,10 @@ import pytest
 import torch
 
 import sparta
+from models import ResidualMLP
 from sparta.profiling import OpTime, Profile
 
 pytest.importorskip("tvm", reason="compiles CPU kernels")
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, d=128, h=256):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(x))) + x
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +18,7 @@ def compiled():
     grid = torch.rand(256 // 32, 128 // 32, generator=torch.Generator().manual_seed(1)) < 0.3
     grid[0, 0] = True
     mask = grid.repeat_interleave(32, 0).repeat_interleave(32, 1)
-    return sparta.compile(MLP().eval(), {"up.weight": mask}, (torch.randn(2, 24, 128),), dynamic=False)
+    return sparta.compile(ResidualMLP().eval(), {"up.weight": mask}, (torch.randn(2, 24, 128),), dynamic=False)
 
 
 def test_every_op_is_timed_beside_its_dense_op_and_the_plans_estimate(compiled):
@@ -93,7 +85,7 @@ def test_the_prune_loop_example_runs_a_round(monkeypatch):
 
 
 def test_a_cuda_model_is_profiled_on_its_gpu():
-    model = MLP().eval()
+    model = ResidualMLP().eval()
     compiled = sparta.compile(model, {}, (torch.randn(2, 4, 128),), target="cuda", dynamic=False)
     with pytest.raises(sparta.SpartaError, match=r"compiled.to\('cuda'\) first"):
         compiled.profile()
@@ -111,7 +103,7 @@ def test_a_dynamic_models_estimates_are_read_at_the_calls_rows():
     grid = torch.rand(256 // 32, 128 // 32, generator=torch.Generator().manual_seed(1)) < 0.3
     grid[0, 0] = True
     mask = grid.repeat_interleave(32, 0).repeat_interleave(32, 1)
-    compiled = sparta.compile(MLP().eval(), {"up.weight": mask}, (torch.randn(2, 24, 128),))
+    compiled = sparta.compile(ResidualMLP().eval(), {"up.weight": mask}, (torch.randn(2, 24, 128),))
     up = compiled.plan["linear"]
     one = compiled.profile(torch.randn(1, 1, 128), reps=2).op("linear")
     assert one.rows == 1 and (one.est_us, one.dense_est_us) == estimate_at(up, 1) and one.est_us < up.est_us
