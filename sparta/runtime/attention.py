@@ -19,9 +19,6 @@ import torch.nn.functional as F
 from ..errors import SpartaError
 from .ops import KernelModule
 
-MASK_CLASSES = ("none", "causal", "mask")
-
-
 def classify_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> str:
     """``"none"`` if ``mask`` masks nothing, ``"causal"`` if it is SDPA's ``is_causal`` mask (the lower triangle,
     upper-left aligned: key ``j`` kept for query ``i`` iff ``j <= i``) on every slice, else ``"mask"``. Boolean masks
@@ -83,14 +80,10 @@ class SizesOnlyMaskAttention(KernelModule):
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         q, k, v, mask, *graph_inputs = inputs
         kind = self.mask_class(q, k, v, mask, graph_inputs)
-        extra = {"enable_gqa": True} if self.enable_gqa else {}
-        if kind == "none":
-            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, **extra)
-        elif kind == "causal":
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, **extra)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **extra)
-        return [in_layout(out)]
+        extra = {"none": {}, "causal": {"is_causal": True}}.get(kind, {"attn_mask": mask})
+        if self.enable_gqa:
+            extra["enable_gqa"] = True
+        return [in_layout(F.scaled_dot_product_attention(q, k, v, scale=self.scale, **extra))]
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [output_like(inputs[0], inputs[2])]
@@ -142,7 +135,7 @@ def in_layout(out: torch.Tensor) -> torch.Tensor:
         return out
     if all(a == b or n == 1 for a, b, n in zip(out.stride(), want, out.shape)):
         return out.as_strided(out.shape, want)
-    return torch.empty_strided(out.shape, want, dtype=out.dtype, device=out.device).copy_(out)
+    return output_like(out, out).copy_(out)
 
 
-__all__ = ["MASK_CLASSES", "SizesOnlyMaskAttention", "classify_mask", "in_layout", "output_like", "output_strides"]
+__all__ = ["SizesOnlyMaskAttention", "classify_mask", "in_layout", "output_like", "output_strides"]
