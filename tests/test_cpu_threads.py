@@ -61,3 +61,23 @@ def test_kernels_on_torchs_pool_compute_the_same_at_any_thread_count(tmp_path, m
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(cpu_threads.torch_openmp() is None, reason="needs GNU OpenMP")
+def test_launcher_built_by_racing_processes_is_whole_and_a_broken_one_is_rebuilt(tmp_path):
+    code = ("import sys; from sparta.runtime import cpu_threads; omp = cpu_threads.launcher(); "
+            "print(omp is not None and hasattr(omp, 'sparta_omp_parallel_launch'))")
+    env = {**os.environ, "SPARTA_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-1000:] for _, err in outs]
+    results = {out.split()[-1] for out, _ in outs}
+    if results == {"False"}:
+        pytest.skip("no C compiler with -fopenmp")
+    assert results == {"True"}, "a process loaded a launcher another was still writing"
+    folder = next((tmp_path / "omp_launcher").iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["launcher.so"], "a process left its build files"
+    (folder / "launcher.so").write_bytes(b"not a library")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-1] == "True", out.stderr[-1000:]

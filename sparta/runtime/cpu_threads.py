@@ -70,6 +70,37 @@ def torch_openmp() -> Path | None:
     return Path(sorted(paths)[0]) if len(paths) == 1 else None
 
 
+def _load(lib: Path):
+    """The launcher library at ``lib`` if it loads and holds every launch function, else None."""
+    try:
+        omp = ctypes.CDLL(str(lib))
+    except OSError:
+        return None
+    return omp if all(hasattr(omp, function) for function in POINTERS.values()) else None
+
+
+def _build(folder: Path, gomp: Path) -> Path | None:
+    """Compile the launcher into a file of this process's own (source and object too: processes build it at once),
+    checked before it is published."""
+    stem = folder / f"launcher.{os.getpid()}"
+    src, obj, tmp = stem.with_suffix(".c"), stem.with_suffix(".o"), stem.with_suffix(".so")
+    src.write_text(LAUNCHER_C)
+    cc = os.environ.get("CC", "cc")
+    steps = ([cc, "-O2", "-fPIC", "-fopenmp", "-c", str(src), "-o", str(obj)],
+             [cc, "-shared", str(obj), str(gomp), "-o", str(tmp)])      # needs torch's runtime, by its soname
+    try:
+        for step in steps:
+            try:
+                if subprocess.run(step, capture_output=True, text=True).returncode != 0:
+                    return None
+            except OSError:
+                return None
+        return tmp if _load(tmp) is not None else None
+    finally:
+        src.unlink(missing_ok=True)
+        obj.unlink(missing_ok=True)
+
+
 @functools.lru_cache(maxsize=None)
 def launcher():
     """The OpenMP launcher library (ctypes), linked to torch's own OpenMP runtime, or None where it cannot be
@@ -81,27 +112,15 @@ def launcher():
         return None
     folder = cache_root() / "omp_launcher" / gomp.name
     lib = folder / "launcher.so"
-    if not lib.is_file():
+    omp = _load(lib) if lib.is_file() else None
+    if omp is None:                       # absent, or broken (a crash mid-write in an older version): rebuild
         folder.mkdir(parents=True, exist_ok=True)
-        src, obj = folder / "launcher.c", folder / f"launcher.{os.getpid()}.o"
-        tmp = folder / f"launcher.{os.getpid()}.so"
-        src.write_text(LAUNCHER_C)
-        cc = os.environ.get("CC", "cc")
-        steps = ([cc, "-O2", "-fPIC", "-fopenmp", "-c", str(src), "-o", str(obj)],
-                 [cc, "-shared", str(obj), str(gomp), "-o", str(tmp)])      # needs torch's runtime, by its soname
-        for step in steps:
-            try:
-                ok = subprocess.run(step, capture_output=True, text=True).returncode == 0
-            except OSError:
-                ok = False
-            if not ok:
-                return None
-        obj.unlink(missing_ok=True)
-        os.replace(tmp, lib)
-    try:
-        return ctypes.CDLL(str(lib))
-    except OSError:
-        return None
+        built = _build(folder, gomp)
+        if built is None:
+            return None
+        os.replace(built, lib)
+        omp = _load(lib)
+    return omp
 
 
 def describe() -> str:
