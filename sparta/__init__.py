@@ -5,7 +5,8 @@ plan sub-operators that hardware runs well, and run kernels specialised to the e
 sparsity. See README.md and docs/.
 """
 
-from .compiler import CompiledModel, VerificationError, attach_tesa, compile, load  # noqa: A004
+from .compiled_model import CompiledModel, VerificationError
+from .compiler import attach_tesa, compile, load  # noqa: A004
 from .errors import (CaptureError, CodegenError, GraphError, PlanError, PropagationError, SpartaError,
                      TeSAError)
 from .frontend import capture, from_onnx, from_torch, to_onnx

@@ -165,7 +165,7 @@ def test_user_export_masks_attach_by_parameter_names(tmp_path, kind, exporter):
     for name in equal:   # the LayerNorm weights the exporter merged with the pruned one stay dense
         assert graph.tesa(name).is_dense, name
     from sparta.backend.fx import to_graph_module
-    from sparta.compiler import masked_weights
+    from sparta.compiled_model import masked_weights
     fresh = make_inputs(7)
     got = leaves(to_graph_module(graph, masked_weights(graph))(*fresh))
     want = _masked_reference(model, tesas, fresh)
@@ -307,7 +307,7 @@ def test_tied_parameters_the_exporter_holds_apart_keep_their_names(tmp_path):
     mask = torch.rand(100, 32, generator=torch.Generator().manual_seed(0)) < 0.5
     graph.set_tesa("lm_head.weight", TeSA.from_mask(mask))
     from sparta.backend.fx import to_graph_module
-    from sparta.compiler import masked_weights
+    from sparta.compiled_model import masked_weights
     got = to_graph_module(graph, masked_weights(graph))(*x)[0]
     want = model.transformer(*x).last_hidden_state @ (model.lm_head.weight * mask).T
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

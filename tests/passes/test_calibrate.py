@@ -270,7 +270,7 @@ def test_int4_kernels_apply_the_fitted_scales(tmp_path):
     weight-only 4 bits; pinned to the W4A32 sub-op (the plan is a plain dataclass), the kernel
     applies exactly the calibrated (asymmetric, grouped) weights."""
     from sparta.codegen.specialize import specialize
-    from sparta.compiler import CompiledModel
+    from sparta.compiled_model import CompiledModel
     from sparta.passes import transform
     from sparta.passes.transform import weight_quantisation
     from sparta.passes.transform.plan import SubOp

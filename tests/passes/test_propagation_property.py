@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import sparta
 from sparta.backend.fx import to_graph_module
-from sparta.compiler import attach_tesa, masked_weights
+from sparta.compiled_model import masked_weights
+from sparta.compiler import attach_tesa
 from sparta.passes import propagate
 
 B, D, K, V, L = 3, 12, 4, 20, 5
