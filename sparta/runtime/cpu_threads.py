@@ -66,7 +66,8 @@ def torch_openmp() -> Path | None:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line.split()[-1]}
+    paths = {line.split()[-1] for line in maps.splitlines()
+             if Path(line.split()[-1]).name.startswith("libgomp")}     # not the launcher, cached under its name
     return Path(sorted(paths)[0]) if len(paths) == 1 else None
 
 
