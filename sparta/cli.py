@@ -82,8 +82,8 @@ def cmd_compile(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .passes.transform.plan import Plan
+    from .compiled_model import kernel_table
     from .saved_checks import read_manifest
-    from .text import table
     manifest = read_manifest(args.path)
     print(f"{args.path}: sparta {manifest.get('sparta', '?')}, target {manifest['target']}, torch "
           f"{manifest.get('torch', '?')}")
@@ -91,8 +91,7 @@ def cmd_inspect(args) -> int:
     print(Plan.from_json(plan).report(only_gemm=not args.all_ops) if plan is not None else "no plan")
     kernels = manifest.get("kernels") or []
     if kernels:
-        cols = ("op", "template", "blocks", "bits", "dismantle", "build_s", "cached", "code_bytes")
-        print(table([cols] + [tuple(str(k.get(c, "")) for c in cols) for k in kernels]))
+        print(kernel_table(kernels))
     return 0
 
 

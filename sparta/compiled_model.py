@@ -66,7 +66,7 @@ class CompiledModel(torch.nn.Module):
         """Run these sparse ops as their dense torch ops (their fused activations too); the plan says so, with
         ``why``. ``compiled.run_dense(compiled.profile().slower_than_dense(), "measured slower")`` closes the loop."""
         from .dense_fallback import run_dense
-        return run_dense(self, ops, why)
+        return run_dense(self, dict.fromkeys(ops, why))
 
     @property
     def inductor(self) -> str | None:
@@ -213,8 +213,7 @@ class CompiledModel(torch.nn.Module):
         """The compiled kernels: op, template, blocks, bits, dismantle level, build time, cache, code size."""
         if not self.kernels:
             return "no sparta kernels (every op runs as a torch op)"
-        cols = ("op", "template", "blocks", "bits", "dismantle", "build_s", "cached", "code_bytes")
-        text = table([cols] + [tuple(str(k[c]) for c in cols) for k in self.kernels])
+        text = kernel_table(self.kernels)
         if self.target == "cpu":
             from .runtime.cpu_threads import describe
             text += "\n" + describe()
@@ -232,6 +231,12 @@ class CompiledModel(torch.nn.Module):
                 name = " = ".join([s["name"], *sorted(aliases.get(s["name"], []))])
                 rows.append((name, s["kind"], "x".join(map(str, s["shape"])), f"{s['density']:.3f}", bits))
         return table(rows)
+
+
+def kernel_table(kernels: list[dict]) -> str:
+    """The kernel report's table of kernel rows (a compiled model's, or a saved manifest's)."""
+    cols = ("op", "template", "blocks", "bits", "dismantle", "build_s", "cached", "code_bytes")
+    return table([cols] + [tuple(str(k.get(c, "")) for c in cols) for k in kernels])
 
 
 def _tolerance(dtype, rtol, atol):

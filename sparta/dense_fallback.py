@@ -27,15 +27,15 @@ def dense_fallback_blocker(compiled, op: str) -> str | None:
     return None
 
 
-def run_dense(compiled, ops, why: str) -> list[str]:
-    """Make each op of ``ops`` run its dense torch op (in place); returns the ops changed. Raises for an op that
-    runs no sparta GEMM kernel or cannot leave its int8 chain."""
-    replacements = compiled.module_replacements()
-    changed = []
-    for op in ops:
+def run_dense(compiled, reasons: dict[str, str]) -> list[str]:
+    """Make each op of ``reasons`` (op → why) run its dense torch op (in place); returns the ops changed. Raises,
+    changing nothing, if one of them runs no sparta GEMM kernel or cannot leave its int8 chain."""
+    for op in reasons:
         blocker = dense_fallback_blocker(compiled, op)
         if blocker is not None:
             raise SpartaError(f"op {op!r} cannot run dense: {blocker}")
+    replacements = compiled.module_replacements()
+    for op, why in reasons.items():
         out = compiled.graph.op(op).outputs[0]
         del replacements[op]
         for name, module in list(replacements.items()):
@@ -47,11 +47,10 @@ def run_dense(compiled, ops, why: str) -> list[str]:
         p = compiled.plan.ops[op]
         compiled.plan.pin(op, kind="dense", est_us=p.dense_us, subops=[], epilogue=[], kernel=None,
                           note=f"runs dense: {why}")
-        changed.append(op)
-    if changed:
-        compiled.kernels = [row for row in compiled.kernels if row.get("op") not in changed]
+    if reasons:
+        compiled.kernels = [row for row in compiled.kernels if row.get("op") not in reasons]
         compiled.rebuild(replacements)
-    return changed
+    return list(reasons)
 
 
 def measured_slower(compiled, margin: float = 1.1, reps: int = 5) -> dict[str, str]:
@@ -74,8 +73,7 @@ def measure_and_fall_back(compiled, margin: float = 1.1) -> dict[str, str]:
     compiled.to(compiled.target)
     try:
         slow = measured_slower(compiled, margin)
-        for op, why in slow.items():
-            run_dense(compiled, [op], why)
+        run_dense(compiled, slow)
     finally:
         compiled.to(home)
     return slow

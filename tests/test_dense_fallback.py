@@ -31,6 +31,9 @@ def test_an_op_run_dense_runs_its_torch_op_and_its_activation_and_the_plan_says_
     model, compiled = compiled_mlp()
     modules = compiled.module_replacements()
     assert isinstance(modules["linear"], SparseLinearCPU) and isinstance(modules["gelu"], Passthrough)
+    with pytest.raises(sparta.SpartaError, match="'add' cannot run dense"):
+        compiled.run_dense(["linear", "add"])           # refused whole: nothing changed
+    assert compiled.module_replacements().keys() == modules.keys() and compiled.plan["linear"].kind == "sparse"
     x = torch.randn(2, 24, 128)
     with torch.no_grad():
         want = compiled.reference()(x)[0]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..errors import SpartaError
 from .ops import KernelModule
 
+
 def classify_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> str:
     """``"none"`` if ``mask`` masks nothing, ``"causal"`` if it is SDPA's ``is_causal`` mask (the lower triangle,
     upper-left aligned: key ``j`` kept for query ``i`` iff ``j <= i``) on every slice, else ``"mask"``. Boolean masks

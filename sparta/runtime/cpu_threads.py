@@ -80,6 +80,13 @@ def _load(lib: Path):
     return omp if all(hasattr(omp, function) for function in POINTERS.values()) else None
 
 
+def _succeeds(command: list[str]) -> bool:
+    try:
+        return subprocess.run(command, capture_output=True, text=True).returncode == 0
+    except OSError:
+        return False
+
+
 def _build(folder: Path, gomp: Path) -> Path | None:
     """Compile the launcher into a file of this process's own (source and object too: processes build it at once),
     checked before it is published."""
@@ -90,13 +97,10 @@ def _build(folder: Path, gomp: Path) -> Path | None:
     steps = ([cc, "-O2", "-fPIC", "-fopenmp", "-c", str(src), "-o", str(obj)],
              [cc, "-shared", str(obj), str(gomp), "-o", str(tmp)])      # needs torch's runtime, by its soname
     try:
-        for step in steps:
-            try:
-                if subprocess.run(step, capture_output=True, text=True).returncode != 0:
-                    return None
-            except OSError:
-                return None
-        return tmp if _load(tmp) is not None else None
+        if all(_succeeds(step) for step in steps) and _load(tmp) is not None:
+            return tmp
+        tmp.unlink(missing_ok=True)
+        return None
     finally:
         src.unlink(missing_ok=True)
         obj.unlink(missing_ok=True)
