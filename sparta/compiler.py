@@ -15,6 +15,7 @@ from .shapes import capture_shapes, plan_tokens
 from .runtime.inductor import inductor_mode
 from .compiled_model import CompiledModel
 from .target import load_target
+from .frontend.prune_masks import attach_masks, find_masks
 from .tesa import TeSA
 
 TARGETS = ("cpu", "cuda")
@@ -99,8 +100,10 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     inductor = inductor_mode(inductor, target)
     timings = {}
     t0 = time.perf_counter()
+    model, found_masks = find_masks(model)      # prune masks and zeros as TeSAs; pruning made permanent on a copy
     graph = capture_shapes(model, example_inputs, example_kwargs, parameters, dynamic)
     timings["capture"] = time.perf_counter() - t0
+    attach_masks(graph, found_masks, initial_tesa)
     attach_tesa(graph, initial_tesa)
     source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
     graph = simplify(graph)
