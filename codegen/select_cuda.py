@@ -55,8 +55,8 @@ class GemmSite:
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
            hopper: dict | None = None, note: str = "", gemv: dict | None = None,
-           buckets: list | None = None) -> KernelChoice:
-    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets)
+           buckets: list | None = None, few_rows: list | None = None) -> KernelChoice:
+    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets, few_rows)
 
 
 # ---- the rules, in order ---------------------------------------------------------------------------------------
@@ -90,12 +90,52 @@ def w4a16_gemv(site: GemmSite, target: Target):
 def w4a16_dense_tile(site: GemmSite, target: Target):
     if site.bits != "W4A16" or site.w4_refusal or not site.dense:
         return None
+    if site.any_rows:
+        return w4a16_any_rows(site, target)
     tiles = next(t for top, t in target.tiles("w4a16_dense_tiles") if top is None or site.m <= top)
     if tiles is None:
         return choice("torch", "w4a16_dense_tile", f"W4A16 dense GEMM at M={site.m} is slower than cuBLAS fp16 "
                       "(measured, bench_cuda_w4_gemm); runs as a torch op")
     return choice("bsr_linear", "w4a16_dense_tile", "dense 4-bit weights: the tile kernel dequantises in registers",
                   "w4a16", tiles)
+
+
+def w4a16_any_rows(site: GemmSite, target: Target) -> KernelChoice:
+    """Dense 4-bit weights in a graph of any rows: the W4A16 GEMVs up to ``gemv_max_rows`` rows (where the scale
+    groups suit them), above them one tile kernel of ``w4a16_dense_tiles`` (its packed records fix the block shape,
+    so one tile for every M): the example's, or the first above the GEMVs, over 4-bit weights at every M (where
+    cuBLAS fp16 measured faster too: the 4-bit weight is kept)."""
+    table = target.tiles("w4a16_dense_tiles")
+    few = w4a16_few_rows(site, target)
+    low = few[-1][0] if few else 0
+    at = max(site.m, low + 1)
+    tiles = next((t for top, t in table if t is not None and (top is None or top >= at)))
+    slower = [top for top, t in table if t is None and top is not None and top >= at]
+    note = (f"calls of {at}-{slower[0]} rows run it too, slower than cuBLAS fp16 there (measured, bench_cuda_w4_gemm):"
+            " the 4-bit weight is kept" if slower else "")
+    why = "dense 4-bit weights, any rows: " + (f"the W4A16 GEMV up to {low} rows, " if few else "") + \
+        "the tile kernel dequantising in registers above"
+    return choice("bsr_linear", "w4a16_dense_tile", why, "w4a16", tiles, note=note, few_rows=few)
+
+
+def w4a16_few_rows(site: GemmSite, target: Target) -> list | None:
+    """[[max rows, "w4a16_gemv", tiling], ...] of a graph of any rows: one GEMV up to 8 rows, one up to 16 (the
+    tilings of a static compile at those rows), or None where the scale groups do not suit the GEMV."""
+    if not site.w4_group:
+        return None
+    top = target.tiles("gemv_max_rows", "w4a16")
+    return [[rows, "w4a16_gemv", dict(gemv_tiling(rows, site.n, site.k, site.w4_group), group=site.w4_group)]
+            for rows in (8, 16) if rows <= top] or None
+
+
+def w8a8_few_rows(site: GemmSite, target: Target) -> list | None:
+    """[[max rows, "w8a8_gemv", tiling], ...] of a W8A8 op in a graph of any rows: the tensor-core GEMV (K a
+    multiple of 32) up to 8 rows and up to 16, with a static compile's tilings at those rows."""
+    top = target.tiles("gemv_max_rows", "w8a8")
+    if not site.any_rows or site.k % 32:
+        return None
+    return [[rows, "w8a8_gemv", w8a8_gemv_tiling(rows, site.n, site.k, target, not site.dense)]
+            for rows in (8, 16) if rows <= top] or None
 
 
 def w8a8_gemv(site: GemmSite, target: Target):
@@ -111,15 +151,19 @@ def w8a8_gemv(site: GemmSite, target: Target):
 def w8a8_dense_tile(site: GemmSite, target: Target):
     if site.bits == "W8A8" and site.k % 16 == 0 and site.dense:
         tiles, hopper = int8_dense_tiles(site.m, site.n, target, site.requantized)
-        return choice("bsr_linear", "w8a8_dense_tile", "dense W8A8: int8 tensor cores (wgmma on sm_90)", "int8",
-                      tiles, hopper)
+        few = w8a8_few_rows(site, target)
+        return choice("bsr_linear", "w8a8_dense_tile", "dense W8A8: int8 tensor cores (wgmma on sm_90)" +
+                      (f"; the W8A8 GEMV up to {few[-1][0]} rows" if few else ""), "int8", tiles, hopper,
+                      few_rows=few)
     return None
 
 
 def w8a8_sparse_tile(site: GemmSite, target: Target):
     if site.bits == "W8A8" and site.k % 16 == 0:
-        return choice("bsr_linear", "w8a8_sparse_tile", f"block-sparse W8A8 in {site.side}x{site.side} blocks",
-                      "int8", target.tiles("int8_sparse_tiles", site.side), note=_cover_note(site))
+        few = w8a8_few_rows(site, target)
+        return choice("bsr_linear", "w8a8_sparse_tile", f"block-sparse W8A8 in {site.side}x{site.side} blocks" +
+                      (f"; its kept 16x32 chunks on the W8A8 GEMV up to {few[-1][0]} rows" if few else ""),
+                      "int8", target.tiles("int8_sparse_tiles", site.side), note=_cover_note(site), few_rows=few)
     return None
 
 
@@ -213,10 +257,10 @@ def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None
 
 
 def pingpong_pays(m: int, n: int, target: Target) -> bool:
-    """Whether a dense W8A8 GEMM writing int8 codes runs fastest on the ping-pong kernel (a 128x192 tile per
-    consumer warpgroup): from ``tiles_per_sm`` such tiles per SM (measured: docs/notes/w8a8-tuning.md); never for
-    any number of rows (``m=0``: the persistent kernel is built for one M)."""
-    return m > 0 and n % 192 == 0 and -(-m // 128) * (n // 192) >= target.tiles("pingpong", "tiles_per_sm") * target.sms
+    """Whether a dense W8A8 GEMM of ``m`` rows writing int8 codes runs fastest on the ping-pong kernel (a 128x192
+    tile per consumer warpgroup): from ``tiles_per_sm`` such tiles per SM (measured: docs/notes/w8a8-tuning.md). A
+    graph of any rows asks at its example's rows, as a static compile of them would."""
+    return n % 192 == 0 and -(-m // 128) * (n // 192) >= target.tiles("pingpong", "tiles_per_sm") * target.sms
 
 
 def int8_dense_tiles(m: int, n: int, target: Target, requantized: bool = False) -> tuple[dict, dict]:
@@ -324,6 +368,8 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         op_plan.kernel = choice("torch", "not_a_gemm", f"not a GEMM the CUDA template takes ({op.op})") \
             if site is None else select_gemm(site, target)
         fuses = EPILOGUE_OF.get(op_plan.kernel.kernel)
+        if any(family == "w4a16_gemv" for _, family, _ in op_plan.kernel.few_rows or ()):
+            fuses = EPILOGUE_OF["w4a16_gemv"]   # the GEMVs beside the tile fuse the bias only: the rest after it
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
             op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
         if not gates(op_plan.kernel):  # the gated unit runs as torch ops (slices, activation, product)

@@ -35,19 +35,23 @@ from ..templates.bsr_linear.packing import block_mask_for
 from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.layernorm.kernel import layer_norm_kernel
 from ..templates.layernorm.spec import LayerNormSpec, pick_threads
+from ..templates.w4a16_gemv.kernel import w4a16_gemv
+from ..templates.w4a16_gemv.spec import W4A16Spec
 from ..templates.w8a8_gemv.kernel import w8a8_gemv
+from ..templates.w8a8_gemv.spec import W8A8GemvSpec
 from .cuda_build import build_cuda
 from .select_cuda import fused_activation, gemm_site, pingpong_pays, select_kernels
 from .specialize_gemv import (bind, build_w4a16_gemv, build_w8a8_gemv, int8_weight_scale, report_row, row_quantizer,
                               torch_row, w4_codes)
 
-def int8_codes_spec(spec: BsrSpec, target: Target) -> BsrSpec:
-    """The int8-code-writing (``out="int8"``) twin of a W8A8 kernel; for a dense 128x192 wgmma tile where it pays,
-    the ping-pong schedule (a producer and two consumer warpgroups on alternate tiles, persistent over the SMs, 4
-    stages: its two output tiles fit beside them only as int8)."""
+def int8_codes_spec(spec: BsrSpec, target: Target, rows: int = 0) -> BsrSpec:
+    """The int8-code-writing (``out="int8"``) twin of a W8A8 kernel; for a dense 128x192 wgmma tile where it pays at
+    ``rows`` (default: the spec's M; a kernel of any M: the example's rows), the ping-pong schedule (a producer and
+    two consumer warpgroups on alternate tiles, persistent over the SMs, 4 stages: its two output tiles fit beside
+    them only as int8)."""
     q8 = dataclasses.replace(spec, out="int8", name=spec.name + "_q8")
     if spec.dtype == "int8" and spec.mma == "wgmma" and (spec.bn, spec.tm, spec.warps_n) == (192, 128, 1) \
-            and pingpong_pays(spec.m, spec.n, target):
+            and pingpong_pays(spec.m or rows, spec.n, target):
         q8 = dataclasses.replace(q8, stages=target.tiles("pingpong", "stages"), producer=True, ctas=target.sms,
                                  pingpong=True, name=spec.name + "_pp_q8")
     return q8
@@ -97,12 +101,15 @@ def _requantized_outputs(graph: Graph, plan: Plan, target: Target, replacements:
             kernel, hopper = build_cuda(w8a8_gemv, spec), None
             module.requantize_output(quantized_names(t), scale, (kernel.path, spec))
         elif isinstance(module, SparseLinearCUDA) and module.output_names is None and module.spec.dtype != "w4a16":
-            spec = int8_codes_spec(module.spec, target)
+            rows = plan.ops[name].gemm[0] if plan.ops[name].gemm else 0
+            spec = int8_codes_spec(module.spec, target, rows)
             kernel = build_cuda(bsr_linear, spec)
-            h_spec = int8_codes_spec(module.hopper[1], target) if module.hopper else None
+            h_spec = int8_codes_spec(module.hopper[1], target, rows) if module.hopper else None
             hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
+            few = [(top, build_cuda(w8a8_gemv, g).path, g) for top, g in
+                   ((top, dataclasses.replace(g, out="int8", name=g.name + "_q8")) for top, _, g in module.few_rows)]
             module.requantize_output(quantized_names(t), scale, (kernel.path, spec),
-                                     (hopper.path, h_spec) if hopper else None)
+                                     (hopper.path, h_spec) if hopper else None, few or None)
         else:
             continue
         if fused is not None:
@@ -222,6 +229,31 @@ def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:
                                                                        f"{'_pdl' if tiling.get('pdl') else ''}")
 
 
+def _few_row_specs(choice, spec: BsrSpec, site) -> list:
+    """[(max rows, family, spec), ...]: the low-bit GEMVs selection put beside ``spec``'s tile kernel (any M, up to
+    their rows; ``KernelChoice.few_rows``)."""
+    out = []
+    bf16 = site.act16 == "bfloat16"
+    for top, family, tiling in choice.few_rows or ():
+        t = dict(tiling)
+        rows = 8 if top <= 8 else 16
+        if family == "w4a16_gemv":
+            group = t.pop("group")
+            g = W4A16Spec(0, spec.n, spec.k, group=group, sym=not spec.zero, bias=spec.bias, rows=rows,
+                          dtype=site.act16, **t, name=f"w4a16_gemv_Mx{spec.n}x{spec.k}_r{rows}_g{group}"
+                          f"{'_zero' if spec.zero else ''}{'_bias' if spec.bias else ''}{'_fold' if t.get('fold') else ''}"
+                          f"{'_ks%d' % t['ksplit'] if t.get('ksplit', 1) > 1 else ''}"
+                          f"{'_b%d' % t['min_ctas'] if t.get('min_ctas') else ''}{'_' + t['pdl'] if t.get('pdl') else ''}"
+                          f"{'_bf16' if bf16 else ''}")
+        else:
+            g = W8A8GemvSpec(0, spec.n, spec.k, bias=spec.bias, act=spec.act, out=site.act16, rows=rows, **t,
+                             name=f"w8a8_gemv_Mx{spec.n}x{spec.k}_r{rows}{'_sparse' if t.get('sparse') else ''}_"
+                                  f"{spec.act}{'_bias' if spec.bias else ''}{'_' + t['pdl'] if t.get('pdl') else ''}"
+                                  f"{'_bf16' if bf16 else ''}")
+        out.append((top, family, g))
+    return out
+
+
 def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     """The kernel module of ``op_plan.kernel`` for ``op``: (module, report row, the fused activation op, gated unit
     or None)."""
@@ -257,6 +289,8 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
     if choice.hopper is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
         h_spec = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma")
         hopper = (build_cuda(bsr_linear, h_spec), h_spec)
+    few = [(top, build_cuda(w4a16_gemv if family == "w4a16_gemv" else w8a8_gemv, g), g)
+           for top, family, g in _few_row_specs(choice, spec, site)]
     g_spec = _gemv_spec(spec, choice.gemv)
     gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
     buckets = []                        # tile kernels over the same packed blocks for calls of few rows
@@ -277,6 +311,12 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
                                               hopper=(hopper[0].path, hopper[1]) if hopper else None,
                                               gemv=(gemv[0].path, gemv[1]) if gemv else None,
                                               buckets=[(top, a.path, b) for top, a, b in buckets])
+    if few and w4 is not None:
+        group = few[0][2].group
+        module.attach_w4_gemvs([(top, a.path, g) for top, a, g in few], w4_codes(w4, weight),
+                               scale[:, ::group], None if zero is None else zero[:, ::group].to(torch.uint8))
+    elif few:
+        module.attach_w8_gemvs([(top, a.path, g) for top, a, g in few], module.dense_codes())
     if unit is not None:
         module.write_gated(unit.mul.outputs[0])
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
@@ -285,9 +325,11 @@ def _build_op(graph: Graph, op: Op, op_plan: OpPlan):
                      {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype]
                      + (" (bf16)" if out == "bfloat16" else ""),
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
-                     [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets])
+                     [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets]
+                     + [a for _, a, _ in few])
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
              if hopper else []) + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
+        + [f"up to {top} rows run the {'W4A16' if w4 is not None else 'W8A8'} GEMV {a.path.name}" for top, a, _ in few] \
         + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] + ([choice.note] if choice.note else []) \
         + ([f"writes {unit.activation}(gate) * up ({', '.join(o.name for o in unit.ops)} fused)"] if unit else [])
     if notes:

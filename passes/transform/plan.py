@@ -101,15 +101,33 @@ class KernelChoice:
     gemv: dict | None = None       # the few-row GEMV over the same packed weights, run for calls of <= gemv["rows"]
     buckets: list | None = None    # [[max rows, tiles], ...]: tile kernels over the same packed weights, each run for
     #                                calls of up to its rows (a graph of any rows; ``tiles`` runs above the last)
+    few_rows: list | None = None   # [[max rows, family, tiles], ...]: low-bit GEMVs (their own packed weight) run
+    #                                first, each for calls of up to its rows (a graph of any rows)
 
     def describe(self) -> str:
         if self.kernel == "torch":
             return f"torch ({self.reason})"
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
         main = f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]"
-        parts = [f"M<={self.gemv['rows']}: bsr_gemv[{self.gemv['warps']} warps]"] if self.gemv else []
-        parts += [f"M<={top}: tm {t['tm']}" for top, t in self.buckets or ()]
-        return "; ".join(parts + [f"else {main}"]) if parts else main     # the kernel per bucket of rows, per call
+        return "; ".join([f"M<={top}: {kernel}" for top, kernel in self.by_rows()[:-1]] + [f"else {main}"]) \
+            if self.gemv or self.buckets or self.few_rows else main       # the kernel per bucket of rows, per call
+
+    def by_rows(self) -> list[tuple[int | None, str]]:
+        """[(max rows, kernel), ...]: the kernel a call of up to that many rows runs, in increasing rows (None: the
+        rest)."""
+        if self.kernel == "torch":
+            return [(None, "torch")]
+        out = [(top, f"{family}[{t.get('warps', '')} warps]") for top, family, t in self.few_rows or ()]
+        if self.gemv and not self.few_rows:
+            out.append((self.gemv["rows"], f"bsr_gemv[{self.gemv['warps']} warps]"))
+        low = max([t for t, _ in out], default=0)
+        out += [(top, f"tm {t['tm']}") for top, t in self.buckets or () if top > low]
+        tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
+        return out + [(None, f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}]")]
+
+    def kernel_at(self, rows: int) -> str:
+        """The kernel a call of ``rows`` rows runs."""
+        return next(k for top, k in self.by_rows() if top is None or rows <= top)
 
 
 @dataclass
@@ -245,7 +263,11 @@ def _range(p: OpPlan) -> str:
     if not p.rows_us:
         return ""
     ends = [p.rows_us[0]] + p.rows_us[-1:] if len(p.rows_us) > 1 else p.rows_us
-    return "over the token range " + ", ".join(f"M={r}: {e:.1f}/{d:.1f} µs" for r, e, d in ends)
+    many = p.kernel is not None and len(p.kernel.by_rows()) > 1
+
+    def on(r):
+        return f" ({p.kernel.kernel_at(r)})" if many else ""
+    return "over the token range " + ", ".join(f"M={r}: {e:.1f}/{d:.1f} µs{on(r)}" for r, e, d in ends)
 
 
 def _cpu_kernels(p: OpPlan) -> str:

@@ -28,6 +28,7 @@ from .quant import output_scale_arg
 from ..templates.quant.spec import quantize_rows
 from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
                    device_arch, lanes16)
+from .few_rows import GEMV_BUFFERS, FewRowGemvs
 from .ops import KernelModule
 from .quant import QuantizedLinear, RowQuantizer
 
@@ -189,7 +190,7 @@ def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
 
 
-class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
+class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelModule):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
@@ -200,6 +201,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     ``gemv`` = (folder, spec): the few-row GEMV over the same blocks, run instead for inputs of up to ``spec.rows``
     rows (16-bit kernels). ``buckets`` = [(max rows, folder, spec), ...] in increasing rows: tile kernels over the same
     blocks with smaller M tiles, each run for inputs of up to its rows that the GEMV does not take (kernels of any M).
+    A W4A16 or W8A8 kernel of any M may carry low-bit GEMVs for its few-row calls (:class:`FewRowGemvs`).
     A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
     :meth:`requantize_output` it returns the int8 codes of its output at one static scale and that scale
     per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``. The kernel runs as the
@@ -207,7 +209,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     """
 
     kernel_family = "linear_cuda"
-    weight_names = ("wp", "table", "bias", "weight_scale")
+    weight_names = ("wp", "table", "bias", "weight_scale", *GEMV_BUFFERS)
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
@@ -215,6 +217,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                  hopper: tuple | None = None, gemv: tuple | None = None, buckets=()):
         super().__init__()
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
+        self.init_few_rows()
         self.hopper = None
         if hopper is not None:
             h_folder, h_spec = hopper
@@ -259,10 +262,11 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         return self.spec.dtype == "int8"
 
     def requantize_output(self, names: list[str], scale: float, kernel: tuple | None = None,
-                          hopper: tuple | None = None) -> None:
+                          hopper: tuple | None = None, few_rows: list | None = None) -> None:
         """Return the int8 codes of the output at the static ``scale`` and that scale per row, as the graph
         tensors ``names`` (codes, scales), instead of the output. ``kernel`` / ``hopper`` = (folder, spec):
-        the same kernels built with ``out="int8"`` (default: the current ones already are)."""
+        the same kernels built with ``out="int8"`` (default: the current ones already are); ``few_rows``: the
+        few-row GEMVs so built (default: kept if they already write codes, else dropped)."""
         if kernel is not None:
             self.folder, self.spec = str(kernel[0]), kernel[1]
         if hopper is not None:
@@ -271,6 +275,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         if any(s.out != "int8" for s in specs):
             raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8'")
         self.gemv, self.buckets = None, []          # the GEMV and the bucket kernels write 16-bit outputs
+        if few_rows is not None or any(g.out != "int8" for _, _, g in self.few_rows):
+            self.requantize_few_rows(few_rows)
         self._requantized(names, scale, self.spec.m, self.wp.device)
 
     def write_gated(self, name: str) -> None:
@@ -333,6 +339,8 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                                           self.out_scale_os if self.out_scale is not None else None)
             if self.quant_folder:
                 self._op.quantizer = RowQuantizer(self.quant_folder)
+        if self.few_rows and (out := self.few_rows_call(inputs)) is not None:
+            return out
         if len(inputs) == 2:
             return [self._op.int8(x.contiguous(), inputs[1])]
         if self.gemv is not None and x.shape[0] <= self.gemv[1].rows:
@@ -357,6 +365,12 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
         if self.spec.dtype == "int8":
             return (w.float() * self.weight_scale.cpu()[:, None]).to(act16_dtype(self.spec))
         return w
+
+    def dense_codes(self) -> torch.Tensor:
+        """The ``(N, K)`` int8 codes of a W8A8 kernel's blocks (pruned blocks zero), on the CPU."""
+        if self.spec.dtype != "int8":
+            raise CudaRuntimeError(f"op {self.op_name!r}: only a W8A8 kernel holds int8 codes")
+        return unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
 
     # ---- saved models (sparta.saved) ------------------------------------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
@@ -383,6 +397,10 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                                  for top, f, b in self.buckets]
             folders.update({Path(f).name: Path(f) for _, f, _ in self.buckets})
         config.update(self.output_config())
+        few, few_folders = self.few_rows_config()
+        config.update(few)
+        folders.update(few_folders)
+        tensors.update(self.few_rows_tensors())
         if self.spec.gate:
             config["gated_output"] = self.output_names[0]
         return config, tensors, folders
@@ -407,6 +425,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                      (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
+        module.restore_few_rows(config, tensors, folders)
         module.restore_output(config)
         if spec.gate:
             module.write_gated(config["gated_output"])
@@ -417,7 +436,7 @@ class SparseLinearCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
                 f"{ {'int8': 'W8A8', 'w4a16': 'W4A16', 'bfloat16': 'bf16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
                 f"{' (gated: act(gate) * up)' if self.spec.gate else ''}"
                 f"{', wgmma on sm_90' if self.hopper else ''}"
-                f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}"
+                f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}{self.few_rows_repr()}"
                 f"{''.join(f', tm {b.tm} up to {t} rows' for t, _, b in self.buckets)}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 

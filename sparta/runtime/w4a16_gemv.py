@@ -19,6 +19,33 @@ from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype,
 from .ops import KernelModule
 
 
+class W4A16GemvOp:
+    """The kernel on device tensors: ``op(x)`` for 16-bit ``(M, K)`` rows (``spec.m``, or up to ``spec.rows`` for a
+    kernel of any M); ``wq``, ``scale``, ``zero`` as :func:`pack_codes` returns them, ``bias`` or None; ``split``: the
+    split-K workspace (``split_buffers``; made here if not given)."""
+
+    def __init__(self, folder, spec: W4A16Spec, wq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 bias: torch.Tensor | None, split: dict | None = None):
+        self.kernel, self.spec = CudaKernel(folder), spec
+        self.wq, self.scale, self.zero, self.bias = wq, scale, zero, bias
+        self.split = split_buffers(spec, wq.device) if split is None else split
+        self._prepared = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        check_fp16_input(s.name, x, s.m, s.k, act16_dtype(s))
+        if x.shape[0] > s.max_rows:
+            raise CudaRuntimeError(f"{s.name}: the GEMV takes at most {s.max_rows} rows, got {x.shape[0]}")
+        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(
+                ("X", "Y"), X=lanes16(x), Wq=self.wq, S=lanes16(self.scale), Y=lanes16(y),
+                **({} if s.sym else {"Z": self.zero}), **({"B": lanes16(self.bias)} if s.bias else {}), **self.split)
+        else:
+            self._prepared.launch(X=lanes16(x), Y=lanes16(y))
+        return y
+
+
 class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
     """One graph op run by the W4A16 GEMV: ``y = x · dequant(W)ᵀ (+ b)`` for the op's ``(M, K)`` input, as the op
     ``sparta::gemv_w4a16_cuda`` (its split-K workspace stays inside the op)."""
@@ -45,7 +72,7 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
             self.register_buffer(f"split_{key}", buf, persistent=False)
         self.out_shape = tuple(out_shape)
         self.weight_name, self.weight_transposed = None, False
-        self._kernel, self._prepared, self._prepared_for = None, None, None
+        self._op = None
         self.register_kernel(op_name)
 
     @classmethod
@@ -61,22 +88,14 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
 
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The GEMV on ``[x (M, K) fp16 or bf16]``: ``[(M, N)]`` of its type."""
-        xh, s = inputs[0].contiguous(), self.spec
+        xh = inputs[0].contiguous()
         if not xh.is_cuda or not self.wq.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the model and inputs to a GPU "
                                    "(compiled.to('cuda'))")
-        check_fp16_input(s.name, xh, s.m, s.k, act16_dtype(s))
-        y = torch.empty(s.m, s.n, dtype=xh.dtype, device=xh.device)
-        args = dict(X=lanes16(xh), Wq=self.wq, S=lanes16(self.scale), Y=lanes16(y),
-                    **({} if s.sym else {"Z": self.zero}),
-                    **({"B": lanes16(self.bias)} if s.bias else {}),
-                    **({"P": self.split_P, "C": self.split_C} if s.ksplit > 1 else {}))
-        if self._prepared is None or self._prepared_for != self.wq.data_ptr():
-            self._kernel = self._kernel or CudaKernel(self.folder)
-            self._prepared, self._prepared_for = self._kernel.prepare(("X", "Y"), **args), self.wq.data_ptr()
-        else:
-            self._prepared.launch(X=lanes16(xh), Y=lanes16(y))
-        return [y]
+        if self._op is None or self._op.wq.data_ptr() != self.wq.data_ptr():
+            self._op = W4A16GemvOp(self.folder, self.spec, self.wq, self.scale, self.zero, self.bias,
+                                   {"P": self.split_P, "C": self.split_C} if self.spec.ksplit > 1 else {})
+        return [self._op(xh)]
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [inputs[0].new_empty(inputs[0].shape[0], self.spec.n, dtype=act16_dtype(self.spec))]
@@ -108,7 +127,7 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
 
     def extra_repr(self) -> str:
         s = self.spec
-        return f"{self.op_name}: {s.k}->{s.n}, W4A16 GEMV, {s.m} rows, group {s.group}{'' if s.sym else ', zero points'}"
+        return f"{self.op_name}: {s.k}->{s.n}, W4A16 GEMV, {s.m or f'up to {s.rows}'} rows, group {s.group}{'' if s.sym else ', zero points'}"
 
 
-__all__ = ["W4A16GemvCUDA"]
+__all__ = ["W4A16GemvCUDA", "W4A16GemvOp"]

@@ -59,10 +59,13 @@ class W8A8GemvOp:
 
     def __call__(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        if xq.shape != (s.m, s.k) or xq.dtype != torch.int8 or not xq.is_contiguous() or xs.numel() != s.m:
-            raise CudaRuntimeError(f"{s.name}: takes contiguous int8 ({s.m}, {s.k}) codes and {s.m} fp32 scales")
+        rows = xq.shape[0] if xq.dim() == 2 else -1
+        if xq.dim() != 2 or xq.shape[1] != s.k or not (rows == s.m or not s.m and rows <= s.rows) \
+                or xq.dtype != torch.int8 or not xq.is_contiguous() or xs.numel() != rows:
+            raise CudaRuntimeError(f"{s.name}: takes contiguous int8 ({s.m or f'M <= {s.rows}'}, {s.k}) codes and as "
+                                   "many fp32 scales")
         dtype = torch.int8 if s.out == "int8" else act16_dtype(s)
-        y = torch.empty(s.m, s.n, dtype=dtype, device=xq.device) if out is None else out
+        y = torch.empty(rows, s.n, dtype=dtype, device=xq.device) if out is None else out
         xw, xs, y16 = xq.view(torch.int32), xs.float().contiguous(), lanes16(y)
         if self._prepared is None:
             self._prepared = self.kernel.prepare(("XQ", "XS", "Y"), XQ=xw, XS=xs, WQ=self.wq.view(torch.int32),
@@ -182,7 +185,8 @@ class W8A8GemvCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
 
     def extra_repr(self) -> str:
         s = self.spec
-        return (f"{self.op_name}: {s.k}->{s.n}, W8A8 GEMV{' (block-sparse)' if s.sparse else ''}, {s.m} rows, act={s.act}"
+        return (f"{self.op_name}: {s.k}->{s.n}, W8A8 GEMV{' (block-sparse)' if s.sparse else ''}, "
+                f"{s.m or f'up to {s.rows}'} rows, act={s.act}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 

@@ -128,8 +128,8 @@ class BsrSpec:
         if (self.producer or self.ctas) and (self.mma != "wgmma" or not self.producer or self.ctas < 0):
             bad.append(f"producer={self.producer}, ctas={self.ctas}: a producer warpgroup is for mma 'wgmma', "
                        "and a persistent grid (ctas > 0) for a producer kernel")
-        if self.producer and self.m == 0:
-            bad.append("a producer kernel is built for one M, not any number of rows (m=0)")
+        if self.producer and self.m == 0 and not self.ctas:
+            bad.append("a producer kernel of any number of rows (m=0) needs a persistent grid (ctas > 0)")
         if self.pingpong and (not self.ctas or self.warps_m > 2 or self.warps_n != 1):
             bad.append(f"pingpong: for a persistent producer kernel (ctas > 0), warps_m 1 or 2 (m64 rows per "
                        f"consumer warpgroup) and warps_n 1, not ctas={self.ctas}, {self.warps_m}x{self.warps_n}")

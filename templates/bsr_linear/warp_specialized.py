@@ -71,7 +71,7 @@ def bsr_linear_warp_specialized(spec: BsrSpec):
     WTN = BN // GN
     R, MT = spec.row_blocks, -(-M // TM)
     TILES = MT * R
-    P = min(spec.ctas, TILES) if spec.ctas else TILES
+    P = (spec.ctas if spec.m == 0 else min(spec.ctas, TILES)) if spec.ctas else TILES   # any M: CTAs past it idle
     prod, cons = Movement(spec, 128, M), Movement(spec, RT, M)
     STAGE, HEAD = prod.stage, prod.head
     tab = prod.tab

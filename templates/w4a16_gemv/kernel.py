@@ -34,11 +34,15 @@ def w4a16_gemv(spec: W4A16Spec):
     import tvm
     from tvm.script import tirx as T
 
-    M, N, K, G = spec.m, spec.n, spec.k, spec.group
+    from tvm import tirx
+    N, K, G = spec.n, spec.k, spec.group
+    ANY = spec.m == 0                         # M a kernel argument (up to MR rows), else the spec's
+    MR = spec.max_rows
+    M = tirx.Var("M", "int32") if ANY else spec.m
     TILES, KC, NG = spec.tiles, spec.chunks, spec.groups
     NT, W, U = spec.ntile, spec.warps, spec.unroll
     NP = -(-NT // 2)                          # pairs of 8-row tiles: the 16 rows of one MMA's A
-    RH = 1 if M <= 8 else 2                   # 8-column halves of X rows (the MMA's B, N = 8)
+    RH = 1 if MR <= 8 else 2                   # 8-column halves of X rows (the MMA's B, N = 8)
     KS = spec.ksplit
     CPS = -(-KC // KS)                        # K chunks per split
     ITERS = -(-CPS // (W * U))
@@ -51,7 +55,7 @@ def w4a16_gemv(spec: W4A16Spec):
     MMA = ("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16" if f16acc
            else f"mma.sync.aligned.m16n8k16.row.col.f32.{op16}.{op16}.f32")
     ACC = "uint32" if f16acc else "float32"
-    OUTS = M * NT * 8
+    OUTS = MR * NT * 8
     OUT_ITERS = -(-OUTS // (W * 32))
     sym, use_bias, fold = spec.sym, spec.bias, spec.fold
     # WAITS: PDL as a bool (a TVMScript ``if`` on a str does not parse)
@@ -92,7 +96,7 @@ def w4a16_gemv(spec: W4A16Spec):
             if OUTS % (W * 32) == 0 or o < OUTS:
                 m = T.meta_var(o // (NT * 8))
                 n = T.meta_var(bx * NT * 8 + o % (NT * 8))
-                if N % (NT * 8) == 0 or n < N:
+                if (N % (NT * 8) == 0 or n < N) and (not ANY or m < M):
                     if KS == 1:
                         sum_warps(tot, red, o)
                     else:
@@ -196,7 +200,7 @@ def w4a16_gemv(spec: W4A16Spec):
         S = T.match_buffer(s_h, (TILES, NG, 8), "float16")
         Z = T.match_buffer(z_h, (TILES, NG, 8), "uint8")
         B = T.match_buffer(b_h, (N,), "float16")
-        P = T.match_buffer(p_h, (KS, M, GRID * NT * 8), "float32")
+        P = T.match_buffer(p_h, (KS, MR, GRID * NT * 8), "float32")
         C = T.match_buffer(c_h, (GRID,), "int32")
         Y = T.match_buffer(y_h, (M, N), "float16")
         bx = T.launch_thread("blockIdx.x", GRID)
@@ -248,8 +252,8 @@ def w4a16_gemv(spec: W4A16Spec):
                 for r in T.unroll(4):
                     m = T.meta_var(rh * 8 + t * 2 + r % 2)
                     nl = T.meta_var((2 * p + r // 2) * 8 + g)
-                    if (M % 8 == 0 or m < M) and (NT % 2 == 0 or 2 * p + r // 2 < NT):
-                        red[(warp * M + m) * NT * 8 + nl] = acc_value(acc, rh * NP + p, r)
+                    if (ANY or MR % 8 == 0 or m < MR) and (NT % 2 == 0 or 2 * p + r // 2 < NT):
+                        red[(warp * MR + m) * NT * 8 + nl] = acc_value(acc, rh * NP + p, r)
         T.tvm_storage_sync("shared")
         if KS == 1:
             store_outputs(Y, B, P, red, tot, tx, bx)

@@ -1,6 +1,6 @@
 """W4A16 small-batch linear ``Y = X · dequant(W)ᵀ (+ b)`` for CUDA (Hopper): spec, weight layout, reference.
 
-``X`` is ``(M, K)`` fp16 with ``M`` = 1..16 (decode / small batch), ``W`` is ``(N, K)`` int4 with one
+``X`` is ``(M, K)`` fp16 with ``M`` = 1..16 (decode / small batch; ``m=0``: M is a kernel argument, up to ``rows``), ``W`` is ``(N, K)`` int4 with one
 fp16 scale per ``group`` (32/64/128) consecutive K of a row, symmetric (zero point 8) or asymmetric
 (a zero point per group). ``Y`` is ``(M, N)`` fp16. Memory-bound: the kernel streams the weights once.
 
@@ -30,7 +30,7 @@ KCHUNK = 128                        # K per chunk: 4 lanes x 32 K of one row
 @dataclass(frozen=True)
 class W4A16Spec:
     """Shape, quantisation and tiling of one kernel."""
-    m: int
+    m: int                           # 0: any number of rows up to ``rows`` (M a kernel argument)
     n: int
     k: int
     group: int = 128
@@ -45,12 +45,15 @@ class W4A16Spec:
     min_ctas: int = 0                # > 0: __launch_bounds__(threads, min_ctas), registers capped to fit them per SM
     pdl: str = ""                    # programmatic dependent launch (sm_90), "early" or "late": see the module doc
     dtype: str = "float16"           # X, scales, bias and Y: "float16", or "bfloat16" (bf16 MMA, bf16x2 dequantisation)
+    rows: int = 0                    # m=0: the most rows a call may have (8 or 16); sizes registers and shared memory
     name: str = "w4a16_gemv"
 
     def __post_init__(self):
         bad = []
-        if not 1 <= self.m <= 16:
-            bad.append(f"M={self.m} must be 1..16 (small batch)")
+        if self.m == 0 and self.rows not in (8, 16):
+            bad.append(f"rows={self.rows}: a kernel for any M (m=0) takes up to 8 or 16 rows")
+        elif self.m and (not 1 <= self.m <= 16 or self.rows not in (0, self.m)):
+            bad.append(f"M={self.m} must be 1..16 (small batch), rows 0 or M")
         if self.n <= 0 or self.k <= 0:
             bad.append("N and K must be positive")
         if self.group not in (32, 64, 128):
@@ -63,8 +66,8 @@ class W4A16Spec:
             bad.append("fold needs group 128 (one scale per lane and chunk) and fp32 accumulation")
         if self.ntile < 1 or self.warps not in (1, 2, 4, 8, 16) or self.unroll < 1:
             bad.append("ntile >= 1, warps in 1..16 (power of two), unroll >= 1")
-        if self.warps * self.m * self.ntile * 8 * 4 > 48 * 1024:
-            bad.append(f"the reduction across warps needs warps*M*ntile*32 = {self.warps * self.m * self.ntile * 32} "
+        if self.warps * self.max_rows * self.ntile * 8 * 4 > 48 * 1024:
+            bad.append(f"the reduction across warps needs warps*M*ntile*32 = {self.warps * self.max_rows * self.ntile * 32} "
                        "bytes of shared memory (48 KiB at most): fewer warps or tiles")
         if self.min_ctas < 0 or self.min_ctas * self.warps > 64:
             bad.append(f"min_ctas={self.min_ctas}: 0 (no bound) or CTAs of {self.warps} warps that fit 64 per SM")
@@ -76,6 +79,11 @@ class W4A16Spec:
             bad.append(f"ksplit {self.ksplit} must be 1..{-(-self.k // KCHUNK)} (the K chunks of 128)")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a call may have: M, or ``rows`` for a kernel of any M."""
+        return self.m or self.rows
 
     @property
     def tiles(self) -> int:
@@ -103,6 +111,8 @@ class W4A16Spec:
             del d["pdl"]
         if self.dtype == "float16":
             del d["dtype"]
+        if not self.rows:
+            del d["rows"]
         return d
 
 
@@ -116,7 +126,7 @@ def split_buffers(spec: W4A16Spec, device) -> dict[str, torch.Tensor]:
     (the kernel leaves them zero again); empty for ``ksplit == 1``."""
     if spec.ksplit == 1:
         return {}
-    return {"P": torch.empty(spec.ksplit, spec.m, spec.grid * spec.ntile * 8, dtype=torch.float32, device=device),
+    return {"P": torch.empty(spec.ksplit, spec.max_rows, spec.grid * spec.ntile * 8, dtype=torch.float32, device=device),
             "C": torch.zeros(spec.grid, dtype=torch.int32, device=device)}
 
 

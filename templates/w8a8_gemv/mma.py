@@ -17,13 +17,16 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     import tvm
     from tvm.script import tirx as T
 
-    M, N, K, W, G = spec.m, spec.n, spec.k, spec.warps, spec.group
+    from tvm import tirx
+    N, K, W, G = spec.n, spec.k, spec.warps, spec.group
+    MR = spec.max_rows                        # rows the registers and shared memory hold
+    M = tirx.Var("M", "int32") if spec.m == 0 else spec.m     # m=0: a kernel argument
     TL, CH = spec.tiles, K // MMA_K
     J = -(-CH // W)                           # chunks per warp (at most, when sparse)
     NB = -(-J // G)                           # batches per warp
     EVEN = CH % W == 0
-    H = -(-M // 8)                            # 8-row halves of X: one MMA each
-    OUT = -(-16 * M // (32 * W))              # outputs per thread
+    H = -(-MR // 8)                            # 8-row halves of X: one MMA each
+    OUT = -(-16 * MR // (32 * W))              # outputs per thread
     BF16 = spec.act16 == "bfloat16"
     PDL, EARLY, SPARSE = bool(spec.pdl), spec.pdl == "early", spec.sparse
     MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"

@@ -34,7 +34,7 @@ MAX_K = 133_000            # int32 sums of int8 products stay exact below this K
 @dataclass(frozen=True)
 class W8A8GemvSpec:
     """Shape, epilogue and tiling of one kernel."""
-    m: int
+    m: int                     # 0: any number of rows up to ``rows`` (M a kernel argument; the mma kernel)
     n: int
     k: int
     warps: int = 4             # output rows per CTA, one per warp
@@ -46,12 +46,15 @@ class W8A8GemvSpec:
     out: str = "float16"       # Y: fp16, "bfloat16" (and bias; a bf16 model), or "int8" codes of one static scale
                                # (argument OS, as ``bsr_linear``'s)
     sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
+    rows: int = 0              # m=0: the most rows a call may have (8 or 16)
     name: str = "w8a8_gemv"
 
     def __post_init__(self):
         bad = []
-        if not 1 <= self.m <= 16:
-            bad.append(f"M={self.m} must be 1..16 (a GEMV for decode; more rows want the tile kernels)")
+        if self.m == 0 and (self.rows not in (8, 16) or not self.mma):
+            bad.append(f"rows={self.rows}: a kernel for any M (m=0) is the mma kernel, for up to 8 or 16 rows")
+        elif self.m and (not 1 <= self.m <= 16 or self.rows not in (0, self.m)):
+            bad.append(f"M={self.m} must be 1..16 (a GEMV for decode; more rows want the tile kernels), rows 0 or M")
         if self.n <= 0 or self.k <= 0 or self.k % CHUNK or self.k > MAX_K:
             bad.append(f"N and K must be positive, K={self.k} a multiple of {CHUNK} and below {MAX_K}")
         if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.group <= 16:
@@ -79,6 +82,11 @@ class W8A8GemvSpec:
         return "int8" if self.out == "int8" else "float16"
 
     @property
+    def max_rows(self) -> int:
+        """The most rows a call may have: M, or ``rows`` for a kernel of any M."""
+        return self.m or self.rows
+
+    @property
     def chunks(self) -> int:
         """16-byte chunks per lane (the last ones of a row may fall past K)."""
         return -(-self.k // (CHUNK * 32))
@@ -97,7 +105,7 @@ class W8A8GemvSpec:
 
     def key(self) -> dict:
         d = asdict(self)
-        for f, default in (("mma", False), ("out", "float16"), ("sparse", False)):
+        for f, default in (("mma", False), ("out", "float16"), ("sparse", False), ("rows", 0)):
             if d[f] == default:            # the keys of kernels built before the field existed
                 del d[f]
         return d
