@@ -83,28 +83,56 @@ def cmd_compile(args) -> int:
 def cmd_inspect(args) -> int:
     from .passes.transform.plan import Plan
     from .compiled_model import kernel_table
-    from .saved_checks import read_manifest
+    from .saved_checks import MANIFEST, SavedModelError, read_manifest
     manifest = read_manifest(args.path)
     print(f"{args.path}: sparta {manifest.get('sparta', '?')}, target {manifest['target']}, torch "
           f"{manifest.get('torch', '?')}")
-    plan = manifest.get("plan")
-    print(Plan.from_json(plan).report(only_gemm=not args.all_ops) if plan is not None else "no plan")
-    kernels = manifest.get("kernels") or []
-    if kernels:
-        print(kernel_table(kernels))
+    plan, kernels = manifest.get("plan"), manifest.get("kernels") or []
+    try:
+        print(Plan.from_json(plan).report(only_gemm=not args.all_ops) if plan is not None else "no plan")
+        if kernels:
+            print(kernel_table(kernels))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise SavedModelError(f"{args.path}: the plan or kernel report in {MANIFEST} is malformed "
+                              f"({type(exc).__name__}: {exc}); save the model again") from exc
     return 0
 
 
 def cmd_profile(args) -> int:
     import sparta
+    device = profile_device(args.device)
     compiled = sparta.load(args.path, trust_kernels=args.trust_kernels)
-    if args.device:
-        compiled = compiled.to(args.device)
+    if device is not None:
+        compiled = compiled.to(device)
     prof = compiled.profile(reps=args.reps)
     print(prof.report(top=args.top))
     if args.json:
-        Path(args.json).write_text(json.dumps(prof.to_json(), indent=1))
+        path = Path(args.json)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(prof.to_json(), indent=1))
+        except OSError as exc:
+            raise SpartaError(f"--json {args.json}: cannot write the profile there ({exc}); give a file path in a "
+                              "folder you can write") from exc
     return 0
+
+
+def profile_device(text: str | None) -> torch.device | None:
+    """The device ``--device`` names, checked to exist on this machine (None: where the model loads)."""
+    if not text:
+        return None
+    try:
+        device = torch.device(text)
+    except RuntimeError as exc:
+        raise SpartaError(f"--device {text!r} is not a device; give cpu or cuda (cuda:1 for another GPU)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpartaError(f"--device {text}: this machine has no CUDA device (torch.cuda.is_available() is False); "
+                          "leave out --device to profile on the CPU, or run on a machine with a GPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SpartaError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise SpartaError(f"--device {text}: sparta runs on cpu or cuda")
+    return device
 
 
 def parser() -> argparse.ArgumentParser:

@@ -29,7 +29,9 @@ def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
 
 
 class CompiledModel(torch.nn.Module):
-    """A model compiled by sparta: call it like the original module."""
+    """A model compiled by sparta: call it like the original module, for inference. Its kernels compute no
+    gradients, so a call with grad mode on and an input that requires grad is refused (rather than returning
+    outputs cut off from autograd): call it under ``torch.no_grad()``, or with inputs that do not require grad."""
 
     def __init__(self, graph: Graph, *, target: str = "cpu", plan=None, replacements=None, timings=None,
                  kernels=None, source: Graph | None = None, inductor: str | None = None):
@@ -79,7 +81,7 @@ class CompiledModel(torch.nn.Module):
 
     @inductor.setter
     def inductor(self, mode) -> None:
-        self._inductor, self._inductor_fn = inductor_mode(mode, self.target), None
+        self._inductor, self._inductor_fn = run_mode(mode, self.target), None
 
     def _run(self, flat):
         """The fx module on the graph's flat inputs, through torch.compile where ``inductor`` says."""
@@ -93,7 +95,9 @@ class CompiledModel(torch.nn.Module):
         if torch.compiler.is_compiling():   # Dynamo guards the shapes itself: take the inputs as they come
             outs = self.module(*self.graph.flat_inputs(args, kwargs, check=False))
         else:
-            outs = self._run(self.graph.flat_inputs(args, kwargs))
+            flat = self.graph.flat_inputs(args, kwargs)
+            check_inference_inputs(flat)
+            outs = self._run(flat)
         out_spec = self.graph.meta.get("out_spec")
         return pytree.tree_unflatten(list(outs), out_spec) if out_spec is not None else outs
 
@@ -141,7 +145,9 @@ class CompiledModel(torch.nn.Module):
 
     def verify(self, trials: int = 2, rtol: float | None = None, atol: float | None = None, seed: int = 0) -> dict:
         """Check the compiled model on fresh random inputs; raise :class:`VerificationError` on a mismatch. A model
-        captured with dynamic dimensions is checked at three shapes at least (the example's, one row, larger).
+        captured with dynamic dimensions is checked at three shapes at least (the example's, one row, larger), inputs
+        that share a dimension drawn at one size; masks are drawn right-padded at random, lengths up to the sequence
+        (:func:`sparta.sampling.random_inputs`).
 
         Two checks per trial: the propagated TeSAs against the model with only the user's initial TeSAs
         (both as plain torch ops on masked fp weights: propagation may prune only what cannot change an
@@ -196,6 +202,10 @@ class CompiledModel(torch.nn.Module):
         :class:`~sparta.profiling.Profile` (``.report()``, ``.slower_than_dense()``, ``.to_json()``). No inputs:
         random ones of the example's shapes."""
         from .profiling import profile
+        if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+            raise SpartaError(f"profile: reps is the number of forwards to time, a whole number >= 1; got {reps!r}")
+        if args or kwargs:
+            check_inference_inputs(self.graph.flat_inputs(args, kwargs))
         return profile(self, args, kwargs, reps)
 
     def plan_report(self, only_gemm: bool = False) -> str:
@@ -231,6 +241,29 @@ class CompiledModel(torch.nn.Module):
                 name = " = ".join([s["name"], *sorted(aliases.get(s["name"], []))])
                 rows.append((name, s["kind"], "x".join(map(str, s["shape"])), f"{s['density']:.3f}", bits))
         return table(rows)
+
+
+def run_mode(inductor, target: str) -> str | None:
+    """:func:`inductor_mode`, refusing CUDA graph replay for a CPU model (it would fail on its first call)."""
+    mode = inductor_mode(inductor, target)
+    if mode == "cudagraph" and target != "cuda":
+        raise SpartaError(f"inductor='cudagraph' replays CUDA graphs, which a {target} model cannot: compile with "
+                          "target='cuda', or pass inductor=True (Inductor's default mode), another torch.compile mode "
+                          "such as 'max-autotune-no-cudagraphs', or False")
+    return mode
+
+
+def check_inference_inputs(flat: list[torch.Tensor]) -> None:
+    """Refuse inputs the compiled model cannot run: meta tensors (no data) and, with grad mode on, inputs that
+    require grad (the kernels compute no gradients: the outputs would be cut off from autograd)."""
+    for x in flat:
+        if x.device.type == "meta":
+            raise SpartaError("an input is on the meta device, which holds no data: pass real tensors on the "
+                              "model's device")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in flat):
+        raise SpartaError("an input requires grad, but sparta kernels are inference-only (they compute no "
+                          "gradients): call the model under torch.no_grad() or torch.inference_mode(), or with "
+                          "inputs that do not require grad (x.detach())")
 
 
 def kernel_table(kernels: list[dict]) -> str:

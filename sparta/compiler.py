@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import time
 from collections.abc import Mapping
 
@@ -12,8 +13,7 @@ from .errors import GraphError, QuantizationError, SpartaError, TeSAError
 from .passes.simplify import simplify
 from .graph import Graph
 from .shapes import capture_shapes, plan_tokens
-from .runtime.inductor import inductor_mode
-from .compiled_model import CompiledModel
+from .compiled_model import CompiledModel, run_mode
 from .target import load_target
 from .frontend.prune_masks import attach_masks, find_masks
 from .tesa import TeSA
@@ -96,8 +96,12 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     for flag, value in (("propagate", propagate), ("verify", verify), ("measure", measure)):
         if not isinstance(value, bool):
             raise SpartaError(f"{flag} must be True or False, got {value!r}")
+    from .passes.transform.profile import HardwareProfile
+    if profile is not None and not isinstance(profile, (str, os.PathLike, HardwareProfile)):
+        raise SpartaError(f"profile must be a hardware profile JSON path or a HardwareProfile (None: the target's "
+                          f"own), got {profile!r}")
     quantize = _quantizer(calibration, quant_tolerance, target)
-    inductor = inductor_mode(inductor, target)
+    inductor = run_mode(inductor, target)
     timings = {}
     t0 = time.perf_counter()
     model, found_masks = find_masks(model)      # prune masks and zeros as TeSAs; pruning made permanent on a copy
@@ -154,7 +158,7 @@ def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
     A CPU model's kernels are rebuilt from their saved specs (TVM needed; a kernel this machine
     built before comes from the kernel cache). ``trust_kernels=True`` loads the compiled
     libraries in the folder instead: native code that runs in this process, so only for folders
-    you trust as you would a Python package. ``inductor`` as for :func:`compile`.
+    you trust as you would a Python package (it must be True or False). ``inductor`` as for :func:`compile`.
     """
     from .saved import read
     compiled = read(path, CompiledModel, trust_kernels)

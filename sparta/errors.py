@@ -34,3 +34,7 @@ class CodegenError(SpartaError):
 
 class QuantizationError(SpartaError):
     """Bad calibration input or quantization configuration."""
+
+
+class ArgumentTypeError(SpartaError, TypeError):
+    """An argument of the wrong type; the message says what to pass."""

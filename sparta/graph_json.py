@@ -5,18 +5,22 @@ allowlist of pure tensor ops (:func:`refusal`) and a few Python operators, so a 
 compute on tensors and nothing else: no files, storage, uninitialised memory, in-place writes or
 process state. Argument templates use tagged JSON for what JSON lacks: tensor references, tuples,
 dtypes, devices, layouts, memory formats and non-finite floats. Output and input structures
-(pytree specs) come back from plain containers only; no module named in the file is imported.
-Weight data goes in the tensor dict (``safetensors`` in a saved model).
+(pytree specs) come back from plain containers and Hugging Face output classes only (:func:`load_treespec`);
+no module named in the file is imported. Weight data goes in the tensor dict (``safetensors`` in a saved model).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import importlib
+import importlib.util
 import json
 import math
 import operator
 import re
+import sys
 import warnings
 
 import torch
@@ -38,6 +42,8 @@ DENIED_OPS = frozenset({
     "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided",
     "segment_reduce", "sparse_coo_tensor", "sparse_compressed_tensor", "sparse_csr_tensor", "sparse_csc_tensor",
     "sparse_bsr_tensor", "sparse_bsc_tensor", "view_of_dtype", "device_put"})
+# ops that return memory they did not compute (uninitialised, resized or another tensor's storage), by name prefix
+UNINITIALISED_PREFIXES = ("empty", "new_empty", "resize", "set")
 # private ATen ops that torch.export's decompositions emit for the graphs sparta captures
 PRIVATE_OPS = frozenset({
     "_to_copy", "_softmax", "_log_softmax", "_safe_softmax", "_unsafe_view", "_native_batch_norm_legit_no_training",
@@ -60,11 +66,15 @@ def refusal(op: torch._ops.OpOverload) -> str | None:
     """Why a saved graph may not call ``op`` (None: it may).
 
     Allowed: ATen/prims overloads whose schema writes no argument, that return only tensors
-    and take no storage, public ones but :data:`DENIED_OPS` and the private ones in :data:`PRIVATE_OPS`.
+    and take no storage, public ones but :data:`DENIED_OPS` and those named like
+    :data:`UNINITIALISED_PREFIXES` (``empty*``, ``resize*``, ``set*``: memory an output could hold
+    without the op computing it), and the private ones in :data:`PRIVATE_OPS`.
     """
     schema, name = op._schema, op._schema.name.split("::", 1)[-1]
     if op.namespace not in OP_NAMESPACES:
         return f"it is outside the namespaces {OP_NAMESPACES}"
+    if name.startswith(UNINITIALISED_PREFIXES):
+        return "it returns memory it did not compute (uninitialised, resized or another tensor's storage)"
     if schema.is_mutable:
         return "it writes to its arguments"
     if not schema.returns or not all(_is_tensor_type(r.type) for r in schema.returns):
@@ -200,11 +210,12 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def load_treespec(text: str):
-    """A pytree spec from ``treespec_dumps`` text, built from plain containers without importing
-    anything: tuples, lists, dicts and ordered dicts; a node of another type comes back as a dict
-    where its context is a key list (a model library's output class), else as a tuple, unless that
-    type is already registered with pytree under its saved name with a key list (an output class of
-    a library this process imported)."""
+    """A pytree spec from ``treespec_dumps`` text, built from plain containers (tuples, lists, dicts and
+    ordered dicts) and Hugging Face output classes: a node saved under the qualified name of a class of
+    ``transformers.modeling_outputs`` comes back as that class (the one module imported, only when
+    transformers is installed), as does an already registered ``ModelOutput`` subclass of another
+    transformers module. A node of any other type comes back as a dict where its context is a key
+    list, else as a tuple; nothing it names is imported."""
     try:
         protocol, schema = json.loads(text)
         if protocol != 1:
@@ -216,6 +227,34 @@ def load_treespec(text: str):
 
 _CONTAINERS = {"builtins.tuple": tuple, "builtins.list": list, "builtins.dict": dict,
                "collections.OrderedDict": collections.OrderedDict}
+MODEL_OUTPUTS = "transformers.modeling_outputs"     # the one module a saved output structure may import
+
+
+def output_class(kind: str, keys: list):
+    """The Hugging Face output class saved as ``kind`` with fields ``keys`` (None: not one): a ``ModelOutput``
+    subclass of :data:`MODEL_OUTPUTS`, looked up there by name, or one registered with pytree by transformers
+    already; its fields must include ``keys``."""
+    registered = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(kind)
+    if registered is None:
+        module, _, name = kind.rpartition(".")
+        if module != MODEL_OUTPUTS or not name.isidentifier() or importlib.util.find_spec("transformers") is None:
+            return None
+        try:
+            outputs = importlib.import_module(MODEL_OUTPUTS)
+        except Exception:  # noqa: BLE001 - a broken transformers install: the output comes back as a dict
+            return None
+        registered = vars(outputs).get(name)
+        if getattr(registered, "__module__", None) != MODEL_OUTPUTS:
+            return None
+    generic = sys.modules.get("transformers.utils.generic")
+    base = getattr(generic, "ModelOutput", None)
+    if not (isinstance(registered, type) and base is not None and issubclass(registered, base)
+            and dataclasses.is_dataclass(registered)):
+        return None
+    node = pytree.SUPPORTED_SERIALIZED_TYPES.get(registered)
+    ok = node is not None and node.serialized_type_name == kind and node.from_dumpable_context is None and \
+        set(keys) <= {f.name for f in dataclasses.fields(registered)}
+    return registered if ok else None
 
 
 def _treespec(node: dict):
@@ -231,12 +270,9 @@ def _treespec(node: dict):
     keys = _keys(context, len(children))
     if keys is None:
         return pytree.TreeSpec(tuple, None, children)
-    registered = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(kind)
-    plain_context = registered in pytree.SUPPORTED_SERIALIZED_TYPES and \
-        pytree.SUPPORTED_SERIALIZED_TYPES[registered].from_dumpable_context is None
-    if kind in _CONTAINERS or (plain_context and kind not in ("collections.defaultdict", "collections.deque")):
-        return pytree.TreeSpec(_CONTAINERS.get(kind, registered), keys, children)
-    return pytree.TreeSpec(dict, keys, children)
+    if kind in _CONTAINERS:
+        return pytree.TreeSpec(_CONTAINERS[kind], keys, children)
+    return pytree.TreeSpec(output_class(kind, keys) or dict, keys, children)
 
 
 def _keys(context: str | None, n: int) -> list | None:

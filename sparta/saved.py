@@ -30,7 +30,7 @@ import torch
 
 from . import saved_folder
 from .codegen.cache import file_digest
-from .errors import SpartaError
+from .errors import ArgumentTypeError, SpartaError
 from .saved_checks import (FORMAT, MANIFEST, TENSORS, VERSION, SavedModelError, check_declared, check_tensors,
                            declared_values, read_manifest)
 
@@ -175,6 +175,9 @@ def _copy_kernel(src: Path, dest: Path) -> None:
 def read(path, build, trust_kernels: bool = False):
     """The model written by ``compiled.save(path)``, made by ``build`` (the ``CompiledModel`` class) from the
     folder's graph, plan, kernel modules and reports; ``sparta.load`` is the public entry."""
+    if not isinstance(trust_kernels, bool):     # a truthy "no" must not load native code
+        raise ArgumentTypeError(f"trust_kernels must be True or False, got {trust_kernels!r}: pass True only for "
+                                "a folder whose native code you trust")
     root = Path(path)
     saved_folder.recover(Path(os.path.abspath(path)))
     manifest = read_manifest(root)

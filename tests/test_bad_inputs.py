@@ -145,6 +145,11 @@ CASES = [
     ("bad dismantle level", lambda: compile_mlp(dismantle="sometimes"), SpartaError, "dismantle"),
     ("propagate not a bool", lambda: compile_mlp(propagate="yes"), SpartaError, "propagate must be True or False"),
     ("verify not a bool", lambda: compile_mlp(verify="yes"), SpartaError, "verify must be True or False"),
+    ("inductor='cudagraph' on the CPU", lambda: compile_mlp(target="cpu", inductor="cudagraph"), SpartaError,
+     "replays CUDA graphs.*target='cuda'"),
+    ("hardware profile an int", lambda: compile_mlp(profile=123), SpartaError,
+     "profile must be a hardware profile JSON path or a HardwareProfile"),
+    ("hardware profile a missing file", lambda: compile_mlp(profile="missing.json"), SpartaError, "missing.json"),
     ("calibration without tolerance", lambda: compile_mlp(calibration=[(X,)]), SpartaError, "needs both"),
     ("tolerance without calibration", lambda: compile_mlp(quant_tolerance=1e-3), SpartaError, "needs both"),
     ("negative tolerance", lambda: calibrate([(X,)], -1.0), QuantizationError, "tolerance"),
@@ -162,12 +167,25 @@ CASES = [
     ("call with float64", lambda: compiled_mlp()(X.double()), SpartaError, "dtype torch.float64.*float32"),
     ("call with int64", lambda: compiled_mlp()(X.long()), SpartaError, "dtype torch.int64.*float32"),
     ("call with another width", lambda: compiled_mlp()(torch.randn(2, 23)), SpartaError, "shape"),
+    ("call with a meta-device input", lambda: compiled_mlp()(torch.empty(2, 24, device="meta")), SpartaError,
+     "meta device.*real tensors"),
+    ("call with an input that requires grad", lambda: compiled_mlp()(X.clone().requires_grad_()), SpartaError,
+     "inference-only.*torch.no_grad()"),
+    ("set inductor='cudagraph' on a CPU model", lambda: setattr(compiled_mlp(), "inductor", "cudagraph"),
+     SpartaError, "replays CUDA graphs"),
+    # profiling the compiled model
+    ("profile with reps=True", lambda: compiled_mlp().profile(X, reps=True), SpartaError, "reps.*whole number"),
+    ("profile with reps=0", lambda: compiled_mlp().profile(X, reps=0), SpartaError, "reps"),
+    ("profile a meta-device input", lambda: compiled_mlp().profile(torch.empty(2, 24, device="meta")), SpartaError,
+     "meta device"),
     # inspecting the compiled model
     ("tesa of an unknown name", lambda: compiled_mlp().tesa("fc9.weight"), GraphError, "unknown tensor"),
     ("verify with zero trials", lambda: compiled_mlp().verify(trials=0), SpartaError, "trials"),
     ("verify with a negative tolerance", lambda: compiled_mlp().verify(rtol=-1.0), SpartaError, "rtol"),
     ("save onto a file", lambda: compiled_mlp().save(__file__), SpartaError, "choose an empty or new folder"),
     ("load a missing folder", lambda: sparta.load("/nonexistent/folder"), SpartaError, "not a saved sparta model"),
+    ("load trusting kernels with a string", lambda: sparta.load("/nonexistent/folder", trust_kernels="no"),
+     SpartaError, "trust_kernels must be True or False"),
     ("capture with kwargs not a dict", lambda: sparta.capture(mlp(), (X,), [X]), CaptureError,
      "example_kwargs must be a dict"),
 ]
@@ -184,6 +202,19 @@ def test_bad_input_raises_a_sparta_error_that_says_what_to_do(case):
 
 def test_the_catalogue_is_large():
     assert len(CASES) >= 60
+
+
+def test_compiled_models_run_without_autograd_only():
+    """Inference only: under no_grad, inference_mode or with inputs that do not require grad the call runs; its
+    outputs never pretend to carry gradients."""
+    compiled, grad_x = compiled_mlp(), X.clone().requires_grad_()
+    with torch.no_grad():
+        expected = compiled(grad_x)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(grad_x), expected)
+    out = compiled(X)
+    torch.testing.assert_close(out, expected)
+    assert not out.requires_grad and not expected.requires_grad
 
 
 def test_a_model_in_train_mode_compiles_in_eval_mode_with_a_warning():

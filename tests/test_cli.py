@@ -1,6 +1,7 @@
 """``sparta`` on the command line: compile an ONNX file with TeSAs from a file, inspect and profile the saved model."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -74,3 +75,36 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert example_input("2x7:int64").shape == (2, 7) and example_input("3:float16").dtype == torch.float16
     with pytest.raises(sparta.SpartaError, match="2x128:int64"):
         example_input("2xq:int64")
+
+
+@pytest.fixture(scope="module")
+def saved_mlp(tmp_path_factory):
+    torch.manual_seed(0)
+    return sparta.compile(MLP().eval(), {}, (torch.randn(4, 64),)).save(tmp_path_factory.mktemp("cli") / "m")
+
+
+def test_inspect_of_a_malformed_plan_says_so(saved_mlp, tmp_path, capsys):
+    folder = tmp_path / "m"
+    shutil.copytree(saved_mlp, folder)
+    manifest = json.loads((folder / "sparta.json").read_text())
+    for broken in ({"ops": 5}, {"ops": {"linear": "dense"}}, {"ops": {"linear": {}}}, {"static_scales": [1.0]}):
+        (folder / "sparta.json").write_text(json.dumps({**manifest, "plan": {**manifest["plan"], **broken}}))
+        assert main(["inspect", str(folder)]) == 1
+        assert "plan or kernel report in sparta.json is malformed" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_profile_on_a_missing_cuda_device_says_so(saved_mlp, capsys):
+    assert main(["profile", str(saved_mlp), "--device", "cuda"]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
+    assert main(["profile", str(saved_mlp), "--device", "gpu"]) == 1
+    assert "not a device" in capsys.readouterr().err
+
+
+def test_profile_json_goes_into_a_new_folder(saved_mlp, tmp_path, capsys):
+    report = tmp_path / "new" / "folder" / "profile.json"
+    assert main(["profile", str(saved_mlp), "--reps", "1", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["ops"]
+    (tmp_path / "taken").write_text("a file, not a folder")
+    assert main(["profile", str(saved_mlp), "--reps", "1", "--json", str(tmp_path / "taken" / "p.json")]) == 1
+    assert "cannot write the profile there" in capsys.readouterr().err

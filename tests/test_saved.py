@@ -365,6 +365,56 @@ def test_output_classes_of_unknown_packages_come_back_as_dicts():
     assert torch.utils._pytree.tree_unflatten([1, 2], back) == {"last_hidden_state": 1, "pooler_output": 2}
 
 
+def _hugging_face(name):
+    import transformers as tf
+    torch.manual_seed(0)
+    if name == "bert":
+        return tiny_bert(layers=1)
+    return tf.GPT2Model(tf.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100, n_positions=64,
+                                      use_cache=False)).eval()
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_hugging_face_outputs_load_as_the_models_own_class(name, tmp_path):
+    """A fresh process, transformers not yet imported, gets the model's output class back from the saved folder."""
+    from safetensors.torch import save_file
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    compiled = sparta.compile(_hugging_face(name), {}, (ids,))
+    expected = compiled(ids)
+    path = compiled.save(tmp_path / name)
+    save_file({"y": expected.last_hidden_state}, str(tmp_path / "expected.safetensors"))
+    code = f"""import sys, torch, sparta
+from safetensors.torch import load_file
+assert "transformers" not in sys.modules
+out = sparta.load({str(path)!r})(torch.tensor({ids.tolist()}))
+print(type(out).__module__ + "." + type(out).__name__)
+torch.testing.assert_close(out.last_hidden_state, load_file("expected.safetensors")["y"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cls = type(expected)
+    assert out.stdout.strip() == f"{cls.__module__}.{cls.__name__}"
+    assert cls.__module__ == "transformers.modeling_outputs"
+
+
+@pytest.mark.parametrize("kind, keys, rebuilt", [
+    ("BaseModelOutput", ["last_hidden_state"], True),
+    ("BaseModelOutput", ["last_hidden_state", "not_a_field"], False),     # not the class's fields: a dict
+    ("ModelOutput", ["last_hidden_state"], False),                          # defined elsewhere, imported there
+    ("torch", ["last_hidden_state"], False),                                # not a class
+    ("BaseModelOutput.__init__", ["last_hidden_state"], False)])
+def test_only_output_classes_of_transformers_modeling_outputs_are_rebuilt(kind, keys, rebuilt):
+    import transformers.modeling_outputs as outputs
+
+    from sparta.graph_json import load_treespec
+    leaf = {"type": None, "context": None, "children_spec": []}
+    node = {"type": "transformers.modeling_outputs." + kind, "context": json.dumps(keys),
+            "children_spec": [leaf] * len(keys)}
+    back = torch.utils._pytree.tree_unflatten(list(range(len(keys))), load_treespec(json.dumps([1, node])))
+    assert type(back) is (outputs.BaseModelOutput if rebuilt else dict)
+    assert dict(back) == dict(zip(keys, range(len(keys))))
+
+
 def test_a_loaded_model_verifies_against_its_source_graph(compiled_mlp, tmp_path):
     path = compiled_mlp.save(tmp_path / "m")
     loaded = sparta.load(path)

@@ -178,7 +178,10 @@ def test_malformed_launch_specs_are_refused(tmp_path, launch):
 REFUSED_OPS = ["aten::from_file.default", "aten::fill_.Scalar", "aten::copy_.default", "aten::set_.source_Storage",
                "aten::resize_.default", "aten::_local_scalar_dense.default", "aten::item.default",
                "aten::as_strided.default", "aten::empty.memory_format", "aten::_copy_from.default",
-               "aten::_nested_view_from_buffer.default", "prims::device_put.default", "os::system.default"]
+               "aten::_nested_view_from_buffer.default", "prims::device_put.default", "os::system.default",
+               "aten::resize.default", "aten::resize_as.default", "aten::resize_as_.default",
+               "aten::set_.source_Tensor", "aten::empty_like.default", "aten::empty_strided.default", "aten::empty_permuted.default",
+               "aten::new_empty.default", "aten::new_empty_strided.default", "prims::empty_strided.default"]
 
 
 @pytest.mark.parametrize("name", REFUSED_OPS)
@@ -206,6 +209,45 @@ def test_a_graph_reading_a_file_is_refused(saved, tmp_path):
     write_manifest(saved, data)
     refused(saved, "not one a saved model may call")
     assert secret.read_text() == "the user's secret"
+
+
+def _output_through(data: dict, target: str, args) -> None:
+    """Route the graph's first output through one more op, ``target(*args(pre))``, ``pre`` being what the output was."""
+    graph = data["graph"]
+    out = graph["outputs"][0]
+    last = next(o for o in graph["ops"] if out in o["outputs"])
+    last["outputs"] = ["pre" if n == out else n for n in last["outputs"]]
+    value = next(v for v in graph["tensors"] if v["name"] == out)
+    graph["tensors"].append({**value, "name": "pre", "kind": "activation"})
+    args = args({"$ref": "pre"})
+    graph["ops"].append({"name": "crafted", "op": target.split("::")[1].split(".")[0],
+                         "inputs": [a["$ref"] for a in args if isinstance(a, dict)], "outputs": [out], "target": target,
+                         "args": {"$tuple": args}, "kwargs": {"$dict": {}}, "source": "", "multi_output": False})
+
+
+# ops whose output is memory they did not compute: what a model gets from them is whatever that memory held
+UNCOMPUTED = {"aten::resize.default": lambda pre: [pre, [5, 1000]],
+              "aten::resize_as.default": lambda pre: [pre, pre],
+              "aten::resize_.default": lambda pre: [pre, [5, 1000]],
+              "aten::set_.source_Tensor": lambda pre: [pre, pre],
+              "aten::empty_like.default": lambda pre: [pre],
+              "aten::new_empty.default": lambda pre: [pre, [5, 10]],
+              "aten::empty_strided.default": lambda pre: [[5, 10], [10, 1]],
+              "aten::empty.memory_format": lambda pre: [[5, 10]]}
+
+
+def test_a_crafted_graph_op_is_loaded_as_data(saved, original):
+    _output_through(data := manifest(saved), "aten::clone.default", lambda pre: [pre])
+    write_manifest(saved, data)
+    torch.testing.assert_close(sparta.load(saved)(X), original[1](X), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target", sorted(UNCOMPUTED))
+def test_a_graph_returning_memory_it_did_not_compute_is_refused(saved, target):
+    _output_through(data := manifest(saved), target, UNCOMPUTED[target])
+    write_manifest(saved, data)
+    error = refused(saved, "not one a saved model may call")
+    assert target in str(error)
 
 
 def _tiny(cls, config):

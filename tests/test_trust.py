@@ -1,5 +1,7 @@
 """No silent wrong answers: index-dependent models, verify() against the model as given, tied weights,
-NaN at pruned positions, no aliasing of the source model."""
+NaN at pruned positions, no aliasing of the source model; native kernels load only when asked with True."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ from models import MLP
 
 import sparta
 from sparta import TeSA, VerificationError
+from sparta.errors import ArgumentTypeError
 from sparta.passes.rules import RULES, rule
 
 
@@ -154,3 +157,26 @@ def test_the_compiled_model_does_not_alias_the_source_parameters():
         for p in model.parameters():
             p.add_(1.0)
     torch.testing.assert_close(compiled(x), before, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def saved_with_kernels(tmp_path_factory):
+    """A saved MLP whose block-sparse linear runs a CPU kernel (a ``kernel.so`` in the folder)."""
+    torch.manual_seed(0)
+    mask = torch.zeros(128, 64, dtype=torch.bool)
+    mask[:32, :32] = True
+    compiled = sparta.compile(MLP(d_in=64, d_hidden=128, d_out=10).eval(), {"fc1.weight": TeSA.from_mask(mask)},
+                              (torch.randn(5, 64),))
+    path = compiled.save(tmp_path_factory.mktemp("trust") / "m")
+    assert list(Path(path).rglob("kernel.so"))
+    return path
+
+
+@pytest.mark.parametrize("trust", ["no", "False", 1, 0, None, [True]])
+def test_loading_native_kernels_takes_true_or_false_only(saved_with_kernels, trust):
+    with pytest.raises(ArgumentTypeError, match="trust_kernels must be True or False") as info:
+        sparta.load(saved_with_kernels, trust_kernels=trust)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, sparta.SpartaError)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(sparta.load(saved_with_kernels, trust_kernels=True)(x),
+                               sparta.load(saved_with_kernels, trust_kernels=False)(x), rtol=0, atol=0)
