@@ -130,12 +130,14 @@ def w4a16_few_rows(site: GemmSite, target: Target) -> list | None:
 
 def w8a8_few_rows(site: GemmSite, target: Target) -> list | None:
     """[[max rows, "w8a8_gemv", tiling], ...] of a W8A8 op in a graph of any rows: the tensor-core GEMV (K a
-    multiple of 32) up to 8 rows and up to 16, with a static compile's tilings at those rows."""
+    multiple of 32) up to 8 rows and up to 16, with a static compile's tilings at those rows — and up to 4 rows its
+    own where a static compile's differs there (launched as a programmatic dependent)."""
     top = target.tiles("gemv_max_rows", "w8a8")
     if not site.any_rows or site.k % 32:
         return None
-    return [[rows, "w8a8_gemv", w8a8_gemv_tiling(rows, site.n, site.k, target, not site.dense)]
-            for rows in (8, 16) if rows <= top] or None
+    tilings = {rows: w8a8_gemv_tiling(rows, site.n, site.k, target, not site.dense) for rows in (4, 8, 16)}
+    return [[rows, "w8a8_gemv", t] for rows, t in tilings.items()
+            if rows <= top and (rows != 4 or t != tilings[8])] or None
 
 
 def w8a8_gemv(site: GemmSite, target: Target):

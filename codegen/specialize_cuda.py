@@ -101,10 +101,10 @@ def _requantized_outputs(graph: Graph, plan: Plan, target: Target, replacements:
             kernel, hopper = build_cuda(w8a8_gemv, spec), None
             module.requantize_output(quantized_names(t), scale, (kernel.path, spec))
         elif isinstance(module, SparseLinearCUDA) and module.output_names is None and module.spec.dtype != "w4a16":
-            rows = plan.ops[name].gemm[0] if plan.ops[name].gemm else 0
-            spec = int8_codes_spec(module.spec, target, rows)
+            example_rows = plan.ops[name].gemm[0] if plan.ops[name].gemm else 0
+            spec = int8_codes_spec(module.spec, target, example_rows)
             kernel = build_cuda(bsr_linear, spec)
-            h_spec = int8_codes_spec(module.hopper[1], target, rows) if module.hopper else None
+            h_spec = int8_codes_spec(module.hopper[1], target, example_rows) if module.hopper else None
             hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
             few = [(top, build_cuda(w8a8_gemv, g).path, g) for top, g in
                    ((top, dataclasses.replace(g, out="int8", name=g.name + "_q8")) for top, _, g in module.few_rows)]

@@ -20,13 +20,14 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 7   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+VERSION = 8   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
 #               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
 #               4: W8A8 GEMV modules (w8a8_gemv_cuda)
 #               5: the source graph (the model with only the user's TeSAs) that verify() checks against
 #               6: CUDA epilogues name the exact GELU "gelu" and the tanh form "gelu_tanh" (before: "gelu_erf", "gelu")
 #               7: CPU int4 blocks hold each register slice's halves in low/high nibbles; CPU int8 linears
 #                  (int8_linear_cpu); weight-only int8 CPU blocks (act_bits)
+#               8: low-bit tile kernels of any M with their few-row GEMVs (few_rows); GEMV specs of any M (rows)
 CUDA_SINCE = 6     # older CUDA models name their GELUs otherwise: refused, not run with the other GELU
 CPU_INT4_SINCE = 7  # older CPU int4 blocks pair neighbouring rows in a byte: refused, not run with another packing
 TARGETS = ("cpu", "cuda")
@@ -196,6 +197,8 @@ def _features(manifest: dict):
             yield 3, f"a LayerNorm with a fused residual add (op {op_name!r})"
         if kind == "w8a8_gemv_cuda":
             yield 4, f"a W8A8 GEMV module (op {op_name!r})"
+        if config.get("few_rows") or (kind in ("w4a16_gemv_cuda", "w8a8_gemv_cuda") and spec.get("rows")):
+            yield 8, f"a low-bit GEMV of any M (op {op_name!r})"
         if kind == "int8_linear_cpu":
             yield 7, f"a CPU int8 linear (op {op_name!r})"
         if kind == "sparse_linear_cpu" and any(s.get("act_bits") for s in _cpu_sub_specs(entry)):

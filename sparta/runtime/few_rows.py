@@ -60,7 +60,7 @@ class FewRowGemvs:
               and all(isinstance(g, spec_type) and g.m == 0 and g.max_rows >= t and (g.n, g.k) == (s.n, s.k)
                       and g.bias == s.bias for t, _, g in kernels) and len(same) == 1)
         if dtype == "int8":
-            ok = ok and all(g.act == s.act and g.out in ("float16", "bfloat16") for _, _, g in kernels)
+            ok = ok and all(g.act == s.act and (g.out == "int8") == (s.out == "int8") for _, _, g in kernels)
         if not ok:
             raise CudaRuntimeError(f"op {self.op_name!r}: the few-row GEMVs must take any M up to their rows, read one "
                                    f"packed weight of the op's shape and compute its epilogue, in increasing rows")

@@ -161,17 +161,27 @@ def test_4bit_scales_the_kernel_cannot_hold_fall_back_to_fp16_with_a_note(tmp_pa
 
 
 def test_dense_4bit_ops_where_the_int4_gemm_is_slower_stay_cublas(tmp_path, monkeypatch):
-    """At 64 rows the W4A16 dense GEMM measured 2x slower than cuBLAS fp16: the dense op stays a torch op
-    (on the dequantised weights) and says why; the sparse op still gets its W4A16 kernel."""
+    """At 64 rows the W4A16 dense GEMM measured 2x slower than cuBLAS fp16: compiled for those rows alone, the dense
+    op stays a torch op (on the dequantised weights) and says why; the sparse op still gets its W4A16 kernel. Compiled
+    for any rows (the default) it keeps its 4-bit weight: the GEMVs up to 16 rows, the tile above, the plan saying
+    where the tile is the slower one."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     model, mask = _mlp_and_mask(3)
     model = model.half()
     batches = [(torch.randn(2, 32, 1024).half(),) for _ in range(2)]
+    quant = {"tolerance": 1.0, "widths": (4,), "progress": False}
     compiled = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
-                              quant_tolerance={"tolerance": 1.0, "widths": (4,), "progress": False})
+                              quant_tolerance=quant, dynamic=False)
     rows = {k["op"]: k for k in compiled.kernels}
     assert rows["linear_1"]["template"] == "torch" and "slower than cuBLAS" in rows["linear_1"]["key"]
     assert rows["linear"]["bits"] == "W4A16"
+    any_rows = sparta.compile(model, {"0.weight": mask}, batches[0], target="cuda", calibration=batches,
+                              quant_tolerance=quant)
+    dense = any_rows.plan["linear_1"].kernel
+    assert [(top, family) for top, family, _ in dense.few_rows] == [(8, "w4a16_gemv"), (16, "w4a16_gemv")]
+    assert dense.kernel == "bsr_linear" and "slower than cuBLAS fp16 there" in dense.note
+    assert dense.kernel_at(1).startswith("w4a16_gemv") and dense.kernel_at(64).startswith("bsr_linear")
+    assert "(w4a16_gemv" in any_rows.plan_report()
 
 
 @pytest.mark.parametrize("residual", [True, False])

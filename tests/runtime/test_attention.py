@@ -205,6 +205,42 @@ def test_a_mask_from_an_input_or_from_random_numbers_is_not_taken():
     assert "attention[" not in noisy.plan_report()
 
 
+class MaskInput(torch.nn.Module):
+    """Attention over a mask that is a graph input: as given, or joined to a built one through a list argument."""
+
+    def __init__(self, joined: bool):
+        super().__init__()
+        self.joined = joined
+
+    def forward(self, x, keep):
+        q = x.view(x.shape[0], x.shape[1], 2, -1).transpose(1, 2)
+        mask = keep[:, None, None, :]
+        if self.joined:                                   # cat reads the input inside a list of tensors
+            built = torch.ones(q.shape[0], 1, 1, 1, dtype=torch.bool)
+            mask = torch.cat([built, mask[..., 1:]], dim=-1)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["as_given", "through_cat"])
+def test_a_mask_input_is_never_classified(joined):
+    """A mask that is an input differs between calls of one shape: its attention op is not selected, and calls of one
+    shape with all-true and padded masks each get their own answer."""
+    model = MaskInput(joined).eval()
+    x = torch.randn(2, 12, 16)
+    compiled = sparta.compile(model, {}, (x, torch.ones(2, 12, dtype=torch.bool)))
+    assert len(compiled.graph.dynamic_dims_of("keep")) == 2
+    sdpa = next(compiled.graph.ops("scaled_dot_product_attention"))
+    assert input_reaching(compiled.graph, sdpa.input_of("attn_mask")) == "input 'keep'"
+    assert "keep" in compiled.graph.upstream(sdpa.input_of("attn_mask"))[1]
+    assert "attention[" not in compiled.plan_report()
+    assert not any(isinstance(m, SizesOnlyMaskAttention) for m in compiled.module_replacements().values())
+    x = torch.randn(3, 9, 16)
+    padded = torch.arange(9)[None, :] < torch.tensor([9, 4, 1])[:, None]
+    with torch.no_grad():
+        for keep in (torch.ones(3, 9, dtype=torch.bool), padded, torch.ones(3, 9, dtype=torch.bool)):
+            torch.testing.assert_close(compiled(x, keep), model(x, keep))
+
+
 def test_a_cuda_model_propagates_fake_tensors_through_its_attention():
     """Compiled for CUDA here (no GPU): the attention op's fake output follows the call's shapes."""
     model = tiny_llama(layers=1).to(torch.bfloat16)

@@ -8,13 +8,11 @@ outputs poisoned with NaN first.
 """
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures.artifacts import MISSING, ROOT
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROWS = (1, 7, 64, 200, 3, 257)             # one op, called in this order: grids grow and shrink
 LINEARS = ["r_odd_gelu", "r_odd_gelu_tm32", "r_stream_ragged_relu", "r_i8_odd_relu_q8", "r_w4_ragged_zero_relu",
@@ -27,7 +25,7 @@ GEMVS = ["r_gemv_odd_gelu", "r_gemv_stream_ragged_relu", "r_gemv_b64_gelu_w8", "
 def _folder(name):
     folder = ROOT / name
     if not (folder / "launch.json").is_file():
-        pytest.skip(f"kernel {name} not built in {ROOT}")
+        pytest.skip(MISSING + f"kernel {name} not built in {ROOT}")
     return folder
 
 

@@ -6,19 +6,17 @@ M, a partial last block row and block column, every epilogue, both table kinds a
 dense tile. Fresh random data each run; outputs are poisoned with NaN first.
 """
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures.artifacts import MISSING, ROOT
 SMALL = sorted(p.name for p in ROOT.glob("t_*") if (p / "spec.json").is_file()
                and not p.name.startswith(("t_q", "t_ln", "t_w8g"))) if ROOT.is_dir() else []
 QUANT = sorted(p.name for p in ROOT.glob("*q_*") if (p / "spec.json").is_file()) if ROOT.is_dir() else []
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not SMALL, reason=f"no built bsr kernels in {ROOT}")]
+              pytest.mark.skipif(not SMALL, reason=MISSING + f"no built bsr kernels in {ROOT}")]
 
 
 def _mask(spec, density):
@@ -106,7 +104,7 @@ def _fp16_blocks_for_first(dtype):
     from sparta.templates.bsr_linear.packing import pack_weight
     names = [n for n in SMALL if load_spec(ROOT / n).dtype == dtype and load_spec(ROOT / n).out == "float16"]
     if not names:
-        pytest.skip(f"no {dtype} kernels built")
+        pytest.skip(MISSING + f"no {dtype} kernels built")
     spec = load_spec(ROOT / names[0])
     mask = torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
     w = torch.randn(spec.n, spec.k, device="cuda")
@@ -199,7 +197,7 @@ def test_programmatic_dependent_launch_chains_read_what_the_previous_kernel_wrot
     from sparta.templates.quant.spec import quantize_rows
     chained = [n for n in SMALL if load_spec(ROOT / n).pdl]
     if not chained:
-        pytest.skip("no pdl kernels built")
+        pytest.skip(MISSING + "no pdl kernels built")
     for name in chained:
         spec = load_spec(ROOT / name)
         assert spec.n == spec.k

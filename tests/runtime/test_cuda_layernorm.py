@@ -2,8 +2,6 @@
 W8A8 block whose LayerNorm hands the linear its int8 codes. Kernels are built beforehand where TVM is
 (``tests/fixtures/build_cuda.py``)."""
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,8 @@ from sparta.runtime.layernorm import LayerNormOp
 from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
 from sparta.templates.quant.spec import quantize_rows
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures import kernel_choices
+from fixtures.artifacts import MISSING, ROOT
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CASES = ["t_ln_warp_both", "t_ln_plain", "t_ln_cta_int8", "t_ln_cta2_weight_only", "t_ln_res_warp_both",
          "t_ln_res_cta_fp16"]
@@ -21,7 +20,7 @@ CASES = ["t_ln_warp_both", "t_ln_plain", "t_ln_cta_int8", "t_ln_cta2_weight_only
 def _op(name, seed=0):
     folder = ROOT / name
     if not (folder / "launch.json").is_file():
-        pytest.skip(f"kernel {name} not built in {ROOT}")
+        pytest.skip(MISSING + f"kernel {name} not built in {ROOT}")
     import json
     spec = LayerNormSpec(**json.loads((folder / "spec.json").read_text()))
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -92,13 +91,11 @@ def test_captures_in_a_cuda_graph_and_refuses_bad_input():
 SAVED_FP16 = ROOT / "saved_postln_fp16"
 
 
-@pytest.mark.skipif(not (SAVED_FP16 / "sparta.json").is_file(), reason=f"no saved model in {SAVED_FP16}")
+@pytest.mark.skipif(not (SAVED_FP16 / "sparta.json").is_file(), reason=MISSING + f"no saved model in {SAVED_FP16}")
 def test_saved_fp16_post_ln_block_fuses_the_residual_add_into_its_layer_norm():
     import sparta
     model = sparta.load(SAVED_FP16, inductor=False).to("cuda")
-    mods = model.module_replacements()
-    assert mods["layer_norm"].spec.residual and type(mods["add"]).__name__ == "Fused"
-    assert not mods["layer_norm_1"].spec.residual
+    kernel_choices.check_postln(model)
     g = model.graph
     x = torch.randn(4, 96, 768, device="cuda").half()
 
@@ -121,7 +118,7 @@ def test_saved_fp16_post_ln_block_fuses_the_residual_add_into_its_layer_norm():
 SAVED = ROOT / "saved_norm_w8a8"
 
 
-@pytest.mark.skipif(not (SAVED / "sparta.json").is_file(), reason=f"no saved model in {SAVED}")
+@pytest.mark.skipif(not (SAVED / "sparta.json").is_file(), reason=MISSING + f"no saved model in {SAVED}")
 def test_saved_norm_block_feeds_int8_codes_to_the_w8a8_linear():
     import sparta
     model = sparta.load(SAVED, inductor=False).to("cuda")

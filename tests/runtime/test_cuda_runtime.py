@@ -5,18 +5,16 @@ Uses the ``t_odd_gelu`` kernel built beforehand by ``python tests/fixtures/build
 """
 
 import json
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures.artifacts import MISSING, ROOT
 KERNEL = ROOT / "t_odd_gelu"
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not (KERNEL / "launch.json").is_file(), reason=f"no built kernel {KERNEL}")]
+              pytest.mark.skipif(not (KERNEL / "launch.json").is_file(), reason=MISSING + f"no built kernel {KERNEL}")]
 
 
 def _args():

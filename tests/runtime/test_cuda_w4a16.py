@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures.artifacts import MISSING, ROOT
 W4 = ROOT / "w4a16"
 SMALL = sorted(p.name for p in W4.glob("t_*") if (p / "spec.json").is_file()) if W4.is_dir() else []
+ANY_M = sorted(p.name for p in W4.glob("a_*") if (p / "spec.json").is_file()) if W4.is_dir() else []
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not SMALL, reason=f"no built w4a16 kernels in {W4}")]
+              pytest.mark.skipif(not SMALL, reason=MISSING + f"no built w4a16 kernels in {W4}")]
 LIMITS = {"float32": (55.0, 2e-3), "float16": (35.0, 1e-2),     # (min SQNR dB, max error / max |ref|)
           "bfloat16": (45.0, 1e-2)}                              # bf16 X, weights and Y: 8-bit mantissas
 RESULTS = {}
@@ -90,7 +91,7 @@ def test_fp32_accumulation_is_at_least_as_accurate_as_fp16():
     pairs = [("t_m16_asym_g128_bias", "t_m16_asym_g128_f16acc")]
     for a, b in pairs:
         if a not in SMALL or b not in SMALL:
-            pytest.skip("kernels not built")
+            pytest.skip(MISSING + "kernels not built")
         (sa, ka), (sb, kb) = _load(a), _load(b)
         ops = _operands(sa)
         ya, ref = _run(sa, ka, ops)
@@ -104,7 +105,7 @@ def test_fp32_accumulation_is_at_least_as_accurate_as_fp16():
 def test_split_k_is_deterministic_and_leaves_its_counters_zero():
     split = [n for n in SMALL if _load(n)[0].ksplit > 1]
     if not split:
-        pytest.skip("no ksplit kernels built")
+        pytest.skip(MISSING + "no ksplit kernels built")
     for name in split:
         spec, kernel = _load(name)
         ops = _operands(spec)
@@ -147,7 +148,7 @@ def test_programmatic_dependent_launch_chains_read_what_the_previous_kernel_wrot
     from sparta.templates.w4a16_gemv.spec import reference
     chained = [n for n in SMALL if _load(n)[0].pdl]
     if not chained:
-        pytest.skip("no pdl kernels built")
+        pytest.skip(MISSING + "no pdl kernels built")
     for name in chained:
         spec, kernel = _load(name)
         assert spec.n == spec.k and kernel.launch.get("pdl")
@@ -180,3 +181,27 @@ def test_programmatic_dependent_launch_chains_read_what_the_previous_kernel_wrot
         if spec.ksplit > 1:
             assert int(ops["C"].abs().sum()) == 0
 
+
+
+@pytest.mark.parametrize("name", ANY_M)
+def test_w4a16_of_any_m_matches_reference_at_every_row_count(name):
+    """A GEMV built for any M up to its rows (what the default compile runs for few-row calls): every count of rows
+    from 0 to its most through one prepared launch, fresh data each, against the reference."""
+    from sparta.runtime.w4a16_gemv import W4A16GemvOp
+    spec, _ = _load(name)
+    assert spec.m == 0
+    ops = _operands(spec)
+    op = W4A16GemvOp(W4 / name, spec, ops["Wq"], ops["S"], ops["Z"], ops["B"])
+    from sparta.templates.w4a16_gemv.spec import reference
+    assert op(torch.randn(0, spec.k, device="cuda").to(_act(spec))).shape == (0, spec.n)
+    for rows in [r for r in (1, 2, 5, 8, 9, 13, 16) if r <= spec.rows] * 2:
+        x = torch.randn(rows, spec.k, device="cuda").to(_act(spec))
+        y = op(x)
+        torch.cuda.synchronize()
+        sqnr, err = _errors(y, reference(x, ops["Wq"], ops["S"], ops["Z"], ops["B"], spec))
+        min_sqnr, max_err = LIMITS["bfloat16" if spec.dtype == "bfloat16" else spec.acc]
+        assert sqnr > min_sqnr and err < max_err, f"{name} at {rows} rows: SQNR {sqnr:.1f} dB, max error {err:.2e}"
+    with pytest.raises(Exception, match="at most"):
+        op(torch.randn(spec.rows + 1, spec.k, device="cuda").to(_act(spec)))
+    if spec.ksplit > 1:
+        assert int(op.split["C"].abs().sum()) == 0

@@ -2,21 +2,19 @@
 opcheck, ``fullgraph=True`` compiles without a graph break, and Inductor and CUDA graphs (``reduce-overhead``) give
 the eager model's output."""
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from sparta.sampling import random_inputs
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures.artifacts import MISSING, ROOT
 SAVED = sorted(p.name for p in ROOT.glob("saved_*") if (p / "sparta.json").is_file()) if ROOT.is_dir() else []
 # one model per kernel family and per int8 hand-over (LayerNorm → codes, linear → codes → linear)
 COMPILED = [n for n in ("saved_mlp", "saved_mlp_w8a8_static", "saved_norm_w8a8", "saved_decode_w4a16",
                         "saved_decode_w8a8") if n in SAVED]
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not SAVED, reason=f"no saved models in {ROOT}")]
+              pytest.mark.skipif(not SAVED, reason=MISSING + f"no saved models in {ROOT}")]
 
 
 def load(name, inductor=False):

@@ -4,17 +4,17 @@ The GPU machine has no TVM: this is the path a user's saved model takes.
 """
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures import kernel_choices
+from fixtures.artifacts import MISSING, ROOT
 SAVED = ROOT / "saved_mlp"
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not (SAVED / "sparta.json").is_file(), reason=f"no saved model in {SAVED}")]
+              pytest.mark.skipif(not (SAVED / "sparta.json").is_file(), reason=MISSING + f"no saved model in {SAVED}")]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_runs_inside_a_cuda_graph(loaded):
 
 
 W8A8 = ROOT / "saved_mlp_w8a8"
-needs_w8a8 = pytest.mark.skipif(not (W8A8 / "sparta.json").is_file(), reason=f"no saved W8A8 model in {W8A8}")
+needs_w8a8 = pytest.mark.skipif(not (W8A8 / "sparta.json").is_file(), reason=MISSING + f"no saved W8A8 model in {W8A8}")
 
 
 @needs_w8a8
@@ -108,7 +108,7 @@ def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math
 W8A8_STATIC = ROOT / "saved_mlp_w8a8_static"
 
 
-@pytest.mark.skipif(not (W8A8_STATIC / "sparta.json").is_file(), reason=f"no saved model in {W8A8_STATIC}")
+@pytest.mark.skipif(not (W8A8_STATIC / "sparta.json").is_file(), reason=MISSING + f"no saved model in {W8A8_STATIC}")
 def test_w8a8_model_with_a_static_scale_hands_int8_codes_between_linears():
     """The first linear's epilogue (ReLU) writes int8 codes at calibration's static scale, which the second
     (dense, wgmma on Hopper) reads with no quantiser in between: against the fake-quantised math."""
@@ -140,16 +140,13 @@ DECODE = ROOT / "saved_decode_w4a16"
 TESA_W4 = ROOT / "saved_tesa_w4a16"
 
 
-@pytest.mark.skipif(not (TESA_W4 / "sparta.json").is_file(), reason=f"no saved model in {TESA_W4}")
+@pytest.mark.skipif(not (TESA_W4 / "sparta.json").is_file(), reason=MISSING + f"no saved model in {TESA_W4}")
 def test_4bit_tesas_without_calibration_run_w4a16_kernels_on_the_weights_own_scales():
     """The user's 4-bit TeSAs and no calibration: the dense linear runs the W4A16 GEMV, the block-sparse one a 4-bit
     kernel, both on scales fitted to the weight (the plan's), and the model matches the dequantised math."""
     import sparta
     model = sparta.load(TESA_W4, inductor=False).to("cuda")
-    mods = model.module_replacements()
-    assert type(mods["linear"]).__name__ == "W4A16GemvCUDA"
-    assert {p.weight_quant[4].source for p in model.plan.ops.values() if p.weight_quant} == {"weight"}
-    assert {k["bits"] for k in model.kernels} == {"W4A16"}, model.kernel_report()
+    mods = kernel_choices.check_tesa_w4a16(model)
     assert max(model.verify(trials=2).values()) < 1e-2
     g = model.graph
     b0, b2 = g.tensor("0.bias").data.cuda().float(), g.tensor("2.bias").data.cuda().float()
@@ -162,34 +159,43 @@ def test_4bit_tesas_without_calibration_run_w4a16_kernels_on_the_weights_own_sca
     replay_on_new_input(model, x)
 
 
-@pytest.mark.skipif(not (DECODE / "sparta.json").is_file(), reason=f"no saved model in {DECODE}")
+@pytest.mark.skipif(not (DECODE / "sparta.json").is_file(), reason=MISSING + f"no saved model in {DECODE}")
 def test_decode_w4a16_gemvs_back_to_back_launch_programmatically_and_match():
-    """Two 4-bit GEMVs in a row (4 tokens): built for programmatic dependent launch, the second may start before the
-    first ends and reads its X only after the wait — the output matches the dequantised math, eagerly and replayed."""
+    """Two 4-bit linears compiled the default way (any rows): calls of up to 8 rows run the W4A16 GEMV built for
+    programmatic dependent launch (the second may start before the first ends and reads its X only after the wait),
+    up to 16 rows the 16-row GEMV, more rows the tile kernel; the GEMVs' packed codes are the tile's, and every row
+    count matches the dequantised math, eagerly and replayed."""
     import sparta
+    from sparta.templates.w4a16_gemv.spec import dequantize
     model = sparta.load(DECODE, inductor=False).to("cuda")
-    mods = {k: m for k, m in model.module_replacements().items() if hasattr(m, "dense_weight")}
-    assert sorted(type(m).__name__ for m in mods.values()) == ["W4A16GemvCUDA"] * 2
-    assert all(m.spec.pdl == "early" and not m.spec.sym for m in mods.values())
+    mods = kernel_choices.check_decode_w4a16(model)
+    for m in mods.values():
+        g = m.few_rows[0][2]
+        gemv_w = dequantize(m.gemv_wq.cpu(), m.gemv_scale.cpu(), m.gemv_zero.cpu(), g)
+        torch.testing.assert_close(gemv_w.half(), m.dense_weight().half(), rtol=0, atol=0)
     assert max(model.verify(trials=2).values()) < 1e-2
     (w0, l0), (w1, l1) = sorted((m.weight_name, m) for m in mods.values())
     g = model.graph
     b0, b1 = g.tensor("0.bias").data.cuda().float(), g.tensor("1.bias").data.cuda().float()
-    x = torch.randn(1, 4, 1024, device="cuda").half()
-    h = torch.nn.functional.linear(x.float(), l0.dense_weight().cuda().float(), b0).half()
-    ref = torch.relu(torch.nn.functional.linear(h.float(), l1.dense_weight().cuda().float(), b1))
-    for _ in range(3):
-        err = ((model(x).float() - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-2, err
-    hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert all((m._prepared.config is not None) == hopper for m in mods.values())   # launched with the attribute
-    replay_on_new_input(model, x)
+    for rows in (4, 1, 5, 12, 16, 17, 40):
+        x = torch.randn(1, rows, 1024, device="cuda").half()
+        h = torch.nn.functional.linear(x.float(), l0.dense_weight().cuda().float(), b0).half()
+        ref = torch.relu(torch.nn.functional.linear(h.float(), l1.dense_weight().cuda().float(), b1))
+        for _ in range(2):
+            err = ((model(x).float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, (rows, err)
+        if rows == 4:
+            hopper = torch.cuda.get_device_capability() >= (9, 0)
+            assert all(set(m._few_ops) == {8} for m in mods.values())       # 4 rows ran the 8-row GEMVs
+            assert all((m._few_ops[8]._prepared.config is not None) == hopper for m in mods.values())
+    assert all(set(m._few_ops) == {8, 16} for m in mods.values())
+    replay_on_new_input(model, torch.randn(1, 4, 1024, device="cuda").half())
 
 
 DECODE_W8A8 = ROOT / "saved_decode_w8a8"
 
 
-@pytest.mark.skipif(not (DECODE_W8A8 / "sparta.json").is_file(), reason=f"no saved model in {DECODE_W8A8}")
+@pytest.mark.skipif(not (DECODE_W8A8 / "sparta.json").is_file(), reason=MISSING + f"no saved model in {DECODE_W8A8}")
 def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
     """LayerNorm → linear (70% block-sparse) → GELU → linear on 4 tokens, calibrated to W8A8 with a static scale
     after the GELU: both linears run the W8A8 GEMV (the first its sparse kernel), the first on the LayerNorm kernel's
@@ -202,49 +208,55 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
     from sparta.templates.w8a8_gemv.spec import unpack_weight
     model = sparta.load(DECODE_W8A8, inductor=False).to("cuda")
     mods = model.module_replacements()
-    fc1, fc2, norm = mods["linear"], mods["linear_1"], mods["layer_norm"]
-    assert type(fc1).__name__ == type(fc2).__name__ == "W8A8GemvCUDA"
-    assert fc1.input_names == norm.output_names[-2:] and fc1.spec.act == "gelu" and fc1.spec.out == "int8"
-    assert fc2.input_names == fc1.output_names and fc2.quant_folder is None
-    assert fc1.spec.sparse and not fc2.spec.sparse and 0 < fc1.wq.shape[0] < fc1.spec.tiles * fc1.spec.k // 32
+    kernel_choices.check_decode_w8a8(model)
+    fc1, fc2 = mods["linear"], mods["linear_1"]
+    (_, _, g1), (_, _, g2) = fc1.few_rows[0], fc2.few_rows[0]
+    assert 0 < fc1.gemv_wq.shape[0] < g1.tiles * g1.k // 32
+    for layer, gs in ((fc1, g1), (fc2, g2)):            # the GEMVs hold the tile's codes in their layout
+        table = None if layer.gemv_table is None else layer.gemv_table.cpu()
+        assert torch.equal(unpack_weight(gs, layer.gemv_wq.cpu(), table), layer.dense_codes())
     assert max(model.verify(trials=2).values()) < 5e-2
     g = model.graph
-    x = torch.randn(1, 4, 1024, device="cuda").half()
-    h = torch.nn.functional.layer_norm(x.float(), (1024,), g.tensor("0.weight").data.cuda().float(),
-                                       g.tensor("0.bias").data.cuda().float()).half().reshape(4, 1024)
 
     def w8a8(q, s, layer, bias):
-        codes = unpack_weight(layer.spec, layer.wq, layer.table).float()
+        codes = layer.dense_codes().cuda().float()
         return (q.float() @ codes.t()) * s[:, None] * layer.weight_scale[None, :] + bias.cuda().float()
-    h8 = requantize(torch.nn.functional.gelu(w8a8(*quantize_rows(h), fc1, g.tensor("1.bias").data)), fc1.out_scale)
-    ref = w8a8(h8, torch.full((4,), fc1.out_scale, device="cuda"), fc2, g.tensor("3.bias").data).reshape(1, 4, -1)
-    for _ in range(3):
-        err = ((model(x).float() - ref).abs().max() / ref.abs().max()).item()
-        assert err < 2e-2, err
-    replay_on_new_input(model, x)
+    for rows in (4, 1, 6, 13, 24):                      # each GEMV, then the tile kernels
+        x = torch.randn(1, rows, 1024, device="cuda").half()
+        h = torch.nn.functional.layer_norm(x.float(), (1024,), g.tensor("0.weight").data.cuda().float(),
+                                           g.tensor("0.bias").data.cuda().float()).half().reshape(rows, 1024)
+        h8 = requantize(torch.nn.functional.gelu(w8a8(*quantize_rows(h), fc1, g.tensor("1.bias").data)),
+                        fc1.out_scale)
+        ref = w8a8(h8, torch.full((rows,), fc1.out_scale, device="cuda"), fc2, g.tensor("3.bias").data)
+        ref = ref.reshape(1, rows, -1)
+        for _ in range(2):
+            err = ((model(x).float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-2, (rows, err)
+    assert set(fc1._few_ops) == set(kernel_choices.rows_of(fc1)) and set(fc2._few_ops) == set(kernel_choices.rows_of(fc2))
+    replay_on_new_input(model, torch.randn(1, 4, 1024, device="cuda").half())
 
 
 PINGPONG = ROOT / "saved_ffn_w8a8_pingpong"
 
 
-@pytest.mark.skipif(not (PINGPONG / "sparta.json").is_file(), reason=f"no saved model in {PINGPONG}")
+@pytest.mark.skipif(not (PINGPONG / "sparta.json").is_file(), reason=MISSING + f"no saved model in {PINGPONG}")
 def test_dense_w8a8_ffn_at_bert_size_writes_codes_from_the_ping_pong_kernel():
-    """Dense BERT-base FFN, 4096 tokens, GELU(FFN1) at a static scale: on Hopper FFN1 runs the ping-pong kernel
-    writing int8 codes; they match the mma.sync kernel's over the same packed blocks (within one code) and the model
+    """Dense BERT-base FFN compiled the default way (any rows) at 4096 tokens, GELU(FFN1) at a static scale: on
+    Hopper FFN1 runs the ping-pong kernel (built for any M) writing int8 codes; they match the mma.sync kernel's over the same packed blocks (within one code) and the model
     matches its fake-quantised math."""
     import sparta
     from sparta.runtime.bsr_linear import BsrLinearOp
     model = sparta.load(PINGPONG, inductor=False).to("cuda")
     mods = model.module_replacements()
-    fc1, fc2 = mods["linear"], mods["linear_1"]
-    assert fc1.hopper[1].pingpong and fc1.output_names and fc2.input_names == fc1.output_names
+    kernel_choices.check_pingpong(model)
+    fc1 = mods["linear"]
     assert max(model.verify(trials=2).values()) < 5e-2
     x = torch.randn(8, 512, 768, device="cuda")
     out = model(x)
     folder, spec = fc1.kernel_for(x.device)
     hopper = torch.cuda.get_device_capability() == (9, 0)
     assert spec.pingpong == hopper and fc1._op.kernel.folder == Path(folder)
-    xh = torch.randn(spec.m, spec.k, device="cuda").half()
+    xh = torch.randn(4096, spec.k, device="cuda").half()
     sync = BsrLinearOp.packed(fc1.folder, fc1.spec, fc1.wp, fc1.table, fc1.bias, fc1.weight_scale, fc1.out_scale)
     a, b = fc1._op(xh).int(), sync(xh).int()
     assert (a - b).abs().max() <= 1 and (a != b).float().mean() < 1e-3 and a.abs().max() > 64
@@ -254,18 +266,13 @@ def test_dense_w8a8_ffn_at_bert_size_writes_codes_from_the_ping_pong_kernel():
 W4A16 = ROOT / "saved_mlp_w4a16"
 
 
-@pytest.mark.skipif(not (W4A16 / "sparta.json").is_file(), reason=f"no saved W4A16 model in {W4A16}")
+@pytest.mark.skipif(not (W4A16 / "sparta.json").is_file(), reason=MISSING + f"no saved W4A16 model in {W4A16}")
 def test_calibrated_4bit_model_runs_w4a16_kernels_and_matches_its_dequantised_weights():
     """16 tokens, 4-bit weights with zero points: the sparse linear runs the W4A16 block kernel, the dense
-    one the W4A16 GEMV."""
+    one the W4A16 GEMV (beside its tile kernel, for calls of up to 16 rows)."""
     import sparta
     model = sparta.load(W4A16, inductor=False).to("cuda")
-    mods = {k: m for k, m in model.module_replacements().items() if hasattr(m, "dense_weight")}
-    kinds = sorted(type(m).__name__ for m in mods.values())
-    assert kinds == ["SparseLinearCUDA", "W4A16GemvCUDA"], kinds
-    assert all(m.spec.dtype == "w4a16" and m.spec.zero for m in mods.values()
-               if type(m).__name__ == "SparseLinearCUDA")
-    assert all(not m.spec.sym for m in mods.values() if hasattr(m.spec, "sym"))
+    mods = kernel_choices.check_mlp_w4a16(model)
     assert max(model.verify(trials=2).values()) < 1e-2
     g = model.graph
     (w0, l0), (w2, l2) = sorted((m.weight_name, m) for m in mods.values())

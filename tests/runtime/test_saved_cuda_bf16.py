@@ -2,13 +2,11 @@
 ``save_bf16_low_bits``), loaded and run on a GPU: W8A8 (per-token quantiser, int8 tile kernels) and W4A16 (block
 kernel, GEMV) read and write bf16 with no cast to fp16 around them, and match the model's reference."""
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts" / "cuda"))
+from fixtures.artifacts import MISSING, ROOT
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -18,7 +16,7 @@ def test_a_bf16_low_bit_model_runs_bf16_kernels_and_verifies(name, kind):
     from sparta.runtime.cuda import act16_dtype
     folder = ROOT / name
     if not (folder / "sparta.json").is_file():
-        pytest.skip(f"no saved model in {folder}")
+        pytest.skip(MISSING + f"no saved model in {folder}")
     model = sparta.load(folder).to("cuda")
     mods = [m for m in model.module_replacements().values() if hasattr(m, "dense_weight")]
     assert mods and all(act16_dtype(m.spec) == torch.bfloat16 for m in mods if getattr(m.spec, "out", "") != "int8")
