@@ -4,11 +4,15 @@
     python benchmarks/bench_dynamic_bert.py --batches 1 3 --seqs 1 17 128
     python examples/bert_cuda.py --batch 8 --vocab 8192 --out artifacts/bert_dynamic             # TVM + nvcc
     python benchmarks/bench_dynamic_bert.py --saved artifacts/bert_dynamic                       # the GPU
+    python examples/bert_cuda.py --batch 8 --vocab 2048 --attention-mask --out artifacts/bert_padded
+    python benchmarks/bench_dynamic_bert.py --padded artifacts/bert_padded --saved artifacts/bert_dynamic   # GPU
 
 BERT-base from its config, every encoder linear keeping 10% of its 32×32 blocks (random, seeded), compiled once at
 the example shape ``--example`` (the plan is made there). Each (batch, sequence): the compiled model's output against
 the masked dense model (the same graph run with torch ops on the masked weights; worst relative error) and the median
-time of both, interleaved. ``--saved``: a model compiled for CUDA (``examples/bert_cuda.py``: fp16, 10% of
+time of both, interleaved. ``--padded``: a model compiled with ``(input_ids, attention_mask)``, called with random
+right padding at every shape (``--mask-seed``), against its masked dense graph at the unpadded positions, and timed
+against the model of ``--saved`` (the same BERT without a mask input) at the same shapes. ``--saved``: a model compiled for CUDA (``examples/bert_cuda.py``: fp16, 10% of
 the 32×32 blocks with the largest norm), loaded without TVM and called as ``sparta.load`` returns it (Inductor and one
 CUDA graph per shape), against its masked dense graph in torch ops (verified; timed eagerly) and Hugging Face's dense
 ``BertModel`` (fp16, sdpa) through ``torch.compile(dynamic=True)`` in ``default`` and ``reduce-overhead`` mode (one
@@ -136,6 +140,43 @@ def _static_peers(hf, graph, modes):
     return out
 
 
+def run_padded(args):
+    """The GPU run of a model taking ``(input_ids, attention_mask)``: random right padding at every (batch,
+    sequence); the unpadded positions against the masked dense graph; time against the unmasked saved model's."""
+    from common import gpu_wall_us
+    padded = sparta.load(args.padded).to("cuda")
+    reference = padded.reference().to("cuda")
+    plain = sparta.load(args.saved).to("cuda") if args.saved else None
+    vocab = padded.graph.tensor("embeddings.word_embeddings.weight").shape[0]
+    gen = torch.Generator().manual_seed(args.mask_seed)
+    rows = []
+    print(f"{args.padded}: {torch.cuda.get_device_name()}; shapes line: {padded.shapes_line()}")
+    with torch.no_grad():
+        for batch in args.batches:
+            for seq in args.seqs:
+                ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+                lengths = torch.randint(1, seq + 1, (batch,), generator=gen)
+                mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+                ids, mask = ids.cuda(), mask.cuda()
+                keep = mask.bool()
+                want = reference(ids, mask)[0].float()[keep]
+                got = padded(ids, mask).last_hidden_state.float()[keep]
+                err = float((got - want).abs().max() / want.abs().max())
+                us = {"padded": gpu_wall_us(lambda i: padded(ids, mask), 1, 20, WINDOWS)}
+                if plain is not None:
+                    us["no_mask"] = gpu_wall_us(lambda i: plain(ids), 1, 20, WINDOWS)
+                row = {"batch": batch, "seq": seq, "padded_tokens": int((~keep).sum()), "rel_err": err, "us": us}
+                if plain is not None:
+                    row["padded_vs_no_mask"] = us["padded"] / us["no_mask"]
+                rows.append(row)
+                print(f"  {batch:3d} x {seq:4d}: {row['padded_tokens']:5d} padded, rel. err {err:.1e}  padded "
+                      f"{us['padded']:8.1f} us" + (f"  no mask {us['no_mask']:8.1f} us ({row['padded_vs_no_mask']:.2f}x)"
+                                                   if plain is not None else ""), flush=True)
+                path = save(args.name or "padded_bert_cuda", {"padded": args.padded, "no_mask": args.saved,
+                                                              "rows": rows})
+    print(path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 3, 8, 32])
@@ -145,10 +186,14 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--saved", help="a saved CUDA model compiled dynamic (run on the GPU)")
     ap.add_argument("--name", help="with --saved: the results file's name")
+    ap.add_argument("--padded", help="a saved CUDA model taking (input_ids, attention_mask): padded batches (GPU)")
+    ap.add_argument("--mask-seed", type=int, default=4)
     ap.add_argument("--static-peers", nargs="+", metavar="MODE",
                     help="with --saved: the dense peers compiled for each shape alone in these torch.compile modes "
                          "(e.g. default reduce-overhead max-autotune), instead of once with dynamic=True")
     args = ap.parse_args()
+    if args.padded:
+        return run_padded(args)
     if args.saved:
         return run_saved(args)
     model, tesa = pruned_bert(args.density)

@@ -3,6 +3,7 @@
     python examples/bert_cuda.py --batch 8 --out artifacts/bert_cuda    # here: TVM + nvcc, no GPU; every shape
     python benchmarks/bench_dynamic_bert.py --saved artifacts/bert_cuda # on the GPU: every (batch, sequence)
     python examples/bert_cuda.py --static --out artifacts/bert_static   # one shape (32 x 128)
+    python examples/bert_cuda.py --attention-mask --out artifacts/bert_padded   # (input_ids, attention_mask)
     python benchmarks/bench_e2e_bert.py artifacts/bert_static           # on the GPU: load (no TVM), verify, time
 
 The model is BERT-base from its config (12 layers, 768 hidden, 3072 FFN), fp16, run on
@@ -51,6 +52,13 @@ def pruned_bert(layers: int, block: int, density: float, parts=LINEARS, seed: in
     return model, tesa
 
 
+def padding_mask(shape, generator=None) -> torch.Tensor:
+    """A right-padded attention mask of ``shape`` (batch, sequence): each row keeps a random 1..sequence tokens."""
+    batch, seq = shape
+    lengths = torch.randint(1, seq + 1, (batch,), generator=generator or torch.Generator().manual_seed(3))
+    return (torch.arange(seq)[None, :] < lengths[:, None]).long()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="artifacts/bert_cuda")
@@ -62,6 +70,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=30522,
                     help="embedding rows (fewer: a smaller save; the encoder's work is the same)")
     ap.add_argument("--static", action="store_true", help="a model of the example's shape only (dynamic=False)")
+    ap.add_argument("--attention-mask", action="store_true",
+                    help="the model takes (input_ids, attention_mask): padded batches, as BERT is called")
     ap.add_argument("--w8a8", action="store_true", help="calibrate to int8 weights and activations")
     ap.add_argument("--calib", type=int, default=2, help="calibration batches (with --w8a8)")
     ap.add_argument("--tolerance", type=float, default=1e-2, help="relative output MSE one op may add (--w8a8)")
@@ -78,7 +88,8 @@ def main():
         quant = dict(calibration=[(torch.randint(0, model.config.vocab_size, ids.shape, generator=gen),)
                                   for _ in range(args.calib)],
                      quant_tolerance={"tolerance": args.tolerance, "widths": (8,), "activations": True})
-    compiled = sparta.compile(model, tesa, (ids,), target="cuda", dynamic=False if args.static else None, **quant)
+    inputs = (ids, padding_mask(ids.shape)) if args.attention_mask else (ids,)
+    compiled = sparta.compile(model, tesa, inputs, target="cuda", dynamic=False if args.static else None, **quant)
     print(f"compiled for CUDA in {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in compiled.timings.items())})")
     print(compiled.kernel_report())

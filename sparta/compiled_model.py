@@ -212,7 +212,9 @@ class CompiledModel(torch.nn.Module):
         """The execution plan as a table: op, density, bits, chosen blocks, estimated µs, dense µs."""
         if self.plan is None:
             return "no plan"
-        return self.plan.report(only_gemm) + "\n" + self.shapes_line()
+        from .frontend.prune_masks import mask_sources_line
+        masks = "\n" + mask_sources_line(self.graph) if "mask_sources" in self.graph.meta else ""
+        return self.plan.report(only_gemm) + "\n" + self.shapes_line() + masks
 
     def shapes_line(self) -> str:
         """The input shapes the model takes, and the token range its plan was costed over."""

@@ -92,6 +92,7 @@ def test_user_tesa_meets_the_mask():
     assert torch.equal(compiled.tesa("0.weight").mask, mask & user)
     assert _gemm(compiled, "0.weight").density == pytest.approx((mask & user).float().mean().item())
     assert mask_sources_line(compiled.graph) == f"masks: 1 from {FROM_PRUNE}, 1 from {FROM_USER}"
+    assert compiled.plan_report().splitlines()[-1] == f"masks: 1 from {FROM_PRUNE}, 1 from {FROM_USER}"
     reference = _mlp()
     with torch.no_grad():
         reference[0].weight.copy_(model[0].weight * user)
