@@ -287,8 +287,12 @@ class Graph:
         return math.prod(self.tensor(t).shape[d] for t, d in dims.values()) if dims else 0
 
     def dynamic_dims_of(self, name: str) -> dict[int, str]:
-        """The dynamic dimensions of input ``name``: dim -> symbol."""
-        return {d: sym for sym, (t, d) in self.meta.get("dynamic_dims", {}).items() if t == name}
+        """The dynamic dimensions of input ``name``: dim -> symbol (a dimension that shares its symbol with an earlier
+        input's, an attention mask's sequence with the ids', is one of them too)."""
+        out = {d: sym for sym, (t, d) in self.meta.get("dynamic_dims", {}).items() if t == name}
+        for sym, uses in self.meta.get("dim_uses", {}).items():
+            out.update({d: sym for t, d in uses if t == name})
+        return dict(sorted(out.items()))
 
     def input_shape(self, name: str) -> tuple:
         """Input ``name``'s shape with its dynamic dimensions named (``("s0", 128)``)."""
@@ -329,9 +333,13 @@ class Graph:
         for x, name in zip(flat, self.inputs if check else ()):
             if not isinstance(x, torch.Tensor) or not self.fits(name, tuple(x.shape)):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                ranges = self.meta.get("dim_ranges", {})
+                bounds = [f"{sym} <= {ranges[sym][1]}" for sym in self.dynamic_dims_of(name).values()
+                          if ranges.get(sym, [None, None])[1] is not None]
                 raise SpartaError(f"input {name!r}: shape {got} does not fit the compiled {self.input_shape(name)} "
-                                  "(dimensions captured dynamic are named; compile with dynamic=True to free the "
-                                  "batch and sequence dimensions, or recompile for new shapes)")
+                                  f"({', '.join(bounds) + '; ' if bounds else ''}named dimensions take any size from "
+                                  "1, numbers only theirs: the model, a size-1 example or dynamic=False fixed those, "
+                                  "and compile(..., dynamic=True) says why; recompile with an example of this shape)")
             if x.dtype != self.tensor(name).dtype:
                 raise SpartaError(f"input {name!r}: dtype {x.dtype} differs from the compiled {self.tensor(name).dtype}; "
                                   f"convert it (x.to({self.tensor(name).dtype})) or recompile")

@@ -16,8 +16,16 @@ def capture_shapes(model, example_inputs, example_kwargs, parameters, dynamic) -
     free, or, where it cannot be captured so, at the example's shapes (warned, the reason in the plan report)."""
     from .frontend import capture
     if dynamic is not None or not isinstance(model, torch.nn.Module):
-        return capture(model, example_inputs, example_kwargs, parameters=parameters, dynamic=bool(dynamic)
-                       if not isinstance(dynamic, dict) else dynamic)
+        graph = capture(model, example_inputs, example_kwargs, parameters=parameters, dynamic=bool(dynamic)
+                        if not isinstance(dynamic, dict) else dynamic)
+        if dynamic is True and graph.meta.get("fixed_dims"):
+            from .frontend.torch_export import FixedDimensionError
+            fixed = graph.meta["fixed_dims"].items()
+            raise FixedDimensionError(
+                "dynamic=True: " + "; ".join(f"{dim} {why}" for dim, why in fixed)
+                + " (the default, dynamic=None, frees the dimensions the model allows; dynamic=False specialises "
+                "them all)")
+        return graph
     try:
         graph = capture(model, example_inputs, example_kwargs, dynamic=True)
     except CaptureError as exc:
@@ -33,8 +41,10 @@ def capture_shapes(model, example_inputs, example_kwargs, parameters, dynamic) -
         warnings.warn(f"sparta.compile: {why} (dynamic=False silences this)", stacklevel=3)
         graph.meta["size_one"] = why
     if not graph.any_rows:
+        fixed = "; ".join(f"{dim} {why}" for dim, why in graph.meta.get("fixed_dims", {}).items())
         graph.meta["one_shape"] = graph.meta.pop("size_one", None) or (
-            "the example's only: the model fixes its batch and sequence sizes (torch.export kept them static)")
+            "the example's only: the model fixes its batch and sequence sizes (torch.export kept them static"
+            + (f": {fixed})" if fixed else ")"))
     return graph
 
 
@@ -59,7 +69,7 @@ def shapes_line(graph: Graph) -> str:
     if not graph.any_rows:
         return "shapes: " + meta.get("one_shape", "the example's only (compiled with dynamic=False, or from ONNX)")
     span = meta.get("token_range")
-    free = ", ".join(f"{t}[{d}]" for t, d in meta["dynamic_dims"].values())
+    free = ", ".join(f"{t}[{d}]" for t in graph.inputs for d in graph.dynamic_dims_of(t))
     return (f"shapes: any size of {free}" + (f"; planned over {span['lo']}-{span['hi']} tokens (the example's: "
                                               f"{span['example']})" if span else "")
             + (f"; {meta['size_one']}" if meta.get("size_one") else ""))

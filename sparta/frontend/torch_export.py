@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import re
 import warnings
 
 import numpy as np
@@ -55,21 +56,26 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
     A module in ``train()`` mode is captured in eval mode (with a warning) and left as it was;
     a module that writes into its buffers or inputs is refused (sparta compiles inference graphs).
     ``dynamic``: the inputs' batch and sequence dimensions (every dimension of an integer input, all but the last of
-    a float one of up to 3 dimensions, the first of a larger one: an image's batch) stay symbolic where the model
-    allows (``torch.export.Dim.AUTO``), or a dict of ``torch.export``'s
-    ``dynamic_shapes`` says which; the graph's shapes are the example's, and the sizes its ops compute from those
-    dimensions are :class:`SymRef` expressions."""
+    a float one of up to 3 dimensions, the first of a larger one: an image's batch; a float mask's sequence too) stay
+    symbolic where the model allows (``torch.export.Dim.AUTO``; those it fixes are ``graph.meta["fixed_dims"]``, with
+    why), or a dict of ``torch.export``'s ``dynamic_shapes`` says which; the graph's shapes are the example's, and the
+    sizes its ops compute from those dimensions are :class:`SymRef` expressions."""
     if isinstance(module, type):
         raise CaptureError(f"got the class {module.__name__}, not a model: pass an instance ({module.__name__}(...))")
     if not isinstance(module, torch.nn.Module):
         raise CaptureError(f"from_torch needs a torch.nn.Module, got {type(module).__name__}")
     example_inputs, example_kwargs = _check_examples(module, example_inputs, example_kwargs)
     name = name or type(module).__name__
+    if isinstance(dynamic, dict):
+        _check_dynamic_shapes(module, example_inputs, example_kwargs, dynamic)
+    fixed = {}
     with _eval_mode(module):
         try:
             shapes = dynamic if isinstance(dynamic, dict) else \
                 _dynamic_shapes(module, example_inputs, example_kwargs) if dynamic else None
             ep = torch.export.export(module, example_inputs, example_kwargs, strict=False, dynamic_shapes=shapes)
+            if dynamic is True:
+                fixed = fixed_dims(ep, module, example_inputs, example_kwargs)
             table = torch.export.default_decompositions()
             for op in KEEP:
                 table.pop(op, None)
@@ -78,19 +84,36 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
             raise CaptureError(f"torch.export could not capture {name}: {type(exc).__name__}: {exc}") from exc
         _refuse_mutation(ep, name)      # known only once decomposition has functionalised the graph
         _check_runs(module, example_inputs, example_kwargs, name)
-    return _build(ep, name)
+    graph = _build(ep, name)
+    if fixed:
+        graph.meta["fixed_dims"] = fixed      # what dynamic=True refuses (sparta/shapes.py)
+    return graph
+
+
+def demanded_dims(x) -> list[int]:
+    """The dimensions of input ``x`` that ``dynamic=True`` frees and demands: every dimension of an integer or bool
+    input (ids, masks, lengths), all but the last of a float one of up to 3 dimensions (features), the first of a
+    larger one (an image's batch)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return []
+    return list(range(x.dim() if not x.is_floating_point() else x.dim() - 1 if x.dim() <= 3 else 1))
 
 
 def _dynamic_shapes(module, example_inputs, example_kwargs) -> dict:
-    """``torch.export``'s ``dynamic_shapes`` for :func:`from_torch`'s ``dynamic``, by forward's parameter names."""
+    """``torch.export``'s ``dynamic_shapes`` for :func:`from_torch`'s ``dynamic``, by forward's parameter names: the
+    :func:`demanded_dims`, and the last dimension of a float input of up to 3 dimensions whose size is that of a
+    demanded dimension of an integer or bool input (a float attention mask's sequence: export keeps it free where
+    the model allows, tied to the ids'; a feature size that only matches stays fixed)."""
     auto = torch.export.Dim.AUTO
-
-    def dims(x):        # ids: every dimension; features: all but the last; images and volumes: the batch
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return None
-        free = x.dim() if not x.is_floating_point() else x.dim() - 1 if x.dim() <= 3 else 1
-        return {d: auto for d in range(free)} or None
     bound = inspect.signature(module.forward).bind(*example_inputs, **example_kwargs).arguments
+    tensors = [x for x in pytree.tree_leaves(list(bound.values())) if isinstance(x, torch.Tensor)]
+    id_sizes = {x.shape[d] for x in tensors if not x.is_floating_point() for d in demanded_dims(x)} - {0, 1}
+
+    def dims(x):
+        free = demanded_dims(x)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and 1 <= x.dim() <= 3 and x.shape[-1] in id_sizes:
+            free.append(x.dim() - 1)
+        return {d: auto for d in free} or None
     return {k: pytree.tree_map(dims, v) for k, v in bound.items()}
 
 
@@ -109,6 +132,126 @@ def size_one_dims(module, example_inputs, example_kwargs) -> list[str]:
             if isinstance(x, torch.Tensor) and isinstance(free, dict):
                 out += [f"{name}{f'.{i}' if len(leaves) > 1 else ''}[{d}]" for d in free if x.shape[d] == 1]
     return out
+
+
+class FixedDimensionError(CaptureError):
+    """``dynamic=True``: a batch or sequence dimension the model does not let stay free."""
+
+
+def _labelled_inputs(module, example_inputs, example_kwargs) -> list[tuple[str, str, torch.Tensor]]:
+    """Every tensor input in forward's order: (label as the reports write it, export's source name, tensor)."""
+    bound = inspect.signature(module.forward).bind(*example_inputs, **example_kwargs).arguments
+    out = []
+    for name, value in bound.items():
+        leaves = pytree.tree_flatten_with_path(value)[0]
+        for i, (path, x) in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                out.append((f"{name}{f'.{i}' if len(leaves) > 1 else ''}", f"L['{name}']{pytree.keystr(path)}", x))
+    return out
+
+
+def fixed_dims(ep, module, example_inputs, example_kwargs) -> dict[str, str]:
+    """The :func:`demanded_dims` that ``ep`` (exported with them ``Dim.AUTO``) kept at the example's size, or left
+    symbolic but tied to a constant (``x[0]*x[1] == 32``: export drops that guard), each with why
+    (``{"x[0]": "stayed at 4: the traced code requires x[0] == 4 (in ...)"}``)."""
+    labelled = _labelled_inputs(module, example_inputs, example_kwargs)
+    kinds = torch.export.graph_signature.InputKind
+    nodes = {n.name: n for n in ep.graph.nodes}
+    vals = [nodes[s.arg.name].meta.get("val") for s in ep.graph_signature.input_specs
+            if s.kind == kinds.USER_INPUT and isinstance(s.arg, torch.export.graph_signature.TensorArgument)]
+    if len(vals) != len(labelled) or any(not isinstance(v, torch.Tensor) or v.dim() != x.dim()
+                                         for v, (_, _, x) in zip(vals, labelled)):
+        return {}                           # an input layout this reading does not know: nothing to say
+    env = next((v.fake_mode.shape_env for v in vals if getattr(v, "fake_mode", None) is not None), None)
+    labels = _symbol_labels(env, labelled)
+    out = {}
+    for val, (label, source, x) in zip(vals, labelled):
+        for d in demanded_dims(x):
+            size = val.shape[d]
+            if not (isinstance(size, torch.SymInt) and size.node.expr.is_Symbol):
+                out[f"{label}[{d}]"] = _why_fixed(env, labels, f"{source}.size()[{d}]", int(x.shape[d]))
+            elif (guard := _pinning_guard(env, size.node.expr)) is not None:
+                out[f"{label}[{d}]"] = f"cannot take any size: the traced code requires {_render(guard, labels)}"
+    return out
+
+
+def _symbol_labels(env, labelled) -> dict[str, str]:
+    """Export's size symbols by the input dimension they stand for (``{"s77": "x[0]"}``), as far as they can be read."""
+    def label_of(src: str) -> str | None:                # "L['x'].size()[0]" -> "x[0]"
+        for label, base, _ in labelled:
+            if src.startswith(base + ".size()["):
+                return f"{label}[{src[len(base) + len('.size()['):-1]}]"
+        return None
+    try:
+        return {str(sym): lab for sym, sources in env.var_to_sources.items()
+                if (lab := next((lab for s in sources if (lab := label_of(s.name))), None))}
+    except Exception:  # noqa: BLE001 - torch's shape environment is internal: its reading is best effort
+        return {}
+
+
+def _render(guard, labels: dict[str, str]) -> str:
+    """A guard as the caller's dimensions: ``x[0] == 4``, with the torch function that asked for it."""
+    expr = guard.expr
+    text = f"{expr.lhs} == {expr.rhs}" if type(expr).__name__ == "Equality" else str(expr)
+    for sym in sorted(labels, key=len, reverse=True):
+        text = text.replace(sym, labels[sym])
+    where = getattr(getattr(guard.sloc, "framework_loc", None), "name", None)
+    return f"{text}{f' (in torch {where})' if where else ''}"
+
+
+def _pinning_guard(env, symbol):
+    """A guard tying ``symbol`` with other input sizes to a constant (``Eq(64*s0*s1, 2048)``), or None."""
+    try:
+        for guard in env.guards:
+            expr = guard.expr.xreplace(env.replacements)
+            if symbol in expr.free_symbols and type(expr).__name__ == "Equality" and not expr.has(sympy_mod()) \
+                    and any(side.is_Number for side in (expr.lhs, expr.rhs)) and len(expr.free_symbols) >= 2:
+                return guard
+    except Exception:  # noqa: BLE001 - best effort, as above
+        return None
+    return None
+
+
+def sympy_mod():
+    from torch.utils._sympy.functions import Mod
+    return Mod
+
+
+def _why_fixed(env, labels: dict[str, str], source: str, size: int) -> str:
+    """Why export fixed the dimension ``source`` names: the 0/1 rule, or the first guard the model's code put on it."""
+    if size <= 1:
+        return f"stayed at {size}: torch.export keeps sizes 0 and 1 of the example static (trace with 2 or more)"
+    try:
+        mine = next(sym for sym, sources in env.var_to_sources.items() if any(s.name == source for s in sources))
+        guard = next(g for g in env.guards if mine in g.expr.free_symbols)
+    except Exception:  # noqa: BLE001 - torch's shape environment is internal: its reading is best effort
+        return (f"stayed at {size}: the model's code fixes it (a reshape or view to a constant size, a fixed-size "
+                "buffer, or a dimension of another input that is fixed)")
+    return f"stayed at {size}: the traced code requires {_render(guard, labels)}"
+
+
+def _check_dynamic_shapes(module, example_inputs, example_kwargs, shapes: dict) -> None:
+    """Refuse a ``dynamic`` dict that names a parameter forward does not have, or a dimension its input lacks (export
+    would ignore it, and the model would take one shape where the caller asked for more)."""
+    params = inspect.signature(module.forward).parameters
+    bound = inspect.signature(module.forward).bind(*example_inputs, **example_kwargs).arguments
+    for name, spec in shapes.items():
+        if name not in params and name not in example_kwargs:
+            raise CaptureError(f"dynamic names {name!r}, which is no parameter of {type(module).__name__}.forward "
+                               f"({', '.join(params)})")
+        if name not in bound and name not in example_kwargs:
+            raise CaptureError(f"dynamic names {name!r}, but the example inputs give no {name!r}")
+        x = bound.get(name, example_kwargs.get(name))
+        if not isinstance(x, torch.Tensor) or spec is None:
+            continue
+        if isinstance(spec, dict):
+            bad = [d for d in spec if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < x.dim()]
+            if bad:
+                raise CaptureError(f"dynamic[{name!r}] names dimension {bad[0]!r}, but {name!r} has {x.dim()} "
+                                   f"(shape {tuple(x.shape)}): name dimensions 0 to {x.dim() - 1}")
+        elif isinstance(spec, (list, tuple)) and len(spec) != x.dim():
+            raise CaptureError(f"dynamic[{name!r}] lists {len(spec)} dimensions, but {name!r} has {x.dim()} "
+                               f"(shape {tuple(x.shape)})")
 
 
 def _hint(size) -> int:
@@ -280,10 +423,11 @@ def _build(ep, name: str) -> Graph:
         g.add_alias(alias, target)
     g.meta["input_leaves"] = leaves
     if dynamic:
+        ranges = {str(sym): [_bound(r.lower), _bound(r.upper)] for sym, r in ep.range_constraints.items()}
+        _tie_batches(g, dynamic, uses, ranges)
         g.meta["dynamic_dims"] = dynamic
         g.meta["dim_uses"] = {sym: u for sym, u in uses.items() if len(u) > 1}
-        g.meta["dim_ranges"] = {str(sym): [_bound(r.lower), _bound(r.upper)]
-                                for sym, r in ep.range_constraints.items() if str(sym) in dynamic}
+        g.meta["dim_ranges"] = {sym: r for sym, r in ranges.items() if sym in dynamic}
     g.meta["in_spec"], g.meta["out_spec"] = ep.call_spec.in_spec, ep.call_spec.out_spec
     for key, spec in (("in_spec", ep.call_spec.in_spec), ("out_spec", ep.call_spec.out_spec)):
         try:
@@ -296,6 +440,38 @@ def _build(ep, name: str) -> Graph:
             v.kind = "output"
     g.validate()
     return g
+
+
+def _tie_batches(g: Graph, dynamic: dict, uses: dict, ranges: dict) -> None:
+    """Give two inputs that share a dynamic dimension besides the first (a mask's sequence and the ids') one batch
+    symbol where export left their first dimensions apart at one size (BERT indexes its mask by the ids' batch, which
+    bounds the mask's batch from below only): the compiled model then takes masks of the ids' batch, refuses others
+    with a clear error, and counts each token once. In place: ``dynamic``, ``uses``, ``ranges`` and the ops' sizes."""
+    dims = {name: {d: sym for sym, u in uses.items() for t, d in u if t == name} for name in g.inputs}
+    rename: dict[str, str] = {}
+    for i, first in enumerate(g.inputs):
+        for other in g.inputs[i + 1:]:
+            a, b = dims[first].get(0), dims[other].get(0)
+            a = rename.get(a, a)
+            shared = (set(dims[first].values()) - {a}) & (set(dims[other].values()) - {b})
+            if a is None or b is None or a == b or b in rename or not shared \
+                    or g.tensor(first).shape[0] != g.tensor(other).shape[0]:
+                continue
+            rename[b] = a
+            uses[a] += uses.pop(b)
+            dynamic.pop(b, None)
+            kept, dropped = ranges.get(a, [None, None]), ranges.pop(b, [None, None])     # the tighter of both
+            ranges[a] = [max((x for x in (kept[0], dropped[0]) if x is not None), default=None),
+                         min((x for x in (kept[1], dropped[1]) if x is not None), default=None)]
+    if not rename:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
+
+    def renamed(ref: SymRef) -> SymRef:
+        return SymRef(pattern.sub(lambda m: rename[m.group(1)], ref.expr), ref.hint)
+    for op in g.ops():
+        op.args = pytree.tree_map_only(SymRef, renamed, op.args)
+        op.kwargs = pytree.tree_map_only(SymRef, renamed, op.kwargs)
 
 
 def _tie(names: dict, state: dict, nodes: dict) -> dict[str, str]:
