@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU call: install sparta (no deps, no TVM), run the GPU suite on fixtures built from this commit, then the
+# benchmarks named in $1 ("suite", "gemv", "bert"; default all). Logs and results JSON go to $OUT (or results/).
+#   python tests/fixtures/build_cuda.py; python benchmarks/bench_cuda_any_rows_gemv.py --build     # build machine
+#   bash benchmarks/gpu_checks.sh "suite gemv"                                                       # GPU machine
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+WHAT=${1:-suite gemv bert}
+[ -f artifacts/cuda.tar.xz ] && [ ! -d artifacts/cuda/w4a16 ] && tar -C artifacts -xJf artifacts/cuda.tar.xz
+python -c "import sparta" 2>/dev/null || pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python -c "import sparta, torch; print('sparta', sparta.__file__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+export SPARTA_CUDA_ARTIFACTS=$PWD/artifacts/cuda SPARTA_RESULTS=$OUT
+if [[ $WHAT == *suite* ]]; then
+    python -m pytest -q -p no:cacheprovider -rfE tests/runtime tests/passes/test_scramble.py \
+        tests/codegen/test_select_cuda.py > "$OUT/gpu_suite.log" 2>&1
+    echo "GPU suite exit $?"; tail -25 "$OUT/gpu_suite.log"
+fi
+if [[ $WHAT == *gemv* ]]; then
+    python benchmarks/bench_cuda_any_rows_gemv.py > "$OUT/any_rows_gemv.log" 2>&1; tail -28 "$OUT/any_rows_gemv.log"
+fi
+if [[ $WHAT == *bert* ]]; then
+    python benchmarks/bench_dynamic_bert.py --padded artifacts/bert_padded --saved artifacts/bert_dynamic \
+        > "$OUT/padded_bert.log" 2>&1; tail -20 "$OUT/padded_bert.log"
+fi
+cp benchmarks/results/*-cuda-*.json "$OUT/" 2>/dev/null; ls "$OUT"
