@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
 WHAT=${1:-suite gemv bert}
 [ -f artifacts/cuda.tar.xz ] && [ ! -d artifacts/cuda/w4a16 ] && tar -C artifacts -xJf artifacts/cuda.tar.xz
-python -c "import sparta" 2>/dev/null || pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+if ! python -c "import sparta.passes" 2>/dev/null; then    # the package-dir mapping without installing: links
+    for d in passes codegen templates; do [ -e "sparta/$d" ] || ln -s "../$d" "sparta/$d"; done
+fi
 python -c "import sparta, torch; print('sparta', sparta.__file__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 export SPARTA_CUDA_ARTIFACTS=$PWD/artifacts/cuda SPARTA_RESULTS=$OUT
 if [[ $WHAT == *suite* ]]; then
