@@ -12,9 +12,9 @@ if ! python -c "import sparta.passes" 2>/dev/null; then    # the package-dir map
     for d in passes codegen templates; do [ -e "sparta/$d" ] || ln -s "../$d" "sparta/$d"; done
 fi
 python -c "import sparta, torch; print('sparta', sparta.__file__, 'torch', torch.__version__, torch.cuda.get_device_name())"
-export SPARTA_CUDA_ARTIFACTS=$PWD/artifacts/cuda SPARTA_RESULTS=$OUT
+export SPARTA_CUDA_ARTIFACTS=$PWD/artifacts/cuda SPARTA_RESULTS=$OUT PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [[ $WHAT == *suite* ]]; then
-    python -m pytest -q -p no:cacheprovider -rfE tests/runtime tests/passes/test_scramble.py \
+    python -m pytest -q -p no:cacheprovider -rfEs tests/runtime tests/passes/test_scramble.py \
         tests/codegen/test_select_cuda.py > "$OUT/gpu_suite.log" 2>&1
     echo "GPU suite exit $?"; tail -25 "$OUT/gpu_suite.log"
 fi
