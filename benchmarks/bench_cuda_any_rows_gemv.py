@@ -49,9 +49,9 @@ def specs() -> dict:
         for top, _, t in w4a16_few_rows(site, cuda):
             t = dict(t)
             t.pop("group")
-            out[f"w4_{shape}_any{top}"] = W4A16Spec(0, n, k, group=GROUP, sym=False, rows=8 if top <= 8 else 16, **t)
+            out[f"w4_{shape}_any{top}"] = W4A16Spec(0, n, k, group=GROUP, sym=False, rows=max(top, 8), **t)
         for top, _, t in w8a8_few_rows(site, cuda):
-            out[f"w8_{shape}_any{top}"] = W8A8GemvSpec(0, n, k, rows=8 if top <= 8 else 16, **t)
+            out[f"w8_{shape}_any{top}"] = W8A8GemvSpec(0, n, k, rows=max(top, 8), **t)
     return {name: type(s)(**{**s.__dict__, "name": name}) for name, s in out.items()}
 
 

@@ -119,23 +119,27 @@ def w4a16_any_rows(site: GemmSite, target: Target) -> KernelChoice:
 
 
 def w4a16_few_rows(site: GemmSite, target: Target) -> list | None:
-    """[[max rows, "w4a16_gemv", tiling], ...] of a graph of any rows: one GEMV up to 8 rows, one up to 16 (the
-    tilings of a static compile at those rows), or None where the scale groups do not suit the GEMV."""
+    """[[max rows, "w4a16_gemv", tiling], ...] of a graph of any rows: GEMVs up to 8, 12 and 16 rows (the tilings of a
+    static compile at those rows; a kernel holds its rows' partial sums, so the 12-row one saves 9-12 rows the 16-row
+    one's: measured, benchmarks/RESULTS.md), or None where the scale groups do not suit the GEMV."""
     if not site.w4_group:
         return None
     top = target.tiles("gemv_max_rows", "w4a16")
     return [[rows, "w4a16_gemv", dict(gemv_tiling(rows, site.n, site.k, site.w4_group), group=site.w4_group)]
-            for rows in (8, 16) if rows <= top] or None
+            for rows in ROW_BUCKETS if rows <= top] or None
+
+
+ROW_BUCKETS = (8, 12, 16)         # the few-row GEMVs' buckets of rows in a graph of any rows
 
 
 def w8a8_few_rows(site: GemmSite, target: Target) -> list | None:
     """[[max rows, "w8a8_gemv", tiling], ...] of a W8A8 op in a graph of any rows: the tensor-core GEMV (K a
-    multiple of 32) up to 8 rows and up to 16, with a static compile's tilings at those rows — and up to 4 rows its
+    multiple of 32) up to 8, 12 and 16 rows, with a static compile's tilings at those rows — and up to 4 rows its
     own where a static compile's differs there (launched as a programmatic dependent)."""
     top = target.tiles("gemv_max_rows", "w8a8")
     if not site.any_rows or site.k % 32:
         return None
-    tilings = {rows: w8a8_gemv_tiling(rows, site.n, site.k, target, not site.dense) for rows in (4, 8, 16)}
+    tilings = {rows: w8a8_gemv_tiling(rows, site.n, site.k, target, not site.dense) for rows in (4, *ROW_BUCKETS)}
     return [[rows, "w8a8_gemv", t] for rows, t in tilings.items()
             if rows <= top and (rows != 4 or t != tilings[8])] or None
 

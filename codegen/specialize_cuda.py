@@ -236,7 +236,7 @@ def _few_row_specs(choice, spec: BsrSpec, site) -> list:
     bf16 = site.act16 == "bfloat16"
     for top, family, tiling in choice.few_rows or ():
         t = dict(tiling)
-        rows = 8 if top <= 8 else 16
+        rows = max(top, 8)               # a kernel for up to 4 rows holds 8 (one MMA's columns)
         if family == "w4a16_gemv":
             group = t.pop("group")
             g = W4A16Spec(0, spec.n, spec.k, group=group, sym=not spec.zero, bias=spec.bias, rows=rows,

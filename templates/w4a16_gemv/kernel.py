@@ -252,7 +252,7 @@ def w4a16_gemv(spec: W4A16Spec):
                 for r in T.unroll(4):
                     m = T.meta_var(rh * 8 + t * 2 + r % 2)
                     nl = T.meta_var((2 * p + r // 2) * 8 + g)
-                    if (ANY or MR % 8 == 0 or m < MR) and (NT % 2 == 0 or 2 * p + r // 2 < NT):
+                    if (MR % 8 == 0 or m < MR) and (NT % 2 == 0 or 2 * p + r // 2 < NT):
                         red[(warp * MR + m) * NT * 8 + nl] = acc_value(acc, rh * NP + p, r)
         T.tvm_storage_sync("shared")
         if KS == 1:

@@ -45,13 +45,13 @@ class W4A16Spec:
     min_ctas: int = 0                # > 0: __launch_bounds__(threads, min_ctas), registers capped to fit them per SM
     pdl: str = ""                    # programmatic dependent launch (sm_90), "early" or "late": see the module doc
     dtype: str = "float16"           # X, scales, bias and Y: "float16", or "bfloat16" (bf16 MMA, bf16x2 dequantisation)
-    rows: int = 0                    # m=0: the most rows a call may have (8 or 16); sizes registers and shared memory
+    rows: int = 0                    # m=0: the most rows a call may have (1..16); sizes registers and shared memory
     name: str = "w4a16_gemv"
 
     def __post_init__(self):
         bad = []
-        if self.m == 0 and self.rows not in (8, 16):
-            bad.append(f"rows={self.rows}: a kernel for any M (m=0) takes up to 8 or 16 rows")
+        if self.m == 0 and not 1 <= self.rows <= 16:
+            bad.append(f"rows={self.rows}: a kernel for any M (m=0) takes up to 1..16 rows")
         elif self.m and (not 1 <= self.m <= 16 or self.rows not in (0, self.m)):
             bad.append(f"M={self.m} must be 1..16 (small batch), rows 0 or M")
         if self.n <= 0 or self.k <= 0:

@@ -46,13 +46,13 @@ class W8A8GemvSpec:
     out: str = "float16"       # Y: fp16, "bfloat16" (and bias; a bf16 model), or "int8" codes of one static scale
                                # (argument OS, as ``bsr_linear``'s)
     sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
-    rows: int = 0              # m=0: the most rows a call may have (8 or 16)
+    rows: int = 0              # m=0: the most rows a call may have (1..16)
     name: str = "w8a8_gemv"
 
     def __post_init__(self):
         bad = []
-        if self.m == 0 and (self.rows not in (8, 16) or not self.mma):
-            bad.append(f"rows={self.rows}: a kernel for any M (m=0) is the mma kernel, for up to 8 or 16 rows")
+        if self.m == 0 and (not 1 <= self.rows <= 16 or not self.mma):
+            bad.append(f"rows={self.rows}: a kernel for any M (m=0) is the mma kernel, for up to 1..16 rows")
         elif self.m and (not 1 <= self.m <= 16 or self.rows not in (0, self.m)):
             bad.append(f"M={self.m} must be 1..16 (a GEMV for decode; more rows want the tile kernels), rows 0 or M")
         if self.n <= 0 or self.k <= 0 or self.k % CHUNK or self.k > MAX_K:

@@ -188,7 +188,7 @@ def test_decode_w4a16_gemvs_back_to_back_launch_programmatically_and_match():
             hopper = torch.cuda.get_device_capability() >= (9, 0)
             assert all(set(m._few_ops) == {8} for m in mods.values())       # 4 rows ran the 8-row GEMVs
             assert all((m._few_ops[8]._prepared.config is not None) == hopper for m in mods.values())
-    assert all(set(m._few_ops) == {8, 16} for m in mods.values())
+    assert all(set(m._few_ops) == set(kernel_choices.rows_of(m)) for m in mods.values())
     replay_on_new_input(model, torch.randn(1, 4, 1024, device="cuda").half())
 
 
@@ -221,7 +221,7 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes_and_match():
     def w8a8(q, s, layer, bias):
         codes = layer.dense_codes().cuda().float()
         return (q.float() @ codes.t()) * s[:, None] * layer.weight_scale[None, :] + bias.cuda().float()
-    for rows in (4, 1, 6, 13, 24):                      # each GEMV, then the tile kernels
+    for rows in (4, 1, 6, 10, 13, 24):                  # each GEMV, then the tile kernels
         x = torch.randn(1, rows, 1024, device="cuda").half()
         h = torch.nn.functional.layer_norm(x.float(), (1024,), g.tensor("0.weight").data.cuda().float(),
                                            g.tensor("0.bias").data.cuda().float()).half().reshape(rows, 1024)
