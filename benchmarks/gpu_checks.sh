@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
 WHAT=${1:-suite gemv bert}
-[ -f artifacts/cuda.tar.xz ] && [ ! -d artifacts/cuda/w4a16 ] && tar -C artifacts -xJf artifacts/cuda.tar.xz
+[ -f artifacts/cuda.tar.xz ] && rm -rf artifacts/cuda && tar -C artifacts -xJf artifacts/cuda.tar.xz
 if ! python -c "import sparta.passes" 2>/dev/null; then    # the package-dir mapping without installing: links
     for d in passes codegen templates; do [ -e "sparta/$d" ] || ln -s "../$d" "sparta/$d"; done
 fi
