@@ -20,6 +20,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     from tvm import tirx
     N, K, W, G = spec.n, spec.k, spec.warps, spec.group
     MR = spec.max_rows                        # rows the registers and shared memory hold
+    ANY = spec.m == 0
     M = tirx.Var("M", "int32") if spec.m == 0 else spec.m     # m=0: a kernel argument
     TL, CH = spec.tiles, K // MMA_K
     J = -(-CH // W)                           # chunks per warp (at most, when sparse)
@@ -104,9 +105,10 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                         o = T.meta_var((bt % 2) * G + g)
                         c = T.meta_var(kc[o] if SPARSE else warp + j * W)      # the chunk's K index
                         for h in T.unroll(H):
-                            if h * 8 + lane // 4 < M:
+                            if ANY or h * 8 + lane // 4 < M:      # any M: rows past it read row M-1 (unstored)
                                 for v in T.unroll(2):
-                                    xb[v] = T.reinterpret("uint32", XQ[h * 8 + lane // 4, c * 8 + (lane % 4) * 2 + v])
+                                    row = T.meta_var(T.min(h * 8 + lane // 4, M - 1) if ANY else h * 8 + lane // 4)
+                                    xb[v] = T.reinterpret("uint32", XQ[row, c * 8 + (lane % 4) * 2 + v])
                             else:
                                 for v in T.unroll(2):
                                     xb[v] = T.uint32(0)
