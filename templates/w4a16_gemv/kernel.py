@@ -152,12 +152,11 @@ def w4a16_gemv(spec: W4A16Spec):
                                 zh[u * NT + tile] = zt[1]
                 if part != "w":
                     for rh in T.unroll(RH):
-                        # any M: rows past it read row M-1 (X row r only reaches output row r, never stored)
-                        if (ANY or g + rh * 8 < M) and kb < K:
+                        # rows past M are zeros (reading row M-1 for them instead measured up to 1.45x slower)
+                        if g + rh * 8 < M and kb < K:
                             for q in T.unroll(4):
                                 for v in T.vectorized(8):
-                                    xh[(u * RH + rh) * 32 + q * 8 + v] = X[T.min(g + rh * 8, M - 1) if ANY else
-                                                                           g + rh * 8, kb + q * 8 + v]
+                                    xh[(u * RH + rh) * 32 + q * 8 + v] = X[g + rh * 8, kb + q * 8 + v]
                         else:
                             for q in T.unroll(4):
                                 for v in T.vectorized(4):
