@@ -120,8 +120,8 @@ def w4a16_any_rows(site: GemmSite, target: Target) -> KernelChoice:
 
 def w4a16_few_rows(site: GemmSite, target: Target) -> list | None:
     """[[max rows, "w4a16_gemv", tiling], ...] of a graph of any rows: GEMVs up to 8, 12 and 16 rows (the tilings of a
-    static compile at those rows; a kernel holds its rows' partial sums, so the 12-row one saves 9-12 rows the 16-row
-    one's: measured, benchmarks/RESULTS.md), or None where the scale groups do not suit the GEMV."""
+    static compile at those rows; each kernel holds its rows' partial sums), or None where the scale groups do not
+    suit the GEMV (benchmarks/RESULTS.md, "CUDA low-bit GEMVs of a default compile")."""
     if not site.w4_group:
         return None
     top = target.tiles("gemv_max_rows", "w4a16")
