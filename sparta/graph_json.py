@@ -314,6 +314,8 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
                 meta[key] = pytree.treespec_dumps(graph.meta[key])
     if graph.meta.get("propagation") is not None:
         meta["propagation"] = graph.meta["propagation"].to_json()
+    if graph.meta.get("mask_sources") is not None:        # where the TeSAs came from (the plan report's last line)
+        meta["mask_sources"] = {k: sorted(v) for k, v in graph.meta["mask_sources"].items()}
     return {"format": FORMAT, "name": graph.name, "inputs": graph.inputs, "outputs": graph.outputs,
             "tensors": values, "ops": ops, "meta": meta}, tensors
 
@@ -406,6 +408,12 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
         for key in ("in_spec", "out_spec"):
             if key in meta:
                 g.meta[key] = load_treespec(meta[key])
+        sources = meta.get("mask_sources")
+        if sources is not None:
+            if not (isinstance(sources, dict) and all(isinstance(v, list) and all(isinstance(x, str) for x in v)
+                                                       for v in sources.values())):
+                raise GraphFormatError(f"malformed mask_sources {sources!r}")
+            g.meta["mask_sources"] = {str(k): list(v) for k, v in sources.items()}
         if "propagation" in meta:
             from .passes.propagate import PropagationReport
             g.meta["propagation"] = PropagationReport.from_json(meta["propagation"])

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +82,14 @@ def test_launcher_built_by_racing_processes_is_whole_and_a_broken_one_is_rebuilt
     (folder / "launcher.so").write_bytes(b"not a library")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-1] == "True", out.stderr[-1000:]
+
+
+def test_each_process_builds_the_launcher_from_files_of_its_own(tmp_path, monkeypatch):
+    """The source, object and library a build writes carry the process id (racing processes must not share them)."""
+    seen = []
+    monkeypatch.setattr(cpu_threads, "_succeeds", lambda command: seen.append(command) or True)   # builds nothing
+    monkeypatch.setattr(cpu_threads.os, "getpid", lambda: 4242)
+    assert cpu_threads._build(tmp_path, Path("/nonexistent/libgomp.so.1")) is None
+    files = {Path(a).name for command in seen for a in command if str(tmp_path) in a}
+    assert files == {"launcher.4242.c", "launcher.4242.o", "launcher.4242.so"}, files
+    assert not list(tmp_path.iterdir()), "a failed build leaves no file"

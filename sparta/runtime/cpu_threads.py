@@ -90,8 +90,8 @@ def _succeeds(command: list[str]) -> bool:
 def _build(folder: Path, gomp: Path) -> Path | None:
     """Compile the launcher into a file of this process's own (source and object too: processes build it at once),
     checked before it is published."""
-    stem = folder / f"launcher.{os.getpid()}"
-    src, obj, tmp = stem.with_suffix(".c"), stem.with_suffix(".o"), stem.with_suffix(".so")
+    src, obj, tmp = (folder / f"launcher.{os.getpid()}.{ext}" for ext in ("c", "o", "so"))   # not with_suffix:
+    #                                                                    it would replace the pid, the names collide
     src.write_text(LAUNCHER_C)
     cc = os.environ.get("CC", "cc")
     steps = ([cc, "-O2", "-fPIC", "-fopenmp", "-c", str(src), "-o", str(obj)],
