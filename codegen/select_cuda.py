@@ -27,6 +27,7 @@ from ..templates.bsr_linear.spec import gate_padded
 from .select_attention import select_attention
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
+ROW_BUCKETS = (8, 12, 16)         # the low-bit few-row GEMVs' buckets of rows in a graph of any rows
 EPILOGUE_OF = {"w4a16_gemv": ("bias",), "torch": ()}   # kernels whose epilogue computes less than the plan's
 
 
@@ -127,9 +128,6 @@ def w4a16_few_rows(site: GemmSite, target: Target) -> list | None:
     top = target.tiles("gemv_max_rows", "w4a16")
     return [[rows, "w4a16_gemv", dict(gemv_tiling(rows, site.n, site.k, site.w4_group), group=site.w4_group)]
             for rows in ROW_BUCKETS if rows <= top] or None
-
-
-ROW_BUCKETS = (8, 12, 16)         # the few-row GEMVs' buckets of rows in a graph of any rows
 
 
 def w8a8_few_rows(site: GemmSite, target: Target) -> list | None:
@@ -374,8 +372,10 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         op_plan.kernel = choice("torch", "not_a_gemm", f"not a GEMM the CUDA template takes ({op.op})") \
             if site is None else select_gemm(site, target)
         fuses = EPILOGUE_OF.get(op_plan.kernel.kernel)
-        if any(family == "w4a16_gemv" for _, family, _ in op_plan.kernel.few_rows or ()):
-            fuses = EPILOGUE_OF["w4a16_gemv"]   # the GEMVs beside the tile fuse the bias only: the rest after it
+        for _, family, _ in op_plan.kernel.few_rows or ():    # every kernel of the op computes the fused epilogue
+            less = EPILOGUE_OF.get(family)
+            if less is not None:
+                fuses = less if fuses is None else tuple(e for e in fuses if e in less)
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
             op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
         if not gates(op_plan.kernel):  # the gated unit runs as torch ops (slices, activation, product)

@@ -36,13 +36,11 @@ from ..templates.bsr_linear.spec import BsrSpec
 from ..templates.layernorm.kernel import layer_norm_kernel
 from ..templates.layernorm.spec import LayerNormSpec, pick_threads
 from ..templates.w4a16_gemv.kernel import w4a16_gemv
-from ..templates.w4a16_gemv.spec import W4A16Spec
 from ..templates.w8a8_gemv.kernel import w8a8_gemv
-from ..templates.w8a8_gemv.spec import W8A8GemvSpec
 from .cuda_build import build_cuda
 from .select_cuda import fused_activation, gemm_site, pingpong_pays, select_kernels
 from .specialize_gemv import (bind, build_w4a16_gemv, build_w8a8_gemv, int8_weight_scale, report_row, row_quantizer,
-                              torch_row, w4_codes)
+                              torch_row, w4_codes, w4a16_gemv_spec, w8a8_gemv_spec)
 
 def int8_codes_spec(spec: BsrSpec, target: Target, rows: int = 0) -> BsrSpec:
     """The int8-code-writing (``out="int8"``) twin of a W8A8 kernel; for a dense 128x192 wgmma tile where it pays at
@@ -106,8 +104,10 @@ def _requantized_outputs(graph: Graph, plan: Plan, target: Target, replacements:
             kernel = build_cuda(bsr_linear, spec)
             h_spec = int8_codes_spec(module.hopper[1], target, example_rows) if module.hopper else None
             hopper = build_cuda(bsr_linear, h_spec) if h_spec else None
-            few = [(top, build_cuda(w8a8_gemv, g).path, g) for top, g in
-                   ((top, dataclasses.replace(g, out="int8", name=g.name + "_q8")) for top, _, g in module.few_rows)]
+            few = []                    # the few-row GEMVs writing codes too
+            for top, _, g in module.few_rows:
+                q8 = dataclasses.replace(g, out="int8", name=g.name + "_q8")
+                few.append((top, build_cuda(w8a8_gemv, q8).path, q8))
             module.requantize_output(quantized_names(t), scale, (kernel.path, spec),
                                      (hopper.path, h_spec) if hopper else None, few or None)
         else:
@@ -233,23 +233,13 @@ def _few_row_specs(choice, spec: BsrSpec, site) -> list:
     """[(max rows, family, spec), ...]: the low-bit GEMVs selection put beside ``spec``'s tile kernel (any M, up to
     their rows; ``KernelChoice.few_rows``)."""
     out = []
-    bf16 = site.act16 == "bfloat16"
     for top, family, tiling in choice.few_rows or ():
         t = dict(tiling)
         rows = max(top, 8)               # a kernel for up to 4 rows holds 8 (one MMA's columns)
         if family == "w4a16_gemv":
-            group = t.pop("group")
-            g = W4A16Spec(0, spec.n, spec.k, group=group, sym=not spec.zero, bias=spec.bias, rows=rows,
-                          dtype=site.act16, **t, name=f"w4a16_gemv_Mx{spec.n}x{spec.k}_r{rows}_g{group}"
-                          f"{'_zero' if spec.zero else ''}{'_bias' if spec.bias else ''}{'_fold' if t.get('fold') else ''}"
-                          f"{'_ks%d' % t['ksplit'] if t.get('ksplit', 1) > 1 else ''}"
-                          f"{'_b%d' % t['min_ctas'] if t.get('min_ctas') else ''}{'_' + t['pdl'] if t.get('pdl') else ''}"
-                          f"{'_bf16' if bf16 else ''}")
+            g = w4a16_gemv_spec(0, spec.n, spec.k, t.pop("group"), not spec.zero, spec.bias, site.act16, t, rows)
         else:
-            g = W8A8GemvSpec(0, spec.n, spec.k, bias=spec.bias, act=spec.act, out=site.act16, rows=rows, **t,
-                             name=f"w8a8_gemv_Mx{spec.n}x{spec.k}_r{rows}{'_sparse' if t.get('sparse') else ''}_"
-                                  f"{spec.act}{'_bias' if spec.bias else ''}{'_' + t['pdl'] if t.get('pdl') else ''}"
-                                  f"{'_bf16' if bf16 else ''}")
+            g = w8a8_gemv_spec(0, spec.n, spec.k, spec.bias, spec.act, site.act16, t, rows)
         out.append((top, family, g))
     return out
 

@@ -39,6 +39,27 @@ def row_quantizer(m: int, k: int, act16: str = "float16"):
                       ).path
 
 
+def w8a8_gemv_spec(m: int, n: int, k: int, bias: bool, act: str, act16: str, tiling: dict,
+                   rows: int = 0) -> W8A8GemvSpec:
+    """The W8A8 GEMV of ``m`` rows (0: any M up to ``rows``) with selection's ``tiling``, named for what it is."""
+    rows_name = m or f"Mr{rows}"
+    return W8A8GemvSpec(m, n, k, bias=bias, act=act, out=act16, rows=rows, **tiling,
+                        name=f"w8a8_gemv_{rows_name}x{n}x{k}{'_sparse' if tiling.get('sparse') else ''}_{act}"
+                             f"{'_bias' if bias else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
+
+
+def w4a16_gemv_spec(m: int, n: int, k: int, group: int, sym: bool, bias: bool, act16: str, tiling: dict,
+                    rows: int = 0) -> W4A16Spec:
+    """The W4A16 GEMV of ``m`` rows (0: any M up to ``rows``) with selection's ``tiling`` (no ``group``), named for
+    what it is."""
+    rows_name = m or f"Mr{rows}"
+    return W4A16Spec(m, n, k, group=group, sym=sym, bias=bias, dtype=act16, rows=rows, **tiling,
+                     name=f"w4a16_gemv_{rows_name}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias else ''}"
+                          f"{'_fold' if tiling.get('fold') else ''}{'_ks2' if tiling.get('ksplit') else ''}"
+                          f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}"
+                          f"{'_pdl' if tiling.get('pdl') else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
+
+
 def build_w8a8_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.Tensor, bias, act: str, fused):
     """A few-row W8A8 linear on the W8A8 GEMV, which streams the weights over the whole GPU (the tile kernels'
     128-row tiles make a grid of a few dozen CTAs at decode); bias and activation fused. A sparse tiling
@@ -48,9 +69,7 @@ def build_w8a8_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.T
     tiles = op_plan.kernel.tiles
     sparse = bool(tiles.get("sparse"))
     act16 = "bfloat16" if graph.tensor(x_name).dtype == torch.bfloat16 else "float16"
-    spec = W8A8GemvSpec(m, n, k, bias=bias is not None, act=act, out=act16, **tiles,
-                        name=f"w8a8_gemv_{m}x{n}x{k}{'_sparse' if sparse else ''}_{act}"
-                             f"{'_bias' if bias is not None else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
+    spec = w8a8_gemv_spec(m, n, k, bias is not None, act, act16, tiles)
     art = build_cuda(w8a8_gemv, spec)
     module = W8A8GemvCUDA.from_weight(op.name, x_name, art.path, spec, weight, int8_weight_scale(op_plan, weight, k),
                                       bias, graph.tensor(op.outputs[0]).shape, row_quantizer(m, k, act16))
@@ -67,11 +86,7 @@ def build_w4a16_gemv(graph: Graph, op: Op, op_plan: OpPlan, view, weight: torch.
     tiling = dict(op_plan.kernel.tiles)
     group = tiling.pop("group")
     act16 = "bfloat16" if graph.tensor(x_name).dtype == torch.bfloat16 else "float16"
-    spec = W4A16Spec(m, n, k, group=group, sym=sym, bias=bias is not None, dtype=act16, **tiling,
-                     name=f"w4a16_gemv_{m}x{n}x{k}_g{group}{'' if sym else '_zero'}{'_bias' if bias is not None else ''}"
-                          f"{'_fold' if tiling['fold'] else ''}{'_ks2' if tiling.get('ksplit') else ''}"
-                          f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}"
-                          f"{'_pdl' if tiling.get('pdl') else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
+    spec = w4a16_gemv_spec(m, n, k, group, sym, bias is not None, act16, tiling)
     art = build_cuda(w4a16_gemv, spec)
     scale_el, zero_el = params.expand(k)
     zero = None if sym else zero_el[:, ::group].to(torch.uint8)

@@ -37,7 +37,7 @@ class W4A16GemvOp:
         if x.shape[0] > s.max_rows:
             raise CudaRuntimeError(f"{s.name}: the GEMV takes at most {s.max_rows} rows, got {x.shape[0]}")
         y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
-        if x.shape[0] == 0:            # a kernel of any M reads row M - 1 for its padding rows: none to read
+        if x.shape[0] == 0:            # no rows: nothing to launch
             return y
         if self._prepared is None:
             self._prepared = self.kernel.prepare(
