@@ -24,6 +24,7 @@ import torch
 import transformers
 
 import sparta
+from sparta.sampling import padding_mask
 
 LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
            "intermediate.dense", "output.dense")
@@ -50,13 +51,6 @@ def pruned_bert(layers: int, block: int, density: float, parts=LINEARS, seed: in
             name = f"encoder.layer.{i}.{part}.weight"
             tesa[name] = sparta.TeSA.from_mask(magnitude_block_mask(params[name], block, density))
     return model, tesa
-
-
-def padding_mask(shape, generator=None) -> torch.Tensor:
-    """A right-padded attention mask of ``shape`` (batch, sequence): each row keeps a random 1..sequence tokens."""
-    batch, seq = shape
-    lengths = torch.randint(1, seq + 1, (batch,), generator=generator or torch.Generator().manual_seed(3))
-    return (torch.arange(seq)[None, :] < lengths[:, None]).long()
 
 
 def main():
@@ -88,7 +82,8 @@ def main():
         quant = dict(calibration=[(torch.randint(0, model.config.vocab_size, ids.shape, generator=gen),)
                                   for _ in range(args.calib)],
                      quant_tolerance={"tolerance": args.tolerance, "widths": (8,), "activations": True})
-    inputs = (ids, padding_mask(ids.shape)) if args.attention_mask else (ids,)
+    mask = padding_mask(ids.shape, torch.long, torch.Generator().manual_seed(3))     # right padding, 1..seq kept
+    inputs = (ids, mask) if args.attention_mask else (ids,)
     compiled = sparta.compile(model, tesa, inputs, target="cuda", dynamic=False if args.static else None, **quant)
     print(f"compiled for CUDA in {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in compiled.timings.items())})")

@@ -50,12 +50,17 @@ def find_masks(model):
 def pruned_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``{"<module path>.<name>": kept elements (bool)}`` of every parameter pruned by ``torch.nn.utils.prune``."""
     found = {}
-    for path, module in model.named_modules():
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, prune.BasePruningMethod):
-                name = hook._tensor_name
-                found[f"{path}.{name}" if path else name] = getattr(module, name + "_mask").detach().cpu().bool()
+    for path, module, name in _pruned(model):
+        found[f"{path}.{name}" if path else name] = getattr(module, name + "_mask").detach().cpu().bool()
     return found
+
+
+def _pruned(model: torch.nn.Module):
+    """``(module path, module, parameter name)`` of every ``torch.nn.utils.prune`` forward pre-hook in ``model``."""
+    for path, module in model.named_modules():
+        for hook in list(module._forward_pre_hooks.values()):
+            if isinstance(hook, prune.BasePruningMethod):
+                yield path, module, hook._tensor_name
 
 
 def attach_masks(graph: Graph, masks: Mapping, initial_tesa=None) -> Graph:
@@ -97,22 +102,18 @@ def _permanent_copy(model: torch.nn.Module, pruned: Mapping) -> torch.nn.Module:
     ``<name>_orig * <name>_mask``."""
     # the pruned weight attribute is computed (not a leaf), which deepcopy refuses: prune.remove replaces it anyway
     memo = {}
-    for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, prune.BasePruningMethod) and isinstance(getattr(module, hook._tensor_name, None),
-                                                                        torch.Tensor):
-                computed = getattr(module, hook._tensor_name)
-                memo[id(computed)] = computed.detach()
+    for _, module, name in _pruned(model):
+        computed = getattr(module, name, None)
+        if isinstance(computed, torch.Tensor):
+            memo[id(computed)] = computed.detach()
     try:
         clone = copy.deepcopy(model, memo)
     except Exception as exc:  # noqa: BLE001 - any object deepcopy cannot copy
         raise CaptureError(f"cannot copy the model to make its torch.nn.utils.prune pruning of {sorted(pruned)} "
                            f"permanent ({type(exc).__name__}: {exc}); call prune.remove on them before compiling "
                            "(their zeros are then read from the weights)") from None
-    for module in clone.modules():
-        for hook in list(module._forward_pre_hooks.values()):
-            if isinstance(hook, prune.BasePruningMethod):
-                prune.remove(module, hook._tensor_name)
+    for _, module, name in list(_pruned(clone)):
+        prune.remove(module, name)
     return clone
 
 
