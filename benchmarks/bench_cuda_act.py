@@ -43,7 +43,7 @@ def build(jobs: int) -> None:
 
 def run_family(fam: str) -> dict:
     from bench_cuda_bsr import measure
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
     from sparta.templates.bsr_linear.spec import reference, reference_int8
     from sparta.templates.quant.spec import quantize_rows
 

@@ -40,7 +40,7 @@ def graph_mask(batch: int, seq: int, causal: bool) -> torch.Tensor:
 
 
 def main():
-    from sparta.runtime.attention import SizesOnlyMaskAttention
+    from sparta.templates.attention.runtime import SizesOnlyMaskAttention
     rows = {}
     for name, b, h, s, d, dtype, causal in CASES:
         # q, k, v as the graphs pass them: heads split from a (B, L, H·E) projection, transposed

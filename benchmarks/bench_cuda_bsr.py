@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bench_mask, gpu_kernel_us, gpu_wall_us, save  # noqa: E402
 
-from sparta.runtime.bsr_linear import BsrLinearOp, load_spec  # noqa: E402
+from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec  # noqa: E402
 from sparta.templates.bsr_linear.spec import reference  # noqa: E402
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))

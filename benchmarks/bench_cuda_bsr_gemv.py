@@ -71,7 +71,7 @@ def picked_warps(shape: str) -> int:
 
 
 def bench_shape(shape: str, bw: float, tiles_only: bool = False) -> dict:
-    from sparta.runtime.bsr_linear import BsrGemvOp, BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrGemvOp, BsrLinearOp, load_spec
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.spec import reference
     import json

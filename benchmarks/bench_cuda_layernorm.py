@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from bench_cuda_bsr import ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
 from common import save  # noqa: E402
-from sparta.runtime.layernorm import LayerNormOp
-from sparta.runtime.quant import RowQuantizer
-from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
+from sparta.templates.norm.runtime import LayerNormOp
+from sparta.templates.quant.runtime import RowQuantizer
+from sparta.templates.norm.spec import LayerNormSpec, layer_norm_ref
 from sparta.templates.quant.spec import quantize_rows
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))

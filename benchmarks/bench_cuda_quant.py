@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_cuda_bsr import ROOT, copy_bandwidth  # noqa: E402
 from common import gpu_kernel_us, save  # noqa: E402
 
-from sparta.runtime.quant import RowQuantizer  # noqa: E402
+from sparta.templates.quant.runtime import RowQuantizer  # noqa: E402
 from sparta.templates.quant.spec import quantize_rows  # noqa: E402
 
 SHAPES = {"q_ffn1": (4096, 768), "q_ffn2": (4096, 3072)}

@@ -26,7 +26,7 @@ from bench_cuda_bsr import ceilings, measure  # noqa: E402  (benchmarks/ is the 
 from bench_cuda_w4a16 import tinygemm  # noqa: E402
 from common import bench_mask, save  # noqa: E402
 
-from sparta.runtime.bsr_linear import BsrLinearOp, load_spec  # noqa: E402
+from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec  # noqa: E402
 from sparta.templates.bsr_linear.int4_records import dequantize_w4, expand_groups, pack_w4, quantize_w4  # noqa: E402
 from sparta.templates.bsr_linear.spec import reference  # noqa: E402
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from bench_cuda_bsr import SETS, ceilings, measure  # noqa: E402  (benchmarks/ is the script's folder)
 from common import bench_mask, save  # noqa: E402
-from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-from sparta.runtime.quant import RowQuantizer
+from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
+from sparta.templates.quant.runtime import RowQuantizer
 from sparta.templates.bsr_linear.spec import reference_int8
 from sparta.templates.quant.spec import quantize_rows
 

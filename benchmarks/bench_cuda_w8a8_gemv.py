@@ -38,9 +38,9 @@ ROTATE_BYTES = 120e6
 def bench_shape(shape: str, n: int, k: int, m: int, bw: float, sparsity: int = 0) -> dict:
     from bench_cuda_w4a16 import sqnr_db
 
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
-    from sparta.runtime.quant import RowQuantizer
-    from sparta.runtime.w8a8_gemv import W8A8GemvOp
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
+    from sparta.templates.quant.runtime import RowQuantizer
+    from sparta.templates.w8a8_gemv.runtime import W8A8GemvOp
     from sparta.templates.quant.spec import quantize_rows
     from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, reference
 

@@ -24,7 +24,7 @@ from sparta.codegen.cuda_build import build_folders  # noqa: E402
 from sparta.codegen.select_cuda import int8_dense_tiles  # noqa: E402
 from sparta.target import load_target  # noqa: E402
 from sparta.templates.bsr_linear.spec import BsrSpec  # noqa: E402
-from sparta.templates.layernorm.spec import LayerNormSpec, pick_threads  # noqa: E402
+from sparta.templates.norm.spec import LayerNormSpec, pick_threads  # noqa: E402
 from sparta.templates.quant.spec import QuantRowsSpec  # noqa: E402
 from sparta.templates.quant.spec import pick_threads as pick_quant_threads  # noqa: E402
 from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec  # noqa: E402

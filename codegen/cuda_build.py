@@ -93,8 +93,8 @@ def cuda_templates() -> dict:
     from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
     from ..templates.bsr_linear.kernel import bsr_linear
     from ..templates.bsr_linear.spec import BsrSpec
-    from ..templates.layernorm.kernel import layer_norm_kernel
-    from ..templates.layernorm.spec import LayerNormSpec
+    from ..templates.norm.kernel import layer_norm_kernel
+    from ..templates.norm.spec import LayerNormSpec
     from ..templates.quant.kernel import quantize_rows_kernel
     from ..templates.quant.spec import QuantRowsSpec
     from ..templates.w4a16_gemv.kernel import w4a16_gemv

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import cpu_int8
+from ..templates.onednn_int8 import runtime as cpu_int8
 
 BLOCKS = [(64, 64), (32, 32), (16, 16), (1, 32), (1, 1)]
 DENSE_ROWS = (1, 4, 16, 64)         # rows at which the CPU's vendor GEMM rate is measured beside the main one
@@ -289,7 +289,7 @@ def _wide_k_ns(spec, k: int, iters: int, gen, timed) -> float:
 def kernel_call_us(iters: int = 15) -> float:
     """Host time of one call of a sparta CPU kernel module on a one-block op (what every sparse sub-operator pays
     beside its blocks)."""
-    from ..runtime.cpu_linear import SparseLinearCPU, SubKernel
+    from ..templates.cpu_linear.runtime import SparseLinearCPU, SubKernel
     from ..templates.cpu_linear import block_spec
     from ..templates.cpu_linear.block import block_linear
     from .build import build_cpu

@@ -1,4 +1,4 @@
-"""Which attention ops run :class:`~sparta.runtime.attention.SizesOnlyMaskAttention`: an ordered table of rules, as
+"""Which attention ops run :class:`~sparta.templates.attention.runtime.SizesOnlyMaskAttention`: an ordered table of rules, as
 for the GEMMs (``select_cpu.py``, ``select_cuda.py``), the same on every target.
 
 An attention op qualifies when its mask is a function of sizes alone: every op the mask is computed from reads only
@@ -57,7 +57,7 @@ def select_attention(graph: Graph, plan: Plan) -> Plan:
 
 def attention_modules(graph: Graph, plan: Plan) -> dict:
     """The kernel modules of the attention ops selection gave a sparta kernel, by op name."""
-    from ..runtime.attention import SizesOnlyMaskAttention
+    from ..templates.attention.runtime import SizesOnlyMaskAttention
     out = {}
     for op in graph.ops(ATTENTION_OPS):
         choice = plan.ops[op.name].kernel if op.name in plan.ops else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..graph import Graph, Op
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias
-from ..runtime import cpu_int8
+from ..templates.onednn_int8 import runtime as cpu_int8
 from ..target import Target
 from .select_attention import select_attention
 

@@ -19,8 +19,8 @@ from ..graph import Graph, Op
 from ..passes.transform.fusion import fused_activation
 from ..passes.transform.plan import OpPlan, Plan, SubOp
 from ..passes.transform.transform_op import gemm_bias, gemm_view, in_weight_layout, weight_matrix
-from ..runtime.cpu_int8 import Int8LinearCPU
-from ..runtime.cpu_linear import Passthrough, SparseLinearCPU, SubKernel, block_rows
+from ..templates.onednn_int8.runtime import Int8LinearCPU
+from ..templates.cpu_linear.runtime import Passthrough, SparseLinearCPU, SubKernel, block_rows
 from ..templates.cpu_linear import block_spec, fine_spec
 from ..templates.cpu_linear.block import block_linear
 from ..templates.cpu_linear.fine import fine_linear

@@ -4,7 +4,7 @@
 dequantised in registers; a dense W8A8 op also its Hopper ``wgmma`` twin over the same blocks), the W4A16 GEMV
 or the W8A8 GEMV (``codegen/specialize_gemv.py``).
 
-fp16 LayerNorms become sparta's LayerNorm kernel (``templates/layernorm/``): one read by W8A8 linears hands them
+fp16 LayerNorms become sparta's LayerNorm kernel (``templates/norm/``): one read by W8A8 linears hands them
 their per-token int8 codes, so they skip the quantiser; one fed by a residual add that nothing else reads adds the
 two inputs itself. A linear whose output (after its fused activation) has a static int8 scale in the plan and that
 only W8A8 linears read writes int8 codes itself (``out="int8"``), so they skip the quantiser too.
@@ -25,16 +25,16 @@ from ..passes.transform.fusion import GatedUnit, fused_gate
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view
 from ..target import Target, load_target
-from ..runtime.bsr_linear import SparseLinearCUDA
-from ..runtime.layernorm import LayerNormCUDA, quantized_names
-from ..runtime.w8a8_gemv import W8A8GemvCUDA
+from ..templates.bsr_linear.runtime import SparseLinearCUDA
+from ..templates.norm.runtime import LayerNormCUDA, quantized_names
+from ..templates.w8a8_gemv.runtime import W8A8GemvCUDA
 from ..templates.bsr_linear.gemv import bsr_gemv
 from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.kernel import bsr_linear
 from ..templates.bsr_linear.packing import block_mask_for
 from ..templates.bsr_linear.spec import BsrSpec
-from ..templates.layernorm.kernel import layer_norm_kernel
-from ..templates.layernorm.spec import LayerNormSpec, pick_threads
+from ..templates.norm.kernel import layer_norm_kernel
+from ..templates.norm.spec import LayerNormSpec, pick_threads
 from ..templates.w4a16_gemv.kernel import w4a16_gemv
 from ..templates.w8a8_gemv.kernel import w8a8_gemv
 from .cuda_build import build_cuda

@@ -12,8 +12,8 @@ import torch
 
 from ..graph import Graph, Op
 from ..passes.transform.plan import OpPlan
-from ..runtime.w4a16_gemv import W4A16GemvCUDA
-from ..runtime.w8a8_gemv import W8A8GemvCUDA
+from ..templates.w4a16_gemv.runtime import W4A16GemvCUDA
+from ..templates.w8a8_gemv.runtime import W8A8GemvCUDA
 from ..templates.quant.kernel import quantize_rows_kernel
 from ..templates.quant.spec import QuantRowsSpec
 from ..templates.quant.spec import pick_threads as pick_quant_threads

@@ -9,7 +9,7 @@ evaluates every mask that depends on no graph input, and where it keeps everythi
 all True, or a float mask of zeros) rewrites the attention op without it; the ops that
 only fed the mask are removed. A mask computed from a dynamic size is a different mask at every
 length (a sliding window keeps everything below its width): one evaluation proves nothing, so it
-stays, and the runtime decides it per shape (``sparta/runtime/attention.py``).
+stays, and the runtime decides it per shape (``templates/attention/runtime.py``).
 
 ``drop_copies`` removes value-preserving copies (``clone`` — what an exported eval-mode dropout
 becomes —, ``alias``, ``detach``) whose input and output carry the same TeSA: their readers read the

@@ -9,7 +9,7 @@ import torch
 import sparta
 from models import ResidualMLP
 from sparta.backend.fx import Fused, Passthrough
-from sparta.runtime.cpu_linear import SparseLinearCPU
+from sparta.templates.cpu_linear.runtime import SparseLinearCPU
 
 pytest.importorskip("tvm", reason="compiles CPU kernels")
 

@@ -118,8 +118,8 @@ def test_a_dynamic_cuda_compile_builds_kernels_for_any_rows(tmp_path, dtype):
     16-bit block-sparse linears carry the few-row GEMV over the same blocks, a bf16 model gets bf16 kernels, and fake
     CUDA tensors of new shapes propagate (the ops' outputs follow the inputs' rows and dtype)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from sparta.runtime.bsr_linear import SparseLinearCUDA
-    from sparta.runtime.layernorm import LayerNormCUDA
+    from sparta.templates.bsr_linear.runtime import SparseLinearCUDA
+    from sparta.templates.norm.runtime import LayerNormCUDA
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
                                 torch.nn.LayerNorm(1024)).to(dtype).eval()

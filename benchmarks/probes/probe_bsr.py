@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # benchmarks/
 from bench_cuda_bsr import ROOT, SHAPES  # noqa: E402
 from common import bench_mask  # noqa: E402
 
-from sparta.runtime.bsr_linear import BsrLinearOp, load_spec  # noqa: E402
+from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec  # noqa: E402
 from sparta.templates.quant.spec import quantize_rows  # noqa: E402
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import sparta
-from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
 
 
 def time_us(op, x, y) -> float:

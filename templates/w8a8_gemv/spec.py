@@ -2,7 +2,7 @@
 
 ``Y = act((XQ · WQᵀ) · xs · ws + b)`` for ``M`` = 1..16 activation rows. ``XQ`` is ``(M, K)`` int8 per-token codes
 with fp32 scales ``XS`` — what sparta's per-row quantiser (``templates/quant/``) or a LayerNorm kernel
-(``templates/layernorm/``) writes for the W8A8 linears reading it — and ``WQ`` is ``(N, K)`` int8 per-channel
+(``templates/norm/``) writes for the W8A8 linears reading it — and ``WQ`` is ``(N, K)`` int8 per-channel
 codes with fp32 scales ``WS``. ``Y`` is ``(M, N)`` fp16 or, ``out="int8"``, int8 codes of one static scale (the tile
 kernels' requantising epilogue: what a W8A8 linear behind this one reads, with no quantiser pass between).
 

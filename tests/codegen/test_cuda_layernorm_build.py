@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from sparta.codegen.cuda_build import ARCHS, build_cuda
-from sparta.templates.layernorm.kernel import layer_norm_kernel
-from sparta.templates.layernorm.spec import LayerNormSpec, argument_names, pick_threads
+from sparta.templates.norm.kernel import layer_norm_kernel
+from sparta.templates.norm.spec import LayerNormSpec, argument_names, pick_threads
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 

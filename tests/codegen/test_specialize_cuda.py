@@ -189,7 +189,7 @@ def test_a_layer_norm_feeding_w8a8_linears_emits_their_int8_codes(tmp_path, monk
     """The LayerNorm becomes sparta's kernel, which quantises its output per token for the W8A8 linear
     reading it (fp16 as well when the residual reads it); the plan, the graph module and a save keep it."""
     from models import NormBlock
-    from sparta.runtime.layernorm import LayerNormCUDA
+    from sparta.templates.norm.runtime import LayerNormCUDA
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
     model = NormBlock(256, 512, residual=residual).eval()
@@ -272,7 +272,7 @@ def test_fp16_layer_norms_run_sparta_kernel_with_the_residual_add_fused(tmp_path
     nothing else normalises the add's two inputs itself and the add runs nothing; a save keeps both."""
     from models import PostLNBlock
     from sparta.backend.fx import Fused
-    from sparta.runtime.layernorm import LayerNormCUDA
+    from sparta.templates.norm.runtime import LayerNormCUDA
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
     model = PostLNBlock(256).half().eval()
@@ -310,7 +310,7 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
     with the requantising epilogue (out="int8", GELU fused), the GELU op runs nothing, the second reads the
     codes and the scale without a quantiser; the graph module, the report and a save keep it."""
     from sparta.backend.fx import Fused
-    from sparta.runtime.layernorm import quantized_names
+    from sparta.templates.norm.runtime import quantized_names
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     model, mask = _mlp_and_mask(3)
     model = torch.nn.Sequential(model[0], torch.nn.GELU(), model[2]).eval()

@@ -44,7 +44,7 @@ def test_only_masks_that_keep_everything_are_dropped(kind, dropped):
 def test_bert_mask_from_constants_is_dropped_a_real_padding_mask_is_not(padding):
     """Compiled for its example's shapes, BERT's all-true mask goes; compiled for any shape it stays in the graph and
     the runtime drops it per shape (its sizes change it); a padding mask is an input and stays."""
-    from sparta.runtime.attention import SizesOnlyMaskAttention
+    from sparta.templates.attention.runtime import SizesOnlyMaskAttention
     model = tiny_bert()
     ids = torch.randint(0, 100, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)

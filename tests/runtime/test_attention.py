@@ -1,4 +1,4 @@
-"""Attention whose mask is computed from sizes alone (``sparta/runtime/attention.py``, ``codegen/select_attention.py``):
+"""Attention whose mask is computed from sizes alone (``templates/attention/runtime.py``, ``codegen/select_attention.py``):
 the class of a mask is sound (the specialised call equals the masked one), decided per shape, selected only where no
 input's values reach the mask, and kept through torch.compile, export, save and load."""
 
@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import sparta
 from sparta.codegen.select_attention import input_reaching
-from sparta.runtime.attention import SizesOnlyMaskAttention, classify_mask, in_layout, output_strides
+from sparta.templates.attention.runtime import SizesOnlyMaskAttention, classify_mask, in_layout, output_strides
 
 MASKS = ("ones", "causal", "band", "causal_one_flip", "random", "float_zero", "float_causal", "float_bias", "keys_ones",
          "keys_padded")
@@ -94,7 +94,7 @@ def test_each_shape_is_decided_once_and_on_its_own():
 
 
 def test_a_shape_first_met_in_a_capture_runs_masked_and_stays_undecided(monkeypatch):
-    from sparta.runtime import attention
+    from sparta.templates.attention import runtime as attention
     module = SizesOnlyMaskAttention("attn", ["q", "k", "v", "mask"])
     q, k, v = torch.randn(3, 1, 2, 6, 8)
     mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]

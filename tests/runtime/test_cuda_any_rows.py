@@ -35,7 +35,7 @@ def _err(y, ref):
 
 @pytest.mark.parametrize("name", LINEARS)
 def test_tile_kernels_take_any_number_of_rows(name):
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
     from sparta.runtime.cuda import act16_dtype
     from sparta.templates.bsr_linear.int4_records import unpack_w4
     from sparta.templates.bsr_linear.spec import reference, reference_int8
@@ -75,7 +75,7 @@ def test_tile_kernels_take_any_number_of_rows(name):
 @pytest.mark.parametrize("density", [0.0, 0.35, 1.0])
 @pytest.mark.parametrize("name", GEMVS)
 def test_gemv_matches_the_reference_over_the_tile_kernels_packing(name, density):
-    from sparta.runtime.bsr_linear import BsrGemvOp
+    from sparta.templates.bsr_linear.runtime import BsrGemvOp
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.packing import pack_weight
     from sparta.templates.bsr_linear.spec import BsrSpec, reference
@@ -104,7 +104,7 @@ def test_gemv_matches_the_reference_over_the_tile_kernels_packing(name, density)
 def test_gemv_chained_as_programmatic_dependents_reads_what_the_previous_one_wrote(graph):
     """Launched with programmatic dependent launch, a GEMV loads its weights before the previous kernel ends: a chain
     of them, each reading the last one's output, eagerly and captured in a CUDA graph, matches the reference."""
-    from sparta.runtime.bsr_linear import BsrGemvOp
+    from sparta.templates.bsr_linear.runtime import BsrGemvOp
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.packing import pack_weight
     from sparta.templates.bsr_linear.spec import BsrSpec, reference
@@ -153,7 +153,7 @@ def _replayed_from_a_cuda_graph(module, rows: int, k: int):
 
 
 def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monkeypatch):
-    from sparta.runtime.bsr_linear import BsrGemvOp, SparseLinearCUDA, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrGemvOp, SparseLinearCUDA, load_spec
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.spec import reference
     folder, g_folder = _folder("r_odd_gelu"), _folder("r_gemv_odd_gelu")
@@ -179,7 +179,7 @@ def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monke
 def test_linear_module_runs_the_tile_kernel_of_each_bucket_of_rows(monkeypatch):
     """Calls the GEMV does not take run the tile kernel of the smallest bucket that holds their rows (each over the same
     packed blocks), larger calls the module's own; each correct, also replayed from a CUDA graph."""
-    from sparta.runtime.bsr_linear import BsrLinearOp, SparseLinearCUDA, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, SparseLinearCUDA, load_spec
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.spec import reference
     folder, b_folder, g_folder = _folder("r_odd_gelu"), _folder("r_odd_gelu_tm32"), _folder("r_gemv_odd_gelu")
@@ -207,8 +207,8 @@ def test_linear_module_runs_the_tile_kernel_of_each_bucket_of_rows(monkeypatch):
 
 @pytest.mark.parametrize("name", ["r_ln_res_warp_both", "r_ln_cta_int8", "r_ln_bf16_res_warp_both", "r_ln_bf16_cta"])
 def test_layer_norm_takes_any_number_of_rows(name):
-    from sparta.runtime.layernorm import LayerNormOp
-    from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
+    from sparta.templates.norm.runtime import LayerNormOp
+    from sparta.templates.norm.spec import LayerNormSpec, layer_norm_ref
     from sparta.templates.quant.spec import quantize_rows
     folder = _folder(name)
     spec = LayerNormSpec(**json.loads((folder / "spec.json").read_text()))
@@ -233,7 +233,7 @@ def test_layer_norm_takes_any_number_of_rows(name):
 
 @pytest.mark.parametrize("name", ["r_quant_rows", "r_quant_bf16"])
 def test_row_quantizer_takes_any_number_of_rows(name):
-    from sparta.runtime.quant import RowQuantizer
+    from sparta.templates.quant.runtime import RowQuantizer
     from sparta.templates.quant.spec import quantize_rows
     q = RowQuantizer(_folder(name))
     for m in (1, 37, 4, 100):
@@ -250,7 +250,7 @@ def test_gated_kernels_write_act_gate_times_up(tile_name, gemv_name, density):
     """A gated linear unit's tile kernel and its GEMV over one packing (gate and up blocks of a slot, the gate's
     counted apart) write act(gate) · up at every row count, N and K ragged, as the reference computes it from the
     (2N, K) weight; nothing of the (M, 2N) product is written."""
-    from sparta.runtime.bsr_linear import BsrGemvOp, BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrGemvOp, BsrLinearOp, load_spec
     from sparta.runtime.cuda import act16_dtype
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.spec import reference

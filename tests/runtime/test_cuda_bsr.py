@@ -32,7 +32,7 @@ def _check(name, density):
     reference (int32 dot products are exact, so only fp32 rounding differs), W4A16 kernels against
     the product with the dequantised int4 weight, and both, by SQNR, against the fp16 product
     (the quantisation error)."""
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
     from sparta.templates.bsr_linear.int4_records import unpack_w4
     from sparta.templates.bsr_linear.spec import reference, reference_int8
     from sparta.templates.quant.spec import quantize_rows
@@ -70,7 +70,7 @@ def _check_requantized(name, spec, mask, x, w, bias):
     """An ``out="int8"`` kernel: its codes against the reference's (fp32 value / the static scale, rounded half
     to even, clamped) — equal but where the fp32 epilogue rounds differently (at most one code apart, rarely);
     the scale clips the largest outputs, so the clamp is exercised too."""
-    from sparta.runtime.bsr_linear import BsrLinearOp
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp
     from sparta.templates.bsr_linear.spec import reference, reference_int8
     from sparta.templates.quant.spec import quantize_rows
     exact = reference(x, w, mask, bias, spec.act, spec.bn, spec.bk).float()
@@ -100,7 +100,7 @@ def _check_requantized(name, spec, mask, x, w, bias):
 def _fp16_blocks_for_first(dtype):
     """(folder, spec, all-kept mask, weight, fp16 blocks + table packed as if the kernel were fp16) of the
     first small kernel of ``dtype``."""
-    from sparta.runtime.bsr_linear import load_spec
+    from sparta.templates.bsr_linear.runtime import load_spec
     from sparta.templates.bsr_linear.packing import pack_weight
     names = [n for n in SMALL if load_spec(ROOT / n).dtype == dtype and load_spec(ROOT / n).out == "float16"]
     if not names:
@@ -113,7 +113,7 @@ def _fp16_blocks_for_first(dtype):
 
 
 def test_w4a16_rejects_fp16_blocks():
-    from sparta.runtime.bsr_linear import BsrLinearOp
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp
     from sparta.runtime.cuda import CudaRuntimeError
     folder, spec, _, _, wp16, table = _fp16_blocks_for_first("w4a16")
     with pytest.raises(CudaRuntimeError, match="do not fit"):
@@ -121,7 +121,7 @@ def test_w4a16_rejects_fp16_blocks():
 
 
 def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
-    from sparta.runtime.bsr_linear import BsrLinearOp
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp
     from sparta.runtime.cuda import CudaRuntimeError
     from sparta.templates.quant.spec import quantize_rows
     folder, spec, mask, w, wp16, table = _fp16_blocks_for_first("int8")
@@ -135,7 +135,7 @@ def test_int8_rejects_fp16_blocks_and_takes_prequantised_rows():
 
 @pytest.mark.parametrize("name", QUANT)
 def test_row_quantizer_is_bit_exact_with_torch(name):
-    from sparta.runtime.quant import RowQuantizer
+    from sparta.templates.quant.runtime import RowQuantizer
     from sparta.templates.quant.spec import quantize_rows
     q = RowQuantizer(ROOT / name)
     x = (torch.randn(q.m, q.k, device="cuda") * torch.rand(q.m, 1, device="cuda") * 10).half()
@@ -152,7 +152,7 @@ def test_bsr_linear_matches_reference(name, density):
 
 
 def test_bsr_linear_graph_capture():
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
     from sparta.templates.bsr_linear.spec import reference
     name = SMALL[0]
     spec = load_spec(ROOT / name)
@@ -175,7 +175,7 @@ def test_bsr_linear_graph_capture():
 
 
 def test_bsr_linear_rejects_bad_input():
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
     from sparta.runtime.cuda import CudaRuntimeError
     spec = load_spec(ROOT / SMALL[0])
     w = torch.randn(spec.n, spec.k, device="cuda").half()
@@ -192,7 +192,7 @@ def test_programmatic_dependent_launch_chains_read_what_the_previous_kernel_wrot
     after ``griddepcontrol.wait``. A chain x → y1 → … → y5 through one square kernel (each launch's output is the
     next one's input: fp16, or int8 codes of one static scale read back as codes with that scale per row), eagerly
     and replayed from a CUDA graph, every hop against the reference of the previous hop's actual output."""
-    from sparta.runtime.bsr_linear import BsrLinearOp, load_spec
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
     from sparta.templates.bsr_linear.spec import reference, reference_int8
     from sparta.templates.quant.spec import quantize_rows
     chained = [n for n in SMALL if load_spec(ROOT / n).pdl]

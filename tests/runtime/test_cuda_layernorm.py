@@ -1,4 +1,4 @@
-"""sparta's LayerNorm kernel (``templates/layernorm/``) on the GPU against torch, and a saved
+"""sparta's LayerNorm kernel (``templates/norm/``) on the GPU against torch, and a saved
 W8A8 block whose LayerNorm hands the linear its int8 codes. Kernels are built beforehand where TVM is
 (``tests/fixtures/build_cuda.py``)."""
 
@@ -6,8 +6,8 @@ W8A8 block whose LayerNorm hands the linear its int8 codes. Kernels are built be
 import pytest
 import torch
 
-from sparta.runtime.layernorm import LayerNormOp
-from sparta.templates.layernorm.spec import LayerNormSpec, layer_norm_ref
+from sparta.templates.norm.runtime import LayerNormOp
+from sparta.templates.norm.spec import LayerNormSpec, layer_norm_ref
 from sparta.templates.quant.spec import quantize_rows
 
 from fixtures import kernel_choices

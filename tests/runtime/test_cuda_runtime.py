@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.cuda,
 
 
 def _args():
-    from sparta.runtime.bsr_linear import load_spec
+    from sparta.templates.bsr_linear.runtime import load_spec
     from sparta.templates.bsr_linear.packing import pack_weight
     spec = load_spec(KERNEL)
     w = torch.randn(spec.n, spec.k, device="cuda").half()

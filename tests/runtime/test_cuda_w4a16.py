@@ -187,7 +187,7 @@ def test_programmatic_dependent_launch_chains_read_what_the_previous_kernel_wrot
 def test_w4a16_of_any_m_matches_reference_at_every_row_count(name):
     """A GEMV built for any M up to its rows (what the default compile runs for few-row calls): every count of rows
     from 0 to its most through one prepared launch, fresh data each, against the reference."""
-    from sparta.runtime.w4a16_gemv import W4A16GemvOp
+    from sparta.templates.w4a16_gemv.runtime import W4A16GemvOp
     spec, _ = _load(name)
     assert spec.m == 0
     ops = _operands(spec)

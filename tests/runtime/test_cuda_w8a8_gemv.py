@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cuda,
 
 
 def _case(name, seed=0, density=1.0, rows=None):
-    from sparta.runtime.w8a8_gemv import W8A8GemvOp
+    from sparta.templates.w8a8_gemv.runtime import W8A8GemvOp
     from sparta.templates.quant.spec import quantize_rows
     from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, reference
     spec = W8A8GemvSpec(**json.loads((ROOT / name / "spec.json").read_text()))

@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import sparta
-from sparta.runtime import cpu_int8
+from sparta.templates.onednn_int8 import runtime as cpu_int8
 from sparta.runtime.ops import FAMILIES, kernel_module
 
 pytest.importorskip("tvm", reason="compiles models (the GPU machine has no TVM: test_ops_cuda.py runs there)")

@@ -99,7 +99,7 @@ def test_calibrated_w8a8_model_runs_int8_kernels_and_matches_fake_quantised_math
     hopper = torch.cuda.get_device_capability() == (9, 0)
     assert (spec.mma == "wgmma") == hopper and dense._op.kernel.folder == Path(folder)
     if hopper:   # the mma.sync kernel over the same packed blocks gives the same output
-        from sparta.runtime.bsr_linear import BsrLinearOp
+        from sparta.templates.bsr_linear.runtime import BsrLinearOp
         xh = torch.randn(dense.spec.m, dense.spec.k, device="cuda").half()
         sync = BsrLinearOp.packed(dense.folder, dense.spec, dense.wp, dense.table, dense.bias, dense.weight_scale)
         torch.testing.assert_close(dense._op(xh), sync(xh), rtol=2e-3, atol=2e-3)
@@ -245,7 +245,7 @@ def test_dense_w8a8_ffn_at_bert_size_writes_codes_from_the_ping_pong_kernel():
     Hopper FFN1 runs the ping-pong kernel (built for any M) writing int8 codes; they match the mma.sync kernel's over the same packed blocks (within one code) and the model
     matches its fake-quantised math."""
     import sparta
-    from sparta.runtime.bsr_linear import BsrLinearOp
+    from sparta.templates.bsr_linear.runtime import BsrLinearOp
     model = sparta.load(PINGPONG, inductor=False).to("cuda")
     mods = model.module_replacements()
     kernel_choices.check_pingpong(model)

@@ -1,4 +1,4 @@
-"""The CPU int8 linear (oneDNN u8·s8, ``sparta/runtime/cpu_int8.py``) against its torch reference, and its choice by
+"""The CPU int8 linear (oneDNN u8·s8, ``templates/onednn_int8/runtime.py``) against its torch reference, and its choice by
 ``compile`` for dense W8A8 plans."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import sparta
 from sparta.errors import CodegenError
-from sparta.runtime import cpu_int8
-from sparta.runtime.cpu_int8 import Int8LinearCPU, host_code_bits, int8_reference
+from sparta.templates.onednn_int8 import runtime as cpu_int8
+from sparta.templates.onednn_int8.runtime import Int8LinearCPU, host_code_bits, int8_reference
 
 pytestmark = pytest.mark.skipif(not cpu_int8.available(), reason="torch here has no oneDNN int8 linear")
 

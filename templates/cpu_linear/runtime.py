@@ -18,14 +18,14 @@ import sys
 
 import torch
 
-from ..backend.fx import Passthrough
-from ..templates.cpu_linear import block_spec, fine_spec
-from ..templates.cpu_linear.block import block_linear
-from ..templates.cpu_linear.block_spec import quantize_rows
-from ..templates.cpu_linear.epilogue import ACTIVATIONS, torch_activation
-from ..templates.cpu_linear.fine import fine_linear
-from ..errors import SpartaError
-from .ops import KernelModule
+from ...backend.fx import Passthrough
+from . import block_spec, fine_spec
+from .block import block_linear
+from .block_spec import quantize_rows
+from .epilogue import ACTIVATIONS, torch_activation
+from .fine import fine_linear
+from ...errors import SpartaError
+from ...runtime.ops import KernelModule
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,8 +161,8 @@ class SparseLinearCPU(KernelModule):
 
     # ---- saved models (sparta.saved): the specs travel with the libraries ------------------
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict]:
-        from ..codegen import cache
-        from ..graph_json import encode
+        from ...codegen import cache
+        from ...graph_json import encode
         subs, tensors, folders = [], {}, {}
         for i, s in enumerate(self.subs):
             subs.append({"template": saved_template_name(s.template), "spec": encode(dataclasses.asdict(s.spec)),
@@ -182,9 +182,9 @@ class SparseLinearCPU(KernelModule):
                    trust_kernels: bool = False) -> SparseLinearCPU:
         """Rebuild the sub-kernels from their saved specs through sparta's templates (the kernel cache
         has those this machine built); ``trust_kernels`` loads the saved libraries instead."""
-        from ..codegen.build import build_cpu
-        from ..codegen.tvm_env import load_kernel
-        from ..graph_json import decode
+        from ...codegen.build import build_cpu
+        from ...codegen.tvm_env import load_kernel
+        from ...graph_json import decode
         subs = []
         for i, sub in enumerate(config["subs"]):
             template, spec_cls, builder = SAVED_TEMPLATES[sub["template"]]
@@ -250,7 +250,7 @@ def check_saved_sub(template, spec, packed: dict[str, torch.Tensor], config: dic
 
 
 def _need_tvm() -> None:
-    from ..errors import CodegenError
+    from ...errors import CodegenError
     try:
         present = importlib.util.find_spec("tvm") is not None
     except ImportError:

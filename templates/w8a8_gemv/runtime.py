@@ -4,8 +4,8 @@
 calibration ran at int8 weights and activations when the op has at most 16 activation rows (decode): int8
 codes per channel with their fp32 scales (a sparse op: only its kept 16×32 chunks, with their table), bias and
 activation fused. Its input is quantised per token on the
-way in, or arrives as codes and scales (:class:`~sparta.runtime.quant.QuantizedInput`). It saves and loads
-without TVM like :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`.
+way in, or arrives as codes and scales (:class:`~sparta.templates.quant.runtime.QuantizedInput`). It saves and loads
+without TVM like :class:`~sparta.templates.bsr_linear.runtime.SparseLinearCUDA`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..templates.epilogue_ref import out_scale_arg
-from ..templates.quant.spec import quantize_rows
-from ..templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight, unpack_weight
-from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
+from ..epilogue_ref import out_scale_arg
+from ..quant.spec import quantize_rows
+from .spec import W8A8GemvSpec, pack_weight, unpack_weight
+from ...runtime.cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
                    lanes16)
-from .ops import KernelModule
-from .quant import QuantizedLinear, RowQuantizer, output_scale_arg
+from ...runtime.ops import KernelModule
+from ..quant.runtime import QuantizedLinear, RowQuantizer, output_scale_arg
 
 
 def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,

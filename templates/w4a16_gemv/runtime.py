@@ -3,7 +3,7 @@
 :class:`W4A16GemvCUDA` is the graph module ``compile(target="cuda")`` puts in place of a dense linear whose
 weights calibration lowered to 4 bits when the op has at most 16 activation rows (decode): int4 codes
 in the kernel's interleaved layout, fp16 group scales (and uint8 zero points), bias fused. It saves and
-loads without TVM like :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`.
+loads without TVM like :class:`~sparta.templates.bsr_linear.runtime.SparseLinearCUDA`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ..templates.w4a16_gemv.spec import W4A16Spec, dequantize, pack_codes, split_buffers
-from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
+from .spec import W4A16Spec, dequantize, pack_codes, split_buffers
+from ...runtime.cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
                    lanes16)
-from .ops import KernelModule
+from ...runtime.ops import KernelModule
 
 
 class W4A16GemvOp:

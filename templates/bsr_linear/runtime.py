@@ -19,18 +19,18 @@ from pathlib import Path
 
 import torch
 
-from ..templates.bsr_linear.int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
-from ..templates.bsr_linear.packing import block_mask_for, pack_weight, unpack_weight
-from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
-from ..templates.bsr_linear.spec import BsrSpec
-from ..templates.epilogue_ref import out_scale_arg
-from .quant import output_scale_arg
-from ..templates.quant.spec import quantize_rows
-from .cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
+from .int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
+from .packing import block_mask_for, pack_weight, unpack_weight
+from .gemv_spec import BsrGemvSpec
+from .spec import BsrSpec
+from ..epilogue_ref import out_scale_arg
+from ..quant.runtime import output_scale_arg
+from ..quant.spec import quantize_rows
+from ...runtime.cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
                    device_arch, lanes16)
 from .few_rows import GEMV_BUFFERS, FewRowGemvs
-from .ops import KernelModule
-from .quant import QuantizedLinear, RowQuantizer
+from ...runtime.ops import KernelModule
+from ..quant.runtime import QuantizedLinear, RowQuantizer
 
 
 def spec_to_json(spec: BsrSpec) -> dict:

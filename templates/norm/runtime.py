@@ -1,4 +1,4 @@
-"""sparta's LayerNorm kernel (``templates/layernorm/``) from torch, without TVM.
+"""sparta's LayerNorm kernel (``templates/norm/``) from torch, without TVM.
 
 ``LayerNormOp(folder, spec, weight, bias)(x)`` normalises a contiguous fp16 ``(M, N)`` tensor and
 returns what the kernel was built to emit: ``y``, ``(xq, xs)`` or ``(y, xq, xs)`` (per-token int8
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..templates.layernorm.spec import LayerNormSpec
-from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, check_saved_spec, lanes16
-from .ops import KernelModule
+from .spec import LayerNormSpec
+from ...runtime.cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, check_saved_spec, lanes16
+from ...runtime.ops import KernelModule
 
 QUANT_SUFFIXES = (":int8", ":scale")
 

@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from ..errors import CodegenError
-from ..templates.quant.spec import quantize_rows
-from .ops import KernelModule
+from ...errors import CodegenError
+from ..quant.spec import quantize_rows
+from ...runtime.ops import KernelModule
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 

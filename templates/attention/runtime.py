@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..errors import SpartaError
-from .ops import KernelModule
+from ...errors import SpartaError
+from ...runtime.ops import KernelModule
 
 
 def classify_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> str:

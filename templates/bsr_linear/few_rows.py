@@ -2,7 +2,7 @@
 
 A W4A16 or W8A8 linear compiled for any rows (the default compile) runs its tile kernel's 128- or 64-row tiles, a
 grid of a few dozen CTAs at decode. :class:`FewRowGemvs` is the part of
-:class:`~sparta.runtime.bsr_linear.SparseLinearCUDA` that holds the GEMVs of that op (``templates/w4a16_gemv/``,
+:class:`~sparta.templates.bsr_linear.runtime.SparseLinearCUDA` that holds the GEMVs of that op (``templates/w4a16_gemv/``,
 ``templates/w8a8_gemv/``, built for any M up to their ``rows``) and their packed weight — the same codes in the
 GEMV's layout — and runs the first whose rows hold the call's, as a static compile of that many rows would. A W8A8
 op's GEMVs share its per-channel scales and bias, read the same per-token codes, and write int8 codes where the
@@ -16,18 +16,18 @@ from pathlib import Path
 
 import torch
 
-from ..templates.quant.spec import quantize_rows
-from ..templates.w4a16_gemv.spec import W4A16Spec, pack_codes, split_buffers
-from ..templates.w8a8_gemv.spec import W8A8GemvSpec, pack_weight
-from .cuda import CudaRuntimeError, check_saved_spec
-from .w4a16_gemv import W4A16GemvOp
-from .w8a8_gemv import W8A8GemvOp
+from ..quant.spec import quantize_rows
+from ..w4a16_gemv.spec import W4A16Spec, pack_codes, split_buffers
+from ..w8a8_gemv.spec import W8A8GemvSpec, pack_weight
+from ...runtime.cuda import CudaRuntimeError, check_saved_spec
+from ..w4a16_gemv.runtime import W4A16GemvOp
+from ..w8a8_gemv.runtime import W8A8GemvOp
 
 GEMV_BUFFERS = ("gemv_wq", "gemv_scale", "gemv_zero", "gemv_table")
 
 
 class FewRowGemvs:
-    """Mixin of :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA`: ``few_rows`` = [(max rows, folder, spec), ...]
+    """Mixin of :class:`~sparta.templates.bsr_linear.runtime.SparseLinearCUDA`: ``few_rows`` = [(max rows, folder, spec), ...]
     in increasing rows, GEMVs over the buffers ``gemv_*``, each run for calls of up to its rows."""
 
     def init_few_rows(self) -> None:

@@ -3,7 +3,7 @@
 
 :class:`RowQuantizer` runs the quantiser kernel (``templates/quant/``): ``q(x) -> (xq, xs)``, bit for bit
 ``quant.spec.quantize_rows``, one pass over ``x``. :class:`QuantizedInput` and :class:`RequantizedOutput` are the
-mixins of :class:`~sparta.runtime.bsr_linear.SparseLinearCUDA` and :class:`~sparta.runtime.w8a8_gemv.W8A8GemvCUDA`:
+mixins of :class:`~sparta.templates.bsr_linear.runtime.SparseLinearCUDA` and :class:`~sparta.templates.w8a8_gemv.runtime.W8A8GemvCUDA`:
 an input that arrives as int8 codes and scales, an output returned as int8 codes at a static scale;
 :class:`QuantizedLinear` is both, with the call they share.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..templates.epilogue_ref import out_scale_arg
-from ..templates.quant.spec import QuantRowsSpec
-from .cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, kernel_file, lanes16
+from ..epilogue_ref import out_scale_arg
+from .spec import QuantRowsSpec
+from ...runtime.cuda import CudaKernel, CudaRuntimeError, act16_dtype, check_fp16_input, kernel_file, lanes16
 
 
 def output_scale_arg(out_scale, device) -> torch.Tensor:
