@@ -88,21 +88,8 @@ def cuda_source(template, spec) -> str:
 
 
 def cuda_templates() -> dict:
-    """Spec type → the template that builds it, for every CUDA kernel family of ``sparta.templates``."""
-    from ..templates.bsr_linear.gemv import bsr_gemv
-    from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
-    from ..templates.bsr_linear.kernel import bsr_linear
-    from ..templates.bsr_linear.spec import BsrSpec
-    from ..templates.norm.kernel import layer_norm_kernel
-    from ..templates.norm.spec import LayerNormSpec
-    from ..templates.quant.kernel import quantize_rows_kernel
-    from ..templates.quant.spec import QuantRowsSpec
-    from ..templates.w4a16_gemv.kernel import w4a16_gemv
-    from ..templates.w4a16_gemv.spec import W4A16Spec
-    from ..templates.w8a8_gemv.kernel import w8a8_gemv
-    from ..templates.w8a8_gemv.spec import W8A8GemvSpec
-    return {BsrSpec: bsr_linear, BsrGemvSpec: bsr_gemv, W4A16Spec: w4a16_gemv, W8A8GemvSpec: w8a8_gemv,
-            LayerNormSpec: layer_norm_kernel, QuantRowsSpec: quantize_rows_kernel}
+    """Spec type → the template that builds it, for every CUDA kernel family (``sparta.templates.registry``)."""
+    return registry.cuda_templates()
 
 
 def build_folders(specs: dict, out: Path, jobs: int = 2, templates: dict | None = None, log=print) -> None:

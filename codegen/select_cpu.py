@@ -13,9 +13,9 @@ from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias
 from ..templates.onednn_int8 import runtime as cpu_int8
 from ..target import Target
+from ..templates.registry import epilogue_of
 from .select_attention import select_attention
 
-EPILOGUE_OF = {"onednn_int8": ("bias",)}   # kernels whose epilogue computes less than the plan's
 
 
 @dataclass
@@ -69,10 +69,10 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
             continue
         site = cpu_site(graph, graph.op(op_plan.op), op_plan)
         op_plan.kernel = next(c for rule in GEMM_RULES if (c := rule(site, target)) is not None)
-        fuses = EPILOGUE_OF.get(op_plan.kernel.kernel)
+        fuses = epilogue_of(op_plan.kernel.kernel)
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
             op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
     return select_attention(graph, plan)
 
 
-__all__ = ["CpuSite", "GEMM_RULES", "select_kernels", "cpu_site", "EPILOGUE_OF"]
+__all__ = ["CpuSite", "GEMM_RULES", "select_kernels", "cpu_site"]

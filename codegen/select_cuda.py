@@ -21,6 +21,7 @@ from ..passes.transform.fusion import fused_activation, fused_gate, is_gated
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
+from ..templates.registry import epilogue_of
 from ..templates.bsr_linear.gemv_spec import BsrGemvSpec
 from ..templates.bsr_linear.packing import block_mask_of
 from ..templates.bsr_linear.spec import gate_padded
@@ -28,7 +29,6 @@ from .select_attention import select_attention
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
 ROW_BUCKETS = (8, 12, 16)         # the low-bit few-row GEMVs' buckets of rows in a graph of any rows
-EPILOGUE_OF = {"w4a16_gemv": ("bias",), "torch": ()}   # kernels whose epilogue computes less than the plan's
 
 
 @dataclass
@@ -371,9 +371,9 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         site = gemm_site(graph, op, op_plan, plan)
         op_plan.kernel = choice("torch", "not_a_gemm", f"not a GEMM the CUDA template takes ({op.op})") \
             if site is None else select_gemm(site, target)
-        fuses = EPILOGUE_OF.get(op_plan.kernel.kernel)
+        fuses = epilogue_of(op_plan.kernel.kernel)
         for _, family, _ in op_plan.kernel.few_rows or ():    # every kernel of the op computes the fused epilogue
-            less = EPILOGUE_OF.get(family)
+            less = epilogue_of(family)
             if less is not None:
                 fuses = less if fuses is None else tuple(e for e in fuses if e in less)
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel

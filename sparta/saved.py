@@ -31,19 +31,14 @@ import torch
 from . import saved_folder
 from .codegen.cache import file_digest
 from .errors import ArgumentTypeError, SpartaError
-from .saved_checks import (FORMAT, MANIFEST, TENSORS, VERSION, SavedModelError, check_declared, check_tensors,
+from .templates.registry import module_types
+from .saved_checks import (FORMAT, MANIFEST, RENAMED, TENSORS, VERSION, SavedModelError, check_declared, check_tensors,
                            declared_values, read_manifest)
 
-MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from_saved()
+MODULE_TYPES = {  # saved type name → "module:Class" with saved_state() / from_saved(): fx markers and every family
     "passthrough": "sparta.backend.fx:Passthrough",
     "fused": "sparta.backend.fx:Fused",
-    "bsr_linear_cuda": "sparta.templates.bsr_linear.runtime:SparseLinearCUDA",
-    "w4a16_gemv_cuda": "sparta.templates.w4a16_gemv.runtime:W4A16GemvCUDA",
-    "w8a8_gemv_cuda": "sparta.templates.w8a8_gemv.runtime:W8A8GemvCUDA",
-    "layer_norm_cuda": "sparta.templates.norm.runtime:LayerNormCUDA",
-    "sparse_linear_cpu": "sparta.templates.cpu_linear.runtime:SparseLinearCPU",
-    "int8_linear_cpu": "sparta.templates.onednn_int8.runtime:Int8LinearCPU",
-    "attention": "sparta.templates.attention.runtime:SizesOnlyMaskAttention",
+    **module_types(),
 }
 # what a malformed folder can raise from deep inside torch, safetensors or a module's from_saved
 _MALFORMED = (SpartaError, KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError,
@@ -59,6 +54,7 @@ def _module_type(module) -> str:
 
 
 def _module_class(name: str):
+    name = RENAMED.get(name, name)
     if name not in MODULE_TYPES:
         raise SavedModelError(f"saved model uses kernel module type {name!r}, which this sparta does not know")
     mod_name, cls_name = MODULE_TYPES[name].split(":")

@@ -20,7 +20,7 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 8   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+VERSION = 9   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
 #               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
 #               4: W8A8 GEMV modules (w8a8_gemv_cuda)
 #               5: the source graph (the model with only the user's TeSAs) that verify() checks against
@@ -28,6 +28,9 @@ VERSION = 8   # 2: a kernel module's reference weight may be rebuilt from its pa
 #               7: CPU int4 blocks hold each register slice's halves in low/high nibbles; CPU int8 linears
 #                  (int8_linear_cpu); weight-only int8 CPU blocks (act_bits)
 #               8: low-bit tile kernels of any M with their few-row GEMVs (few_rows); GEMV specs of any M (rows)
+#               9: module types named by their kernel family (bsr_linear, norm, cpu_linear, ...; RENAMED)
+RENAMED = {"bsr_linear_cuda": "bsr_linear", "w4a16_gemv_cuda": "w4a16_gemv", "w8a8_gemv_cuda": "w8a8_gemv",
+           "layer_norm_cuda": "norm", "sparse_linear_cpu": "cpu_linear", "int8_linear_cpu": "onednn_int8"}  # before 9
 CUDA_SINCE = 6     # older CUDA models name their GELUs otherwise: refused, not run with the other GELU
 CPU_INT4_SINCE = 7  # older CPU int4 blocks pair neighbouring rows in a byte: refused, not run with another packing
 TARGETS = ("cpu", "cuda")
@@ -187,21 +190,21 @@ def check_version_features(manifest: dict, root: Path) -> None:
 
 def _features(manifest: dict):
     for op_name, entry in manifest["modules"].items():
-        config, kind = entry["config"], entry["type"]
+        config, kind = entry["config"], RENAMED.get(entry["type"], entry["type"])
         spec = config.get("spec") if isinstance(config.get("spec"), dict) else {}
         if "reference_dtype" in entry:
             yield 2, f"a reference weight rebuilt from packed weights (op {op_name!r})"
-        if kind == "w4a16_gemv_cuda" and spec.get("ksplit", 1) != 1:
+        if kind == "w4a16_gemv" and spec.get("ksplit", 1) != 1:
             yield 3, f"a split-K W4A16 GEMV (op {op_name!r})"
-        if kind == "layer_norm_cuda" and config.get("residual_name"):
+        if kind == "norm" and config.get("residual_name"):
             yield 3, f"a LayerNorm with a fused residual add (op {op_name!r})"
-        if kind == "w8a8_gemv_cuda":
+        if kind == "w8a8_gemv":
             yield 4, f"a W8A8 GEMV module (op {op_name!r})"
-        if config.get("few_rows") or (kind in ("w4a16_gemv_cuda", "w8a8_gemv_cuda") and spec.get("rows")):
+        if config.get("few_rows") or (kind in ("w4a16_gemv", "w8a8_gemv") and spec.get("rows")):
             yield 8, f"a low-bit GEMV of any M (op {op_name!r})"
-        if kind == "int8_linear_cpu":
+        if kind == "onednn_int8":
             yield 7, f"a CPU int8 linear (op {op_name!r})"
-        if kind == "sparse_linear_cpu" and any(s.get("act_bits") for s in _cpu_sub_specs(entry)):
+        if kind == "cpu_linear" and any(s.get("act_bits") for s in _cpu_sub_specs(entry)):
             yield 7, f"a weight-only int8 CPU kernel (op {op_name!r})"
     if "source" in manifest:
         yield 5, "a source graph"

@@ -292,7 +292,7 @@ def test_format_versions_are_checked(saved, version, phrase):
 def test_a_version_older_than_the_features_used_is_refused(saved):
     data = manifest(saved)
     data["version"] = 3
-    data["modules"]["linear"]["type"] = "w8a8_gemv_cuda"
+    data["modules"]["linear"]["type"] = "w8a8_gemv"
     write_manifest(saved, data)
     refused(saved, "version 4 introduced")
 

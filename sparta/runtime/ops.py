@@ -1,6 +1,7 @@
 """sparta's kernels as ``torch.library`` custom ops: what torch.compile, torch.export and CUDA graphs see.
 
-Each kernel family is one op ``sparta::<family>(str kernel, Tensor[] inputs, Tensor[] weights) -> Tensor[]``:
+Each kernel family with a kernel module (``sparta.templates.registry``) is one op
+``sparta::<family>(str kernel, Tensor[] inputs, Tensor[] weights) -> Tensor[]``:
 
 * ``kernel`` names the kernel module that runs it (its specialised kernels: sparsity, bits, block lists), a static
   argument that Dynamo treats as a constant;
@@ -22,9 +23,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from ..errors import SpartaError
-
-FAMILIES = ("linear_cpu", "int8_linear_cpu", "linear_cuda", "gemv_w8a8_cuda", "gemv_w4a16_cuda", "layer_norm_cuda",
-            "attention")
+from ..templates.registry import families
 
 _modules: weakref.WeakValueDictionary[str, KernelModule] = weakref.WeakValueDictionary()
 _serial = itertools.count()
@@ -115,10 +114,10 @@ def _fake(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) 
 # custom_op's Python autograd wrapper and Dynamo guard around every call (measured: ~100 µs per call on BERT-base,
 # doubling an eager forward); the kernels take no gradient.
 _LIB = torch.library.Library("sparta", "DEF")
-for _family in FAMILIES:
+for _family in (f.name for f in families() if f.module):
     _LIB.define(f"{_family}(str kernel, Tensor[] inputs, Tensor[] weights) -> Tensor[]")
     _LIB.impl(_family, _launch, "CompositeExplicitAutograd")
     torch.library.register_fake(f"sparta::{_family}", _fake, lib=_LIB)
 
 
-__all__ = ["FAMILIES", "KernelModule", "kernel_module"]
+__all__ = ["KernelModule", "kernel_module"]

@@ -205,10 +205,10 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
     A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
     :meth:`requantize_output` it returns the int8 codes of its output at one static scale and that scale
     per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``. The kernel runs as the
-    op ``sparta::linear_cuda``.
+    op ``sparta::bsr_linear``.
     """
 
-    kernel_family = "linear_cuda"
+    kernel_family = "bsr_linear"
     weight_names = ("wp", "table", "bias", "weight_scale", *GEMV_BUFFERS)
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,

@@ -73,12 +73,12 @@ class SubKernel:
 
 
 class SparseLinearCPU(KernelModule):
-    """``y = act(x · Wᵀ + b)`` computed by sub-operator kernels over padded (N, K): the op ``sparta::linear_cpu``
+    """``y = act(x · Wᵀ + b)`` computed by sub-operator kernels over padded (N, K): the op ``sparta::cpu_linear``
     runs the kernels; padding, slicing, a bias the kernels do not add and an activation they do not fuse are torch
     ops around it."""
 
     native_kernels = True      # a saved one carries compiled libraries: sparta.load rebuilds them unless trusted
-    kernel_family = "linear_cpu"
+    kernel_family = "cpu_linear"
 
     def __init__(self, op_name: str, input_name: str, subs: list[SubKernel], n: int, k: int, n_pad: int,
                  k_pad: int, out_shape: tuple[int, ...], bias: torch.Tensor | None, fused_activation: str | None,

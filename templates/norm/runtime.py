@@ -74,12 +74,12 @@ class LayerNormOp:
 
 
 class LayerNormCUDA(KernelModule):
-    """A ``layer_norm`` op run by sparta's kernel (the op ``sparta::layer_norm_cuda``); ``output_names`` are the
+    """A ``layer_norm`` op run by sparta's kernel (the op ``sparta::norm``); ``output_names`` are the
     graph tensors it returns, in order: its output (if anything but the W8A8 linears reads it) and/or
     ``quantized_names(output)``. With ``residual_name`` (``spec.residual``) it normalises ``x + residual``: the add
     that fed it, fused."""
 
-    kernel_family = "layer_norm_cuda"
+    kernel_family = "norm"
     weight_names = ("weight", "bias")
 
     def __init__(self, op_name: str, x_name: str, output_names: list[str], folder, spec: LayerNormSpec,

@@ -55,10 +55,10 @@ def int8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
 
 class Int8LinearCPU(KernelModule):
     """``y = x · (codes · scale)ᵀ + b`` with ``x`` quantised per token (see the module docstring): oneDNN's GEMM
-    runs as the op ``sparta::int8_linear_cpu`` (its packed weight is no tensor a trace could hold), the quantiser and
+    runs as the op ``sparta::onednn_int8`` (its packed weight is no tensor a trace could hold), the quantiser and
     the scales around it as torch ops."""
 
-    kernel_family = "int8_linear_cpu"
+    kernel_family = "onednn_int8"
     weight_names = ("scale", "zero_points")
 
     def __init__(self, op_name: str, input_name: str, codes: torch.Tensor, scale: torch.Tensor,

@@ -50,9 +50,9 @@ class W4A16GemvOp:
 
 class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
     """One graph op run by the W4A16 GEMV: ``y = x · dequant(W)ᵀ (+ b)`` for the op's ``(M, K)`` input, as the op
-    ``sparta::gemv_w4a16_cuda`` (its split-K workspace stays inside the op)."""
+    ``sparta::w4a16_gemv`` (its split-K workspace stays inside the op)."""
 
-    kernel_family = "gemv_w4a16_cuda"
+    kernel_family = "w4a16_gemv"
     weight_names = ("wq", "scale", "zero", "bias")
 
     def __init__(self, op_name: str, x_name: str, folder, spec: W4A16Spec, wq: torch.Tensor, scale: torch.Tensor,

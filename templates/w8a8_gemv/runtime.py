@@ -84,10 +84,10 @@ class W8A8GemvCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
     """One graph op run by the W8A8 GEMV: ``y = act(q(x) · Ŵᵀ + b)`` for the op's ``(M, K)`` input, ``q`` the
     per-token int8 quantisation (the kernel in ``quant_folder``, torch ops without one, or none when the input
     arrives quantised), ``Ŵ`` int8 codes per channel (``wq``, in the kernel's layout) times ``weight_scale``; the
-    quantiser and the GEMV run as the op ``sparta::gemv_w8a8_cuda``."""
+    quantiser and the GEMV run as the op ``sparta::w8a8_gemv``."""
 
     reads_int8 = True
-    kernel_family = "gemv_w8a8_cuda"
+    kernel_family = "w8a8_gemv"
     weight_names = ("wq", "weight_scale", "bias", "table")
 
     def __init__(self, op_name: str, x_name: str, folder, spec: W8A8GemvSpec, wq: torch.Tensor,
