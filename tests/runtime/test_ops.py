@@ -122,7 +122,7 @@ def test_a_cuda_model_propagates_fake_cuda_tensors():
     compiled = sparta.compile(model, {"0.weight": block_mask(2048, 1024, 32, 0.15, 3)}, (x,), target="cuda")
     assert {m.kernel_family for m in kernel_modules(compiled)} == {"bsr_linear"}
     ep = torch.export.export(compiled, (x,))
-    assert any(n.op == "call_function" and "sparta.linear_cuda" in str(n.target) for n in ep.graph.nodes)
+    assert any(n.op == "call_function" and "sparta.bsr_linear" in str(n.target) for n in ep.graph.nodes)
     with FakeTensorMode():
         state = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda")
                  for k, v in [*compiled.module.named_parameters(), *compiled.module.named_buffers()]}
