@@ -122,7 +122,7 @@ def test_a_gated_mlp_compiled_for_cuda_writes_the_product_in_the_gate_up_kernel(
                                                                                  dtype=torch.bfloat16),))
         assert out.shape == (3, 7, 1024) and out.dtype == torch.bfloat16
     ep = torch.export.export(compiled, (x,))
-    assert sum("sparta.linear_cuda" in str(n.target) for n in ep.graph.nodes if n.op == "call_function") == 2
+    assert sum("sparta.bsr_linear" in str(n.target) for n in ep.graph.nodes if n.op == "call_function") == 2
     path = Path(compiled.save(tmp_path / "m"))
     config = json.loads((path / "sparta.json").read_text())
     assert any("gated_output" in json.dumps(v) for v in config.values())
