@@ -34,7 +34,9 @@ GROUP, ROTATE_BYTES = 128, 120e6
 
 def specs() -> dict:
     """name -> spec: per shape, the static GEMV of each row count and the any-M GEMVs of a default compile."""
-    from sparta.codegen.select_cuda import GemmSite, gemv_tiling, w4a16_few_rows, w8a8_few_rows, w8a8_gemv_tiling
+    from sparta.codegen.select_cuda import GemmSite
+    from sparta.templates.w4a16_gemv.select import gemv_tiling, w4a16_few_rows
+    from sparta.templates.w8a8_gemv.select import w8a8_few_rows, w8a8_gemv_tiling
     from sparta.target import load_target
     from sparta.templates.w4a16_gemv.spec import W4A16Spec
     from sparta.templates.w8a8_gemv.spec import W8A8GemvSpec

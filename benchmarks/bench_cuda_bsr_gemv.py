@@ -60,9 +60,9 @@ def kernels() -> dict:
 
 
 def picked_warps(shape: str) -> int:
-    """The warps kernel selection gives this shape's GEMV (``select_cuda.fp16_gemv_tiling``)."""
+    """The warps kernel selection gives this shape's GEMV (``templates/bsr_linear/select.py``)."""
     from types import SimpleNamespace
-    from sparta.codegen.select_cuda import fp16_gemv_tiling
+    from sparta.templates.bsr_linear.select import fp16_gemv_tiling
     from sparta.target import load_target
     n, k = SHAPES[shape]
     weight = mask_of(shape).repeat_interleave(32, 0).repeat_interleave(32, 1).float()

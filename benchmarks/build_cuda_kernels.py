@@ -21,7 +21,7 @@ from bench_cuda_layernorm import LN_SHAPES  # noqa: E402
 from common import bench_mask  # noqa: E402
 
 from sparta.codegen.cuda_build import build_folders  # noqa: E402
-from sparta.codegen.select_cuda import int8_dense_tiles  # noqa: E402
+from sparta.templates.bsr_linear.select import int8_dense_tiles  # noqa: E402
 from sparta.target import load_target  # noqa: E402
 from sparta.templates.bsr_linear.spec import BsrSpec  # noqa: E402
 from sparta.templates.norm.spec import LayerNormSpec, pick_threads  # noqa: E402

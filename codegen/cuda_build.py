@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CodegenError
+from ..templates import registry
 from . import cache
 from .build import _source_digest
 from .tvm_env import tvm, versions

@@ -1,32 +1,20 @@
-"""Specialisation: turn each sparse op plan into compiled kernels bound to packed weights.
+"""Specialisation for ``target="cpu"``: each sparse op plan becomes the kernel module its family builds.
 
-``specialize(graph, plan, target)`` returns the fx replacements (op name → module) and
-a per-kernel report (template, blocks, dismantle level, build seconds, cache hit, code
-bytes). Each sub-operator's weight is the op's weight restricted to the elements the
-plan assigned to it, so overlapping covers add every weight exactly once.
+``specialize(graph, plan, target)`` returns the fx replacements (op name → module) and a per-kernel report (template,
+blocks, dismantle level, build seconds, cache hit, code bytes). The family is the one selection chose
+(``OpPlan.kernel``); its ``build`` (``templates/<family>/build.py``, found through ``templates/registry.py``) makes
+the module.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 
-import torch
-
+from ..backend.fx import Passthrough
 from ..errors import CodegenError
-from ..graph import Graph, Op
-from ..passes.transform.fusion import fused_activation
-from ..passes.transform.plan import OpPlan, Plan, SubOp
-from ..passes.transform.transform_op import gemm_bias, gemm_view, in_weight_layout, weight_matrix
-from ..templates.onednn_int8.runtime import Int8LinearCPU
-from ..templates.cpu_linear.runtime import Passthrough, SparseLinearCPU, SubKernel, block_rows
-from ..templates.cpu_linear import block_spec, fine_spec
-from ..templates.cpu_linear.block import block_linear
-from ..templates.cpu_linear.fine import fine_linear
-from .build import build_cpu
-
-FULL_FINE_MAX_NNZ = 256  # baked FMAs: ~11 s of LLVM at 855 non-zeros (measured), so bake only small weights
+from ..graph import Graph
+from ..passes.transform.plan import Plan
+from ..templates.registry import family
 
 
 def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
@@ -38,155 +26,13 @@ def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
         if target != "cpu":
             raise CodegenError(f"no kernels for target {target!r} yet (op {op_plan.op!r})")
         op = graph.op(op_plan.op)
-        build = build_int8_linear if op_plan.kernel is not None and op_plan.kernel.kernel == "onednn_int8" \
-            else build_linear_cpu
-        module, rows, fused = build(graph, op, op_plan)
+        name = op_plan.kernel.kernel if op_plan.kernel is not None else "cpu_linear"
+        module, rows, fused = family(name).builder()(graph, op, op_plan)
         replacements[op.name] = module
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report += rows
     return replacements, report
-
-
-def _padding(subs: list[SubOp]) -> tuple[int, int]:
-    bh = bw = 1
-    for s in subs:
-        if s.block is not None:
-            bh, bw = math.lcm(bh, s.block[0]), math.lcm(bw, s.block[1])
-    return bh, bw
-
-
-def _dense_block(n_pad: int, k_pad: int) -> tuple[int, int]:
-    for b in (32, 16, 8, 4, 2, 1):
-        if n_pad % b == 0 and k_pad % b == 0:
-            return b, b
-    return 1, 1
-
-
-def build_linear_cpu(graph: Graph, op: Op, op_plan: OpPlan):
-    x_name, _, _, m, n, k = gemm_view(graph, op)
-    any_rows = graph.any_rows
-    weight = weight_matrix(graph, op)
-    ph, pw = _padding(op_plan.subops)
-    n_pad, k_pad = -(-n // ph) * ph, -(-k // pw) * pw
-    bias_name = gemm_bias(op)
-    bias = graph.tensor(bias_name).data if bias_name else None
-    extra_bias = None
-    if bias is not None and bias.shape != (n,):
-        extra_bias, bias = bias, None  # e.g. addmm with a full (M, N) addend
-    if bias is not None:
-        bias = graph.tesa(bias_name).apply(bias.to(torch.float32))
-    fused = fused_activation(graph, op, op_plan) if len(op_plan.subops) == 1 and extra_bias is None else None
-    act = fused.op if fused is not None else None
-    subs, rows = [], []
-    for i, sub in enumerate(op_plan.subops):
-        w = torch.where(sub.elements.mask.reshape(n, k), weight, 0.0)
-        w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
-        common = dict(bias=bias is not None and i == 0, activation=act, accumulate=i > 0,
-                      name=f"{_cname(op.name)}_s{i}")
-        if sub.template == "fine_sparse":
-            mode = "full" if sub.nnz <= FULL_FINE_MAX_NNZ else "tile"
-            mask = torch.nn.functional.pad(sub.elements.mask.reshape(n, k), (0, k_pad - k, 0, n_pad - n))
-            spec = fine_spec.spec_from_weight(0 if any_rows else m, w, mask, mode, **common)
-            template, packed, blocks = fine_spec, fine_spec.pack(spec, w), f"{sub.nnz} nnz"
-            fn_template = fine_linear
-        else:
-            if sub.template == "dense":
-                block = _dense_block(n_pad, k_pad)
-                grid = torch.ones(n_pad // block[0], k_pad // block[1], dtype=torch.bool)
-                # few rows: the row-parallel generic kernel (any rows: it picks that or panels at run time)
-                mode = "none" if any_rows or m < 2 * block_spec.PANEL else "tile"
-            else:
-                block = sub.block
-                grid = sub.blocks.mask
-                grid = torch.nn.functional.pad(grid, (0, k_pad // block[1] - grid.shape[1],
-                                                      0, n_pad // block[0] - grid.shape[0]))
-                mode = op_plan.dismantle
-            scale, zero, group = _fitted_scales(op_plan, weight, sub.weight_bits, (n_pad, k_pad), block[1])
-            spec = block_spec.BlockLinearSpec(0 if any_rows else m, n_pad, k_pad, tuple(block), block_rows(grid),
-                                              sub.weight_bits,
-                                              dismantle=mode, scale_group=group, **common,
-                                              act_bits=sub.act_bits if sub.weight_bits == 8 else 0)
-            if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape
-                spec = dataclasses.replace(spec, name=spec.generic_name())
-            template, blocks = block_spec, f"{spec.n_blocks}x{block[0]}x{block[1]}"
-            packed = block_spec.pack(spec, w, scale, zero)
-            fn_template = block_linear
-        built = build_cpu(fn_template, spec)
-        info = {"op": op.name, "template": sub.template, "blocks": blocks, "bits": f"W{sub.weight_bits}A{sub.act_bits}",
-                "dismantle": mode, "build_s": round(built.build_s, 3), "cached": built.cached,
-                "code_bytes": built.nbytes, "key": built.key}
-        subs.append(SubKernel(built.fn, template, spec, packed, info))
-        rows.append(info)
-    out_shape = graph.tensor(op.outputs[0]).shape
-    module = SparseLinearCPU(op.name, x_name, subs, n, k, n_pad, k_pad, out_shape, bias, act, None, extra_bias)
-    module.weight_name = gemm_view(graph, op)[1]
-    module.reference_weight = _effective_weight(graph, op, subs, n, k)
-    if fused is None and len(op_plan.subops) > 1:
-        nxt = fused_activation(graph, op, op_plan)
-        if nxt is not None:  # several sub-ops: apply the activation once, after the sum
-            module.post_activation = nxt.op
-            fused = nxt
-    return module, rows, fused
-
-
-def build_int8_linear(graph: Graph, op: Op, op_plan: OpPlan):
-    """A dense W8A8 op on oneDNN's int8 GEMM (``runtime/cpu_int8.py``); its epilogue is the bias only."""
-    x_name, _, _, m, n, k = gemm_view(graph, op)
-    weight = torch.where(op_plan.kept(n, k), weight_matrix(graph, op), 0.0)
-    quant = op_plan.weight_quant[8]
-    params = quant.params(weight)
-    scale = params.expand(k)[0][:, 0].contiguous()       # symmetric per channel (or tensor): one scale a row
-    codes = params.codes(weight).to(torch.int8)
-    bias_name = gemm_bias(op)
-    bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.to(torch.float32)) if bias_name else None
-    t0 = time.perf_counter()
-    module = Int8LinearCPU(op.name, x_name, codes, scale, bias, graph.tensor(op.outputs[0]).shape, quant.bits)
-    module.weight_name = gemm_view(graph, op)[1]
-    module.reference_weight = in_weight_layout(graph, op, module.graph_weight_nk())
-    info = {"op": op.name, "template": "onednn_int8", "blocks": "dense", "bits": "W8A8", "dismantle": "none",
-            "build_s": round(time.perf_counter() - t0, 3), "cached": False, "code_bytes": 0, "key": ""}
-    return module, [info], None
-
-
-def _fitted_scales(op_plan: OpPlan, weight: torch.Tensor, bits: int, padded: tuple[int, int], block_width: int):
-    """Element-wise scale and zero point of the plan's quantisation of ``weight`` (N, K) at ``bits``, padded
-    to the kernel's shape, and the kernel's scale group (None, None, 0 for a float width)."""
-    if bits not in (8, 4):
-        return None, None, 0
-    quant = op_plan.weight_quant.get(bits)
-    if quant is None:
-        raise CodegenError(f"op {op_plan.op!r}: the plan runs {bits}-bit weights but holds no scales for them "
-                           "(OpPlan.weight_quant; transform fills it)")
-    k = weight.shape[1]
-    params = quant.params(torch.where(op_plan.kept(*weight.shape), weight, 0.0))
-
-    def pad(t):  # padded columns repeat the last one (per-channel scales stay per channel); rows get ones
-        if t is None:
-            return None
-        t = torch.cat([t, t[:, -1:].expand(-1, padded[1] - k)], 1)
-        return torch.cat([t, torch.ones(padded[0] - t.shape[0], padded[1])], 0)
-
-    scale, zero = params.expand(k)
-    group = math.gcd(params.group, block_width) if params.group < k else block_width
-    return pad(scale), pad(zero), (0 if group == block_width else group)
-
-
-def _effective_weight(graph: Graph, op: Op, subs: list[SubKernel], n: int, k: int) -> torch.Tensor | None:
-    """The weight the kernels really apply (quantised sub-ops dequantised), in the graph's layout."""
-    if all(getattr(s.spec, "weight_bits", 32) == 32 for s in subs):
-        return None
-    total = torch.zeros(n, k)
-    for s in subs:
-        if s.template is block_spec:
-            total += block_spec.dequantized_weight(s.spec, s.packed)[:n, :k]
-        else:
-            total += fine_spec.dense_weight(s.spec, s.packed)[:n, :k]
-    return in_weight_layout(graph, op, total)
-
-
-def _cname(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 def timed_specialize(graph: Graph, plan: Plan, target: str):

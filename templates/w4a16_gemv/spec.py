@@ -202,3 +202,9 @@ def reference(x: torch.Tensor, wq, s, z, bias, spec: W4A16Spec) -> torch.Tensor:
     """What the kernel computes, dequantised and multiplied in fp32 (fp32 result)."""
     y = x.float() @ dequantize(wq, s, z, spec).t()
     return y if bias is None else y + bias.float()
+
+
+def gemv_group(group: int, k: int) -> int:
+    """The W4A16 GEMV's scale group for scales of ``group`` columns (32, 64 or 128 dividing K), 0 if none fits."""
+    g = 128 if group >= 128 else group
+    return g if g in (32, 64, 128) and k % g == 0 and (group >= k or group % g == 0) else 0

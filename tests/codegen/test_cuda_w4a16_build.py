@@ -173,7 +173,7 @@ def test_programmatic_dependent_launch_waits_before_reading_x(tmp_path, monkeypa
 
 
 def test_compile_picks_the_measured_gemv_tilings():
-    from sparta.codegen.select_cuda import gemv_tiling
+    from sparta.templates.w4a16_gemv.select import gemv_tiling
     early = dict(pdl="early")
     assert gemv_tiling(1, 11008, 4096, 128) == dict(ntile=4, warps=8, unroll=1, min_ctas=3, fold=False, **early)
     assert gemv_tiling(1, 4096, 11008, 128) == dict(ntile=2, warps=16, unroll=1, min_ctas=2, fold=True, **early)

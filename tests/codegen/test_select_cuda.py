@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparta.codegen.select_cuda import GEMM_RULES, GemmSite, select_gemm
+from sparta.codegen.select_cuda import GemmSite, select_gemm
+from sparta.templates.registry import rules
 from sparta.passes.transform.plan import KernelChoice, OpPlan, Plan
 from sparta.target import load_target
 
@@ -29,10 +30,10 @@ def test_the_last_rule_always_answers_and_every_rule_answers_a_choice_or_none():
     cases = [site(), site(bits="W8A8"), site(bits="W4A16", density=1, w4_group=128), site(op="conv2d"),
              site(k=3070), site(bias="other"), site(bits="mixed"), site(side=64, density=0.02)]
     for s in cases:
-        for rule in GEMM_RULES:
+        for rule in rules("gemm_cuda"):
             picked = rule(s, CUDA)
             assert picked is None or isinstance(picked, KernelChoice)
-        assert GEMM_RULES[-1](s, CUDA) is not None
+        assert rules("gemm_cuda")[-1](s, CUDA) is not None
         assert select_gemm(s, CUDA).reason
 
 
@@ -149,7 +150,7 @@ def test_only_the_16_bit_one_tile_kernel_computes_a_gated_unit(kw, gates):
     """The gated epilogue (act(gate)·up) is the 16-bit one-tile kernel's and its GEMV's; any other pick leaves the
     gated unit to torch ops. A gated site's GEMV takes warps for a slot's gate and up blocks together."""
     from dataclasses import replace
-    from sparta.codegen.select_cuda import fp16_gemv_tiling, gates as computes_gate
+    from sparta.templates.bsr_linear.select import fp16_gemv_tiling, gates as computes_gate
     s = site(n=2 * 1408, k=1024, **kw)
     picked = select_gemm(replace(s, gate=True), CUDA)
     assert computes_gate(picked) == gates, picked

@@ -220,7 +220,7 @@ def test_a_layer_norm_feeding_w8a8_linears_emits_their_int8_codes(tmp_path, monk
 
 
 def test_stream_tiles_take_ops_whose_block_rows_keep_few_blocks():
-    from sparta.codegen.select_cuda import stream_tiles
+    from sparta.templates.bsr_linear.select import stream_tiles
     cuda = load_target("cuda")
     stream = cuda.tiles("stream")
     few = torch.zeros(48, 12, dtype=torch.bool)
@@ -342,7 +342,7 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
 
 
 def test_int8_codes_of_a_dense_gemm_with_many_tiles_per_sm_come_from_the_ping_pong_kernel():
-    from sparta.codegen.select_cuda import int8_dense_tiles
+    from sparta.templates.bsr_linear.select import int8_dense_tiles
     from sparta.codegen.specialize_cuda import int8_codes_spec
     from sparta.templates.bsr_linear.spec import BsrSpec
     cuda = load_target("cuda")
@@ -454,7 +454,7 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
 
 
 def test_compile_picks_the_measured_w8a8_gemv_tilings():
-    from sparta.codegen.select_cuda import w8a8_gemv_tiling
+    from sparta.templates.w8a8_gemv.select import w8a8_gemv_tiling
     cuda = load_target("cuda")
     # N = 4096: 256 tiles of 16 rows, 16 warps each; one row: launched early behind the previous kernel
     assert w8a8_gemv_tiling(1, 4096, 4096, cuda) == dict(warps=16, group=4, mma=True, pdl="early")
