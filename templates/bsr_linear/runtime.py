@@ -23,7 +23,6 @@ from .int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
 from .packing import block_mask_for, pack_weight, unpack_weight
 from .gemv_spec import BsrGemvSpec
 from .spec import BsrSpec
-from ..epilogue_ref import out_scale_arg
 from ..quant.runtime import output_scale_arg
 from ..quant.spec import quantize_rows
 from ...runtime.cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,

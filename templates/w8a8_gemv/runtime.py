@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ..epilogue_ref import out_scale_arg
 from ..quant.spec import quantize_rows
 from .spec import W8A8GemvSpec, pack_weight, unpack_weight
 from ...runtime.cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,

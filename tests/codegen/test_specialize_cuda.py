@@ -343,7 +343,7 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
 
 def test_int8_codes_of_a_dense_gemm_with_many_tiles_per_sm_come_from_the_ping_pong_kernel():
     from sparta.templates.bsr_linear.select import int8_dense_tiles
-    from sparta.codegen.specialize_cuda import int8_codes_spec
+    from sparta.templates.bsr_linear.build import int8_codes_spec
     from sparta.templates.bsr_linear.spec import BsrSpec
     cuda = load_target("cuda")
     ffn1, ffn2 = (4096, 3072), (4096, 768)

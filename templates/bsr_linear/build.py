@@ -1,0 +1,145 @@
+"""Codegen of the block-sparse tile kernel: the plan's tiling over the op's packed blocks (fp16/bf16, W8A8 with the
+per-token quantiser, W4A16 with the plan's 4-bit scales), with what selection put beside it: the sm_90 wgmma twin,
+the few-row block GEMV, tile kernels of smaller M tiles and the low-bit GEMVs (``KernelChoice``); and its int8-code
+writing twin (:func:`int8_codes_spec`) where a requantising hand-off asks for it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...codegen.cuda_bind import bind, gemm_parts, report_row
+from ...codegen.cuda_build import build_cuda
+from ...graph import Graph, Op
+from ...passes.transform.plan import OpPlan
+from ...target import Target
+from ..quant.build import row_quantizer
+from ..w4a16_gemv.build import w4_codes, w4a16_gemv_spec
+from ..w4a16_gemv.kernel import w4a16_gemv
+from ..w8a8_gemv.build import int8_weight_scale, w8a8_gemv_spec
+from ..w8a8_gemv.kernel import w8a8_gemv
+from .gemv import bsr_gemv
+from .gemv_spec import BsrGemvSpec
+from .kernel import bsr_linear
+from .packing import block_mask_for
+from .runtime import SparseLinearCUDA
+from .select import pingpong_pays
+from .spec import BsrSpec
+
+
+def int8_codes_spec(spec: BsrSpec, target: Target, rows: int = 0) -> BsrSpec:
+    """The int8-code-writing (``out="int8"``) twin of a W8A8 kernel; for a dense 128x192 wgmma tile where it pays at
+    ``rows`` (default: the spec's M; a kernel of any M: the example's rows), the ping-pong schedule (a producer and
+    two consumer warpgroups on alternate tiles, persistent over the SMs, 4 stages: its two output tiles fit beside
+    them only as int8)."""
+    q8 = dataclasses.replace(spec, out="int8", name=spec.name + "_q8")
+    if spec.dtype == "int8" and spec.mma == "wgmma" and (spec.bn, spec.tm, spec.warps_n) == (192, 128, 1) \
+            and pingpong_pays(spec.m or rows, spec.n, target):
+        q8 = dataclasses.replace(q8, stages=target.tiles("pingpong", "stages"), producer=True, ctas=target.sms,
+                                 pingpong=True, name=spec.name + "_pp_q8")
+    return q8
+
+
+
+def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:
+    """The few-row GEMV selection chose beside ``spec``'s 16-bit kernel (``KernelChoice.gemv``), over its packed blocks
+    (``SparseLinearCUDA`` refuses one that does not fit them)."""
+    if not tiling:
+        return None
+    return BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups,
+                       dtype=spec.act16, gate=spec.gate, **tiling,
+                       name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{tiling['warps']}"
+                                                                       f"{'_pdl' if tiling.get('pdl') else ''}")
+
+
+
+def _few_row_specs(choice, spec: BsrSpec, site) -> list:
+    """[(max rows, family, spec), ...]: the low-bit GEMVs selection put beside ``spec``'s tile kernel (any M, up to
+    their rows; ``KernelChoice.few_rows``)."""
+    out = []
+    for top, family, tiling in choice.few_rows or ():
+        t = dict(tiling)
+        rows = max(top, 8)               # a kernel for up to 4 rows holds 8 (one MMA's columns)
+        if family == "w4a16_gemv":
+            g = w4a16_gemv_spec(0, spec.n, spec.k, t.pop("group"), not spec.zero, spec.bias, site.act16, t, rows)
+        else:
+            g = w8a8_gemv_spec(0, spec.n, spec.k, spec.bias, spec.act, site.act16, t, rows)
+        out.append((top, family, g))
+    return out
+
+
+
+def build(graph: Graph, op: Op, op_plan: OpPlan):
+    """The tile kernel of ``op_plan.kernel`` for ``op``, with the GEMVs and smaller-M tiles it carries: (module,
+    report rows, the fused activation op, gated unit or None)."""
+    choice = op_plan.kernel
+    parts = gemm_parts(graph, op, op_plan)
+    view, site, rows, bias, fused, unit = parts.view, parts.site, parts.rows, parts.bias, parts.fused, parts.unit
+    x_name, _, _, m, n, k = view
+    weight, act = site.weight, site.act
+    dtype, tiles = choice.dtype, dict(choice.tiles)
+    w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
+    out = "bfloat16" if dtype in ("int8", "w4a16") and site.act16 == "bfloat16" else "float16"  # low bits, bf16 model
+    spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
+                   zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
+    mask = block_mask_for(weight, spec)
+    if choice.rule in ("w4a16_dense_tile", "w8a8_dense_tile"):
+        mask = torch.ones_like(mask)   # every block computed, zeros included (a dense tile does not skip empty blocks)
+    tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
+    tag += "bf16_" if out == "bfloat16" else ""
+    spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
+                                          f"{f'_g{spec.groups}' if spec.groups else ''}_"
+                                          f"{act}{'_gated' if spec.gate else ''}{'_bias' if spec.bias else ''}")
+    art = build_cuda(bsr_linear, spec)
+    hopper = None
+    if choice.hopper is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
+        h_spec = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma")
+        hopper = (build_cuda(bsr_linear, h_spec), h_spec)
+    few = [(top, build_cuda(w4a16_gemv if family == "w4a16_gemv" else w8a8_gemv, g), g)
+           for top, family, g in _few_row_specs(choice, spec, site)]
+    g_spec = _gemv_spec(spec, choice.gemv)
+    gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
+    buckets = []                        # tile kernels over the same packed blocks for calls of few rows
+    for top, t in choice.buckets or ():
+        b_spec = dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")
+        buckets.append((top, build_cuda(bsr_linear, b_spec), b_spec))
+    out_shape = graph.tensor((unit.mul if unit else op).outputs[0]).shape
+    if w4 is not None:
+        scale, zero = w4.expand(k)
+        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
+                                                mask, bias, out_shape)
+    else:
+        int8 = dtype == "int8"
+        scale = int8_weight_scale(op_plan, weight, k) if int8 else None
+        quant = row_quantizer(rows, k, site.act16) if int8 else None
+        module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
+                                              weight_scale=scale, quant_folder=quant,
+                                              hopper=(hopper[0].path, hopper[1]) if hopper else None,
+                                              gemv=(gemv[0].path, gemv[1]) if gemv else None,
+                                              buckets=[(top, a.path, b) for top, a, b in buckets])
+    if few and w4 is not None:
+        group = few[0][2].group
+        module.attach_w4_gemvs([(top, a.path, g) for top, a, g in few], w4_codes(w4, weight),
+                               scale[:, ::group], None if zero is None else zero[:, ::group].to(torch.uint8))
+    elif few:
+        module.attach_w8_gemvs([(top, a.path, g) for top, a, g in few], module.dense_codes())
+    if unit is not None:
+        module.write_gated(unit.mul.outputs[0])
+    # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
+    bind(module, graph, op, view, reference=dtype not in ("float16", "bfloat16"))
+    row = report_row(op, "bsr_linear", f"{int(mask.sum())}x{spec.bn}x{spec.bk}",
+                     {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype]
+                     + (" (bf16)" if out == "bfloat16" else ""),
+                     f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
+                     [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets]
+                     + [a for _, a, _ in few])
+    notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
+             if hopper else []) + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
+        + [f"up to {top} rows run the {'W4A16' if w4 is not None else 'W8A8'} GEMV {a.path.name}" for top, a, _ in few] \
+        + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] + ([choice.note] if choice.note else []) \
+        + ([f"writes {unit.activation}(gate) * up ({', '.join(o.name for o in unit.ops)} fused)"] if unit else [])
+    if notes:
+        row["note"] = "; ".join(notes)
+    return module, [row], unit if unit is not None else fused if act != "none" else None
+
