@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..graph import Graph, Op
+from ..passes.transform.groups import fuse
 from ..passes.transform.plan import OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view
 from ..target import Target
@@ -51,6 +52,7 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         fuses = epilogue_of(op_plan.kernel.kernel)
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
             op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
+    fuse(graph, plan, target)
     return select_attention(graph, plan)
 
 

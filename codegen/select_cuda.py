@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graph import Graph, Op
+from ..passes.transform.groups import fuse
 from ..passes.transform.fusion import fused_activation, fused_gate, is_gated
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
@@ -147,6 +148,7 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
             for o in unit.ops:
                 plan.ops[o.name].est_us = 0.0
                 plan.ops[o.name].note = f"computed by {op.name}'s epilogue ({op_plan.epilogue[-1]})"
+    fuse(graph, plan, target)
     return select_attention(graph, plan)
 
 

@@ -13,12 +13,17 @@ import time
 from ..backend.fx import Passthrough
 from ..errors import CodegenError
 from ..graph import Graph
+from ..passes.transform.groups import check_epilogue
 from ..passes.transform.plan import Plan
+from ..target import load_target
 from ..templates.registry import family
+from .select_cpu import select_kernels
 
 
 def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
     """Build every sparse op of ``plan``; returns (replacements, kernel report rows)."""
+    if target == "cpu" and any(p.kind == "sparse" and p.kernel is None for p in plan.ops.values()):
+        select_kernels(graph, plan, load_target("cpu"))
     replacements, report = {}, []
     for op_plan in plan.ops.values():
         if op_plan.kind != "sparse":
@@ -29,6 +34,7 @@ def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
         name = op_plan.kernel.kernel if op_plan.kernel is not None else "cpu_linear"
         module, rows, fused = family(name).builder()(graph, op, op_plan)
         replacements[op.name] = module
+        check_epilogue(plan, op.name, [fused.name] if fused is not None else [])
         if fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report += rows

@@ -188,6 +188,7 @@ class Plan:
     profile: dict[str, Any]
     ops: dict[str, OpPlan] = field(default_factory=dict)
     static_scales: dict[str, float] = field(default_factory=dict)   # int8 activations at one calibrated scale
+    fusions: list = field(default_factory=list)    # FusionGroups: what each kernel computes of its neighbours (groups.py)
 
     def __getitem__(self, op_name: str) -> OpPlan:
         if op_name not in self.ops:
@@ -225,13 +226,14 @@ class Plan:
                          f"{p.est_us:.1f}", f"{p.dense_us:.1f}", note))
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
                 f"(profile: {self.profile.get('device', '')}, {self.profile.get('date', '')})"
-        return table(rows) + "\n" + total
+        fusions = "".join(f"\nfusion ({g.kind}): {g.describe()}" for g in self.fusions)
+        return table(rows) + "\n" + total + fusions
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"target": self.target, "profile": self.profile,
                 "ops": {name: _op_to_json(p) for name, p in self.ops.items()},
-                "static_scales": dict(self.static_scales)}
+                "static_scales": dict(self.static_scales), "fusions": [g.to_json() for g in self.fusions]}
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
@@ -239,7 +241,12 @@ class Plan:
         try:
             ops = {name: _op_from_json(d) for name, d in data.get("ops", {}).items()}
             scales = {str(t): float(s) for t, s in data.get("static_scales", {}).items()}
-            return cls(data["target"], dict(data["profile"]), ops, scales)
+            from .groups import FusionGroup
+            fusions = []
+            for g in data.get("fusions", []):
+                _check_fields(FusionGroup, g, "fusion group")
+                fusions.append(FusionGroup(**g))
+            return cls(data["target"], dict(data["profile"]), ops, scales, fusions)
         except KeyError as exc:
             raise PlanError(f"plan JSON lacks field {exc}") from exc
 

@@ -13,7 +13,6 @@ from ...codegen.cuda_bind import bind, gemm_parts, report_row
 from ...codegen.cuda_build import build_cuda
 from ...graph import Graph, Op
 from ...passes.transform.plan import OpPlan
-from ...target import Target
 from ..quant.build import row_quantizer
 from ..w4a16_gemv.build import w4_codes, w4a16_gemv_spec
 from ..w4a16_gemv.kernel import w4a16_gemv
@@ -24,22 +23,16 @@ from .gemv_spec import BsrGemvSpec
 from .kernel import bsr_linear
 from .packing import block_mask_for
 from .runtime import SparseLinearCUDA
-from .select import pingpong_pays
 from .spec import BsrSpec
 
 
-def int8_codes_spec(spec: BsrSpec, target: Target, rows: int = 0) -> BsrSpec:
-    """The int8-code-writing (``out="int8"``) twin of a W8A8 kernel; for a dense 128x192 wgmma tile where it pays at
-    ``rows`` (default: the spec's M; a kernel of any M: the example's rows), the ping-pong schedule (a producer and
-    two consumer warpgroups on alternate tiles, persistent over the SMs, 4 stages: its two output tiles fit beside
-    them only as int8)."""
+def int8_codes_spec(spec: BsrSpec, tiles: dict | None = None) -> BsrSpec:
+    """The int8-code-writing (``out="int8"``) twin of a kernel; a wgmma twin takes the code-writing tiling the fusion
+    pass chose (``FusionGroup.tiles``: the ping-pong schedule, where it pays)."""
     q8 = dataclasses.replace(spec, out="int8", name=spec.name + "_q8")
-    if spec.dtype == "int8" and spec.mma == "wgmma" and (spec.bn, spec.tm, spec.warps_n) == (192, 128, 1) \
-            and pingpong_pays(spec.m or rows, spec.n, target):
-        q8 = dataclasses.replace(q8, stages=target.tiles("pingpong", "stages"), producer=True, ctas=target.sms,
-                                 pingpong=True, name=spec.name + "_pp_q8")
+    if tiles and spec.mma == "wgmma":
+        q8 = dataclasses.replace(q8, **tiles, name=spec.name + "_pp_q8")
     return q8
-
 
 
 def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:

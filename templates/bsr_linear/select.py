@@ -165,6 +165,18 @@ def pingpong_pays(m: int, n: int, target: Target) -> bool:
     return n % 192 == 0 and -(-m // 128) * (n // 192) >= target.tiles("pingpong", "tiles_per_sm") * target.sms
 
 
+def codes_tiles(picked: KernelChoice, gemm: tuple, target: Target) -> dict:
+    """The tiling of the int8-code-writing twin of ``picked``'s wgmma kernel, where it differs: for a dense W8A8
+    128x192 wgmma tile where it pays at the example's rows (``gemm``: M, N, K), the ping-pong schedule (a producer and
+    two consumer warpgroups on alternate tiles, persistent over the SMs, 4 stages: its two output tiles fit beside
+    them only as int8)."""
+    h = picked.hopper or {}
+    if picked.dtype == "int8" and h.get("mma") == "wgmma" and (h.get("bn"), h.get("tm"), h.get("warps_n")) == \
+            (192, 128, 1) and pingpong_pays(gemm[0], gemm[1], target):
+        return dict(stages=target.tiles("pingpong", "stages"), producer=True, ctas=target.sms, pingpong=True)
+    return {}
+
+
 def int8_dense_tiles(m: int, n: int, target: Target, requantized: bool = False) -> tuple[dict, dict]:
     """(mma.sync tiles, wgmma tiles) of a dense W8A8 GEMM, over the same blocks: 128x192 where one wave of them
     covers the output, else 128x256 — but 128x192 for an output written as int8 codes where the ping-pong

@@ -342,23 +342,27 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
 
 
 def test_int8_codes_of_a_dense_gemm_with_many_tiles_per_sm_come_from_the_ping_pong_kernel():
-    from sparta.templates.bsr_linear.select import int8_dense_tiles
+    from sparta.passes.transform.plan import KernelChoice
     from sparta.templates.bsr_linear.build import int8_codes_spec
+    from sparta.templates.bsr_linear.select import codes_tiles, int8_dense_tiles
     from sparta.templates.bsr_linear.spec import BsrSpec
     cuda = load_target("cuda")
+
+    def chosen(m, n, tiles, hopper):     # the code-writing tiling the fusion pass picks for the op
+        return codes_tiles(KernelChoice("bsr_linear", "w8a8_dense_tile", "", "int8", tiles, hopper), (m, n, 768), cuda)
     ffn1, ffn2 = (4096, 3072), (4096, 768)
     assert int8_dense_tiles(*ffn1, cuda)[1]["bn"] == 256            # fp16 out: 128x256 (measured best)
     tiles, hopper = int8_dense_tiles(*ffn1, cuda, requantized=True)
     assert tiles["bn"] == hopper["bn"] == 192 and tiles["warps_n"] == 3
-    pp = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="h", **hopper), cuda)
+    pp = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="h", **hopper), chosen(*ffn1, tiles, hopper))
     assert pp.pingpong and pp.producer and pp.ctas == cuda.sms == 132 and pp.out == "int8" and pp.stages == 4
     assert pp.shared_bytes <= 227 * 1024 and pp.name == "h_pp_q8"
-    sync = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="s", **tiles), cuda)   # the mma.sync twin: codes only
+    sync = int8_codes_spec(BsrSpec(*ffn1, 768, dtype="int8", name="s", **tiles), chosen(*ffn1, tiles, hopper))   # the mma.sync twin: codes only
     assert sync.out == "int8" and not sync.pingpong and (sync.bn, sync.stages, sync.name) == (192, 3, "s_q8")
     # FFN2 (one wave of tiles) and short M keep the cooperative 128x192 kernel, 5 stages
     for m, n in (ffn2, (256, 3072)):
-        hopper = int8_dense_tiles(m, n, cuda, requantized=True)[1]
-        q8 = int8_codes_spec(BsrSpec(m, n, 768, dtype="int8", name="h", **hopper), cuda)
+        tiles, hopper = int8_dense_tiles(m, n, cuda, requantized=True)
+        q8 = int8_codes_spec(BsrSpec(m, n, 768, dtype="int8", name="h", **hopper), chosen(m, n, tiles, hopper))
         assert (q8.bn, q8.stages, q8.pingpong, q8.out, q8.name) == (192, 5, False, "int8", "h_q8")
 
 
