@@ -57,8 +57,9 @@ class GemmSite:
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
            hopper: dict | None = None, note: str = "", gemv: dict | None = None,
-           buckets: list | None = None, few_rows: list | None = None) -> KernelChoice:
-    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets, few_rows)
+           buckets: list | None = None, few_rows: list | None = None, dense_grid: bool = False) -> KernelChoice:
+    return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets, few_rows,
+                        dense_grid)
 
 
 # ---- the guards, first in the table ------------------------------------------------------------------------------------

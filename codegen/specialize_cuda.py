@@ -107,7 +107,7 @@ def _norms(graph: Graph, plan: Plan, replacements: dict) -> list[dict]:
     rows = []
     for op_plan in plan.ops.values():
         choice = op_plan.kernel
-        if op_plan.op_type not in NORM_OPS or choice is None or choice.rule == "norm_dtype":
+        if op_plan.op_type not in NORM_OPS or choice is None:
             continue
         op = graph.op(op_plan.op)
         if choice.kernel == "torch":

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 from .backend.fx import Fused, Passthrough
 from .errors import SpartaError
+from .passes.transform.groups import group_of
 
 
 def dense_fallback_blocker(compiled, op: str) -> str | None:
-    """Why the sparse op ``op`` cannot run dense alone, or None."""
+    """Why the sparse op ``op`` cannot run dense alone, or None (read from the plan's fusion groups)."""
     module = compiled.module_replacements().get(op)
-    plan = compiled.plan.ops.get(op) if compiled.plan is not None else None
-    if module is None or plan is None or plan.kind != "sparse" or isinstance(module, (Fused, Passthrough)):
+    plan = compiled.plan
+    p = plan.ops.get(op) if plan is not None else None
+    if module is None or p is None or p.kind != "sparse" or group_of(plan, op) is not None:
         return "it runs no sparta GEMM kernel"
-    graph = compiled.graph
-    if any(not graph.has_tensor(t) for t in getattr(module, "output_names", None) or ()):
+    if not plan.fusions and any(isinstance(m, (Fused, Passthrough)) for m in compiled.module_replacements().values()):
+        return "its plan (saved by an older sparta) does not say which ops its kernels fuse: compile it again"
+    if any(g.anchor == op and g.readers for g in plan.fusions):
         return "its readers take the int8 codes its kernel writes"
-    if any(not graph.has_tensor(t) for t in getattr(module, "input_names", None) or ()):
+    if any(op in g.readers for g in plan.fusions):
         return "it reads the int8 codes another kernel writes"
     return None
 
@@ -36,11 +39,10 @@ def run_dense(compiled, reasons: dict[str, str]) -> list[str]:
             raise SpartaError(f"op {op!r} cannot run dense: {blocker}")
     replacements = compiled.module_replacements()
     for op, why in reasons.items():
-        out = compiled.graph.op(op).outputs[0]
         del replacements[op]
-        for name, module in list(replacements.items()):
-            if isinstance(module, Fused) and module.into == op or \
-                    isinstance(module, Passthrough) and module.input_names == [out]:
+        for group in [g for g in compiled.plan.fusions if g.anchor == op]:    # its epilogue: torch ops again
+            compiled.plan.fusions.remove(group)
+            for name in group.ops:
                 del replacements[name]
                 p = compiled.plan.ops[name]
                 compiled.plan.pin(name, est_us=p.dense_us, note="")

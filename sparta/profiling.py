@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from .backend.fx import Fused, Passthrough, _fx_name
+from .passes.transform.groups import group_of
 from .errors import SpartaError
 from .text import table
 
@@ -185,8 +186,11 @@ def profile(compiled, args=(), kwargs=None, reps: int = 10) -> Profile:
         p = plan.ops.get(op.name) if plan is not None else None
         module = replacements.get(op.name)
         runs, note = "torch", p.note if p is not None else ""
-        if isinstance(module, (Fused, Passthrough)):
-            runs, note = "fused", f"done by {module.into}" if isinstance(module, Fused) else "by its producer's kernel"
+        group = group_of(plan, op.name) if plan is not None else None
+        if group is not None:
+            runs, note = "fused", f"done by {group.anchor}"
+        elif isinstance(module, (Fused, Passthrough)):     # a plan saved before fusion groups
+            runs, note = "fused", "by another op's kernel"
         elif module is not None:
             runs = p.kernel.describe() if p is not None and p.kernel is not None else type(module).__name__
         m = call_rows(p, graph, flat)

@@ -147,6 +147,8 @@ def _norms(graph: Graph, plan: Plan, groups: list[FusionGroup]) -> list[FusionGr
         y, x = op.outputs[0], graph.tensor(op.input_of("input"))
         readers = graph.consumers(y)
         int8 = [r for r in readers if reads_int8(graph, plan, r, y)] if x.dtype != torch.bfloat16 else []
+        if x.dtype not in (torch.float16, torch.bfloat16) and not int8:
+            continue                       # an fp32 LayerNorm stays torch's
         site = NormSite(op, x.dtype, x.shape[-1] if x.shape else 0, 0 if graph.any_rows else math.prod(x.shape[:-1]),
                         _param(graph, op, "weight"), _param(graph, op, "bias"), int8)
         picked = next(c for rule in table if (c := rule(site)) is not None)

@@ -103,6 +103,7 @@ class KernelChoice:
     #                                calls of up to its rows (a graph of any rows; ``tiles`` runs above the last)
     few_rows: list | None = None   # [[max rows, family, tiles], ...]: low-bit GEMVs (their own packed weight) run
     #                                first, each for calls of up to its rows (a graph of any rows)
+    dense_grid: bool = False       # a dense tile: every block computed, zeros included (no empty block skipped)
 
     def describe(self) -> str:
         if self.kernel == "torch":

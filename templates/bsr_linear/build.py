@@ -77,7 +77,7 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
                    zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
     mask = block_mask_for(weight, spec)
-    if choice.rule in ("w4a16_dense_tile", "w8a8_dense_tile"):
+    if choice.dense_grid:
         mask = torch.ones_like(mask)   # every block computed, zeros included (a dense tile does not skip empty blocks)
     tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
     tag += "bf16_" if out == "bfloat16" else ""

@@ -30,7 +30,7 @@ def w4a16_dense_tile(site: GemmSite, target: Target):
         return choice("torch", "w4a16_dense_tile", f"W4A16 dense GEMM at M={site.m} is slower than cuBLAS fp16 "
                       "(measured, bench_cuda_w4_gemm); runs as a torch op")
     return choice("bsr_linear", "w4a16_dense_tile", "dense 4-bit weights: the tile kernel dequantises in registers",
-                  "w4a16", tiles)
+                  "w4a16", tiles, dense_grid=True)
 
 
 def w4a16_any_rows(site: GemmSite, target: Target) -> KernelChoice:
@@ -48,7 +48,7 @@ def w4a16_any_rows(site: GemmSite, target: Target) -> KernelChoice:
             " the 4-bit weight is kept" if slower else "")
     why = "dense 4-bit weights, any rows: " + (f"the W4A16 GEMV up to {low} rows, " if few else "") + \
         "the tile kernel dequantising in registers above"
-    return choice("bsr_linear", "w4a16_dense_tile", why, "w4a16", tiles, note=note, few_rows=few)
+    return choice("bsr_linear", "w4a16_dense_tile", why, "w4a16", tiles, note=note, few_rows=few, dense_grid=True)
 
 
 @rule("gemm_cuda", 35)
@@ -58,7 +58,7 @@ def w8a8_dense_tile(site: GemmSite, target: Target):
         few = w8a8_few_rows(site, target)
         return choice("bsr_linear", "w8a8_dense_tile", "dense W8A8: int8 tensor cores (wgmma on sm_90)" +
                       (f"; the W8A8 GEMV up to {few[-1][0]} rows" if few else ""), "int8", tiles, hopper,
-                      few_rows=few)
+                      few_rows=few, dense_grid=True)
     return None
 
 

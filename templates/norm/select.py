@@ -1,6 +1,6 @@
 """Selection rules of the norm family (the ``norm_cuda`` table, ``templates/registry.py``), run by the fusion pass
-(``passes/transform/groups.py``) once the GEMMs' kernels are chosen: a 16-bit LayerNorm over its last dimension, with
-constant parameters, runs sparta's kernel; an fp32 one too where W8A8 linears read its int8 codes."""
+(``passes/transform/groups.py``) once the GEMMs' kernels are chosen, for each 16-bit LayerNorm (and an fp32 one
+whose int8 codes W8A8 linears read): one over its last dimension, with constant parameters, runs sparta's kernel."""
 
 from __future__ import annotations
 
@@ -13,13 +13,6 @@ from ..registry import rule
 
 def torch_norm(rule_name: str, reason: str) -> KernelChoice:
     return KernelChoice("torch", rule_name, reason)
-
-
-@rule("norm_cuda", 0)
-def norm_dtype(site: NormSite):
-    if site.dtype not in (torch.float16, torch.bfloat16) and not site.int8_readers:
-        return torch_norm("norm_dtype", f"{str(site.dtype).removeprefix('torch.')} activations: torch's LayerNorm")
-    return None
 
 
 @rule("norm_cuda", 1)

@@ -291,9 +291,14 @@ def test_fp16_layer_norms_run_sparta_kernel_with_the_residual_add_fused(tmp_path
     assert "R_ptr" in src and "shfl_sync" in src
     code = compiled.module.code
     assert "kernel_layer_norm(linear, x)" in code.replace("kernel_layer_norm = self.kernel_layer_norm", "")
-    again = sparta.load(compiled.save(tmp_path / "saved")).module_replacements()
+    groups = [g for g in compiled.plan.fusions if g.kind == "norm"]        # the plan says so, and its report
+    assert [(g.anchor, g.ops, g.out) for g in groups] == [("layer_norm", [add], "fp16"), ("layer_norm_1", [], "fp16")]
+    assert compiled.plan.ops["layer_norm"].kernel.describe() == "norm[float16]"
+    assert f"fusion (norm): layer_norm adds the residual ({add})" in compiled.plan_report()
+    loaded = sparta.load(compiled.save(tmp_path / "saved"))
+    again = loaded.module_replacements()
     assert again["layer_norm"].spec == first.spec and again["layer_norm"].input_names == first.input_names
-    assert isinstance(again[add], Fused)
+    assert isinstance(again[add], Fused) and loaded.plan.fusions == compiled.plan.fusions
 
 
 def test_fp32_layer_norms_stay_torch_ops(tmp_path, monkeypatch):
@@ -303,6 +308,7 @@ def test_fp32_layer_norms_stay_torch_ops(tmp_path, monkeypatch):
     mask = (torch.rand(256 // 32, 256 // 32) < 0.3).repeat_interleave(32, 0).repeat_interleave(32, 1)
     compiled = sparta.compile(model, {"fc.weight": mask}, (torch.randn(3, 7, 256),), target="cuda")
     assert not {"layer_norm", "layer_norm_1", "add"} & set(compiled.module_replacements())
+    assert not [g for g in compiled.plan.fusions if g.kind == "norm"] and compiled.plan.ops["layer_norm"].kernel is None
 
 
 def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, monkeypatch):
@@ -330,6 +336,9 @@ def test_a_linear_whose_output_has_a_static_scale_writes_int8_codes(tmp_path, mo
     launch = json.loads((Path(fc1.folder) / "launch.json").read_text())
     assert {a["name"]: a["dtype"] for a in launch["args"]}["Y"] == "int8"
     assert "kernel_linear" in compiled.module.code and "gelu" not in compiled.module.code   # no call: fused
+    codes = [g for g in compiled.plan.fusions if g.kind == "codes"]
+    assert [(g.anchor, g.tensor, g.readers, g.scale) for g in codes] == [("linear", "gelu", ["linear_1"], scale)]
+    assert "fusion (codes): linear writes int8 codes of gelu at static scale" in compiled.plan_report()
     loaded = sparta.load(compiled.save(tmp_path / "saved"))
     again = loaded.module_replacements()
     assert again["linear"].spec == fc1.spec and again["linear"].output_names == fc1.output_names
