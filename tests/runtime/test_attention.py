@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import sparta
-from sparta.codegen.select_attention import input_reaching
+from sparta.templates.attention.select import input_reaching
 from sparta.templates.attention.runtime import SizesOnlyMaskAttention, classify_mask, in_layout, output_strides
 
 MASKS = ("ones", "causal", "band", "causal_one_flip", "random", "float_zero", "float_causal", "float_bias", "keys_ones",

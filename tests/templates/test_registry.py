@@ -24,7 +24,7 @@ def test_a_family_name_is_its_op_module_and_saved_type():
         if cls is None:
             assert f.name not in MODULE_TYPES
             continue
-        assert cls.kernel_family == f.name
+        assert cls.kernel_family == f.name and callable(f.builder())    # every kernel module has its build
         assert hasattr(torch.ops.sparta, f.name)
         assert MODULE_TYPES[f.name].endswith(f":{cls.__name__}")
 
@@ -33,6 +33,14 @@ def test_gemm_rules_come_from_the_families_in_order():
     names = [fn.__name__ for fn in registry.rules("gemm_cuda")]
     assert names[:3] == ["not_a_gemm", "k_alignment", "bias_shape"] and names[-1] == "bsr_tile"
     assert names.index("w4a16_gemv") < names.index("w4a16_dense_tile") < names.index("w8a8_gemv")
+
+
+def test_every_kernel_decision_has_its_table():
+    assert [fn.__name__ for fn in registry.rules("gemm_cpu")] == ["int8_vendor", "cpu_linear"]
+    assert [fn.__name__ for fn in registry.rules("norm_cuda")][-1] == "layer_norm"
+    assert [fn.__name__ for fn in registry.rules("attention")] == ["sizes_only_mask"]
+    assert {fn.__module__.split(".")[2] for fn in registry.rules("gemm_cuda")[3:]} == {"bsr_linear", "w4a16_gemv",
+                                                                                       "w8a8_gemv"}
 
 
 def test_an_unknown_family_is_named_in_the_error():
