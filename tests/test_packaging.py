@@ -33,3 +33,15 @@ def test_import_is_light():
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_package_folder_is_in_pyproject():
+    """A new kernel family's folder (or any package) ships: pyproject's package list names every folder with an
+    ``__init__.py`` under the mapped top-level folders."""
+    import tomllib
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    for package, folder in config["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            assert ".".join((package, *rel)) in listed, f"{init.parent} is not in pyproject's packages"

@@ -43,5 +43,5 @@ def build(graph: Graph, op: Op, out: str, rows: int, add: Op | None = None):
     module = LayerNormCUDA(op.name, x_name, outputs, art.path, spec, params["weight"], params["bias"],
                            graph.tensor(y).shape, r_name)
     bits = {"fp16": "A16->A16", "int8": "A16->A8", "both": "A16->A16+A8"}[out]
-    return module, report_row(op, "layer_norm", "-", bits, "-", [art])
+    return module, report_row(op, "norm", "-", bits, "-", [art])
 
