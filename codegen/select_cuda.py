@@ -62,7 +62,7 @@ def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: d
                         dense_grid)
 
 
-# ---- the guards, first in the table ------------------------------------------------------------------------------------
+# ---- the guards, first in the table ----------------------------------------------------------------------------
 @rule("gemm_cuda", 0)
 def not_a_gemm(site: GemmSite, target: Target):
     if site.op.op not in GEMM_OPS:

@@ -131,8 +131,8 @@ def _codes(graph: Graph, plan: Plan, groups: list[FusionGroup], target) -> list[
         if p is None or p.kind != "sparse" or p.kernel is None:
             continue
         if p.kernel.kernel == "w8a8_gemv" or p.kernel.kernel == "bsr_linear" and p.kernel.dtype != "w4a16":
-            out.append(FusionGroup("codes", anchor, [], t, list(readers), float(scale),
-                                   tiles=codes_tiles(p.kernel, p.gemm, target) if p.kernel.kernel == "bsr_linear" else {}))
+            tiles = codes_tiles(p.kernel, p.gemm, target) if p.kernel.kernel == "bsr_linear" else {}
+            out.append(FusionGroup("codes", anchor, [], t, list(readers), float(scale), tiles=tiles))
     return out
 
 

@@ -5,4 +5,6 @@ from ..registry import KernelFamily, register
 FAMILY = register(KernelFamily(
     "attention", ("cuda", "cpu"),
     "attention whose mask is computed from sizes alone: torch SDPA, the mask classified once per shape",
-    module=".runtime:SizesOnlyMaskAttention", templates={}, build=".build:build", epilogue=None), __name__)
+    module=".runtime:SizesOnlyMaskAttention",
+    templates={},
+    build=".build:build", epilogue=None), __name__)

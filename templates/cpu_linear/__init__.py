@@ -6,4 +6,6 @@ from ..registry import KernelFamily, register
 FAMILY = register(KernelFamily(
     "cpu_linear", ("cpu",),
     "block-sparse and fine-grained CPU linears through LLVM: fp32, W8A8, W8A32 and W4A32",
-    module=".runtime:SparseLinearCPU", templates={}, build=".build:build", epilogue=None), __name__)
+    module=".runtime:SparseLinearCPU",
+    templates={},
+    build=".build:build", epilogue=None), __name__)
