@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One GPU call: install sparta (no deps, no TVM), run the GPU suite on fixtures built from this commit, then the
-# benchmarks named in $1 ("suite", "gemv", "bert"; default all). Logs and results JSON go to $OUT (or results/).
+# benchmarks named in $1 ("suite", "gemv", "bert", "rmsnorm"; default all). Logs and results JSON go to $OUT (or
+# results/). The artifacts travel as one archive (artifacts/cuda.tar.xz of artifacts/cuda and the benchmarks' folders).
 #   python tests/fixtures/build_cuda.py; python benchmarks/bench_cuda_any_rows_gemv.py --build     # build machine
 #   bash benchmarks/gpu_checks.sh "suite gemv"                                                       # GPU machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
-WHAT=${1:-suite gemv bert}
+WHAT=${1:-suite gemv bert rmsnorm}
 [ -f artifacts/cuda.tar.xz ] && rm -rf artifacts/cuda && tar -C artifacts -xJf artifacts/cuda.tar.xz
 if ! python -c "import sparta.passes" 2>/dev/null; then    # the package-dir mapping without installing: links
     for d in passes codegen templates; do [ -e "sparta/$d" ] || ln -s "../$d" "sparta/$d"; done
@@ -24,5 +25,8 @@ fi
 if [[ $WHAT == *bert* ]]; then
     python benchmarks/bench_dynamic_bert.py --padded artifacts/bert_padded --saved artifacts/bert_dynamic \
         > "$OUT/padded_bert.log" 2>&1; tail -20 "$OUT/padded_bert.log"
+fi
+if [[ $WHAT == *rmsnorm* ]]; then
+    python benchmarks/bench_cuda_rmsnorm.py > "$OUT/rmsnorm.log" 2>&1; tail -6 "$OUT/rmsnorm.log"
 fi
 ls "$OUT"      # the benchmarks write their JSON there ($SPARTA_RESULTS)

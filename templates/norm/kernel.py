@@ -14,7 +14,11 @@ bit for bit ``quant.spec.quantize_rows`` applied to the fp16 ``Y``, so a LayerNo
 int8 linears spares them the separate quantisation pass (2 bytes read + 1 written per element).
 
 ``residual=True`` normalises ``X + R`` (summed in fp16, as torch's ``add`` rounds it): a transformer's
-residual add fused into the LayerNorm that reads it, sparing the add's pass (two reads and a write).
+residual add fused into the LayerNorm that reads it, sparing the add's pass (two reads and a write);
+``residual_out=True`` also writes the sum ``H``, the residual stream a pre-norm decoder reads on.
+
+``kind="rms"`` is RMSNorm: the row's sum of squares in fp32 (one butterfly sum, no mean), ``X · rsqrt(mean(X²) +
+eps)`` rounded to 16 bits, then times ``G`` in 16 bits, as Hugging Face's LlamaRMSNorm rounds it.
 """
 
 from __future__ import annotations
@@ -37,11 +41,17 @@ def layer_norm_kernel(spec: LayerNormSpec):
     emit_y, emit_q = spec.out != "int8", spec.out != "fp16"
     ACT, BF16 = spec.dtype, spec.dtype == "bfloat16"      # 16-bit lanes of fp16 or bf16 values
     affine, use_bias, residual = spec.affine, spec.bias, spec.residual
+    RMS, keep_sum = spec.kind == "rms", spec.residual_out
     FULL = T.uint32(0xFFFFFFFF)
     reduce_max = row_max(WARPS)
     emit_codes = store_codes(CH, NT)          # from the fp32 values of the rounded output
 
     def normalised(v, mean, rstd, gw, bw, i):
+        if RMS:                               # HF: (x · rstd) rounded to 16 bits, then times the 16-bit weight
+            y = v * rstd
+            if affine:
+                y = to_f32(from_f32(y, ACT), ACT) * to_f32(gw[i], ACT)
+            return y
         y = (v - mean) * rstd
         if affine:
             y = y * to_f32(gw[i], ACT)
@@ -75,17 +85,33 @@ def layer_norm_kernel(spec: LayerNormSpec):
                 combine(st, red[(w + 1) * 3], red[(w + 1) * 3 + 1], red[(w + 1) * 3 + 2])
             T.tvm_storage_sync("shared")      # red is reused by the |y| maximum
 
+    @T.macro
+    def sum_merge(st, ot, red, lane, t):
+        # every thread of the row ends with the row's sum of squares (st[0]): a butterfly sum, then across warps
+        for s in T.unroll(5):
+            T.evaluate(T.ptx["shfl_sync.bfly.b32"](ot[0], st[0], T.uint32(16 >> s), T.uint32(31), FULL))
+            st[0] = st[0] + ot[0]
+        if WARPS > 1:
+            if lane == 0:
+                red[t // 32] = st[0]
+            T.tvm_storage_sync("shared")
+            st[0] = red[0]
+            for w in T.unroll(WARPS - 1):
+                st[0] = st[0] + red[w + 1]
+            T.tvm_storage_sync("shared")      # red is reused by the |y| maximum
+
     EVEN = spec.m > 0 and spec.m % ROWS == 0            # every CTA's rows inside M
 
     @T.prim_func
-    def kernel(x_h: T.handle, r_h: T.handle, g_h: T.handle, b_h: T.handle, y_h: T.handle, xq_h: T.handle,
-               xs_h: T.handle):
+    def kernel(x_h: T.handle, r_h: T.handle, g_h: T.handle, b_h: T.handle, y_h: T.handle, h_h: T.handle,
+               xq_h: T.handle, xs_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         X = T.match_buffer(x_h, (M, N), "float16")
         R = T.match_buffer(r_h, (M, N), "float16")
         G = T.match_buffer(g_h, (N,), "float16")
         B = T.match_buffer(b_h, (N,), "float16")
         Y = T.match_buffer(y_h, (M, N), "float16")
+        H = T.match_buffer(h_h, (M, N), "float16")
         XQ = T.match_buffer(xq_h, (M, N), "int8")
         XS = T.match_buffer(xs_h, (M,), "float32")
         bx = T.launch_thread("blockIdx.x", -(-M // ROWS))
@@ -123,14 +149,26 @@ def layer_norm_kernel(spec: LayerNormSpec):
                                                            ACT)
                             else:
                                 raw[it * 8 + v] = raw[it * 8 + v] + rraw[it * 8 + v]
-                    for v in T.unroll(8):      # Welford: the count of value (it, v) is 8·it + v + 1
-                        vals[it * 8 + v] = to_f32(raw[it * 8 + v], ACT)
-                        ot[0] = vals[it * 8 + v] - st[1]
-                        st[1] = st[1] + ot[0] * (T.float32(1) / T.Cast("float32", it * 8 + v + 1))
-                        st[2] = st[2] + ot[0] * (vals[it * 8 + v] - st[1])
-                    st[0] = T.Cast("float32", it * 8 + 8)
-            merge(st, ot, red, lane, t)
-            st[2] = T.rsqrt(st[2] * T.float32(1.0 / N) + T.float32(spec.eps))     # biased variance, as torch
+                    if RMS:
+                        if keep_sum:
+                            for v in T.vectorized(8):
+                                H[row, (t + it * NT) * 8 + v] = raw[it * 8 + v]
+                        for v in T.unroll(8):
+                            vals[it * 8 + v] = to_f32(raw[it * 8 + v], ACT)
+                            st[0] = st[0] + vals[it * 8 + v] * vals[it * 8 + v]
+                    else:
+                        for v in T.unroll(8):      # Welford: the count of value (it, v) is 8·it + v + 1
+                            vals[it * 8 + v] = to_f32(raw[it * 8 + v], ACT)
+                            ot[0] = vals[it * 8 + v] - st[1]
+                            st[1] = st[1] + ot[0] * (T.float32(1) / T.Cast("float32", it * 8 + v + 1))
+                            st[2] = st[2] + ot[0] * (vals[it * 8 + v] - st[1])
+                        st[0] = T.Cast("float32", it * 8 + 8)
+            if RMS:
+                sum_merge(st, ot, red, lane, t)
+                st[2] = T.rsqrt(st[0] * T.float32(1.0 / N) + T.float32(spec.eps))
+            else:
+                merge(st, ot, red, lane, t)
+                st[2] = T.rsqrt(st[2] * T.float32(1.0 / N) + T.float32(spec.eps))     # biased variance, as torch
             mx[0] = T.float32(0)
             for it in T.unroll(IT):
                 if full or t + it * NT < CH:

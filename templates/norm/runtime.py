@@ -1,8 +1,8 @@
-"""sparta's LayerNorm kernel (``templates/norm/``) from torch, without TVM.
+"""sparta's norm kernels (``templates/norm/``: LayerNorm, RMSNorm) from torch, without TVM.
 
-``LayerNormOp(folder, spec, weight, bias)(x)`` normalises a contiguous fp16 ``(M, N)`` tensor and
-returns what the kernel was built to emit: ``y``, ``(xq, xs)`` or ``(y, xq, xs)`` (per-token int8
-codes and fp32 scales, what the W8A8 linears read). :class:`LayerNormCUDA` is the graph module
+``LayerNormOp(folder, spec, weight, bias)(x)`` normalises a contiguous fp16 ``(M, N)`` tensor and returns
+what the kernel was built to emit, in this order: ``y`` (unless ``out="int8"``), ``h = x + residual`` (``residual_out``),
+``xq, xs`` (per-token int8 codes and fp32 scales, what the W8A8 linears read). :class:`LayerNormCUDA` is the graph module
 ``compile(target="cuda")`` puts in place of a ``layer_norm`` op whose output feeds W8A8 linears:
 it hands them the quantised activations (graph tensors ``<out>:int8`` and ``<out>:scale``) so
 they skip their own quantisation pass, and gives the fp16 output to every other reader.
@@ -60,6 +60,8 @@ class LayerNormOp:
         outs, m = {}, x.shape[0]
         if s.out != "int8":
             outs["Y"] = torch.empty(m, s.n, dtype=self.act, device=x.device)
+        if s.residual_out:
+            outs["H"] = torch.empty(m, s.n, dtype=self.act, device=x.device)
         if s.out != "fp16":
             outs["XQ"] = torch.empty(m, s.n, dtype=torch.int8, device=x.device)
             outs["XS"] = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -86,7 +88,8 @@ class LayerNormCUDA(KernelModule):
                  weight: torch.Tensor | None, bias: torch.Tensor | None, out_shape: tuple,
                  residual_name: str | None = None):
         super().__init__()
-        want = (["y"] if spec.out != "int8" else []) + (["q", "s"] if spec.out != "fp16" else [])
+        want = (["y"] if spec.out != "int8" else []) + ["h"] * spec.residual_out + \
+            (["q", "s"] if spec.out != "fp16" else [])
         if len(output_names) != len(want):
             raise CudaRuntimeError(f"op {op_name!r}: a kernel emitting {spec.out} returns {len(want)} tensors, "
                                    f"not {len(output_names)}")
@@ -110,8 +113,8 @@ class LayerNormCUDA(KernelModule):
         if residual is not None:
             inputs.append(residual.reshape(-1, n).to(act).contiguous())
         outs = self.call_kernel(*inputs)
-        if self.spec.out != "int8":
-            outs = [outs[0].reshape(x.shape).to(x.dtype), *outs[1:]]
+        sixteen = (self.spec.out != "int8") + self.spec.residual_out      # y and h: the input's shape and dtype
+        outs = [o.reshape(x.shape).to(x.dtype) for o in outs[:sixteen]] + list(outs[sixteen:])
         if self.spec.out != "fp16":     # the codes keep the input's leading dims: the linears reading them take theirs
             outs = [*outs[:-2], outs[-2].reshape(x.shape), outs[-1]]
         return tuple(outs) if len(outs) > 1 else outs[0]
@@ -128,7 +131,7 @@ class LayerNormCUDA(KernelModule):
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         x, out = inputs[0], self.spec.out
-        return ([x.new_empty(x.shape)] if out != "int8" else []) + \
+        return ([x.new_empty(x.shape)] if out != "int8" else []) + [x.new_empty(x.shape)] * self.spec.residual_out + \
             ([x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[0], dtype=torch.float32)]
              if out != "fp16" else [])
 
@@ -149,7 +152,9 @@ class LayerNormCUDA(KernelModule):
                    tensors.get("weight"), tensors.get("bias"), tuple(config["out_shape"]), config.get("residual_name"))
 
     def extra_repr(self) -> str:
-        return f"{self.op_name}: {self.spec.m or 'M'}x{self.spec.n}{' + residual' if self.spec.residual else ''}, emits {self.spec.out}"
+        s = self.spec
+        return f"{self.op_name}: {s.kind} {s.m or 'M'}x{s.n}{' + residual' if s.residual else ''}, emits {s.out}" + \
+            (" and the sum" if s.residual_out else "")
 
 
 __all__ = ["LayerNormCUDA", "LayerNormOp", "quantized_names", "QUANT_SUFFIXES"]

@@ -1,8 +1,10 @@
-"""The LayerNorm kernel's spec and torch reference (TVM-free).
+"""The norm kernel's spec and torch references (TVM-free).
 
-``Y[m, :] = (X[m, :] - mean) · rsqrt(var + eps) · G + B`` over the last dimension, fp16 (or bf16: ``dtype``) in and out; ``out="int8"``
-or ``"both"`` also (or only) emits the per-token int8 codes and scales the W8A8 kernels read, bit for bit
-``quant.spec.quantize_rows`` of the fp16 ``Y``; ``residual=True`` normalises ``X + R``.
+``kind="layer"``: ``Y[m, :] = (X[m, :] - mean) · rsqrt(var + eps) · G + B`` over the last dimension; ``kind="rms"``
+(RMSNorm, as Hugging Face's Llama computes it): ``Y[m, :] = G · round(X[m, :] · rsqrt(mean(X²) + eps))``, fp16 (or
+bf16: ``dtype``) in and out. ``out="int8"`` or ``"both"`` also (or only) emits the per-token int8 codes and scales
+the W8A8 kernels read, bit for bit ``quant.spec.quantize_rows`` of the 16-bit ``Y``; ``residual=True`` normalises
+``X + R``, and ``residual_out=True`` also writes that sum ``H`` (a pre-norm decoder's residual stream).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 OUTPUTS = ("fp16", "int8", "both")
+KINDS = ("layer", "rms")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class LayerNormSpec:
     threads: int = 32           # threads per row: 32 = a warp per row, 64..1024 = a CTA per row
     dtype: str = "float16"      # X, R, G, B, Y: "float16" or "bfloat16"
     name: str = "layer_norm"
+    kind: str = "layer"         # "layer": LayerNorm; "rms": RMSNorm (no mean, no bias)
+    residual_out: bool = False  # also write H = X + R (the residual stream a pre-norm decoder reads on)
 
     def __post_init__(self):
         bad = []
@@ -41,6 +46,12 @@ class LayerNormSpec:
             bad.append(f"dtype {self.dtype!r} must be 'float16' or 'bfloat16'")
         if self.bias and not self.affine:
             bad.append("a bias needs the affine weight (torch's layer_norm takes either both or none)")
+        if self.kind not in KINDS:
+            bad.append(f"kind {self.kind!r} must be one of {KINDS}")
+        if self.kind == "rms" and self.bias:
+            bad.append("an RMSNorm has no bias")
+        if self.residual_out and not self.residual:
+            bad.append("residual_out writes X + R: it needs residual=True")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -55,14 +66,15 @@ class LayerNormSpec:
 
     def key(self) -> dict:
         d = asdict(self)
-        if self.dtype == "float16":
-            del d["dtype"]
+        for name, default in (("dtype", "float16"), ("kind", "layer"), ("residual_out", False)):
+            if d[name] == default:      # a LayerNorm's key stays what it was before the field existed
+                del d[name]
         return d
 
 
 def argument_names(spec: LayerNormSpec) -> list[str]:
     names = ["X"] + ["R"] * spec.residual + ["G"] * spec.affine + ["B"] * spec.bias
-    return names + ["Y"] * (spec.out != "int8") + ["XQ", "XS"] * (spec.out != "fp16")
+    return names + ["Y"] * (spec.out != "int8") + ["H"] * spec.residual_out + ["XQ", "XS"] * (spec.out != "fp16")
 
 
 def pick_threads(n: int) -> int:
@@ -77,3 +89,11 @@ def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     """The fp32 LayerNorm of 16-bit ``x`` over its last dimension, rounded to ``x``'s dtype."""
     return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], None if weight is None else weight.float(),
                                           None if bias is None else bias.float(), eps).to(x.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm of 16-bit ``x``: the statistics and the scaling in fp32, rounded to ``x``'s dtype,
+    then times the weight in that dtype."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight.to(x.dtype) * y
