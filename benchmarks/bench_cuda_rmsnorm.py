@@ -7,7 +7,9 @@ At 4096 rows x 4096 (a 7B decoder's width, a 4096-token prefill), bf16 and fp16,
 enough input sets to defeat L2: ``sparta_rms`` (reads x, writes y) against the copy of as many bytes (its floor) and
 torch's ``F.rms_norm``; the pre-norm residual step ``h = x + r; y = rmsnorm(h)`` as ``sparta_res`` (one kernel: reads x
 and r, writes h and y) against torch's two ops eager (``F.rms_norm`` and Hugging Face's LlamaRMSNorm formula) and the
-two ops under ``torch.compile``.
+two ops under ``torch.compile`` (returning the sum too, as a decoder reads it on). Torch's two ops move 5 tensors
+of bytes (the add reads two and writes one, the norm reads one and writes one), the fused kernel 4: at the bandwidth
+floor the fusion can save at most 5/4.
 """
 
 from __future__ import annotations
@@ -68,7 +70,10 @@ def bench(tag: str) -> dict:
     err = {"rms": (y.float() - ref.float()).abs().max().item(),
            "rms_res": (y2.float() - ref2.float()).abs().max().item(), "sum_exact": bool(torch.equal(h2, xs[0] + rs[0]))}
     dst = [torch.empty_like(x) for x in xs]
-    two_ops = torch.compile(lambda x, r: F.rms_norm(x + r, (N,), w, EPS))
+    def add_norm(x, r):                 # the decoder's step: the sum is the residual stream, read again later
+        h = x + r
+        return h, F.rms_norm(h, (N,), w, EPS)
+    two_ops = torch.compile(add_norm)
     fns = {"copy": lambda i: dst[i].copy_(xs[i]),
            "sparta_rms": lambda i: ops["rms"](xs[i]),
            "torch_rms_norm": lambda i: F.rms_norm(xs[i], (N,), w, EPS),
@@ -86,7 +91,8 @@ def bench(tag: str) -> dict:
             "sparta_res_GBps": res_gbs, "sparta_res_of_copy": res_gbs / copy_gbs,
             "res_vs_torch_two_ops": us["torch_add+rms_norm"] / us["sparta_res"],
             "res_vs_hf_two_ops": us["torch_add+hf_rms"] / us["sparta_res"],
-            "res_vs_compiled_two_ops": us["compiled_add+rms_norm"] / us["sparta_res"]}
+            "res_vs_compiled_two_ops": us["compiled_add+rms_norm"] / us["sparta_res"],
+            "two_ops_bytes_floor_ratio": 5 / 4}
 
 
 def main():
