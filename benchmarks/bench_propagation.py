@@ -34,7 +34,7 @@ def main(repeats: int = 3):
             t0 = time.perf_counter()
             out = propagate(g)
             times.append(time.perf_counter() - t0)
-        rep = out.meta["propagation"]
+        rep = out.propagation
         rows.append({"sparsity": sparsity, "median_s": statistics.median(times), "times_s": times,
                      "evaluations": rep.evaluations, "changes": rep.changes, "ops": len(g)})
         print(f"sparsity {sparsity:.0%}: {statistics.median(times):.2f} s (median of {repeats}), "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graph import Graph, Op
-from ..passes.transform.fusion import fused_activation, fused_gate
+from ..passes.fusion import fused_activation, fused_gate
 from ..passes.transform.plan import OpPlan
 from ..passes.transform.transform_op import gemm_bias, gemm_view
 from .select_cuda import GemmSite, gemm_site

@@ -20,7 +20,7 @@ import torch
 
 from ..graph import Graph, Op
 from ..passes.transform.groups import fuse
-from ..passes.transform.fusion import fused_activation, fused_gate, is_gated
+from ..passes.fusion import fused_activation, fused_gate, is_gated
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target

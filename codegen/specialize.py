@@ -20,8 +20,10 @@ from ..templates.registry import family
 from .select_cpu import select_kernels
 
 
-def specialize(graph: Graph, plan: Plan, target: str = "cpu"):
-    """Build every sparse op of ``plan``; returns (replacements, kernel report rows)."""
+def specialize(graph: Graph, plan: Plan, target="cpu"):
+    """Build every sparse op of ``plan`` for ``target`` (a name or a Target); returns (replacements, kernel report
+    rows)."""
+    target = getattr(target, "name", target)
     if target == "cpu" and any(p.kind == "sparse" and p.kernel is None for p in plan.ops.values()):
         select_kernels(graph, plan, load_target("cpu"))
     replacements, report = {}, []

@@ -19,7 +19,7 @@ import math
 from ..backend.fx import Fused, Passthrough
 from ..errors import CodegenError
 from ..graph import Graph
-from ..passes.transform.fusion import GatedUnit
+from ..passes.fusion import GatedUnit
 from ..passes.transform.groups import NORM_OPS, check_epilogue
 from ..passes.transform.plan import Plan
 from ..target import Target, load_target

@@ -47,7 +47,7 @@ def main():
     print(f"compiled and verified in {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.2f} s' for k, v in compiled.timings.items())})")
     print()
-    print(compiled.graph.meta["propagation"].table())
+    print(compiled.graph.propagation.table())
     print()
     print(compiled.plan_report(only_gemm=True))
     print()

@@ -42,7 +42,7 @@ def bert_rows(sparsity: float, layers: int, seq: int):
     for name in [f"encoder.layer.0.{p}" for p in ("intermediate.dense.weight", "intermediate.dense.bias",
                                                   "output.dense.weight")] + ["gelu"]:
         rows.append((f"BERT {sparsity:.0%}", name, graph.tesa(name).density, prop.tesa(name).density))
-    changed = prop.meta["propagation"].changed()
+    changed = prop.propagation.changed()
     return rows, seconds, len(changed)
 
 

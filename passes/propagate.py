@@ -84,7 +84,7 @@ def propagate(graph: Graph, *, scramble: str = "fallback", trials: int = 16, see
     """Propagate TeSAs to a fixed point; returns the graph (a copy unless ``copy=False``).
 
     ``scramble``: ``"fallback"`` (ops without a rule), ``"always"`` (every op; to check the
-    rules), ``"never"``. The report lands in ``graph.meta["propagation"]``. In a graph captured with
+    rules), ``"never"``. The report lands in ``graph.propagation``. In a graph captured with
     dynamic dimensions only the pruning of weights that GEMMs read is kept (it must hold at every shape).
     """
     if scramble not in SCRAMBLE_MODES:
@@ -100,7 +100,7 @@ def propagate(graph: Graph, *, scramble: str = "fallback", trials: int = 16, see
         report.sequence_bound = _restore_sequence_bound_weights(g, before)
     report.seconds = time.perf_counter() - t0
     report.after = {v.name: _stats(v.tesa) for v in g.tensors()}
-    g.meta["propagation"] = report
+    g.propagation = report
     return g
 
 

@@ -135,8 +135,8 @@ def _rebuild(graph: Graph, rewrites: dict[str, str], renames: dict[str, str] | N
         out.add_op(Op(op.name, op.op, list(op.inputs), list(op.outputs), dict(op.attrs), list(op.roles), op.target,
                       op.args, dict(op.kwargs), op.source, op.multi_output))
     out.inputs, out.outputs = list(graph.inputs), list(graph.outputs)
-    out.in_spec, out.out_spec, out.meta = graph.in_spec, graph.out_spec, dict(graph.meta)
-    out.meta["simplified"] = {**graph.meta.get("simplified", {}), **(note or {"dropped_masks": sorted(rewrites)})}
+    graph.copy_facts(out)
+    out.simplified = dataclasses.replace(graph.simplified, **(note or {"dropped_masks": sorted(rewrites)}))
     return out
 
 
@@ -179,10 +179,10 @@ def fuse_sibling_linears(graph: Graph) -> Graph:
             out.add_op(Op(op.name, op.op, list(op.inputs), list(op.outputs), dict(op.attrs), list(op.roles),
                           op.target, op.args, dict(op.kwargs), op.source, op.multi_output))
     out.inputs, out.outputs = list(graph.inputs), list(graph.outputs)
-    out.in_spec, out.out_spec, out.meta = graph.in_spec, graph.out_spec, dict(graph.meta)
-    out.meta["simplified"] = {**graph.meta.get("simplified", {}),
-                              "stacked_linears": {ops[0].name: [o.name for o in ops] for ops in fused.values()}}
-    out.meta["stacked_weights"] = {**graph.meta.get("stacked_weights", {}), **ranges}
+    graph.copy_facts(out)
+    out.simplified = dataclasses.replace(graph.simplified, stacked_linears={
+        **graph.simplified.stacked_linears, **{ops[0].name: [o.name for o in ops] for ops in fused.values()}})
+    out.stacked_weights = {**graph.stacked_weights, **ranges}
     return out
 
 

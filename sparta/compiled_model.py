@@ -42,7 +42,7 @@ class CompiledModel(torch.nn.Module):
         self.plan = plan
         self.timings = dict(timings or {})
         self.kernels = list(kernels or [])
-        self.quantization = graph.meta.get("quantization")   # the calibration report, if one ran
+        self.quantization = graph.quantization   # the calibration report, if one ran
         self._source_reference = None
         self._propagated_module = None
         self._inductor = inductor                            # a mode inductor_mode resolved (None: none)

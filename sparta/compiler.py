@@ -1,21 +1,17 @@
-"""``sparta.compile``: the whole pipeline as a flat list of passes; ``sparta.load``."""
+"""``sparta.compile``: its arguments checked, then the flat list of passes of ``sparta/pipeline.py``; ``sparta.load``."""
 
 from __future__ import annotations
 
 import difflib
 import os
-import time
 from collections.abc import Mapping
 
 import torch
 
-from .errors import GraphError, QuantizationError, SpartaError, TeSAError
-from .passes.simplify import simplify
-from .graph import Graph
-from .shapes import capture_shapes, plan_tokens
 from .compiled_model import CompiledModel, run_mode
-from .target import load_target
-from .frontend.prune_masks import attach_masks, find_masks
+from .errors import GraphError, QuantizationError, SpartaError, TeSAError
+from .graph import Graph
+from .pipeline import CompileContext, CompileOptions, run_passes
 from .tesa import TeSA
 
 TARGETS = ("cpu", "cuda")
@@ -100,56 +96,10 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     if profile is not None and not isinstance(profile, (str, os.PathLike, HardwareProfile)):
         raise SpartaError(f"profile must be a hardware profile JSON path or a HardwareProfile (None: the target's "
                           f"own), got {profile!r}")
-    quantize = _quantizer(calibration, quant_tolerance, target)
-    inductor = run_mode(inductor, target)
-    timings = {}
-    t0 = time.perf_counter()
-    model, found_masks = find_masks(model)      # prune masks and zeros as TeSAs; pruning made permanent on a copy
-    graph = capture_shapes(model, example_inputs, example_kwargs, parameters, dynamic)
-    timings["capture"] = time.perf_counter() - t0
-    attach_masks(graph, found_masks, initial_tesa)
-    attach_tesa(graph, initial_tesa)
-    source = graph.copy()       # the model with only the user's TeSAs: what verify() checks propagation against
-    graph = simplify(graph)
-    if target == "cuda":        # one launch for the linears that read one input (q/k/v, gate/up)
-        from .passes.simplify import fuse_sibling_linears
-        graph = fuse_sibling_linears(graph)
-    plan_tokens(graph, tokens)
-    chosen = _target(target, profile)
-    graph, plan = _propagate_and_plan(graph, chosen, propagate, timings, quantize)
-    if dismantle is not None:
-        for op_plan in list(plan.ops.values()):
-            if op_plan.kind == "sparse":
-                plan.pin(op_plan.op, dismantle=dismantle)
-    replacements, kernels = {}, []
-    if target == "cpu":
-        from .codegen.select_cpu import select_kernels
-        from .codegen.specialize import specialize
-        select_kernels(graph, plan, chosen)
-        t0 = time.perf_counter()
-        replacements, kernels = specialize(graph, plan, target)
-        timings["codegen"] = time.perf_counter() - t0
-    elif target == "cuda":
-        from .codegen.select_cuda import select_kernels
-        from .codegen.specialize_cuda import specialize_cuda
-        t0 = time.perf_counter()
-        select_kernels(graph, plan, chosen)
-        timings["select"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        replacements, kernels = specialize_cuda(graph, plan, chosen)
-        timings["codegen"] = time.perf_counter() - t0
-    from .codegen.select_attention import attention_modules
-    replacements.update(attention_modules(graph, plan))
-    compiled = CompiledModel(graph, target=target, plan=plan, replacements=replacements, timings=timings,
-                             kernels=kernels, source=source, inductor=inductor)
-    if measure:
-        from .dense_fallback import measure_and_fall_back
-        t0 = time.perf_counter()
-        measure_and_fall_back(compiled)
-        compiled.timings["measure"] = time.perf_counter() - t0
-    if verify:
-        compiled.verify()
-    return compiled
+    options = CompileOptions(target, initial_tesa, example_inputs, example_kwargs, parameters, propagate, verify,
+                             dismantle, profile, run_mode(inductor, target), dynamic, tokens, measure,
+                             _quantizer(calibration, quant_tolerance, target))
+    return run_passes(CompileContext(model, options)).compiled
 
 
 def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
@@ -184,68 +134,3 @@ def _quantizer(calibration, quant_tolerance, target: str):
     else:
         config = QuantConfig(quant_tolerance)
     return lambda graph: calibrate(graph, calibration, config, target=target)
-
-
-def _target(name: str, profile):
-    """The Target ``compile`` plans for: ``name``'s, its cost model replaced by ``profile`` if given; on the CPU
-    without one, this machine's (``codegen.profile.host_profile``: measured here on first use where the shipped
-    profile is another CPU's)."""
-    from .passes.transform.profile import load_profile
-    if profile is None and name == "cpu":
-        from .codegen.profile import host_profile
-        profile = host_profile()
-    try:
-        return load_target(name, load_profile(profile) if profile is not None else None)
-    except (SpartaError, OSError, ValueError) as exc:       # a missing file, bad JSON, an invalid profile
-        raise SpartaError(f"profile {profile!r}: {exc}") from None
-
-
-def _propagate_and_plan(graph: Graph, target, propagate: bool, timings: dict, quantize=None):
-    """Propagation, calibration (when asked) and transformation; without calibration both
-    passes are read back from the pipeline cache when nothing they read changed."""
-    from . import pipeline_cache
-    from .passes import propagate as run_propagation
-    from .passes import transform
-    from .passes.propagate import PropagationReport
-    from .passes.transform import Plan
-
-    t0 = time.perf_counter()
-    # calibration reads weight values and data, which the key does not hash: it bypasses the cache
-    options = {"propagate": propagate, "profile": target.profile.to_json(),
-               "dynamic": sorted(graph.meta.get("dynamic_dims", {})),    # (and the weights it keeps)
-               "tokens": graph.meta.get("token_range")}
-    key = pipeline_cache.pipeline_key(graph, target.name, options) if quantize is None else None
-    hit = pipeline_cache.load(key) if key is not None else None
-    if hit is not None:
-        tesas, report, plan = hit
-        for name, tesa in tesas.items():
-            graph.set_tesa(name, tesa)
-        if report is not None:
-            graph.meta["propagation"] = PropagationReport.from_json(report)
-        plan = Plan.from_json(plan)
-        _refit_weight_quant(graph, plan, target.profile)
-        timings["plan_cache"] = time.perf_counter() - t0
-        return graph, plan
-    if propagate:
-        t0 = time.perf_counter()
-        graph = run_propagation(graph)
-        timings["propagate"] = time.perf_counter() - t0
-    if quantize is not None:
-        t0 = time.perf_counter()
-        quantize(graph)
-        timings["calibrate"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    plan = transform(graph, target)
-    timings["transform"] = time.perf_counter() - t0
-    if key is not None:
-        report = graph.meta.get("propagation")
-        pipeline_cache.store(key, graph, report.to_json() if report is not None else None, plan.to_json())
-    return graph, plan
-
-
-def _refit_weight_quant(graph: Graph, plan, profile) -> None:
-    """Scales a cached plan fitted to the weights alone, fitted again: the cache key hashes no float weight values."""
-    from .passes.transform import weight_quantisation
-    for p in plan.ops.values():
-        if p.weight_quant:
-            p.weight_quant = weight_quantisation(graph, graph.op(p.op), p, {}, profile)

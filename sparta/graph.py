@@ -9,6 +9,7 @@ names (``"linear"``, ``"conv2d"``, ``"add"``; see ``docs/ops.md``).
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import operator
@@ -174,6 +175,27 @@ def _o(name):
     return ("o", name)
 
 
+@dataclass
+class TokenRange:
+    """The tokens (batch x sequence) a dynamic graph's plan is costed over, and the example's."""
+
+    lo: int
+    hi: int
+    example: int
+
+
+@dataclass
+class Simplified:
+    """What ``passes.simplify`` changed: masks and copies dropped, linears stacked (stacked op → its parts)."""
+
+    dropped_masks: list[str] = field(default_factory=list)
+    dropped_copies: list[str] = field(default_factory=list)
+    stacked_linears: dict[str, list[str]] = field(default_factory=dict)
+
+
+FACTS = ("token_range", "propagation", "quantization", "simplified", "stacked_weights")
+
+
 class Graph:
     """A dataflow graph whose every tensor carries a TeSA."""
 
@@ -185,7 +207,20 @@ class Graph:
         self.outputs: list[str] = []
         self.in_spec: str | None = None  # pytree spec (treespec_dumps) of the user inputs
         self.out_spec: str | None = None
-        self.meta: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}    # what capture found (dynamic dimensions, aliases, input leaves)
+        # facts passes hand on about the graph (typed; graph_json serialises them)
+        self.token_range: TokenRange | None = None      # shapes.plan_tokens
+        self.propagation = None                         # passes.propagate: PropagationReport
+        self.quantization = None                        # passes.quant.calibrate: QuantReport
+        self.simplified = Simplified()                  # passes.simplify
+        self.stacked_weights: dict[str, list] = {}      # simplify.fuse_sibling_linears: [[part, first, end], ...]
+
+    def copy_facts(self, other: Graph) -> None:
+        """Give ``other`` (a rewrite of this graph) this graph's capture metadata and pass facts."""
+        other.in_spec, other.out_spec, other.meta = self.in_spec, self.out_spec, dict(self.meta)
+        for name in FACTS:
+            value = getattr(self, name)
+            setattr(other, name, copy.deepcopy(value) if isinstance(value, (Simplified, dict)) else value)
 
     # ---- building ---------------------------------------------------------------------
     def add_tensor(self, value: Value) -> Value:
@@ -424,7 +459,7 @@ class Graph:
             g.add_op(replace(o, inputs=list(o.inputs), outputs=list(o.outputs), attrs=dict(o.attrs),
                              roles=list(o.roles), meta=dict(o.meta)))
         g.inputs, g.outputs = list(self.inputs), list(self.outputs)
-        g.in_spec, g.out_spec, g.meta = self.in_spec, self.out_spec, dict(self.meta)
+        self.copy_facts(g)
         return g
 
     def validate(self) -> None:

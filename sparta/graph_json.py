@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import SpartaError
-from .graph import SIZE_FUNCTIONS, Graph, Op, SymRef, TensorRef, Value, bind_call
+from .graph import SIZE_FUNCTIONS, Graph, Op, SymRef, TensorRef, TokenRange, Value, bind_call
 from .saved_checks import SavedModelError, is_row_range
 from .tesa import TeSA
 
@@ -304,16 +304,20 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
         meta["dynamic_dims"] = {k: list(v) for k, v in graph.meta["dynamic_dims"].items()}
         meta["dim_ranges"] = {k: list(v) for k, v in graph.meta.get("dim_ranges", {}).items()}
         meta["dim_uses"] = {k: [list(u) for u in v] for k, v in graph.meta.get("dim_uses", {}).items()}
-    for key in ("token_range", "one_shape", "size_one", "stacked_weights"):
+    for key in ("one_shape", "size_one"):
         if graph.meta.get(key) is not None:
             meta[key] = graph.meta[key]
+    if graph.token_range is not None:
+        meta["token_range"] = dataclasses.asdict(graph.token_range)
+    if graph.stacked_weights:
+        meta["stacked_weights"] = graph.stacked_weights
     for key in ("in_spec", "out_spec"):
         if graph.meta.get(key) is not None:
             with warnings.catch_warnings():  # torch's own dumps trips its LeafSpec deprecation
                 warnings.simplefilter("ignore", FutureWarning)
                 meta[key] = pytree.treespec_dumps(graph.meta[key])
-    if graph.meta.get("propagation") is not None:
-        meta["propagation"] = graph.meta["propagation"].to_json()
+    if graph.propagation is not None:
+        meta["propagation"] = graph.propagation.to_json()
     if graph.meta.get("mask_sources") is not None:        # where the TeSAs came from (the plan report's last line)
         meta["mask_sources"] = {k: sorted(v) for k, v in graph.meta["mask_sources"].items()}
     return {"format": FORMAT, "name": graph.name, "inputs": graph.inputs, "outputs": graph.outputs,
@@ -345,7 +349,7 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
         g.meta["dim_ranges"] = {k: list(v) for k, v in ranges.items()}
         g.meta["dim_uses"] = {k: [list(u) for u in v] for k, v in uses.items()}
     if span is not None:
-        g.meta["token_range"] = dict(span)
+        g.token_range = TokenRange(**span)
     for key in ("one_shape", "size_one"):
         if meta.get(key):
             g.meta[key] = meta[key]
@@ -354,7 +358,7 @@ def _read_dynamic_dims(g: Graph, meta: dict) -> None:
             isinstance(rows, list) and all(is_row_range(r) for r in rows) for rows in stacked.values()):
         raise GraphFormatError("malformed stacked weights")
     if stacked:
-        g.meta["stacked_weights"] = {k: [list(r) for r in v] for k, v in stacked.items()}
+        g.stacked_weights = {k: [list(r) for r in v] for k, v in stacked.items()}
     unknown = {n for o in g.ops() for n in _symbols(o.args) | _symbols(o.kwargs)} - set(dims)
     if unknown:
         raise GraphFormatError(f"symbolic sizes name unknown dimensions {sorted(unknown)}")
@@ -416,7 +420,7 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
             g.meta["mask_sources"] = {str(k): list(v) for k, v in sources.items()}
         if "propagation" in meta:
             from .passes.propagate import PropagationReport
-            g.meta["propagation"] = PropagationReport.from_json(meta["propagation"])
+            g.propagation = PropagationReport.from_json(meta["propagation"])
         g.validate()
     except GraphFormatError:
         raise

@@ -130,7 +130,7 @@ def _source_json(compiled, tensors: dict) -> dict | None:
         return None
     data, own = graph_to_json(source, prefix="source/")
     shared, sliced = [], {}
-    parts = {part: [stacked, start, end] for stacked, rows in compiled.graph.meta.get("stacked_weights", {}).items()
+    parts = {part: [stacked, start, end] for stacked, rows in compiled.graph.stacked_weights.items()
              for part, start, end in rows if compiled.graph.has_tensor(stacked)}
     for key, t in own.items():
         name = key.removeprefix("source/")

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from .errors import CaptureError, SpartaError
-from .graph import Graph
+from .graph import Graph, TokenRange
 
 
 def capture_shapes(model, example_inputs, example_kwargs, parameters, dynamic) -> Graph:
@@ -49,7 +49,7 @@ def capture_shapes(model, example_inputs, example_kwargs, parameters, dynamic) -
 
 
 def plan_tokens(graph: Graph, tokens) -> None:
-    """Record the token range a dynamic graph is planned over (``graph.meta["token_range"]``)."""
+    """Record the token range a dynamic graph is planned over (``graph.token_range``)."""
     if tokens is None and not graph.any_rows:
         return
     if not graph.any_rows:
@@ -60,7 +60,7 @@ def plan_tokens(graph: Graph, tokens) -> None:
         else (None, None)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in (lo, hi)) or not 1 <= lo <= hi:
         raise SpartaError(f"tokens must be (lo, hi) with 1 <= lo <= hi, got {tokens!r}")
-    graph.meta["token_range"] = {"lo": lo, "hi": hi, "example": example}
+    graph.token_range = TokenRange(lo, hi, example)
 
 
 def shapes_line(graph: Graph) -> str:
@@ -68,10 +68,10 @@ def shapes_line(graph: Graph) -> str:
     meta = graph.meta
     if not graph.any_rows:
         return "shapes: " + meta.get("one_shape", "the example's only (compiled with dynamic=False, or from ONNX)")
-    span = meta.get("token_range")
+    span = graph.token_range
     free = ", ".join(f"{t}[{d}]" for t in graph.inputs for d in graph.dynamic_dims_of(t))
-    return (f"shapes: any size of {free}" + (f"; planned over {span['lo']}-{span['hi']} tokens (the example's: "
-                                              f"{span['example']})" if span else "")
+    return (f"shapes: any size of {free}" + (f"; planned over {span.lo}-{span.hi} tokens (the example's: "
+                                              f"{span.example})" if span else "")
             + (f"; {meta['size_one']}" if meta.get("size_one") else ""))
 
 

@@ -1,5 +1,6 @@
 """One compile for every batch and sequence length: ``compile(..., dynamic=True)`` on the CPU target."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_verify_checks_three_shapes_and_positions_stay_unpruned(dynamic_bert):
     assert len(sizes) >= 3 and sizes[0] is None and len({tuple(s.values()) for s in sizes[1:]}) >= 2
     compiled.verify(trials=3)
     assert compiled.tesa("embeddings.position_embeddings.weight").density == 1.0
-    kept = compiled.graph.meta["propagation"].sequence_bound
+    kept = compiled.graph.propagation.sequence_bound
     assert "embeddings.position_embeddings.weight" in kept or "embeddings.position_ids" in kept
 
 
@@ -238,7 +239,7 @@ def test_the_plan_is_costed_over_the_token_range():
     tesa = {"0.weight": block_mask(512, 256, 0.2, 6), "2.weight": block_mask(256, 512, 0.2, 7)}
     x = torch.randn(4, 64, 256)
     compiled = sparta.compile(model, tesa, (x,), tokens=(2, 1000), target="cuda")
-    assert compiled.graph.meta["token_range"] == {"lo": 2, "hi": 1000, "example": 256}
+    assert dataclasses.astuple(compiled.graph.token_range) == (2, 1000, 256)
     assert row_points(compiled.graph, 256) == [256, 2, 4, 16, 64, 256, 1000]
     assert row_points(compiled.graph, 8) == [8, 1, 2, 8, 31]          # an op over fewer rows (a pooler's batch)
     p = compiled.plan.ops["linear"]

@@ -24,7 +24,7 @@ def test_second_compile_reads_the_cache_and_agrees(tmp_path, monkeypatch):
     assert second.plan.to_json() == first.plan.to_json()
     for v in first.graph.tensors():
         assert second.graph.tesa(v.name) == v.tesa, v.name
-    assert second.graph.meta["propagation"].table() == first.graph.meta["propagation"].table()
+    assert second.graph.propagation.table() == first.graph.propagation.table()
     other = mask.clone()
     other[0, 20] = not other[0, 20]
     third = _compile(model, {"fc1.weight": TeSA.from_mask(other)}, x)

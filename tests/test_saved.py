@@ -447,7 +447,7 @@ def test_a_cuda_model_with_stacked_linears_stores_their_weights_once(tmp_path, m
     model = QKV().half().eval()
     tesa = {f"{n}.weight": _block_mask((512, 512), 32, 0.1, i) for i, n in enumerate("qkv")}
     compiled = sparta.compile(model, tesa, (torch.randn(4, 64, 512).half(),), target="cuda")
-    assert list(compiled.graph.meta["stacked_weights"]) == ["q+k+v.weight", "q+k+v.bias"]
+    assert list(compiled.graph.stacked_weights) == ["q+k+v.weight", "q+k+v.bias"]
     assert "runs linear, linear_1, linear_2 stacked as one linear (q+k+v.weight)" in compiled.plan_report()
     path = Path(compiled.save(tmp_path / "m"))
     from safetensors import safe_open

@@ -30,8 +30,8 @@ from torch.utils import _pytree as pytree
 from ...errors import QuantizationError
 from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
-from ..transform.fusion import epilogue_producer
-from ..transform.plan import WeightQuant
+from ..fusion import epilogue_producer
+from .scheme import WeightQuant
 from .report import Decision, QuantReport
 from .scheme import (CLIPS, FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows,
                      fake_quant_static, fit_weight)
@@ -288,7 +288,7 @@ class _Calibration:
 
     def _requantizable(self, name: str, readers: list[WeightSite]) -> bool:
         """Whether a kernel could write ``name`` as int8 codes: GEMMs read nothing but it, and a GEMM's
-        epilogue makes it (the GEMM itself, or the activation it fuses: ``passes/transform/fusion.py``)."""
+        epilogue makes it (the GEMM itself, or the activation it fuses: ``passes/fusion.py``)."""
         if len(readers) != len(self.g.consumers(name)) or name in self.g.outputs:
             return False
         p = epilogue_producer(self.g, name, self.profile.target if self.profile is not None else "cuda")
@@ -387,7 +387,7 @@ class _Calibration:
             d.runs = ", ".join(dict.fromkeys(runs[o] for o in d.ops))
             if d.kind == "weight" and not d.reverted and self.wbits[d.tensor] < d.bits:
                 d.bits, d.by = self.wbits[d.tensor], self.lowered_by.get(d.tensor, "")
-        self.g.meta["quantization"] = report
+        self.g.quantization = report
 
 
 def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, target: str | None = "cpu",
@@ -398,14 +398,14 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     relative output MSE one op may add (or a full :class:`QuantConfig`; ``options`` fill one).
     ``target`` picks the widths tried from its hardware profile (None: 16, 8, 4).
     ``weights`` overrides weight values (default: the graph's, with pruned elements zeroed).
-    Lowers the graph's TeSAs in place and returns the report (also in ``graph.meta["quantization"]``), whose
+    Lowers the graph's TeSAs in place and returns the report (also in ``graph.quantization``), whose
     fitted weight scales and static activation scales the planner copies into the plan.
     """
-    from ..transform import load_profile
+    from ...target import load_target
 
     config = tolerance if isinstance(tolerance, QuantConfig) else QuantConfig(tolerance, **options)
     batches = parse_batches(graph, calibration)
-    profile = load_profile(target) if target is not None else None
+    profile = load_target(target).profile if target is not None else None
     if weights is None:
         weights = {v.name: v.tesa.apply(v.data) for v in graph.tensors("weight")
                    if v.data is not None and v.data.dtype.is_floating_point and not v.tesa.is_dense}

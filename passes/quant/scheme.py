@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import PlanError
+
 CLIPS = tuple(1.0 - 0.025 * i for i in range(17))    # clip ratios searched: 1.0 down to 0.6
 GRANULARITIES = ("tensor", "channel", "group")
 FLOAT_WIDTHS = {16: torch.float16}
@@ -148,3 +150,43 @@ def fake_quant_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
     from ...templates.quant.spec import quantize_rows
     codes, scale = quantize_rows(x, bits)
     return (codes.float() * scale[..., None]).to(x.dtype)
+
+
+GRANULARITIES = ("tensor", "channel", "group")
+QUANT_SOURCES = ("calibration", "weight")
+
+
+@dataclass
+class WeightQuant:
+    """How an op's integer weight is quantised, fitted by calibration or, without calibration data, to
+    the weight alone: scales (and zero points) per ``group`` columns of the (N, K) weight, from its range
+    clipped by ``clip`` (one ratio per output channel; one in all for ``granularity="tensor"``)."""
+
+    bits: int
+    granularity: str
+    group: int
+    symmetric: bool
+    clip: list[float]
+    source: str
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES or self.source not in QUANT_SOURCES:
+            raise PlanError(f"weight quantisation: granularity {self.granularity!r} / source {self.source!r} "
+                            f"not in {GRANULARITIES} / {QUANT_SOURCES}")
+        self.clip = [float(c) for c in self.clip]
+
+    def params(self, w):
+        """The :class:`~sparta.passes.quant.QuantParams` of the (N, K) weight ``w`` (masked as the kernel holds it)."""
+        if self.granularity == "tensor":
+            return per_tensor(w, self.bits, symmetric=self.symmetric, clip=self.clip[0])
+        group = self.group if self.granularity == "group" else None
+        return weight_params(w, self.bits, symmetric=self.symmetric, group=group,
+                             clip=torch.tensor(self.clip, dtype=torch.float32))
+
+    @classmethod
+    def of(cls, params, granularity: str, source: str) -> WeightQuant:
+        """The plan's record of fitted :class:`QuantParams` (which its clip ratios reproduce exactly)."""
+        clip = params.clip.tolist() if params.clip is not None else [1.0]
+        return cls(params.bits, granularity, int(params.group), params.zero is None,
+                   clip[:1] if granularity == "tensor" else clip, source)
+

@@ -29,7 +29,7 @@ class WeightSite:
 
 def weight_sites(graph: Graph) -> dict[str, WeightSite]:
     """Ops with a floating-point weight whose output channels each read one weight row, by op name."""
-    from ..transform.transform_op import gemm_view
+    from ..gemm import gemm_view
 
     def float_weight(name):
         v = graph.tensor(name) if name else None
@@ -73,8 +73,8 @@ def parse_batches(graph: Graph, calibration) -> list[list[torch.Tensor]]:
 
 def fake_quantized_weights(graph: Graph) -> dict[str, torch.Tensor]:
     """The calibrated weights as the kernels apply them (dequantised), by parameter name: the last calibration
-    report's fitted scales (``graph.meta["quantization"].weights``) applied to the masked weights."""
-    report = graph.meta.get("quantization")
+    report's fitted scales (``graph.quantization.weights``) applied to the masked weights."""
+    report = graph.quantization
     fitted = getattr(report, "weights", {}) or {}
     out = {}
     for site in weight_sites(graph).values():

@@ -29,7 +29,7 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
     else:
         prof = load_profile(profile or target)
     plan = Plan(target, {"device": prof.device, "date": prof.date, "source": prof.source})
-    quantization = quantization if quantization is not None else graph.meta.get("quantization")
+    quantization = quantization if quantization is not None else graph.quantization
     fitted = dict(getattr(quantization, "weights", {}) or {})
     plan.static_scales = dict(getattr(quantization, "static_scales", {}) or {})
     ops_with_templates = sparse_ops if sparse_ops is not None else prof.sparse_ops
@@ -41,7 +41,7 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
             p = OpPlan(op.name, op.op, "torch", us, us)
         else:
             p.weight_quant = weight_quantisation(graph, op, p, fitted, prof)
-            if stacked := graph.meta.get("simplified", {}).get("stacked_linears", {}).get(op.name):
+            if stacked := graph.simplified.stacked_linears.get(op.name):
                 why = f"runs {', '.join(stacked)} stacked as one linear ({p.weight})"
                 p.note = f"{p.note}; {why}" if p.note else why
         plan.ops[op.name] = p

@@ -22,7 +22,7 @@ import torch
 
 from ...errors import CodegenError
 from ...graph import Graph, Op
-from .fusion import fused_activation, fused_gate
+from ..fusion import fused_activation, fused_gate
 from .plan import Plan
 from .transform_op import gemm_bias, gemm_view
 

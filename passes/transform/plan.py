@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import PlanError
+from ...formats import default_format, get_format
 from ...tesa import TeSA
+from ..quant.scheme import GRANULARITIES, QUANT_SOURCES, WeightQuant  # noqa: F401  (part of the plan)
 
 TEMPLATES = ("dense", "block_sparse", "fine_sparse")
 KINDS = ("torch", "dense", "sparse")
@@ -37,54 +39,26 @@ class SubOp:
     est_us: float
     blocks: TeSA | None = None     # chosen block grid (1 = block computed)
     elements: TeSA | None = None   # the weight elements this sub-op computes, at weight_bits
+    weight_format: str = ""        # number format of the weights (sparta.formats; "": the default of weight_bits)
+    act_format: str = ""           # number format of the activations ("": the default of act_bits)
 
     def __post_init__(self):
         if self.template not in TEMPLATES:
             raise PlanError(f"unknown kernel template {self.template!r}; expected one of {TEMPLATES}")
+        self.weight_format = get_format(self.weight_format or default_format(self.weight_bits)).name
+        self.act_format = get_format(self.act_format or default_format(self.act_bits)).name
         if self.block is not None:
             self.block = tuple(int(b) for b in self.block)
 
-
-GRANULARITIES = ("tensor", "channel", "group")
-QUANT_SOURCES = ("calibration", "weight")
-
-
-@dataclass
-class WeightQuant:
-    """How an op's integer weight is quantised, fitted by calibration or, without calibration data, to
-    the weight alone: scales (and zero points) per ``group`` columns of the (N, K) weight, from its range
-    clipped by ``clip`` (one ratio per output channel; one in all for ``granularity="tensor"``)."""
-
-    bits: int
-    granularity: str
-    group: int
-    symmetric: bool
-    clip: list[float]
-    source: str
-
-    def __post_init__(self):
-        if self.granularity not in GRANULARITIES or self.source not in QUANT_SOURCES:
-            raise PlanError(f"weight quantisation: granularity {self.granularity!r} / source {self.source!r} "
-                            f"not in {GRANULARITIES} / {QUANT_SOURCES}")
-        self.clip = [float(c) for c in self.clip]
-
-    def params(self, w):
-        """The :class:`~sparta.passes.quant.QuantParams` of the (N, K) weight ``w`` (masked as the kernel holds it)."""
-        import torch
-
-        from ..quant.scheme import per_tensor, weight_params
-        if self.granularity == "tensor":
-            return per_tensor(w, self.bits, symmetric=self.symmetric, clip=self.clip[0])
-        group = self.group if self.granularity == "group" else None
-        return weight_params(w, self.bits, symmetric=self.symmetric, group=group,
-                             clip=torch.tensor(self.clip, dtype=torch.float32))
-
-    @classmethod
-    def of(cls, params, granularity: str, source: str) -> WeightQuant:
-        """The plan's record of fitted :class:`QuantParams` (which its clip ratios reproduce exactly)."""
-        clip = params.clip.tolist() if params.clip is not None else [1.0]
-        return cls(params.bits, granularity, int(params.group), params.zero is None,
-                   clip[:1] if granularity == "tensor" else clip, source)
+    def describe(self) -> str:
+        """``32x32x32@W8A8``, ``dense@W16A16``, the formats in brackets where not the default of the bits
+        (``[fp8_e4m3]``, ``[int4×bf16]``)."""
+        where = f"{self.n_blocks}x{self.block[0]}x{self.block[1]}" if self.block else "dense"
+        text = f"{where}@W{self.weight_bits}A{self.act_bits}"
+        if (self.weight_format, self.act_format) == (default_format(self.weight_bits), default_format(self.act_bits)):
+            return text
+        same = self.weight_format == self.act_format
+        return text + (f"[{self.weight_format}]" if same else f"[{self.weight_format}×{self.act_format}]")
 
 
 @dataclass
@@ -207,15 +181,15 @@ class Plan:
         return sum(p.dense_us for p in self.ops.values())
 
     def report(self, only_gemm: bool = False) -> str:
-        """A table: op, type, kind, density, bits, chosen blocks, the kernel that runs them (with its fused
-        epilogue), estimated µs, dense µs, and notes: why that kernel, and what the plan could not honour."""
+        """A table: op, type, kind, density, bits, chosen blocks (with their number formats in brackets where
+        not int4/int8/fp16/fp32), the kernel that runs them (with its fused epilogue), estimated µs, dense µs, and
+        notes: why that kernel, and what the plan could not honour."""
         from ...text import table
         rows = [("op", "type", "kind", "density", "bits", "blocks", "kernel", "est µs", "dense µs", "note")]
         for p in self.ops.values():
             if only_gemm and p.gemm is None:
                 continue
-            blocks = " + ".join(f"{s.n_blocks}x{s.block[0]}x{s.block[1]}@W{s.weight_bits}A{s.act_bits}"
-                                if s.block else f"dense@W{s.weight_bits}A{s.act_bits}" for s in p.subops)
+            blocks = " + ".join(s.describe() for s in p.subops)
             bits = " ".join(f"{b}:{c}" for b, c in sorted(p.bits.items())) if p.bits else ""
             kernel = p.kernel.describe() if p.kernel is not None else ("vendor" if p.kind == "dense" else
                                                                        _cpu_kernels(p) if p.kind == "sparse" else "")

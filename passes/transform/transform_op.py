@@ -24,55 +24,14 @@ from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
 from .bitround import groupings
 from .cover import block_cover
-from .fusion import epilogue
+from ..fusion import epilogue
+from ..gemm import gemm_bias, gemm_view, in_weight_layout, weight_matrix
 from .plan import Candidate, OpPlan, SubOp, WeightQuant
 from .profile import HardwareProfile
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d")
 FULL_DISMANTLE_MAX_NNZ = 4096
 TIE_MARGIN = 0.05  # how closely re-measured profiles agree: within it, the simpler plan wins
-
-
-def gemm_view(graph: Graph, op: Op):
-    """(activation, weight name, weight TeSA as (N, K), M, N, K) of a GEMM-like op, or None."""
-    def is_weight(name):
-        v = graph.tensor(name)
-        return v.kind == "weight" and v.data is not None and v.data.dtype.is_floating_point
-
-    if op.op == "linear":
-        x, w = op.input_of("input"), op.input_of("weight")
-        if x is None or w is None or not is_weight(w):
-            return None
-        wv = graph.tensor(w)
-        if len(wv.shape) != 2:
-            return None
-        n, k = wv.shape
-        return x, w, graph.tesa(w), _rows(graph, x), n, k
-    if op.op in ("addmm", "mm", "matmul"):
-        a, b = (op.input_of("mat1"), op.input_of("mat2")) if op.op != "matmul" else \
-            (op.input_of("self"), op.input_of("other"))
-        if op.op == "mm":
-            a, b = op.input_of("self"), op.input_of("mat2")
-        if a is None or b is None or not is_weight(b) or len(graph.tensor(b).shape) != 2:
-            return None
-        k, n = graph.tensor(b).shape
-        return a, b, TeSA(graph.tesa(b).view().t().contiguous(), _trusted=True), _rows(graph, a), n, k
-    if op.op in ("conv1d", "conv2d", "conv3d"):
-        x, w = op.input_of("input"), op.input_of("weight")
-        if x is None or w is None or not is_weight(w) or int(op.attrs.get("groups", 1)) != 1:
-            return None
-        wv = graph.tensor(w)
-        out = graph.tensor(op.outputs[0]).shape
-        n = wv.shape[0]
-        k = math.prod(wv.shape[1:])
-        m = math.prod(out) // n
-        return x, w, TeSA(graph.tesa(w).view().reshape(n, k), _trusted=True), m, n, k
-    return None
-
-
-def _rows(graph: Graph, x: str) -> int:
-    shape = graph.tensor(x).shape
-    return math.prod(shape[:-1]) if len(shape) > 1 else 1
 
 
 def _kept_rows(graph: Graph, x: str, m: int) -> int:
@@ -94,12 +53,12 @@ def _menus(shapes):
 
 def row_points(graph: Graph, m: int) -> list[int]:
     """The rows an op of ``m`` rows at the example is costed at: ``[m]``, or for a graph planned over a token range
-    (``graph.meta["token_range"]``: ``lo``, ``hi``, the example's tokens) ``m`` first, then ``m`` scaled to ``lo``,
+    (``graph.token_range``: ``lo``, ``hi``, the example's tokens) ``m`` first, then ``m`` scaled to ``lo``,
     each power of 4 between, and ``hi`` tokens."""
-    span = graph.meta.get("token_range")
+    span = graph.token_range
     if not span:
         return [m]
-    lo, hi, example = span["lo"], span["hi"], max(span["example"], 1)
+    lo, hi, example = span.lo, span.hi, max(span.example, 1)
     tokens = [lo] + [4 ** i for i in range(1, 32) if lo < 4 ** i < hi] + ([hi] if hi > lo else [])
     return [m] + sorted({max(1, round(m * t / example)) for t in tokens})
 
@@ -221,26 +180,6 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, rows: list[in
         desc = " + ".join(f"{c.n_blocks}x{c.shape[0]}x{c.shape[1]}@W{group.bits}A{act_bits}" for c in cover)
         options.append((costs, subs, desc or "empty"))
     return options
-
-
-def weight_matrix(graph: Graph, op: Op) -> torch.Tensor:
-    """The op's weight as (N, K) fp32 (transposed for addmm/mm/matmul, flattened for conv)."""
-    w = graph.tensor(gemm_view(graph, op)[1]).data.to(torch.float32)
-    if op.op in ("addmm", "mm", "matmul"):
-        return w.t().contiguous()
-    return w.reshape(w.shape[0], -1)
-
-
-def in_weight_layout(graph: Graph, op: Op, nk: torch.Tensor) -> torch.Tensor:
-    """An (N, K) matrix back in the layout of the op's weight (the inverse of :func:`weight_matrix`)."""
-    if op.op in ("addmm", "mm", "matmul"):
-        return nk.t().contiguous()
-    return nk.reshape(graph.tensor(gemm_view(graph, op)[1]).shape)
-
-
-def gemm_bias(op: Op) -> str | None:
-    """The tensor a GEMM-like op adds to its product: a linear's ``bias``, addmm's ``self`` (None for the others)."""
-    return op.input_of("bias") if op.op == "linear" else op.input_of("self") if op.op == "addmm" else None
 
 
 def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict,

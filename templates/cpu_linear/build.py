@@ -13,7 +13,7 @@ import torch
 from ...codegen.build import build_cpu
 from ...errors import CodegenError
 from ...graph import Graph, Op
-from ...passes.transform.fusion import fused_activation
+from ...passes.fusion import fused_activation
 from ...passes.transform.plan import OpPlan, SubOp
 from ...passes.transform.transform_op import gemm_bias, gemm_view, in_weight_layout, weight_matrix
 from . import block_spec, fine_spec

@@ -149,7 +149,7 @@ def test_pruned_elements_stay_pruned_and_user_bits_stay_fixed():
     bits = graph.tesa("fc1.weight").bits
     assert torch.equal(bits == 0, ~mask) and set(bits[mask].unique().tolist()) == {4}
     assert (fake_quantized_weights(graph)["fc1.weight"][~mask] == 0).all()
-    assert graph.tesa("fc2.weight").uniform == 8 and "fc2.weight" not in graph.meta["quantization"].weights
+    assert graph.tesa("fc2.weight").uniform == 8 and "fc2.weight" not in graph.quantization.weights
 
 
 def test_deterministic():

@@ -145,7 +145,7 @@ def test_report_and_stats():
     graph = sparta.capture(model, (torch.randn(4, 24),))
     graph.set_tesa("fc3.weight", TeSA.from_mask(torch.arange(48).expand(10, 48) < 24))
     prop = propagate(graph)
-    report = prop.meta["propagation"]
+    report = prop.propagation
     assert report.evaluations >= len(prop) and report.changes > 0
     assert "gelu" in report.table() and "fc2.weight" in report.changed()
     stats = {s["name"]: s for s in prop.tesa_stats()}

@@ -99,7 +99,7 @@ def test_copies_are_dropped_their_readers_read_the_source():
     assert not any(op.op in ("clone", "detach", "alias") for op in simple.ops())
     relu = next(simple.ops("relu")).outputs[0]
     assert next(simple.ops("linear")).input_of("input") == relu
-    assert simple.meta["simplified"]["dropped_copies"]
+    assert simple.simplified.dropped_copies
     compiled = sparta.compile(model, {}, (x,))
     y = torch.randn(3, 12)
     for got, want in zip(compiled(y), model(y)):
@@ -141,7 +141,7 @@ def test_sibling_linears_run_as_one_linear_over_stacked_weights():
     keep = torch.rand(96, 64) < 0.5
     graph.set_tesa("up.weight", sparta.TeSA.from_mask(keep))
     fused = fuse_sibling_linears(graph)
-    assert sorted(fused.meta["simplified"]["stacked_linears"].values()) == [["linear", "linear_1", "linear_2"],
+    assert sorted(fused.simplified.stacked_linears.values()) == [["linear", "linear_1", "linear_2"],
                                                                             ["linear_3", "linear_4"]]
     assert len(list(fused.ops("linear"))) == 3 and len(list(fused.ops("slice"))) == 5
     qkv, gate_up = fused.tensor("q+k+v.weight"), fused.tensor("gate+up.weight")

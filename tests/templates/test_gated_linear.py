@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparta
-from sparta.passes.transform.fusion import gated_unit
+from sparta.passes.fusion import gated_unit
 from sparta.templates.bsr_linear.packing import block_mask_for, pack_weight, table_parts, unpack_weight
 from sparta.templates.bsr_linear.spec import BsrSpec, gate_padded, reference
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...graph import Graph, Op
+from ..graph import Graph, Op
 
 EPILOGUE_ACTIVATIONS = {"cpu": ("relu", "gelu", "silu", "tanh", "sigmoid"), "cuda": ("relu", "gelu")}
 GATED_UNITS = {"cuda": {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh", "relu": "reglu"}}

@@ -1,0 +1,253 @@
+"""``sparta.compile`` as a flat list of passes over one typed context.
+
+Each :class:`Pass` is a function ``(ctx) -> None`` that reads and writes fields of the :class:`CompileContext`; it
+declares the targets it runs for and the ``timings`` key it is timed under. :data:`PASSES` is the pipeline in order;
+a pass can be run alone on a context (``PASSES_BY_NAME["simplify"].run(ctx)``). The per-target selection and
+specialisation come from :data:`CODEGEN`, a table by target name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SpartaError
+from .graph import Graph
+
+
+@dataclass
+class CompileOptions:
+    """``sparta.compile``'s arguments, checked."""
+
+    target: str = "cpu"
+    initial_tesa: Mapping | None = None
+    example_inputs: Any = ()
+    example_kwargs: Any = None
+    parameters: Any = None
+    propagate: bool = True
+    verify: bool = False
+    dismantle: str | None = None
+    profile: Any = None
+    inductor: Any = None                    # the run mode (``compiled_model.run_mode``)
+    dynamic: Any = None
+    tokens: Any = None
+    measure: bool = False
+    quantize: Callable | None = None        # the calibration pass (``compiler._quantizer``), or None
+
+
+@dataclass
+class CompileContext:
+    """What the passes hand each other."""
+
+    model: Any
+    options: CompileOptions
+    found_masks: Any = None                 # prune masks and zeros found on the model
+    graph: Graph | None = None
+    source: Graph | None = None             # the graph with only the user's TeSAs: what verify() checks against
+    target: Any = None                      # the Target planned for
+    plan: Any = None                        # the Plan
+    replacements: dict = field(default_factory=dict)
+    kernels: list = field(default_factory=list)
+    compiled: Any = None                    # the CompiledModel
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[CompileContext], None]
+    targets: tuple[str, ...] = ("cpu", "cuda")
+    timed: str = ""                         # the timings key ("": the pass times itself or is not timed)
+
+
+CODEGEN = {  # target → (selection, specialisation): "module:function" in sparta.codegen
+    "cpu": ("select_cpu:select_kernels", "specialize:specialize"),
+    "cuda": ("select_cuda:select_kernels", "specialize_cuda:specialize_cuda"),
+}
+
+
+def _codegen(target: str, which: int) -> Callable:
+    module, _, fn = CODEGEN[target][which].partition(":")
+    return getattr(importlib.import_module(f"sparta.codegen.{module}"), fn)
+
+
+def capture(ctx: CompileContext) -> None:
+    from .frontend.prune_masks import find_masks
+    from .shapes import capture_shapes
+    o = ctx.options
+    ctx.model, ctx.found_masks = find_masks(ctx.model)   # pruning made permanent on a copy
+    ctx.graph = capture_shapes(ctx.model, o.example_inputs, o.example_kwargs, o.parameters, o.dynamic)
+
+
+def attach(ctx: CompileContext) -> None:
+    from .compiler import attach_tesa
+    from .frontend.prune_masks import attach_masks
+    attach_masks(ctx.graph, ctx.found_masks, ctx.options.initial_tesa)
+    attach_tesa(ctx.graph, ctx.options.initial_tesa)
+    ctx.source = ctx.graph.copy()
+
+
+def simplify(ctx: CompileContext) -> None:
+    from .passes.simplify import simplify as run
+    ctx.graph = run(ctx.graph)
+
+
+def fuse_siblings(ctx: CompileContext) -> None:
+    """One launch for the linears that read one input (q/k/v, gate/up)."""
+    from .passes.simplify import fuse_sibling_linears
+    ctx.graph = fuse_sibling_linears(ctx.graph)
+
+
+def plan_tokens(ctx: CompileContext) -> None:
+    from .shapes import plan_tokens as run
+    run(ctx.graph, ctx.options.tokens)
+
+
+def choose_target(ctx: CompileContext) -> None:
+    ctx.target = load_compile_target(ctx.options.target, ctx.options.profile)
+
+
+def propagate_and_plan(ctx: CompileContext) -> None:
+    """Propagation, calibration (when asked) and transformation; without calibration both are read back from the
+    pipeline cache when nothing they read changed (timed under ``propagate``, ``calibrate``, ``transform`` or
+    ``plan_cache``)."""
+    from . import pipeline_cache
+    from .passes import propagate as run_propagation
+    from .passes import transform
+    from .passes.propagate import PropagationReport
+    from .passes.transform import Plan
+    graph, target, o = ctx.graph, ctx.target, ctx.options
+    t0 = time.perf_counter()
+    # calibration reads weight values and data, which the key does not hash: it bypasses the cache
+    options = {"propagate": o.propagate, "profile": target.profile.to_json(),
+               "dynamic": sorted(graph.meta.get("dynamic_dims", {})),    # (and the weights it keeps)
+               "tokens": None if graph.token_range is None else graph.token_range.__dict__}
+    key = pipeline_cache.pipeline_key(graph, target.name, options) if o.quantize is None else None
+    hit = pipeline_cache.load(key) if key is not None else None
+    if hit is not None:
+        tesas, report, plan = hit
+        for name, tesa in tesas.items():
+            graph.set_tesa(name, tesa)
+        if report is not None:
+            graph.propagation = PropagationReport.from_json(report)
+        ctx.plan = Plan.from_json(plan)
+        _refit_weight_quant(graph, ctx.plan, target.profile)
+        ctx.timings["plan_cache"] = time.perf_counter() - t0
+        return
+    if o.propagate:
+        t0 = time.perf_counter()
+        ctx.graph = graph = run_propagation(graph)
+        ctx.timings["propagate"] = time.perf_counter() - t0
+    if o.quantize is not None:
+        t0 = time.perf_counter()
+        o.quantize(graph)
+        ctx.timings["calibrate"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ctx.plan = transform(graph, target)
+    ctx.timings["transform"] = time.perf_counter() - t0
+    if key is not None:
+        report = graph.propagation
+        pipeline_cache.store(key, graph, report.to_json() if report is not None else None, ctx.plan.to_json())
+
+
+def _refit_weight_quant(graph: Graph, plan, profile) -> None:
+    """Scales a cached plan fitted to the weights alone, fitted again: the cache key hashes no float weight values."""
+    from .passes.transform import weight_quantisation
+    for p in plan.ops.values():
+        if p.weight_quant:
+            p.weight_quant = weight_quantisation(graph, graph.op(p.op), p, {}, profile)
+
+
+def pin_dismantle(ctx: CompileContext) -> None:
+    if ctx.options.dismantle is not None:
+        for op_plan in list(ctx.plan.ops.values()):
+            if op_plan.kind == "sparse":
+                ctx.plan.pin(op_plan.op, dismantle=ctx.options.dismantle)
+
+
+def select(ctx: CompileContext) -> None:
+    """Kernel selection and the fusion pass after it (``CODEGEN``'s selection for the target)."""
+    _codegen(ctx.target.name, 0)(ctx.graph, ctx.plan, ctx.target)
+
+
+def specialize(ctx: CompileContext) -> None:
+    replacements, ctx.kernels = _codegen(ctx.target.name, 1)(ctx.graph, ctx.plan, ctx.target)
+    ctx.replacements.update(replacements)
+
+
+def attention(ctx: CompileContext) -> None:
+    from .codegen.select_attention import attention_modules
+    ctx.replacements.update(attention_modules(ctx.graph, ctx.plan))
+
+
+def build_model(ctx: CompileContext) -> None:
+    from .compiled_model import CompiledModel
+    o = ctx.options
+    ctx.compiled = CompiledModel(ctx.graph, target=o.target, plan=ctx.plan, replacements=ctx.replacements,
+                                 timings=ctx.timings, kernels=ctx.kernels, source=ctx.source, inductor=o.inductor)
+
+
+def measure(ctx: CompileContext) -> None:
+    if ctx.options.measure:
+        from .dense_fallback import measure_and_fall_back
+        measure_and_fall_back(ctx.compiled)
+
+
+def verify(ctx: CompileContext) -> None:
+    if ctx.options.verify:
+        ctx.compiled.verify()
+
+
+PASSES = (
+    Pass("capture", capture, timed="capture"),
+    Pass("attach_tesa", attach),
+    Pass("simplify", simplify),
+    Pass("fuse_siblings", fuse_siblings, targets=("cuda",)),
+    Pass("plan_tokens", plan_tokens),
+    Pass("target", choose_target),
+    Pass("propagate_and_plan", propagate_and_plan),
+    Pass("dismantle", pin_dismantle),
+    Pass("select", select, timed="select"),
+    Pass("specialize", specialize, timed="codegen"),
+    Pass("attention", attention),
+    Pass("build", build_model),
+    Pass("measure", measure, timed="measure"),
+    Pass("verify", verify),
+)
+PASSES_BY_NAME = {p.name: p for p in PASSES}
+
+
+def run_passes(ctx: CompileContext, passes=PASSES) -> CompileContext:
+    """Run ``passes`` in order on ``ctx`` (each for its targets), timing those that declare a key."""
+    for p in passes:
+        if ctx.options.target not in p.targets:
+            continue
+        t0 = time.perf_counter()
+        p.run(ctx)
+        if p.timed and (p.name != "measure" or ctx.options.measure):
+            ctx.timings[p.timed] = time.perf_counter() - t0
+            if ctx.compiled is not None:        # a pass after the model exists: its timings too
+                ctx.compiled.timings[p.timed] = ctx.timings[p.timed]
+    return ctx
+
+
+def load_compile_target(name: str, profile):
+    """The Target ``compile`` plans for: ``name``'s, its cost model replaced by ``profile`` if given; on the CPU
+    without one, this machine's (``codegen.profile.host_profile``: measured here on first use where the shipped
+    profile is another CPU's)."""
+    from .passes.transform.profile import load_profile
+    from .target import load_target
+    if profile is None and name == "cpu":
+        from .codegen.profile import host_profile
+        profile = host_profile()
+    try:
+        return load_target(name, load_profile(profile) if profile is not None else None)
+    except (SpartaError, OSError, ValueError) as exc:       # a missing file, bad JSON, an invalid profile
+        raise SpartaError(f"profile {profile!r}: {exc}") from None
+
+
+__all__ = ["CODEGEN", "CompileContext", "CompileOptions", "PASSES", "PASSES_BY_NAME", "Pass", "run_passes",
+           "load_compile_target"]
