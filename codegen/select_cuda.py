@@ -53,6 +53,7 @@ class GemmSite:
     any_rows: bool = False         # the graph was captured dynamic: kernels take any number of rows (m: the hint)
     act16: str = "float16"         # the 16-bit activations' type: "float16", or "bfloat16" for a bf16 model
     gate: bool = False             # the epilogue computes a gated unit act(gate)·up of the output's halves
+    formats: tuple = ()            # the sub-operators' (weight format, activation format) pairs (sparta.formats)
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
@@ -81,6 +82,17 @@ def k_alignment(site: GemmSite, target: Target):
 def bias_shape(site: GemmSite, target: Target):
     if site.bias == "other":
         return choice("torch", "bias_shape", "bias is not a constant vector")
+    return None
+
+
+@rule("gemm_cuda", 3)
+def not_a_format_we_run(site: GemmSite, target: Target):
+    """fp8, nf4, or bf16 in a float16 model (...): no sparta CUDA kernel runs it; never another format instead."""
+    runs = ("int4", "int8", "bf16" if site.act16 == "bfloat16" else "fp16", "fp32")
+    for role, fmt in ((role, f) for pair in site.formats for role, f in zip(("weights", "activations"), pair)):
+        if fmt not in runs:
+            return choice("torch", "not_a_format_we_run", f"{fmt} {role}: no sparta CUDA kernel for {fmt} yet; runs "
+                          "as a torch op at the model's dtype")
     return None
 
 
@@ -114,7 +126,8 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     requantized = plan is not None and out in plan.static_scales
     act16 = "bfloat16" if graph.tensor(view[0]).dtype == torch.bfloat16 else "float16"
     return GemmSite(op, op_plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
-                    weight, group, refusal, graph.any_rows, act16, unit is not None)
+                    weight, group, refusal, graph.any_rows, act16, unit is not None,
+                    tuple(dict.fromkeys((s.weight_format, s.act_format) for s in op_plan.subops)))
 
 
 def select_gemm(site: GemmSite, target: Target) -> KernelChoice:

@@ -49,7 +49,7 @@ def attach_tesa(graph: Graph, initial_tesa: Mapping | None) -> Graph:
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,
             parameters=None, target: str = "cpu", propagate: bool = True, verify: bool = False, calibration=None,
             quant_tolerance=None, dismantle: str | None = None, profile=None, inductor=None,
-            dynamic=None, tokens=None, measure: bool = False) -> CompiledModel:
+            dynamic=None, tokens=None, measure: bool = False, formats=None) -> CompiledModel:
     """Capture ``model``, attach and propagate TeSAs, plan and specialise kernels.
 
     ``model`` is a ``torch.nn.Module`` (with ``example_inputs``) or an ONNX model/path.
@@ -82,6 +82,9 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
     ``measure=True``: time every sparse op against its dense op at the example's shapes on the target's device (the
     CPU; a GPU if this machine has one) and run dense those more than 10% slower, the plan noting the measurement
     (the estimate overridden; :meth:`CompiledModel.run_dense`).
+    ``formats``: the number formats (``sparta.formats``) the weights' bits mean where not the default (int4/int8,
+    fp16 or bf16 by the model's dtype, fp32): a format name for every weight of its width (``"fp8_e4m3"``) or a dict
+    of weight names to format names (``{"fc1.weight": "fp8_e4m3"}``); the plan report shows them.
     """
     if target not in TARGETS:
         raise SpartaError(f"unknown target {target!r}; expected one of {TARGETS}")
@@ -98,8 +101,14 @@ def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, ex
                           f"own), got {profile!r}")
     options = CompileOptions(target, initial_tesa, example_inputs, example_kwargs, parameters, propagate, verify,
                              dismantle, profile, run_mode(inductor, target), dynamic, tokens, measure,
-                             _quantizer(calibration, quant_tolerance, target))
+                             _quantizer(calibration, quant_tolerance, target), formats=_checked_formats(formats))
     return run_passes(CompileContext(model, options)).compiled
+
+
+def _checked_formats(formats):
+    from .passes.transform.bitround import check_formats
+    check_formats(formats)
+    return formats
 
 
 def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:

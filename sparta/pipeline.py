@@ -36,6 +36,7 @@ class CompileOptions:
     tokens: Any = None
     measure: bool = False
     quantize: Callable | None = None        # the calibration pass (``compiler._quantizer``), or None
+    formats: Any = None                     # number formats asked (``passes.transform.bitround.choose_formats``)
 
 
 @dataclass
@@ -161,6 +162,12 @@ def _refit_weight_quant(graph: Graph, plan, profile) -> None:
             p.weight_quant = weight_quantisation(graph, graph.op(p.op), p, {}, profile)
 
 
+def choose_formats(ctx: CompileContext) -> None:
+    """Each sub-operator's number formats: its widths' defaults, or those ``compile(formats=...)`` asks."""
+    from .passes.transform.bitround import choose_formats as run
+    run(ctx.graph, ctx.plan, ctx.target, ctx.options.formats)
+
+
 def pin_dismantle(ctx: CompileContext) -> None:
     if ctx.options.dismantle is not None:
         for op_plan in list(ctx.plan.ops.values()):
@@ -209,6 +216,7 @@ PASSES = (
     Pass("plan_tokens", plan_tokens),
     Pass("target", choose_target),
     Pass("propagate_and_plan", propagate_and_plan),
+    Pass("formats", choose_formats),
     Pass("dismantle", pin_dismantle),
     Pass("select", select, timed="select"),
     Pass("specialize", specialize, timed="codegen"),

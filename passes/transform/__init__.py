@@ -6,7 +6,7 @@ import math
 
 from ...graph import Graph
 from ...target import TARGETS, Target, load_target
-from .bitround import BitGroup, groupings, round_bits
+from .bitround import BitGroup, choose_formats, groupings, round_bits
 from .cover import ShapeCover, block_cover, check_cover, cover_cost
 from .plan import Candidate, OpPlan, Plan, SubOp
 from .profile import HardwareProfile, KernelCosts, load_profile
@@ -45,7 +45,7 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
                 why = f"runs {', '.join(stacked)} stacked as one linear ({p.weight})"
                 p.note = f"{p.note}; {why}" if p.note else why
         plan.ops[op.name] = p
-    return plan
+    return choose_formats(graph, plan, Target(plan.target, prof))     # each width's default number format
 
 
 def _nbytes(graph: Graph, name: str) -> int:

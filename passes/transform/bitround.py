@@ -9,12 +9,16 @@ options, among them "one sub-TeSA per width" and "everything at the widest width
 
 from __future__ import annotations
 
+import difflib
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-from ...tesa import TeSA
+from ...errors import ArgumentTypeError, GraphError, PlanError
+from ...formats import default_format, get_format
+from ...tesa import TeSA, bits_of_dtype
+from ..gemm import gemm_view
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,123 @@ def groupings(tesa: TeSA, widths: list[int]) -> list[list[BitGroup]]:
         options.append(groups)
     options.sort(key=len, reverse=True)
     return options
+
+
+# ---- number formats: what each sub-operator's bits mean -------------------------------------------------------
+def choose_formats(graph, plan, target, formats=None):
+    """Give every sub-operator of ``plan`` its weight and activation :mod:`~sparta.formats` format, in place.
+
+    By default a width's usual format: int4 / int8, bf16 for 16 bits of a bfloat16 tensor else fp16, fp32.
+    ``formats`` asks otherwise: a format name for every weight of its width (``"fp8_e4m3"``), or a dict of weight
+    (parameter or tensor) names to format names (``{"fc1.weight": "fp8_e4m3"}``). An asked format must be one the
+    ``target`` runs for weights and (named weights) have a width the weight's TeSA rounds to; 8-bit activations of
+    fp8 weights are fp8 too. Integer scales (``weight_quant``) of widths that no longer run an integer format go.
+    Returns ``plan``."""
+    every, asked = _asked(graph, target, formats)
+    prof = target.profile
+    planned = {p.weight for p in plan.ops.values() if p.gemm is not None}
+    if stray := [n for w, by in asked.items() if w not in planned for n in by]:
+        raise PlanError(f"formats: {', '.join(map(repr, stray))} is not the weight of a GEMM sparta plans")
+    for p in plan.ops.values():
+        view = gemm_view(graph, graph.op(p.op)) if p.subops and p.weight is not None else None
+        if view is None:
+            continue
+        x, w, wtesa = view[:3]
+        wdtype, xdtype = graph.tensor(w).dtype, graph.tensor(x).dtype
+        fmt, names = _asked_of(graph, w, asked, every)
+        if fmt is not None:         # the widths its TeSA rounds to (as transform_gemm rounds them)
+            act_bits = prof.round_up(int(graph.tesa(x).max_bits()) or bits_of_dtype(xdtype), prof.act_widths())
+            widths = prof.weight_widths(act_bits)
+            present = sorted(b for b in round_bits(wtesa, widths).bit_histogram() if b)
+        if fmt is not None and fmt.bits not in present:
+            if names:
+                raise PlanError(f"formats[{names[0]!r}]: {fmt.name} is {fmt.bits}-bit, but {w}'s TeSA bits round to "
+                                f"{'/'.join(map(str, present)) or 'none (all pruned)'} on {target.name} (weights "
+                                f"W{', W'.join(map(str, widths))} with A{act_bits} activations): give its TeSA "
+                                f"{fmt.bits}-bit elements or ask for a format of its widths")
+            fmt = None              # formats="...": only the weights of its width
+        for s in p.subops:
+            wf = fmt.name if fmt is not None and s.weight_bits == fmt.bits else default_format(s.weight_bits, wdtype)
+            s.weight_format, s.act_format = wf, _act_format(s.act_bits, wf, xdtype, target)
+        if fmt is not None and not any(s.weight_format == fmt.name for s in p.subops):
+            why = f"{fmt.name} asked for {w}: the plan runs it at " + \
+                ", ".join(sorted({f"W{s.weight_bits}A{s.act_bits}" for s in p.subops})) + f", not at {fmt.bits} bits"
+            p.note = f"{p.note}; {why}" if p.note else why
+        ints = {s.weight_bits for s in p.subops if get_format(s.weight_format).kind == "int"}
+        p.weight_quant = {b: q for b, q in p.weight_quant.items() if b in ints}
+    return plan
+
+
+def check_formats(formats) -> None:
+    """Raise where ``formats`` (``compile``'s argument) is not None, a format name or a dict of names to names."""
+    from collections.abc import Mapping
+    if formats is None:
+        return
+    if isinstance(formats, str):
+        get_format(formats)
+        return
+    if not isinstance(formats, Mapping):
+        raise ArgumentTypeError(f"formats must be a format name (e.g. 'fp8_e4m3') or a dict of weight names to "
+                                f"format names, got {type(formats).__name__}")
+    for name, value in formats.items():
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"formats keys must be weight names (str), got {name!r}")
+        get_format(value)
+
+
+def _asked(graph, target, formats):
+    """(the format asked for every weight or None, {weight tensor: {asked name: format}})."""
+    check_formats(formats)
+    if formats is None:
+        return None, {}
+    if isinstance(formats, str):
+        return _runs(get_format(formats), target, "formats"), {}
+    parts = {part: stacked for stacked, rows in graph.stacked_weights.items() for part, _, _ in rows}
+    asked = {}
+    for name, value in formats.items():
+        fmt = _runs(get_format(value), target, f"formats[{name!r}]")
+        try:
+            tensor = parts.get(name) or graph.resolve(name)[0]
+        except GraphError:
+            known = [v.name for v in graph.tensors("weight")] + list(parts)
+            close = difflib.get_close_matches(name, known, n=3)
+            raise PlanError(f"formats: unknown weight {name!r}" +
+                            (f"; did you mean {', '.join(map(repr, close))}?" if close else "")) from None
+        asked.setdefault(tensor, {})[name] = fmt
+    return None, asked
+
+
+def _asked_of(graph, w: str, asked: dict, every):
+    """(the format asked for weight ``w``, the names it was asked by); linears stacked as one take one format."""
+    mine = asked.get(w, {})
+    rows = graph.stacked_weights.get(w)
+    if rows is None:
+        if len({f.name for f in mine.values()}) > 1:
+            raise PlanError(f"formats: {', '.join(mine)} name one weight ({w}) and ask different formats")
+        return (next(iter(mine.values())), list(mine)) if mine else (every, [])
+    per_part = {part: mine.get(part, every) for part, _, _ in rows}
+    names = {part: f.name if f is not None else "default" for part, f in per_part.items()}
+    if len(set(names.values())) > 1:
+        raise PlanError(f"formats: {', '.join(per_part)} run stacked as one linear ({w}); ask one format for all "
+                        f"(asked: {', '.join(f'{k}={v}' for k, v in names.items())})")
+    fmt = next(iter(per_part.values()))
+    return fmt, list(mine)
+
+
+def _runs(fmt, target, what: str):
+    runs = target.runs("weight")
+    if fmt.name not in runs:
+        raise PlanError(f"{what}: {target.name} ({target.device}) does not run {fmt.name} weights; it runs "
+                        f"{', '.join(runs)}")
+    return fmt
+
+
+def _act_format(bits: int, weight_format: str, dtype, target) -> str:
+    """The activations' format beside weights of ``weight_format``: fp8 beside fp8 weights (where the target runs
+    it), bf16 beside bf16 weights or for a bfloat16 input, else the width's default."""
+    if bits == 8 and weight_format.startswith("fp8") and weight_format in target.runs("act"):
+        return weight_format
+    if bits == 16 and weight_format == "bf16":
+        return "bf16"
+    return default_format(bits, dtype)
+
