@@ -2,48 +2,14 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping
 
-import torch
-
 from .compiled_model import CompiledModel, run_mode
-from .errors import GraphError, QuantizationError, SpartaError, TeSAError
-from .graph import Graph
-from .pipeline import CompileContext, CompileOptions, run_passes
-from .tesa import TeSA
+from .errors import QuantizationError, SpartaError
+from .pipeline import CompileContext, CompileOptions, attach_tesa, run_passes  # noqa: F401  (sparta.attach_tesa)
 
 TARGETS = ("cpu", "cuda")
-
-
-def attach_tesa(graph: Graph, initial_tesa: Mapping | None) -> Graph:
-    """Attach user TeSAs by parameter or tensor name (TeSA, or a bool mask tensor)."""
-    if initial_tesa is None:
-        return graph
-    if not isinstance(initial_tesa, Mapping):
-        raise TeSAError(f"initial_tesa must be a mapping of parameter or tensor names to TeSAs (a dict), "
-                        f"got {type(initial_tesa).__name__}")
-    known = graph.tensor_names() + list(graph.meta.get("aliases", {}))
-    for name, tesa in initial_tesa.items():
-        if not isinstance(name, str):
-            raise TeSAError(f"initial_tesa keys must be parameter or tensor names (str), got {name!r}")
-        try:
-            graph.resolve(name)
-        except GraphError:
-            close = [k for k in known if k.startswith(name + ".")][:3] or difflib.get_close_matches(name, known, n=3)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise TeSAError(f"TeSA given for unknown parameter or tensor {name!r}{hint}") from None
-        if isinstance(tesa, torch.Tensor) and tesa.dtype == torch.bool:
-            tesa = TeSA.from_mask(tesa, name=name)
-        elif isinstance(tesa, torch.Tensor) and not tesa.is_floating_point():
-            raise TeSAError(f"TeSA for {name!r}: an integer tensor is ambiguous; pass TeSA.from_bits(bits) for bit "
-                            "widths or a bool mask (mask.bool()) for kept elements")
-        if not isinstance(tesa, TeSA):
-            raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA or a bool mask tensor, "
-                            f"got {type(tesa).__name__}{' of ' + str(tesa.dtype) if isinstance(tesa, torch.Tensor) else ''}")
-        graph.set_tesa(name, graph.tesa(name).meet(tesa.check_shape(graph.tesa(name).shape, name)))
-    return graph
 
 
 def compile(model, initial_tesa: Mapping | None = None, example_inputs=(), *, example_kwargs=None,

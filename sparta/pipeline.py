@@ -8,14 +8,18 @@ specialisation come from :data:`CODEGEN`, a table by target name.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SpartaError
+import torch
+
+from .errors import GraphError, SpartaError, TeSAError
 from .graph import Graph
+from .tesa import TeSA
 
 
 @dataclass
@@ -84,11 +88,39 @@ def capture(ctx: CompileContext) -> None:
 
 
 def attach(ctx: CompileContext) -> None:
-    from .compiler import attach_tesa
     from .frontend.prune_masks import attach_masks
     attach_masks(ctx.graph, ctx.found_masks, ctx.options.initial_tesa)
     attach_tesa(ctx.graph, ctx.options.initial_tesa)
     ctx.source = ctx.graph.copy()
+
+
+def attach_tesa(graph: Graph, initial_tesa: Mapping | None) -> Graph:
+    """Attach user TeSAs by parameter or tensor name (TeSA, or a bool mask tensor)."""
+    if initial_tesa is None:
+        return graph
+    if not isinstance(initial_tesa, Mapping):
+        raise TeSAError(f"initial_tesa must be a mapping of parameter or tensor names to TeSAs (a dict), "
+                        f"got {type(initial_tesa).__name__}")
+    known = graph.tensor_names() + list(graph.meta.get("aliases", {}))
+    for name, tesa in initial_tesa.items():
+        if not isinstance(name, str):
+            raise TeSAError(f"initial_tesa keys must be parameter or tensor names (str), got {name!r}")
+        try:
+            graph.resolve(name)
+        except GraphError:
+            close = [k for k in known if k.startswith(name + ".")][:3] or difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise TeSAError(f"TeSA given for unknown parameter or tensor {name!r}{hint}") from None
+        if isinstance(tesa, torch.Tensor) and tesa.dtype == torch.bool:
+            tesa = TeSA.from_mask(tesa, name=name)
+        elif isinstance(tesa, torch.Tensor) and not tesa.is_floating_point():
+            raise TeSAError(f"TeSA for {name!r}: an integer tensor is ambiguous; pass TeSA.from_bits(bits) for bit "
+                            "widths or a bool mask (mask.bool()) for kept elements")
+        if not isinstance(tesa, TeSA):
+            raise TeSAError(f"TeSA for {name!r}: expected a sparta.TeSA or a bool mask tensor, "
+                            f"got {type(tesa).__name__}{' of ' + str(tesa.dtype) if isinstance(tesa, torch.Tensor) else ''}")
+        graph.set_tesa(name, graph.tesa(name).meet(tesa.check_shape(graph.tesa(name).shape, name)))
+    return graph
 
 
 def simplify(ctx: CompileContext) -> None:
@@ -257,5 +289,5 @@ def load_compile_target(name: str, profile):
         raise SpartaError(f"profile {profile!r}: {exc}") from None
 
 
-__all__ = ["CODEGEN", "CompileContext", "CompileOptions", "PASSES", "PASSES_BY_NAME", "Pass", "run_passes",
+__all__ = ["attach_tesa", "CODEGEN", "CompileContext", "CompileOptions", "PASSES", "PASSES_BY_NAME", "Pass", "run_passes",
            "load_compile_target"]

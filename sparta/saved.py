@@ -286,4 +286,4 @@ def _kernel_folder(root: Path, key: str) -> Path:
     return folder
 
 
-__all__ = ["save", "load", "read_manifest", "SavedModelError", "MODULE_TYPES"]
+__all__ = ["save", "read", "read_manifest", "SavedModelError", "MODULE_TYPES"]
