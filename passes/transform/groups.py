@@ -103,15 +103,17 @@ def _epilogues(graph: Graph, plan: Plan, target: str) -> list[FusionGroup]:
             groups.append(FusionGroup("epilogue", p.op, [o.name for o in unit.ops]))
             continue
         act = fused_activation(graph, op, p)
-        if act is not None and not (target == "cpu" and len(p.subops) == 1 and _other_bias(graph, op, p)):
+        if act is not None and (target != "cpu" or _cpu_fuses(graph, op, p)):
             groups.append(FusionGroup("epilogue", p.op, [act.name]))
     return groups
 
 
-def _other_bias(graph: Graph, op: Op, p) -> bool:
-    """A CPU GEMM whose bias is not one per output channel (an addmm's full addend): the activation stays torch's."""
+def _cpu_fuses(graph: Graph, op: Op, p) -> bool:
+    """Whether the CPU kernels apply the activation: one sub-operator with a bias per output channel (or none) in
+    its epilogue, several after their sum; none where every weight is pruned (no sub-operator)."""
     name = gemm_bias(op)
-    return name is not None and graph.tensor(name).shape != (p.gemm[1],)
+    other = name is not None and graph.tensor(name).shape != (p.gemm[1],)     # an addmm's full addend
+    return len(p.subops) > 1 or (len(p.subops) == 1 and not other)
 
 
 def _codes(graph: Graph, plan: Plan, groups: list[FusionGroup], target) -> list[FusionGroup]:
