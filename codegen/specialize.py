@@ -8,7 +8,6 @@ the module.
 
 from __future__ import annotations
 
-import time
 
 from ..backend.fx import Passthrough
 from ..errors import CodegenError
@@ -41,9 +40,3 @@ def specialize(graph: Graph, plan: Plan, target="cpu"):
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report += rows
     return replacements, report
-
-
-def timed_specialize(graph: Graph, plan: Plan, target: str):
-    t0 = time.perf_counter()
-    replacements, report = specialize(graph, plan, target)
-    return replacements, report, time.perf_counter() - t0

@@ -42,10 +42,6 @@ def refine(t: TeSA, keep: torch.Tensor | None = None, bits: torch.Tensor | None 
     return TeSA(new.contiguous(), _trusted=True)
 
 
-def prune_all(t: TeSA) -> TeSA:
-    return t if t.uniform == 0 else TeSA.pruned(t.shape)
-
-
 def any_to_shape(mask: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Reduce a broadcast result back to an operand's ``shape`` with logical OR."""
     if tuple(mask.shape) == tuple(shape):

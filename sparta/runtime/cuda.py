@@ -323,8 +323,3 @@ class PreparedLaunch:
             return
         _check(self.driver.cuLaunchKernel(self.fn, *self.grid, *self.block, self.shared, stream,
                                           ctypes.addressof(self.params), 0), f"launching {self.kernel.name!r}")
-
-
-def argument_order(folder) -> list[str]:
-    """The launch order of a kernel's tensor arguments (as in launch.json; size arguments left out)."""
-    return [a["name"] for a in check_launch(folder)["args"] if not a.get("scalar")]
