@@ -1,7 +1,7 @@
 """RMSNorm (the norm family's ``kind="rms"``) against copy bandwidth and torch, in one process.
 
-    python benchmarks/bench_cuda_rmsnorm.py --build      # here (TVM + nvcc): artifacts/rmsnorm/
-    python benchmarks/bench_cuda_rmsnorm.py              # on the GPU machine (torch + cuda-bindings)
+    python benchmarks/bench_cuda_rmsnorm.py --build [DIR]               # here (TVM + nvcc); DIR: artifacts/rmsnorm/
+    python benchmarks/bench_cuda_rmsnorm.py [--dir DIR] [--out FILE]    # on the GPU machine (torch + cuda-bindings)
 
 At 4096 rows x 4096 (a 7B decoder's width, a 4096-token prefill), bf16 and fp16, kernel time from CUDA graphs over
 enough input sets to defeat L2: ``sparta_rms`` (reads x, writes y) against the copy of as many bytes (its floor) and
@@ -41,9 +41,9 @@ def specs() -> dict:
     return out
 
 
-def build(jobs: int) -> None:
+def build(folder: Path, jobs: int) -> None:
     from sparta.codegen.cuda_build import build_folders
-    build_folders(specs(), OUT, jobs, log=lambda line: print(line, flush=True))
+    build_folders(specs(), folder, jobs, log=lambda line: print(line, flush=True))
 
 
 def hf_rms(h, w):
@@ -52,7 +52,7 @@ def hf_rms(h, w):
     return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
 
 
-def bench(tag: str) -> dict:
+def bench(tag: str, root: Path) -> dict:
     from sparta.templates.norm.runtime import LayerNormOp
     from sparta.templates.norm.spec import LayerNormSpec, rms_norm_ref
     dtype = DTYPES[tag][1]
@@ -62,7 +62,7 @@ def bench(tag: str) -> dict:
     w = (torch.rand(N, device="cuda") + 0.5).to(dtype)
     ops = {}
     for kind in ("rms", "rms_res"):
-        folder = OUT / f"{kind}_{tag}"
+        folder = root / f"{kind}_{tag}"
         ops[kind] = LayerNormOp(folder, LayerNormSpec(**json.loads((folder / "spec.json").read_text())), w)
     y = ops["rms"](xs[0])
     y2, h2 = ops["rms_res"](xs[0], rs[0])
@@ -97,17 +97,22 @@ def bench(tag: str) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--build", action="store_true", help="build the kernels (TVM + nvcc) instead of timing them")
+    ap.add_argument("--build", nargs="?", const=str(OUT), metavar="DIR",
+                    help=f"build the kernels (TVM + nvcc) into DIR (default {OUT}) instead of timing them")
+    ap.add_argument("--dir", default=str(OUT), help="the built kernels' folder, when timing")
+    ap.add_argument("--out", metavar="FILE", help="also write the results JSON to FILE")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
     if args.build:
-        build(args.jobs)
+        build(Path(args.build), args.jobs)
         return
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
-    rows = [bench(tag) for tag in DTYPES]
+    rows = [bench(tag, Path(args.dir)) for tag in DTYPES]
     for r in rows:
         print(json.dumps(r), flush=True)
     print(f"wrote {save('rmsnorm', {'rows': rows})}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
