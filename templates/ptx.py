@@ -111,9 +111,6 @@ def _dequant_word_bf16(scaled: bool):
 
 # 16-bit activations: the kernels move fp16 and bf16 alike as 16-bit lanes (TIR buffers of "float16"); a bf16 kernel
 # reads and writes bf16 bits through these conversions (exact widening, round-to-nearest-even narrowing).
-ACT16 = ("float16", "bfloat16")
-
-
 def to_f32(h, act: str):
     """TIR: fp32 of the 16-bit lane ``h`` holding an ``act`` value (bf16: its bits are fp32's upper half)."""
     from tvm.script import tirx as T

@@ -96,7 +96,3 @@ class BsrGemvSpec:
         if not self.gate:
             del d["gate"]
         return d
-
-
-def argument_names(spec: BsrGemvSpec) -> list[str]:
-    return ["X", "Wp", *(["B"] if spec.bias else []), "Tab", "Y"]

@@ -50,10 +50,6 @@ def pick_threads(k: int) -> int:
     return threads
 
 
-def argument_names(spec: QuantRowsSpec) -> list[str]:
-    return ["X", "XQ", "XS"]
-
-
 def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row codes and fp32 scales over the last dimension (activations per token; weights per
     channel): scale = max|x| · (1/top) in fp32, code = round(x / scale) clamped to ±top, top = 2^(bits-1) - 1.
