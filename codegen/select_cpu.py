@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..graph import Graph, Op
 from ..passes.transform.groups import fuse
-from ..passes.transform.plan import OpPlan, Plan
+from ..passes.transform.plan import KernelChoice, OpPlan, Plan
 from ..passes.transform.transform_op import gemm_bias, gemm_view
 from ..target import Target
 from ..templates.registry import epilogue_of, rules
@@ -41,6 +41,20 @@ def cpu_site(graph: Graph, op: Op, op_plan: OpPlan) -> CpuSite:
     return CpuSite(op, op_plan, bits, dense, vector_bias, view[3] if view else 0, graph.any_rows)
 
 
+CPU_FORMATS = ("int4", "int8", "fp32")     # the number formats (sparta.formats) some CPU kernel family runs
+
+
+def not_a_format_we_run(op_plan: OpPlan) -> KernelChoice | None:
+    """A format no CPU kernel runs (fp8 or nf4 from a profile listing them, ...): torch, saying why; never another
+    format instead."""
+    for role, fmt in ((r, f) for s in op_plan.subops for r, f in (("weights", s.weight_format),
+                                                                   ("activations", s.act_format))):
+        if fmt not in CPU_FORMATS:
+            return KernelChoice("torch", "not_a_format_we_run", f"{fmt} {role}: no sparta CPU kernel for {fmt} yet; "
+                                "runs as a torch op at the model's dtype", "float32")
+    return None
+
+
 def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
     """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``) and of the attention ops
     ``select_attention`` takes, in place; returns the plan."""
@@ -48,7 +62,8 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         if op_plan.kind != "sparse":
             continue
         site = cpu_site(graph, graph.op(op_plan.op), op_plan)
-        op_plan.kernel = next(c for rule in rules("gemm_cpu") if (c := rule(site, target)) is not None)
+        op_plan.kernel = not_a_format_we_run(op_plan) or \
+            next(c for rule in rules("gemm_cpu") if (c := rule(site, target)) is not None)
         fuses = epilogue_of(op_plan.kernel.kernel)
         if fuses is not None:          # the rest of the planned epilogue runs as torch ops after the kernel
             op_plan.epilogue = [e for e in op_plan.epilogue if e in fuses]
@@ -56,4 +71,4 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
     return select_attention(graph, plan)
 
 
-__all__ = ["CpuSite", "select_kernels", "cpu_site"]
+__all__ = ["CPU_FORMATS", "CpuSite", "cpu_site", "not_a_format_we_run", "select_kernels"]

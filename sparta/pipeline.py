@@ -1,8 +1,9 @@
 """``sparta.compile`` as a flat list of passes over one typed context.
 
 Each :class:`Pass` is a function ``(ctx) -> None`` that reads and writes fields of the :class:`CompileContext`; it
-declares the targets it runs for and the ``timings`` key it is timed under. :data:`PASSES` is the pipeline in order;
-a pass can be run alone on a context (``PASSES_BY_NAME["simplify"].run(ctx)``). The per-target selection and
+declares the targets it runs for, the option it runs under, and is timed into ``ctx.timings`` under its name (or the
+key it declares). :data:`PASSES` is the pipeline in order; a pass can be run alone on a context
+(``run_pass(ctx, "simplify")``, or untimed ``PASSES_BY_NAME["simplify"].run(ctx)``). The per-target selection and
 specialisation come from :data:`CODEGEN`, a table by target name.
 """
 
@@ -62,10 +63,20 @@ class CompileContext:
 
 @dataclass(frozen=True)
 class Pass:
+    """One pass: ``run(ctx)`` for ``targets`` where ``when(options)`` holds, timed under ``timed``."""
+
     name: str
     run: Callable[[CompileContext], None]
     targets: tuple[str, ...] = ("cpu", "cuda")
-    timed: str = ""                         # the timings key ("": the pass times itself or is not timed)
+    timed: str | None = None                # the timings key: None → the name; "" → the pass times its own steps
+    when: Callable[[CompileOptions], bool] | None = None     # the option it runs under (None: always)
+
+    @property
+    def key(self) -> str:
+        return self.name if self.timed is None else self.timed
+
+    def applies(self, options: CompileOptions) -> bool:
+        return options.target in self.targets and (self.when is None or bool(self.when(options)))
 
 
 CODEGEN = {  # target → (selection, specialisation): "module:function" in sparta.codegen
@@ -201,10 +212,10 @@ def choose_formats(ctx: CompileContext) -> None:
 
 
 def pin_dismantle(ctx: CompileContext) -> None:
-    if ctx.options.dismantle is not None:
-        for op_plan in list(ctx.plan.ops.values()):
-            if op_plan.kind == "sparse":
-                ctx.plan.pin(op_plan.op, dismantle=ctx.options.dismantle)
+    """``compile(dismantle=...)`` pinned on every sparse op's plan."""
+    for op_plan in list(ctx.plan.ops.values()):
+        if op_plan.kind == "sparse":
+            ctx.plan.pin(op_plan.op, dismantle=ctx.options.dismantle)
 
 
 def select(ctx: CompileContext) -> None:
@@ -230,47 +241,53 @@ def build_model(ctx: CompileContext) -> None:
 
 
 def measure(ctx: CompileContext) -> None:
-    if ctx.options.measure:
-        from .dense_fallback import measure_and_fall_back
-        measure_and_fall_back(ctx.compiled)
+    """Sparse ops measured slower than dense run dense (``compile(measure=True)``)."""
+    from .dense_fallback import measure_and_fall_back
+    measure_and_fall_back(ctx.compiled)
 
 
 def verify(ctx: CompileContext) -> None:
-    if ctx.options.verify:
-        ctx.compiled.verify()
+    ctx.compiled.verify()
 
 
 PASSES = (
-    Pass("capture", capture, timed="capture"),
+    Pass("capture", capture),
     Pass("attach_tesa", attach),
     Pass("simplify", simplify),
     Pass("fuse_siblings", fuse_siblings, targets=("cuda",)),
     Pass("plan_tokens", plan_tokens),
     Pass("target", choose_target),
-    Pass("propagate_and_plan", propagate_and_plan),
+    Pass("propagate_and_plan", propagate_and_plan, timed=""),   # propagate, calibrate, transform or plan_cache
     Pass("formats", choose_formats),
-    Pass("dismantle", pin_dismantle),
-    Pass("select", select, timed="select"),
+    Pass("dismantle", pin_dismantle, when=lambda o: o.dismantle is not None),
+    Pass("select", select),
     Pass("specialize", specialize, timed="codegen"),
     Pass("attention", attention),
     Pass("build", build_model),
-    Pass("measure", measure, timed="measure"),
-    Pass("verify", verify),
+    Pass("measure", measure, when=lambda o: o.measure),
+    Pass("verify", verify, when=lambda o: o.verify),
 )
 PASSES_BY_NAME = {p.name: p for p in PASSES}
 
 
+def run_pass(ctx: CompileContext, p: Pass | str) -> CompileContext:
+    """Run one pass (a :class:`Pass` or its name) on ``ctx`` if it applies, timed into ``ctx.timings``."""
+    p = PASSES_BY_NAME[p] if isinstance(p, str) else p
+    if not p.applies(ctx.options):
+        return ctx
+    t0 = time.perf_counter()
+    p.run(ctx)
+    if p.key:
+        ctx.timings[p.key] = time.perf_counter() - t0
+        if ctx.compiled is not None:            # a pass after the model exists: its timings too
+            ctx.compiled.timings[p.key] = ctx.timings[p.key]
+    return ctx
+
+
 def run_passes(ctx: CompileContext, passes=PASSES) -> CompileContext:
-    """Run ``passes`` in order on ``ctx`` (each for its targets), timing those that declare a key."""
+    """Run ``passes`` (default: the pipeline) in order on ``ctx``."""
     for p in passes:
-        if ctx.options.target not in p.targets:
-            continue
-        t0 = time.perf_counter()
-        p.run(ctx)
-        if p.timed and (p.name != "measure" or ctx.options.measure):
-            ctx.timings[p.timed] = time.perf_counter() - t0
-            if ctx.compiled is not None:        # a pass after the model exists: its timings too
-                ctx.compiled.timings[p.timed] = ctx.timings[p.timed]
+        run_pass(ctx, p)
     return ctx
 
 
@@ -278,16 +295,15 @@ def load_compile_target(name: str, profile):
     """The Target ``compile`` plans for: ``name``'s, its cost model replaced by ``profile`` if given; on the CPU
     without one, this machine's (``codegen.profile.host_profile``: measured here on first use where the shipped
     profile is another CPU's)."""
-    from .passes.transform.profile import load_profile
     from .target import load_target
     if profile is None and name == "cpu":
         from .codegen.profile import host_profile
         profile = host_profile()
     try:
-        return load_target(name, load_profile(profile) if profile is not None else None)
+        return load_target(name, profile)      # a profile JSON path: its formats too
     except (SpartaError, OSError, ValueError) as exc:       # a missing file, bad JSON, an invalid profile
         raise SpartaError(f"profile {profile!r}: {exc}") from None
 
 
-__all__ = ["attach_tesa", "CODEGEN", "CompileContext", "CompileOptions", "PASSES", "PASSES_BY_NAME", "Pass", "run_passes",
-           "load_compile_target"]
+__all__ = ["attach_tesa", "CODEGEN", "CompileContext", "CompileOptions", "PASSES", "PASSES_BY_NAME", "Pass", "run_pass",
+           "run_passes", "load_compile_target"]

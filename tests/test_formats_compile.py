@@ -90,3 +90,21 @@ def test_linears_stacked_as_one_take_one_format_and_names_must_be_planned_weight
         sparta.compile(model, tesa, (x,), target="cuda", dynamic=False, formats={"q.weight": "fp8_e4m3"})
     with pytest.raises(SpartaError, match=r"'q.bias' is not the weight of a GEMM"):
         sparta.compile(model, tesa, (x,), target="cpu", dynamic=False, formats={"q.bias": "int8"})
+
+
+def test_fp8_on_a_cpu_profile_that_lists_it_runs_as_torch_with_the_reason(tmp_path):
+    """A CPU profile may list fp8 (a device that runs it); no sparta CPU kernel does: torch, never int8 instead."""
+    from importlib import resources
+    data = json.loads(resources.files("sparta.passes.profiles").joinpath("cpu.json").read_text())
+    data["formats"] = {"weight": data["formats"]["weight"] + ["fp8_e4m3"], "act": data["formats"]["act"]}
+    path = tmp_path / "cpu_fp8.json"
+    path.write_text(json.dumps(data))
+    model, tesa, x = _model()
+    compiled = sparta.compile(model, tesa, (x,), target="cpu", dynamic=False, profile=str(path),
+                              formats={"0.weight": "fp8_e4m3"})
+    fc1, fc2 = compiled.plan["linear"], compiled.plan["linear_1"]
+    assert {s.weight_format for s in fc1.subops} == {"fp8_e4m3"}
+    assert (fc1.kernel.kernel, fc1.kernel.rule) == ("torch", "not_a_format_we_run")
+    assert fc2.kernel is None or fc2.kernel.kernel != "torch"
+    assert "fp8_e4m3 weights: no sparta CPU kernel for fp8_e4m3 yet" in compiled.plan.report()
+    assert torch.isfinite(compiled(x)).all()
