@@ -1,11 +1,11 @@
 """sparta's norm kernels (``templates/norm/``: LayerNorm, RMSNorm) from torch, without TVM.
 
 ``LayerNormOp(folder, spec, weight, bias)(x)`` normalises a contiguous fp16 ``(M, N)`` tensor and returns
-what the kernel was built to emit, in this order: ``y`` (unless ``out="int8"``), ``h = x + residual`` (``residual_out``),
-``xq, xs`` (per-token int8 codes and fp32 scales, what the W8A8 linears read). :class:`LayerNormCUDA` is the graph module
-``compile(target="cuda")`` puts in place of a ``layer_norm`` op whose output feeds W8A8 linears:
-it hands them the quantised activations (graph tensors ``<out>:int8`` and ``<out>:scale``) so
-they skip their own quantisation pass, and gives the fp16 output to every other reader.
+what the kernel was built to emit, in this order: ``y`` (unless ``out="int8"``), ``h = x + residual``
+(``residual_out``), ``xq, xs`` (per-token int8 codes and fp32 scales, what the W8A8 linears read).
+:class:`LayerNormCUDA` is the graph module ``compile(target="cuda")`` puts in place of a ``layer_norm`` op whose
+output feeds W8A8 linears: it hands them the quantised activations (graph tensors ``<out>:int8`` and ``<out>:scale``)
+so they skip their own quantisation pass, and gives the fp16 output to every other reader.
 """
 
 from __future__ import annotations

@@ -75,3 +75,15 @@ def test_the_module_returns_the_sum_after_the_output_and_fakes_its_shapes(tmp_pa
     assert [t.dtype for t in fake] == [torch.float16, torch.float16, torch.int8, torch.float32]
     again = LayerNormCUDA.from_saved(*module.saved_state()[:2], {tmp_path.name: tmp_path})
     assert again.spec == spec and again.output_names == module.output_names
+
+
+def test_a_layer_norm_saved_before_the_rms_fields_still_loads(tmp_path):
+    spec = LayerNormSpec(0, 64, out="both", residual=True)
+    old = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("kind", "residual_out")}
+    (tmp_path / "spec.json").write_text(json.dumps(old))
+    module = LayerNormCUDA("n", "x", ["y", "y:int8", "y:scale"], tmp_path, spec, torch.ones(64), torch.zeros(64),
+                           (3, 64), "r")
+    config, tensors, _ = module.saved_state()
+    config["spec"] = old
+    again = LayerNormCUDA.from_saved(config, tensors, {tmp_path.name: tmp_path})
+    assert again.spec == spec and again.spec.kind == "layer" and not again.spec.residual_out
