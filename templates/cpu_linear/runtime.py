@@ -103,10 +103,6 @@ class SparseLinearCPU(KernelModule):
         self.int8_activations = any(getattr(s.spec, "int8_activations", False) for s in subs)
         self.register_kernel(op_name)
 
-    @property
-    def packed_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.subs for t in s.packed.values())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.k)
         if x2.dtype != torch.float32:

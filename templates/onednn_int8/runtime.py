@@ -84,10 +84,6 @@ class Int8LinearCPU(KernelModule):
         self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
         self.register_kernel(op_name)
 
-    @property
-    def packed_bytes(self) -> int:
-        return self.codes.numel() + 4 * self.n
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(math.prod(x.shape[:-1]), self.k)
         q, s = quantize_rows(x2)
