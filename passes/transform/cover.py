@@ -33,9 +33,6 @@ class ShapeCover:
     def n_blocks(self) -> int:
         return int(torch.count_nonzero(self.blocks))
 
-    def block_list(self) -> list[tuple[int, int]]:
-        return [tuple(ij) for ij in torch.nonzero(self.blocks).tolist()]
-
 
 ROUNDS = 32  # vectorised greedy rounds before the heap takes over (each costs one pass per shape)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...errors import CodegenError
+from ...errors import CodegenError, PlanError
 from ...graph import Graph, Op
 from ..fusion import fused_activation, fused_gate
 from .plan import Plan
@@ -43,6 +43,11 @@ class FusionGroup:
     scale: float | None = None
     out: str = ""                  # norm: what it writes, "fp16" | "int8" | "both"
     tiles: dict = field(default_factory=dict)   # codes: the code-writing kernel's tiling where it differs
+
+    def __post_init__(self):
+        if self.kind not in GROUP_KINDS:
+            raise PlanError(f"fusion group of {self.anchor!r}: unknown kind {self.kind!r}; expected one of "
+                            f"{GROUP_KINDS}")
 
     def describe(self) -> str:
         if self.kind == "epilogue":

@@ -39,6 +39,10 @@ def test_fusion_groups_round_trip_the_plan_json_and_unknown_fields_are_refused()
     data["fusions"][0]["bogus"] = 1
     with pytest.raises(sparta.SpartaError, match="bogus"):
         Plan.from_json(data)
+    data["fusions"][0].pop("bogus")
+    data["fusions"][0]["kind"] = "mystery"
+    with pytest.raises(sparta.SpartaError, match="unknown kind 'mystery'"):
+        Plan.from_json(data)
 
 
 def test_a_build_that_fuses_other_than_the_plan_says_is_refused():
