@@ -1,5 +1,6 @@
 """Fusion as a pass over the plan: after kernel selection, which ops a kernel computes besides its own, as typed
-groups on the plan (``Plan.fusions``) that the plan report shows and codegen, profiling and the dense fallback read.
+groups on the plan (``Plan.fusions``, :class:`~sparta.passes.transform.plan.FusionGroup`) that the plan report shows
+and codegen, profiling and the dense fallback read.
 
 Three kinds of :class:`FusionGroup`:
 
@@ -16,51 +17,17 @@ only once the GEMMs' kernels are).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ...errors import CodegenError, PlanError
+from ...errors import CodegenError
 from ...graph import Graph, Op
 from ..fusion import fused_activation, fused_gate
-from .plan import Plan
-from .transform_op import gemm_bias, gemm_view
+from ..gemm import gemm_bias, gemm_view
+from .plan import GROUP_KINDS, FusionGroup, Plan  # noqa: F401  (FusionGroup: the plan's, built here)
 
-GROUP_KINDS = ("epilogue", "norm", "codes")
 NORM_OPS = ("layer_norm",)
-
-
-@dataclass
-class FusionGroup:
-    """Ops one kernel computes: ``anchor``'s kernel also computes ``ops`` and/or hands ``readers`` the int8 codes of
-    ``tensor`` (at the static ``scale``, or per token where None)."""
-
-    kind: str
-    anchor: str
-    ops: list[str] = field(default_factory=list)
-    tensor: str = ""
-    readers: list[str] = field(default_factory=list)
-    scale: float | None = None
-    out: str = ""                  # norm: what it writes, "fp16" | "int8" | "both"
-    tiles: dict = field(default_factory=dict)   # codes: the code-writing kernel's tiling where it differs
-
-    def __post_init__(self):
-        if self.kind not in GROUP_KINDS:
-            raise PlanError(f"fusion group of {self.anchor!r}: unknown kind {self.kind!r}; expected one of "
-                            f"{GROUP_KINDS}")
-
-    def describe(self) -> str:
-        if self.kind == "epilogue":
-            return f"{self.anchor} computes {', '.join(self.ops)} in its epilogue"
-        parts = [f"adds the residual ({', '.join(self.ops)})"] if self.ops else []
-        if self.readers:
-            at = f"at static scale {self.scale:.3g}" if self.scale is not None else "per token"
-            sched = " (ping-pong kernel)" if self.tiles.get("pingpong") else ""
-            parts.append(f"writes int8 codes of {self.tensor} {at} for {', '.join(self.readers)}{sched}")
-        return f"{self.anchor} " + "; ".join(parts or ["runs sparta's kernel"])
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass

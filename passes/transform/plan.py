@@ -157,13 +157,50 @@ class OpPlan:
         return dataclasses.replace(self, **fields)
 
 
+GROUP_KINDS = ("epilogue", "norm", "codes")
+
+
+@dataclass
+class FusionGroup:
+    """Ops one kernel computes: ``anchor``'s kernel also computes ``ops`` and/or hands ``readers`` the int8 codes of
+    ``tensor`` (at the static ``scale``, or per token where None)."""
+
+    kind: str
+    anchor: str
+    ops: list[str] = field(default_factory=list)
+    tensor: str = ""
+    readers: list[str] = field(default_factory=list)
+    scale: float | None = None
+    out: str = ""                  # norm: what it writes, "fp16" | "int8" | "both"
+    tiles: dict = field(default_factory=dict)   # codes: the code-writing kernel's tiling where it differs
+
+    def __post_init__(self):
+        if self.kind not in GROUP_KINDS:
+            raise PlanError(f"fusion group of {self.anchor!r}: unknown kind {self.kind!r}; expected one of "
+                            f"{GROUP_KINDS}")
+
+    def describe(self) -> str:
+        if self.kind == "epilogue":
+            return f"{self.anchor} computes {', '.join(self.ops)} in its epilogue"
+        parts = [f"adds the residual ({', '.join(self.ops)})"] if self.ops else []
+        if self.readers:
+            at = f"at static scale {self.scale:.3g}" if self.scale is not None else "per token"
+            sched = " (ping-pong kernel)" if self.tiles.get("pingpong") else ""
+            parts.append(f"writes int8 codes of {self.tensor} {at} for {', '.join(self.readers)}{sched}")
+        return f"{self.anchor} " + "; ".join(parts or ["runs sparta's kernel"])
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+
 @dataclass
 class Plan:
     target: str
     profile: dict[str, Any]
     ops: dict[str, OpPlan] = field(default_factory=dict)
     static_scales: dict[str, float] = field(default_factory=dict)   # int8 activations at one calibrated scale
-    fusions: list = field(default_factory=list)    # FusionGroups: what each kernel computes of its neighbours (groups.py)
+    fusions: list = field(default_factory=list)    # FusionGroups: what each kernel computes of its neighbours
 
     def __getitem__(self, op_name: str) -> OpPlan:
         if op_name not in self.ops:
@@ -216,7 +253,6 @@ class Plan:
         try:
             ops = {name: _op_from_json(d) for name, d in data.get("ops", {}).items()}
             scales = {str(t): float(s) for t, s in data.get("static_scales", {}).items()}
-            from .groups import FusionGroup
             fusions = []
             for g in data.get("fusions", []):
                 _check_fields(FusionGroup, g, "fusion group")
