@@ -60,12 +60,12 @@ class Rule:
     table: str
     order: int
     fn: Callable
-    family: str
 
 
 _FAMILIES: dict[str, KernelFamily] = {}
 _RULES: list[Rule] = []
 _loaded = False
+_rules_loaded = False
 
 
 def register(family: KernelFamily, package: str) -> KernelFamily:
@@ -81,9 +81,8 @@ def register(family: KernelFamily, package: str) -> KernelFamily:
 def rule(table: str, order: int):
     """Decorator: contribute ``fn`` to the rule table ``table`` at ``order`` (lower runs first)."""
     def add(fn):
-        family = fn.__module__.split(".")[2] if fn.__module__.startswith("sparta.templates.") else fn.__module__
         if not any(r.fn is fn for r in _RULES):
-            _RULES.append(Rule(table, order, fn, family))
+            _RULES.append(Rule(table, order, fn))
         return fn
     return add
 
@@ -113,14 +112,18 @@ def family(name: str) -> KernelFamily:
 
 
 def rules(table: str) -> tuple[Callable, ...]:
-    """The rule table ``table``: every family's rules for it, by order. Imports each family's ``select`` module."""
+    """The rule table ``table``: every family's rules for it, by order (each family's ``select`` module imported
+    on the first call)."""
+    global _rules_loaded
     _load()
-    for f in _FAMILIES.values():
-        try:
-            importlib.import_module(".select", f.package)
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{f.package}.select":
-                raise
+    if not _rules_loaded:
+        for f in _FAMILIES.values():
+            try:
+                importlib.import_module(".select", f.package)
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{f.package}.select":
+                    raise
+        _rules_loaded = True
     return tuple(r.fn for r in sorted((r for r in _RULES if r.table == table), key=lambda r: r.order))
 
 
