@@ -13,11 +13,9 @@ Runs on a machine with TVM and nvcc and no GPU: kernels are cross-compiled (cubi
 from __future__ import annotations
 
 import dataclasses
-import math
 
 
 from ..backend.fx import Fused, Passthrough
-from ..errors import CodegenError
 from ..graph import Graph
 from ..passes.fusion import GatedUnit
 from ..passes.transform.groups import NORM_OPS, check_epilogue
@@ -115,11 +113,7 @@ def _norms(graph: Graph, plan: Plan, replacements: dict) -> list[dict]:
             continue
         group = next(g for g in plan.fusions if g.kind == "norm" and g.anchor == op.name)
         add = graph.op(group.ops[0]) if group.ops else None
-        x = graph.tensor(op.input_of("input"))
-        built = build_norm(graph, op, group.out, 0 if graph.any_rows else math.prod(x.shape[:-1]), add)
-        if isinstance(built, str):
-            raise CodegenError(f"norm {op.name!r}: the plan runs it on sparta's kernel, which refused it: {built}")
-        module, row = built
+        module, row = build_norm(graph, op, group.out, add)
         y = op.outputs[0]
         for r in group.readers:
             replacements[r].use_quantized_input(quantized_names(y), graph.tensor(graph.op(r).outputs[0]).dtype)
