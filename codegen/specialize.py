@@ -16,6 +16,7 @@ from ..passes.transform.groups import check_epilogue
 from ..passes.transform.plan import Plan
 from ..target import load_target
 from ..templates.registry import family
+from .cuda_bind import torch_row
 from .select_cpu import select_kernels
 
 
@@ -33,8 +34,7 @@ def specialize(graph: Graph, plan: Plan, target="cpu"):
             raise CodegenError(f"no kernels for target {target!r} yet (op {op_plan.op!r})")
         op = graph.op(op_plan.op)
         if op_plan.kernel is not None and op_plan.kernel.kernel == "torch":     # e.g. a format no CPU kernel runs
-            report.append({"op": op.name, "template": "torch", "blocks": "-", "bits": "-", "dismantle": "-",
-                           "build_s": 0.0, "cached": False, "code_bytes": 0, "key": op_plan.kernel.reason})
+            report.append(torch_row(op, "-", op_plan.kernel.reason))
             continue
         name = op_plan.kernel.kernel if op_plan.kernel is not None else "cpu_linear"
         module, rows, fused = family(name).builder()(graph, op, op_plan)
