@@ -193,7 +193,7 @@ class Simplified:
     stacked_linears: dict[str, list[str]] = field(default_factory=dict)
 
 
-FACTS = ("token_range", "propagation", "quantization", "simplified", "stacked_weights")
+FACTS = ("token_range", "propagation", "quantization", "simplified", "stacked_weights", "hf_model")
 
 
 class Graph:
@@ -214,6 +214,7 @@ class Graph:
         self.quantization = None                        # passes.quant.calibrate: QuantReport
         self.simplified = Simplified()                  # passes.simplify
         self.stacked_weights: dict[str, list] = {}      # simplify.fuse_sibling_linears: [[part, first, end], ...]
+        self.hf_model: dict | None = None               # frontend.hf.model_record: class and config (generate())
 
     def copy_facts(self, other: Graph) -> None:
         """Give ``other`` (a rewrite of this graph) this graph's capture metadata and pass facts."""

@@ -311,6 +311,8 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
         meta["token_range"] = dataclasses.asdict(graph.token_range)
     if graph.stacked_weights:
         meta["stacked_weights"] = graph.stacked_weights
+    if graph.hf_model is not None:
+        meta["hf_model"] = graph.hf_model
     for key in ("in_spec", "out_spec"):
         if graph.meta.get(key) is not None:
             with warnings.catch_warnings():  # torch's own dumps trips its LeafSpec deprecation
@@ -418,6 +420,8 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
                                                        for v in sources.values())):
                 raise GraphFormatError(f"malformed mask_sources {sources!r}")
             g.meta["mask_sources"] = {str(k): list(v) for k, v in sources.items()}
+        if meta.get("hf_model") is not None:
+            g.hf_model = _hf_record(meta["hf_model"])
         if "propagation" in meta:
             from .passes.propagate import PropagationReport
             g.propagation = PropagationReport.from_json(meta["propagation"])
@@ -427,6 +431,14 @@ def graph_from_json(data: dict, tensors: dict[str, torch.Tensor], prefix: str = 
     except (SpartaError, KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
         raise GraphFormatError(f"malformed saved graph: {type(exc).__name__}: {exc}") from exc
     return g
+
+
+def _hf_record(record) -> dict:
+    """A saved Hugging Face model record (``frontend.hf.model_record``), checked for shape: data, never code."""
+    if not (isinstance(record, dict) and isinstance(record.get("class"), str) and record["class"].isidentifier()
+            and isinstance(record.get("config"), dict) and isinstance(record.get("generative", False), bool)):
+        raise GraphFormatError(f"malformed hf_model record {str(record)[:200]!r}")
+    return record
 
 
 __all__ = ["graph_to_json", "graph_from_json", "encode", "decode", "target_name", "resolve_target", "refusal",

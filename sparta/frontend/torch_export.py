@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError
 from ..graph import Graph, Op, SymRef, TensorRef, Value, bind_call
 from ..tesa import TeSA, bits_of_dtype
+from .hf import cache_free, model_record
 
 A = torch.ops.aten
 
@@ -69,7 +70,7 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
     if isinstance(dynamic, dict):
         _check_dynamic_shapes(module, example_inputs, example_kwargs, dynamic)
     fixed = {}
-    with _eval_mode(module):
+    with _eval_mode(module), cache_free(module, example_kwargs):
         try:
             shapes = dynamic if isinstance(dynamic, dict) else \
                 _dynamic_shapes(module, example_inputs, example_kwargs) if dynamic else None
@@ -85,6 +86,7 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
         _refuse_mutation(ep, name)      # known only once decomposition has functionalised the graph
         _check_runs(module, example_inputs, example_kwargs, name)
     graph = _build(ep, name)
+    graph.hf_model = model_record(module)
     if fixed:
         graph.meta["fixed_dims"] = fixed      # what dynamic=True refuses (sparta/shapes.py)
     return graph
