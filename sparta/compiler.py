@@ -77,16 +77,20 @@ def _checked_formats(formats):
     return formats
 
 
-def load(path, trust_kernels: bool = False, inductor=None) -> CompiledModel:
+def load(path, trust_kernels: bool = False, inductor=None, weights=None) -> CompiledModel:
     """Load a model written by ``compiled.save(path)``; CUDA models need no TVM.
 
     A CPU model's kernels are rebuilt from their saved specs (TVM needed; a kernel this machine
     built before comes from the kernel cache). ``trust_kernels=True`` loads the compiled
     libraries in the folder instead: native code that runs in this process, so only for folders
     you trust as you would a Python package (it must be True or False). ``inductor`` as for :func:`compile`.
+    ``weights``: the checkpoint the weights come from (needed for a ``save(path, weights=False)`` folder; for a full
+    save it replaces the saved values, same masks): an ``nn.Module``, a state dict, a ``.safetensors`` file, a list
+    of them (a sharded checkpoint) or a folder of them. Each weight is taken by its state-dict name, checked (shape,
+    dtype, zero where its mask prunes) and packed as compile packs it (``docs/saved-models.md``).
     """
     from .saved import read
-    compiled = read(path, CompiledModel, trust_kernels)
+    compiled = read(path, CompiledModel, trust_kernels, weights)
     compiled.inductor = inductor
     return compiled
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import saved_folder
+from . import saved_folder, saved_weights
 from .codegen.cache import file_digest
 from .errors import ArgumentTypeError, SpartaError
 from .templates.registry import module_types
@@ -64,21 +64,24 @@ def _module_class(name: str):
         raise SavedModelError(f"kernel modules of type {name!r} need {exc.name!r}, which is not installed") from exc
 
 
-def save(compiled, path) -> Path:
+def save(compiled, path, weights: bool = True) -> Path:
     """Write ``compiled`` to the folder ``path``: a new or empty folder, or an earlier save there,
-    which is replaced atomically (any other content is refused, never deleted)."""
+    which is replaced atomically (any other content is refused, never deleted). ``weights=False``: a
+    kernels-only save, whose weights ``sparta.load(path, weights=checkpoint)`` takes from the user's checkpoint."""
+    if not isinstance(weights, bool):
+        raise ArgumentTypeError(f"weights must be True or False, got {weights!r}")
     dest = Path(os.path.abspath(path))
     saved_folder.recover(dest)
     saved_folder.clean(dest)
     saved_folder.check_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with saved_folder.TempFolder(dest) as tmp:
-        _write(compiled, tmp.path)
+        _write(compiled, tmp.path, weights)
         tmp.publish()
     return Path(path)
 
 
-def _write(compiled, root: Path) -> None:
+def _write(compiled, root: Path, weights: bool = True) -> None:
     from safetensors.torch import save_file
 
     from . import __version__
@@ -108,6 +111,9 @@ def _write(compiled, root: Path) -> None:
             _copy_kernel(Path(folder), root / "kernels" / key)
         modules[op_name] = entry
     source = _source_json(compiled, tensors)
+    records = saved_weights.records(compiled, not weights, tensors)
+    if not weights:
+        saved_weights.strip(compiled, tensors, modules, records)
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(root / TENSORS))
     files = {p.relative_to(root).as_posix(): file_digest(p) for p in sorted(root.rglob("*")) if p.is_file()}
     kernels = [{k: v for k, v in row.items() if k != "artifact"} for row in compiled.kernels]
@@ -117,6 +123,7 @@ def _write(compiled, root: Path) -> None:
                 "kernels": kernels, "timings": compiled.timings, "modules": modules, "files": files}
     if source is not None:
         manifest["source"] = source
+    manifest["weights"] = records
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
@@ -168,9 +175,10 @@ def _copy_kernel(src: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def read(path, build, trust_kernels: bool = False):
+def read(path, build, trust_kernels: bool = False, weights=None):
     """The model written by ``compiled.save(path)``, made by ``build`` (the ``CompiledModel`` class) from the
-    folder's graph, plan, kernel modules and reports; ``sparta.load`` is the public entry."""
+    folder's graph, plan, kernel modules and reports; ``weights``: a checkpoint whose weights replace the saved
+    ones (``sparta.saved_weights``); ``sparta.load`` is the public entry."""
     if not isinstance(trust_kernels, bool):     # a truthy "no" must not load native code
         raise ArgumentTypeError(f"trust_kernels must be True or False, got {trust_kernels!r}: pass True only for "
                                 "a folder whose native code you trust")
@@ -178,14 +186,14 @@ def read(path, build, trust_kernels: bool = False):
     saved_folder.recover(Path(os.path.abspath(path)))
     manifest = read_manifest(root)
     try:
-        return _build(root, manifest, trust_kernels, build)
+        return _build(root, manifest, trust_kernels, build, weights)
     except SavedModelError:
         raise
     except _MALFORMED as exc:
         raise SavedModelError(f"saved model {root} is malformed: {type(exc).__name__}: {exc}") from exc
 
 
-def _build(root: Path, manifest: dict, trust_kernels: bool, build):
+def _build(root: Path, manifest: dict, trust_kernels: bool, build, weights=None):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -198,8 +206,18 @@ def _build(root: Path, manifest: dict, trust_kernels: bool, build):
     except SafetensorError as exc:
         raise SavedModelError(f"saved model {root}: {TENSORS} is not a valid safetensors file: {exc}") from exc
     check_tensors(manifest, tensors, root)
-    replacements = _load_modules(root, manifest, tensors, trust_kernels)
+    if weights is None and (manifest.get("weights") or {}).get("kernels_only"):
+        raise SavedModelError(f"saved model {root} holds kernels only, no weights: load it with "
+                              "sparta.load(path, weights=<your checkpoint>)")
+    if weights is not None:
+        saved_weights.fill(manifest, tensors, weights, root)
+    replacements = _load_modules(root, manifest, tensors, trust_kernels, repacking=weights is not None)
     graph = graph_from_json(manifest["graph"], tensors)
+    plan = Plan.from_json(manifest["plan"]) if manifest.get("plan") is not None else None
+    if weights is not None:
+        saved_weights.repack(graph, plan, replacements, manifest, root, tensors,
+                             lambda op_name, module, entry: _restore_weights(
+                                 root, op_name, module, entry, tensors, declared_values(manifest, root), graph))
     source = None
     if "source" in manifest:    # weights a kernel restored stand in for the originals it does not keep
         shared = {"source/" + n: tensors.get("graph/" + n) for n in manifest["source"]["shared"]}
@@ -216,15 +234,12 @@ def _build(root: Path, manifest: dict, trust_kernels: bool, build):
         source_tensors = {**shared, **{k: v for k, v in tensors.items() if k.startswith("source/")}}
         source_json = {k: v for k, v in manifest["source"].items() if k not in ("shared", "sliced")}
         source = graph_from_json(source_json, source_tensors, prefix="source/")
-    plan = Plan.from_json(manifest["plan"]) if manifest.get("plan") is not None else None
     kernels = [dict(row) for row in manifest.get("kernels", [])]
     return build(graph, target=manifest["target"], plan=plan, replacements=replacements,
                  timings=manifest.get("timings"), kernels=kernels, source=source)
 
 
-def _load_modules(root: Path, manifest: dict, tensors: dict, trust_kernels: bool) -> dict:
-    from .graph_json import dtype_of
-
+def _load_modules(root: Path, manifest: dict, tensors: dict, trust_kernels: bool, repacking: bool = False) -> dict:
     declared = declared_values(manifest, root)
     replacements = {}
     for op_name, entry in manifest["modules"].items():
@@ -251,25 +266,37 @@ def _load_modules(root: Path, manifest: dict, tensors: dict, trust_kernels: bool
         for name in (entry.get("weight_name"), entry.get("restores")):
             if name is not None and name not in declared:
                 raise SavedModelError(f"saved model {root}: kernel module {op_name!r} names an unknown weight {name!r}")
-        rebuilt = module.graph_weight() if "reference_dtype" in entry or "restores" in entry else None
-        if "weight_name" in entry:
-            module.weight_name = entry["weight_name"]
-            if "reference_dtype" in entry:
-                module.reference_weight = rebuilt.to(dtype_of(entry["reference_dtype"]), copy=True)
-            else:
-                module.reference_weight = tensors[prefix + "reference_weight"]
-            shape = tuple(declared[entry["weight_name"]]["shape"])
-            if tuple(module.reference_weight.shape) != shape:
-                raise SavedModelError(f"saved model {root}: kernel module {op_name!r} gives weight "
-                                      f"{entry['weight_name']!r} the shape {list(module.reference_weight.shape)}, "
-                                      f"the graph declares {list(shape)}")
-        if "restores" in entry:                      # restored weights come back in the graph's dtype
-            value = declared[entry["restores"]]
-            restored = rebuilt.to(dtype_of(value["dtype"]))
-            check_declared(value, restored, root)
-            tensors["graph/" + entry["restores"]] = restored
+        if not repacking:                            # else after packing the checkpoint's weights
+            _restore_weights(root, op_name, module, entry, tensors, declared)
         replacements[op_name] = module
     return replacements
+
+
+def _restore_weights(root: Path, op_name: str, module, entry: dict, tensors: dict, declared: dict,
+                     graph=None) -> None:
+    """A kernel module's reference weight and the graph weight it restores (``restores``), from its packed weights
+    (or, for a reference it cannot give back, the stored one, or the one its ``repack`` made)."""
+    from .graph_json import dtype_of
+    prefix = f"module/{op_name}/"
+    rebuilt = module.graph_weight() if "reference_dtype" in entry or "restores" in entry else None
+    if "weight_name" in entry:
+        module.weight_name = entry["weight_name"]
+        if "reference_dtype" in entry:
+            module.reference_weight = rebuilt.to(dtype_of(entry["reference_dtype"]), copy=True)
+        elif graph is None or getattr(module, "reference_weight", None) is None:
+            module.reference_weight = tensors[prefix + "reference_weight"]
+        shape = tuple(declared[entry["weight_name"]]["shape"])
+        if tuple(module.reference_weight.shape) != shape:
+            raise SavedModelError(f"saved model {root}: kernel module {op_name!r} gives weight "
+                                  f"{entry['weight_name']!r} the shape {list(module.reference_weight.shape)}, "
+                                  f"the graph declares {list(shape)}")
+    if "restores" in entry:                      # restored weights come back in the graph's dtype
+        value = declared[entry["restores"]]
+        restored = rebuilt.to(dtype_of(value["dtype"]))
+        check_declared(value, restored, root)
+        tensors["graph/" + entry["restores"]] = restored
+        if graph is not None:
+            graph.tensor(entry["restores"]).data = restored
 
 
 def _kernel_folder(root: Path, key: str) -> Path:

@@ -20,7 +20,7 @@ from .codegen.cache import file_digest
 from .errors import SpartaError
 
 MANIFEST, TENSORS, FORMAT = "sparta.json", "tensors.safetensors", "sparta-saved"
-VERSION = 9   # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
+VERSION = 10  # 2: a kernel module's reference weight may be rebuilt from its packed weights (reference_dtype);
 #               3: W4A16 GEMV specs may split K over CTAs (ksplit); LayerNorms may fuse a residual add;
 #               4: W8A8 GEMV modules (w8a8_gemv_cuda)
 #               5: the source graph (the model with only the user's TeSAs) that verify() checks against
@@ -29,6 +29,7 @@ VERSION = 9   # 2: a kernel module's reference weight may be rebuilt from its pa
 #                  (int8_linear_cpu); weight-only int8 CPU blocks (act_bits)
 #               8: low-bit tile kernels of any M with their few-row GEMVs (few_rows); GEMV specs of any M (rows)
 #               9: module types named by their kernel family (bsr_linear, norm, cpu_linear, ...; RENAMED)
+#              10: kernels-only saves (weights: the weights' records; their values come from the user's checkpoint)
 RENAMED = {"bsr_linear_cuda": "bsr_linear", "w4a16_gemv_cuda": "w4a16_gemv", "w8a8_gemv_cuda": "w8a8_gemv",
            "layer_norm_cuda": "norm", "sparse_linear_cpu": "cpu_linear", "int8_linear_cpu": "onednn_int8"}  # before 9
 CUDA_SINCE = 6     # older CUDA models name their GELUs otherwise: refused, not run with the other GELU
@@ -37,7 +38,7 @@ TARGETS = ("cpu", "cuda")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = {"format": str, "version": int, "target": str, "graph": dict, "modules": dict, "files": dict}
 _OPTIONAL = {"plan": (dict, type(None)), "kernels": list, "timings": (dict, type(None)), "sparta": str,
-             "torch": str, "source": dict}
+             "torch": str, "source": dict, "weights": dict}
 _ENTRY = {"type": str, "config": dict, "tensors": list, "kernels": list}
 _ENTRY_OPTIONAL = ("restores", "weight_name", "reference_dtype")
 
@@ -208,6 +209,8 @@ def _features(manifest: dict):
             yield 7, f"a weight-only int8 CPU kernel (op {op_name!r})"
     if "source" in manifest:
         yield 5, "a source graph"
+    if isinstance(manifest.get("weights"), dict) and manifest["weights"].get("kernels_only"):
+        yield 10, "a kernels-only save (weights from a checkpoint)"
 
 
 def is_row_range(r) -> bool:

@@ -80,6 +80,16 @@ def table_parts(table: torch.Tensor, spec: BsrSpec) -> tuple[list[list[int]], li
     return head, table[spec.table_head:].tolist()
 
 
+def table_block_mask(table: torch.Tensor, spec: BsrSpec) -> torch.Tensor:
+    """The block mask a table lists (the inverse of :func:`build_table`), in :func:`block_mask_for`'s rows."""
+    head, kidx = table_parts(table.cpu(), spec)
+    mask = torch.zeros(spec.weight_row_blocks, spec.k_blocks, dtype=torch.bool)
+    for row, first, count, *gate in head:
+        for j in range(first, first + count):
+            mask[row + (spec.row_blocks if gate and j - first >= gate[0] else 0), kidx[j]] = True
+    return mask
+
+
 def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Wp, table)``: the kept ``bn × bk`` blocks of ``w`` (zero-padded at the edges), fp16
     (int8 codes for ``dtype="int8"``), contiguous in table order, and the int32 table. ``Wp`` has

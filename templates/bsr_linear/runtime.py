@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
-from .packing import block_mask_for, pack_weight, unpack_weight
+from .packing import block_mask_for, pack_weight, table_block_mask, unpack_weight
 from .gemv_spec import BsrGemvSpec
 from .spec import BsrSpec
 from ..quant.runtime import output_scale_arg
@@ -372,6 +372,36 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         return unpack_weight(self.wp.cpu(), self.table.cpu(), self.spec)
 
     # ---- saved models (sparta.saved) ------------------------------------------------
+    plan_tensors = ("table",)       # what a kernels-only save keeps: the block table (the mask), not the values
+
+    def repack(self, graph, op_plan) -> None:
+        """Pack the graph's weight and bias again as the build does (``from_weight`` / ``from_w4_codes`` over the
+        blocks of the saved table; the few-row GEMVs' codes too): a checkpoint's values for the same kernels."""
+        from ...codegen.cuda_bind import gemm_parts
+        from ..w4a16_gemv.spec import w4_codes
+        from ..w8a8_gemv.spec import int8_weight_scale
+        parts = gemm_parts(graph, graph.op(self.op_name), op_plan)
+        weight, bias, k, spec = parts.site.weight, parts.bias, self.spec.k, self.spec
+        args = (self.op_name, self.input_names[0], self.folder, spec)
+        mask = table_block_mask(self.table, spec)
+        if spec.dtype == "w4a16":
+            w4 = op_plan.weight_quant[4].params(weight)
+            scale, zero = w4.expand(k)
+            fresh = SparseLinearCUDA.from_w4_codes(*args, w4_codes(w4, weight), scale, zero, mask, bias,
+                                                   self.out_shape)
+            if self.few_rows:
+                group = self.few_rows[0][2].group
+                fresh.attach_w4_gemvs(list(self.few_rows), w4_codes(w4, weight), scale[:, ::group],
+                                      None if zero is None else zero[:, ::group].to(torch.uint8))
+        else:
+            scale = int8_weight_scale(op_plan, weight, k) if spec.dtype == "int8" else None
+            fresh = SparseLinearCUDA.from_weight(*args, weight, mask, bias, self.out_shape, weight_scale=scale)
+            if self.few_rows:
+                fresh.attach_w8_gemvs(list(self.few_rows), fresh.dense_codes())
+        for name in self.weight_names:
+            self._buffers[name] = fresh._buffers.get(name)
+        self._op, self._gemv_op, self._bucket_ops, self._few_ops = None, None, {}, {}
+
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "x_name": self.input_names[0], "out_shape": list(self.out_shape),

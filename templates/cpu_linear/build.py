@@ -11,14 +11,14 @@ import math
 import torch
 
 from ...codegen.build import build_cpu
-from ...errors import CodegenError
 from ...graph import Graph, Op
 from ...passes.fusion import fused_activation
 from ...passes.transform.plan import OpPlan, SubOp
-from ...passes.transform.transform_op import gemm_bias, gemm_view, in_weight_layout, weight_matrix
+from ...passes.transform.transform_op import gemm_view, weight_matrix
 from . import block_spec, fine_spec
 from .block import block_linear
 from .fine import fine_linear
+from .packing import effective_weight, fitted_scales, op_bias, pack_sub, sub_weight
 from .runtime import SparseLinearCPU, SubKernel, block_rows
 from .select import variant
 
@@ -47,28 +47,21 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     weight = weight_matrix(graph, op)
     ph, pw = _padding(op_plan.subops)
     n_pad, k_pad = -(-n // ph) * ph, -(-k // pw) * pw
-    bias_name = gemm_bias(op)
-    bias = graph.tensor(bias_name).data if bias_name else None
-    extra_bias = None
-    if bias is not None and bias.shape != (n,):
-        extra_bias, bias = bias, None  # e.g. addmm with a full (M, N) addend
-    if bias is not None:
-        bias = graph.tesa(bias_name).apply(bias.to(torch.float32))
+    bias, extra_bias = op_bias(graph, op, n)      # extra_bias: e.g. addmm with a full (M, N) addend
     fused = fused_activation(graph, op, op_plan) if len(op_plan.subops) == 1 and extra_bias is None else None
     act = fused.op if fused is not None else None
     modes = (op_plan.kernel.tiles.get("modes") if op_plan.kernel is not None else None) or \
         [variant(s, m, any_rows, op_plan.dismantle) for s in op_plan.subops]
     subs, rows = [], []
     for i, sub in enumerate(op_plan.subops):
-        w = torch.where(sub.elements.mask.reshape(n, k), weight, 0.0)
-        w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
+        w = sub_weight(weight, sub, n, k, n_pad, k_pad)
         common = dict(bias=bias is not None and i == 0, activation=act, accumulate=i > 0,
                       name=f"{_cname(op.name)}_s{i}")
         if sub.template == "fine_sparse":
             mode = modes[i]
             mask = torch.nn.functional.pad(sub.elements.mask.reshape(n, k), (0, k_pad - k, 0, n_pad - n))
             spec = fine_spec.spec_from_weight(0 if any_rows else m, w, mask, mode, **common)
-            template, packed, blocks = fine_spec, fine_spec.pack(spec, w), f"{sub.nnz} nnz"
+            template, blocks = fine_spec, f"{sub.nnz} nnz"
             fn_template = fine_linear
         else:
             if sub.template == "dense":
@@ -80,7 +73,7 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
                 grid = torch.nn.functional.pad(grid, (0, k_pad // block[1] - grid.shape[1],
                                                       0, n_pad // block[0] - grid.shape[0]))
             mode = modes[i]
-            scale, zero, group = _fitted_scales(op_plan, weight, sub.weight_bits, (n_pad, k_pad), block[1])
+            group = fitted_scales(op_plan, weight, sub.weight_bits, (n_pad, k_pad), block[1])[2]
             spec = block_spec.BlockLinearSpec(0 if any_rows else m, n_pad, k_pad, tuple(block), block_rows(grid),
                                               sub.weight_bits,
                                               dismantle=mode, scale_group=group, **common,
@@ -88,8 +81,8 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
             if mode == "none":  # the generic kernel: one per shape, shared by every op of that shape
                 spec = dataclasses.replace(spec, name=spec.generic_name())
             template, blocks = block_spec, f"{spec.n_blocks}x{block[0]}x{block[1]}"
-            packed = block_spec.pack(spec, w, scale, zero)
             fn_template = block_linear
+        packed = pack_sub(op_plan, weight, sub, template, spec, n, k, n_pad, k_pad)
         built = build_cpu(fn_template, spec)
         info = {"op": op.name, "template": sub.template, "blocks": blocks, "bits": f"W{sub.weight_bits}A{sub.act_bits}",
                 "dismantle": mode, "build_s": round(built.build_s, 3), "cached": built.cached,
@@ -99,51 +92,13 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     out_shape = graph.tensor(op.outputs[0]).shape
     module = SparseLinearCPU(op.name, x_name, subs, n, k, n_pad, k_pad, out_shape, bias, act, None, extra_bias)
     module.weight_name = gemm_view(graph, op)[1]
-    module.reference_weight = _effective_weight(graph, op, subs, n, k)
+    module.reference_weight = effective_weight(graph, op, subs, n, k)
     if fused is None and len(op_plan.subops) > 1:
         nxt = fused_activation(graph, op, op_plan)
         if nxt is not None:  # several sub-ops: apply the activation once, after the sum
             module.post_activation = nxt.op
             fused = nxt
     return module, rows, fused
-
-
-
-def _fitted_scales(op_plan: OpPlan, weight: torch.Tensor, bits: int, padded: tuple[int, int], block_width: int):
-    """Element-wise scale and zero point of the plan's quantisation of ``weight`` (N, K) at ``bits``, padded
-    to the kernel's shape, and the kernel's scale group (None, None, 0 for a float width)."""
-    if bits not in (8, 4):
-        return None, None, 0
-    quant = op_plan.weight_quant.get(bits)
-    if quant is None:
-        raise CodegenError(f"op {op_plan.op!r}: the plan runs {bits}-bit weights but holds no scales for them "
-                           "(OpPlan.weight_quant; transform fills it)")
-    k = weight.shape[1]
-    params = quant.params(torch.where(op_plan.kept(*weight.shape), weight, 0.0))
-
-    def pad(t):  # padded columns repeat the last one (per-channel scales stay per channel); rows get ones
-        if t is None:
-            return None
-        t = torch.cat([t, t[:, -1:].expand(-1, padded[1] - k)], 1)
-        return torch.cat([t, torch.ones(padded[0] - t.shape[0], padded[1])], 0)
-
-    scale, zero = params.expand(k)
-    group = math.gcd(params.group, block_width) if params.group < k else block_width
-    return pad(scale), pad(zero), (0 if group == block_width else group)
-
-
-
-def _effective_weight(graph: Graph, op: Op, subs: list[SubKernel], n: int, k: int) -> torch.Tensor | None:
-    """The weight the kernels really apply (quantised sub-ops dequantised), in the graph's layout."""
-    if all(getattr(s.spec, "weight_bits", 32) == 32 for s in subs):
-        return None
-    total = torch.zeros(n, k)
-    for s in subs:
-        if s.template is block_spec:
-            total += block_spec.dequantized_weight(s.spec, s.packed)[:n, :k]
-        else:
-            total += fine_spec.dense_weight(s.spec, s.packed)[:n, :k]
-    return in_weight_layout(graph, op, total)
 
 
 

@@ -156,6 +156,36 @@ class SparseLinearCPU(KernelModule):
         return [inputs[0].new_empty(inputs[0].shape[0], self.n_pad)]
 
     # ---- saved models (sparta.saved): the specs travel with the libraries ------------------
+    def plan_tensors(self) -> set[str]:
+        """What a kernels-only save keeps: the index tensors (block / column lists), not the values."""
+        return {f"sub{i}_{name}" for i, s in enumerate(self.subs) for name in s.packed if name in _INDEX_ARGS}
+
+    def baked_values(self) -> str | None:
+        """Why the kernels hold weight values in their code (fine-grained, fully dismantled), or None."""
+        if any(s.template is fine_spec and s.spec.values is not None for s in self.subs):
+            return "a fine-grained sub-kernel dismantled fully bakes its weight values into its code"
+        return None
+
+    def repack(self, graph, op_plan) -> None:
+        """Pack the graph's weight and bias again as the build does (``packing.pack_sub`` per sub-kernel)."""
+        from ...passes.gemm import weight_matrix
+        from .packing import effective_weight, op_bias, pack_sub
+        if (why := self.baked_values()) is not None:
+            raise SpartaError(f"op {self.op_name!r}: {why}; compile with dismantle='tile' to take other weights")
+        op = graph.op(self.op_name)
+        weight = weight_matrix(graph, op)
+        if len(op_plan.subops) != len(self.subs):
+            raise SpartaError(f"op {self.op_name!r}: the plan and the saved kernels disagree on the sub-operators")
+        for i, (sub, s) in enumerate(zip(op_plan.subops, self.subs)):
+            packed = pack_sub(op_plan, weight, sub, s.template, s.spec, self.n, self.k, self.n_pad, self.k_pad)
+            if set(packed) != set(s.packed):
+                raise SpartaError(f"op {self.op_name!r}: sub-kernel {i} packs {sorted(packed)}, not {sorted(s.packed)}")
+            for name, t in packed.items():
+                self._buffers[f"sub{i}_{name}"] = t
+        self.bias, self.extra_bias = op_bias(graph, op, self.n)
+        self._refresh_packed()
+        self.reference_weight = effective_weight(graph, op, self.subs, self.n, self.k)
+
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict]:
         from ...codegen import cache
         from ...graph_json import encode

@@ -11,7 +11,7 @@ from ...codegen.cuda_bind import report_row
 from ...codegen.cuda_build import build_cuda
 from ...graph import Graph, Op
 from .kernel import layer_norm_kernel
-from .runtime import LayerNormCUDA, quantized_names
+from .runtime import LayerNormCUDA, norm_params, quantized_names
 from .spec import LayerNormSpec, pick_threads
 
 
@@ -21,10 +21,7 @@ def build(graph: Graph, op: Op, out: str, add: Op | None = None):
     x = graph.tensor(op.input_of("input"))
     n = x.shape[-1]
     rows = 0 if graph.any_rows else math.prod(x.shape[:-1])
-    params = {}
-    for role in ("weight", "bias"):
-        name = op.input_of(role)
-        params[role] = None if name is None else graph.tesa(name).apply(graph.tensor(name).data.float())
+    params = norm_params(graph, op)
     res = "_res" if add is not None else ""
     bf16 = x.dtype == torch.bfloat16
     spec = LayerNormSpec(rows, n, eps=float(op.attrs.get("eps", 1e-5)), affine=params["weight"] is not None,

@@ -28,6 +28,15 @@ def quantized_names(tensor: str) -> list[str]:
     return [tensor + s for s in QUANT_SUFFIXES]
 
 
+def norm_params(graph, op) -> dict[str, torch.Tensor | None]:
+    """The norm op's kept weight and bias in fp32 (None where it has none), as its kernel module takes them."""
+    params = {}
+    for role in ("weight", "bias"):
+        name = op.input_of(role)
+        params[role] = None if name is None else graph.tesa(name).apply(graph.tensor(name).data.float())
+    return params
+
+
 class LayerNormOp:
     """One LayerNorm kernel with its (fp16) weight and bias on the GPU."""
 
@@ -134,6 +143,15 @@ class LayerNormCUDA(KernelModule):
         return ([x.new_empty(x.shape)] if out != "int8" else []) + [x.new_empty(x.shape)] * self.spec.residual_out + \
             ([x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[0], dtype=torch.float32)]
              if out != "fp16" else [])
+
+    def repack(self, graph, op_plan=None) -> None:
+        """The graph's weight and bias again, as the build takes them (:func:`norm_params`)."""
+        act = act16_dtype(self.spec)
+        for role, t in norm_params(graph, graph.op(self.op_name)).items():
+            if (t is None) != (self._buffers[role] is None):
+                raise CudaRuntimeError(f"op {self.op_name!r}: the checkpoint's norm {role} does not fit the kernel")
+            self._buffers[role] = None if t is None else t.to(act)
+        self._op = None
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)

@@ -53,6 +53,20 @@ def int8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
     return y + bias if bias is not None else y
 
 
+def int8_operands(graph, op, op_plan):
+    """``(codes, scale, bias)`` of a dense W8A8 op: the kept weight's int8 codes at the plan's symmetric scales
+    (one a row) and its kept fp32 bias, as :class:`Int8LinearCPU` takes them."""
+    from ...passes.gemm import gemm_bias, gemm_view, weight_matrix
+    n, k = gemm_view(graph, op)[4:]
+    weight = torch.where(op_plan.kept(n, k), weight_matrix(graph, op), 0.0)
+    params = op_plan.weight_quant[8].params(weight)
+    scale = params.expand(k)[0][:, 0].contiguous()       # symmetric per channel (or tensor): one scale a row
+    codes = params.codes(weight).to(torch.int8)
+    bias_name = gemm_bias(op)
+    bias = graph.tesa(bias_name).apply(graph.tensor(bias_name).data.to(torch.float32)) if bias_name else None
+    return codes, scale, bias
+
+
 class Int8LinearCPU(KernelModule):
     """``y = x · (codes · scale)ᵀ + b`` with ``x`` quantised per token (see the module docstring): oneDNN's GEMM
     runs as the op ``sparta::onednn_int8`` (its packed weight is no tensor a trace could hold), the quantiser and
@@ -106,6 +120,15 @@ class Int8LinearCPU(KernelModule):
         return self.codes.float() * self.scale[:, None]
 
     # ---- saved models (sparta.saved): nothing native, the codes are packed again on load --------------
+    def repack(self, graph, op_plan) -> None:
+        """Quantise the graph's weight again as the build does (:func:`int8_operands`) and pack it for oneDNN."""
+        from ...passes.gemm import in_weight_layout
+        op = graph.op(self.op_name)
+        fresh = Int8LinearCPU(self.op_name, self.input_names[0], *int8_operands(graph, op, op_plan), self.out_shape,
+                              self.code_bits)
+        self.codes, self.scale, self.bias, self.packed = fresh.codes, fresh.scale, fresh.bias, fresh.packed
+        self.reference_weight = in_weight_layout(graph, op, self.graph_weight_nk())
+
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict]:
         config = {"op_name": self.op_name, "input_name": self.input_names[0], "out_shape": list(self.out_shape),
                   "code_bits": self.code_bits}

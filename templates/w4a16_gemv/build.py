@@ -11,7 +11,7 @@ from ...graph import Graph, Op
 from ...passes.transform.plan import OpPlan
 from .kernel import w4a16_gemv
 from .runtime import W4A16GemvCUDA
-from .spec import W4A16Spec
+from .spec import W4A16Spec, w4_codes
 
 
 def w4a16_gemv_spec(m: int, n: int, k: int, group: int, sym: bool, bias: bool, act16: str, tiling: dict,
@@ -24,13 +24,6 @@ def w4a16_gemv_spec(m: int, n: int, k: int, group: int, sym: bool, bias: bool, a
                           f"{'_fold' if tiling.get('fold') else ''}{'_ks2' if tiling.get('ksplit') else ''}"
                           f"{'_w%db%d' % (tiling['warps'], tiling['min_ctas']) if tiling.get('min_ctas') else ''}"
                           f"{'_pdl' if tiling.get('pdl') else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
-
-
-
-def w4_codes(params, weight: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes of ``weight`` under ``params`` as the kernels store them: uint8 0..15 (symmetric: +8)."""
-    codes = params.codes(weight)
-    return (codes + 8 if params.zero is None else codes).to(torch.uint8)
 
 
 

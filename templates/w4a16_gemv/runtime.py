@@ -108,6 +108,22 @@ class W4A16GemvCUDA(GraphWeightLayout, KernelModule):
         return dequantize(self.wq.cpu(), self.scale.cpu(), z, self.spec).to(act16_dtype(self.spec))
 
     # ---- saved models (sparta.saved) ------------------------------------------------
+    def repack(self, graph, op_plan) -> None:
+        """Quantise and pack the graph's weight again as the build does (the plan's 4-bit scales, ``from_codes``)."""
+        from ...codegen.cuda_bind import gemm_parts
+        from .spec import w4_codes
+        parts = gemm_parts(graph, graph.op(self.op_name), op_plan)
+        weight, group = parts.site.weight, self.spec.group
+        params = op_plan.weight_quant[4].params(weight)
+        scale_el, zero_el = params.expand(self.spec.k)
+        zero = None if params.zero is None else zero_el[:, ::group].to(torch.uint8)
+        fresh = W4A16GemvCUDA.from_codes(self.op_name, self.input_names[0], self.folder, self.spec,
+                                         w4_codes(params, weight), scale_el[:, ::group], zero, parts.bias,
+                                         self.out_shape)
+        for name in self.weight_names:
+            self._buffers[name] = fresh._buffers.get(name)
+        self._op = None
+
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "x_name": self.input_names[0], "out_shape": list(self.out_shape),

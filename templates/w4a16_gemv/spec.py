@@ -208,3 +208,9 @@ def gemv_group(group: int, k: int) -> int:
     """The W4A16 GEMV's scale group for scales of ``group`` columns (32, 64 or 128 dividing K), 0 if none fits."""
     g = 128 if group >= 128 else group
     return g if g in (32, 64, 128) and k % g == 0 and (group >= k or group % g == 0) else 0
+
+
+def w4_codes(params, weight: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of ``weight`` under ``params`` as the kernels store them: uint8 0..15 (symmetric: +8)."""
+    codes = params.codes(weight)
+    return (codes + 8 if params.zero is None else codes).to(torch.uint8)

@@ -12,16 +12,7 @@ from ...passes.transform.plan import OpPlan
 from ..quant.build import row_quantizer
 from .kernel import w8a8_gemv
 from .runtime import W8A8GemvCUDA
-from .spec import W8A8GemvSpec
-
-
-def int8_weight_scale(op_plan: OpPlan, weight: torch.Tensor, k: int) -> torch.Tensor | None:
-    """The plan's per-channel int8 scales of ``weight`` (N, K) (None: the int8 kernels quantise each channel
-    at its absolute maximum, for scales fitted per group, which they do not take)."""
-    quant = op_plan.weight_quant.get(8)
-    params = quant.params(weight) if quant is not None else None
-    return params.scale[:, 0] if params is not None and params.group >= k else None
-
+from .spec import W8A8GemvSpec, int8_weight_scale  # noqa: F401  (bsr_linear's build reads it here)
 
 
 def w8a8_gemv_spec(m: int, n: int, k: int, bias: bool, act: str, act16: str, tiling: dict,

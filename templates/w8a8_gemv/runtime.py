@@ -158,6 +158,18 @@ class W8A8GemvCUDA(QuantizedLinear, GraphWeightLayout, KernelModule):
             act16_dtype(self.spec))
 
     # ---- saved models (sparta.saved) ------------------------------------------------
+    def repack(self, graph, op_plan) -> None:
+        """Quantise and pack the graph's weight again as the build does (the plan's int8 scales, ``from_weight``)."""
+        from ...codegen.cuda_bind import gemm_parts
+        from .spec import int8_weight_scale
+        parts = gemm_parts(graph, graph.op(self.op_name), op_plan)
+        weight = parts.site.weight
+        fresh = W8A8GemvCUDA.from_weight(self.op_name, self.input_names[0], self.folder, self.spec, weight,
+                                         int8_weight_scale(op_plan, weight, self.spec.k), parts.bias, self.out_shape)
+        for name in self.weight_names:
+            self._buffers[name] = fresh._buffers.get(name)
+        self._op = None
+
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "x_name": self.input_names[0], "out_shape": list(self.out_shape),

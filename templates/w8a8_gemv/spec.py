@@ -185,3 +185,11 @@ def unpack_weight(spec: W8A8GemvSpec, packed: torch.Tensor, table: torch.Tensor 
         first, last = int(table[tile]), int(table[tile + 1])
         full[tile, table[tiles + 1 + first: tiles + 1 + last]] = packed[first:last]
     return unpack_mma(full, spec.n)
+
+
+def int8_weight_scale(op_plan, weight: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The plan's per-channel int8 scales of ``weight`` (N, K) (None: the int8 kernels quantise each channel
+    at its absolute maximum, for scales fitted per group, which they do not take)."""
+    quant = op_plan.weight_quant.get(8)
+    params = quant.params(weight) if quant is not None else None
+    return params.scale[:, 0] if params is not None and params.group >= k else None
