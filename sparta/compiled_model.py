@@ -62,7 +62,7 @@ class CompiledModel(torch.nn.Module):
             m.weight_name: m.reference_weight for m in self._replacements.values()
             if getattr(m, "reference_weight", None) is not None}}
         self._quantized = any(k.get("bits", "W32A32") != "W32A32" for k in self.kernels)
-        self._reference, self._inductor_fn = None, None
+        self._reference, self._inductor_fn, self._decoder = None, None, None
 
     def run_dense(self, ops, why: str = "asked for") -> list[str]:
         """Run these sparse ops as their dense torch ops (their fused activations too); the plan says so, with
@@ -108,10 +108,26 @@ class CompiledModel(torch.nn.Module):
         """The kernel modules standing in for graph ops, by op name."""
         return dict(self._replacements)
 
-    def save(self, path) -> str:
-        """Write the model (graph, plan, weights, kernels) to the folder ``path``; reload with ``sparta.load``."""
+    def save(self, path, weights: bool = True) -> str:
+        """Write the model (graph, plan, weights, kernels) to the folder ``path``; reload with ``sparta.load``.
+        ``weights=False`` writes no weight values (plan, kernels and masks only): ``sparta.load(path, weights=...)``
+        takes them from the user's checkpoint."""
         from .saved import save
-        return str(save(self, path))
+        return str(save(self, path, weights=weights))
+
+    def decoder(self) -> torch.nn.Module:
+        """The Hugging Face model this was compiled from, rebuilt around sparta's kernel modules (for
+        :meth:`generate`; ``sparta.generation.swap_report(compiled.decoder())`` lists what runs each linear)."""
+        from .generation import decoder
+        if self._decoder is None or self._decoder.device != self.device:
+            self._decoder = decoder(self)
+        return self._decoder
+
+    def generate(self, *args, **kwargs):
+        """Hugging Face's ``generate()`` (same arguments) over sparta's kernels, with its KV cache; on a GPU the cache
+        is static and decode steps replay CUDA graphs. For compiled ``*ForCausalLM`` models."""
+        from .generation import generate
+        return generate(self, *args, **kwargs)
 
     @property
     def device(self) -> torch.device:

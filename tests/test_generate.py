@@ -1,0 +1,161 @@
+"""``compiled.generate()`` on the CPU target: Hugging Face decoders (Llama, Qwen2 with grouped-query attention, GPT-2
+with its transposed ``Conv1D`` weights) compiled with their default arguments generate the masked eager model's greedy
+tokens with sparta's kernels standing in for their linears; saved and reloaded they still do."""
+
+import pytest
+import torch
+
+import sparta
+from sparta.generation import GenerationError, swap_report
+from sparta.runtime.decode_graphs import DecodeGraphs, max_cache_length
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _qwen2():
+    cfg = transformers.Qwen2Config(vocab_size=200, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=200, n_embd=128, n_layer=2, n_head=4, n_positions=128,
+                                  bos_token_id=0, eos_token_id=199)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2}
+
+
+def _block_masks(model, seed: int, keep: float = 0.12, block: int = 16) -> dict[str, torch.Tensor]:
+    """Block masks on every decoder linear (by the parameter's own name: GPT-2's (in, out) Conv1D weights too)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and ("proj" in name or ".c_" in name):
+            grid = torch.rand(p.shape[0] // block, p.shape[1] // block, generator=g) < keep
+            grid[0, 0] = True
+            out[name] = grid.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return out
+
+
+def _compiled(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = MODELS[kind]().eval()
+    masks = _block_masks(model, seed + 1)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(seed + 2))
+    compiled = sparta.compile(model, masks, (ids,), target="cpu")
+    with torch.no_grad():
+        for name, mask in masks.items():
+            model.get_parameter(name).mul_(mask)
+    return model, compiled
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pair(request):
+    return request.param, *_compiled(request.param)
+
+
+def test_generate_gives_the_masked_models_greedy_tokens_with_kernels_in_its_linears(pair):
+    kind, model, compiled = pair
+    prompt = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(7))
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                          pad_token_id=0)
+    got = compiled.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                            pad_token_id=0)
+    assert torch.equal(got, want), (kind, got, want)
+    report = dict(swap_report(compiled.decoder()))
+    # the plan is the contract: every linear the plan gave a kernel runs on it in generate() (on the CPU nothing is
+    # fused across linears), every other one is the model's own linear, said so
+    planned = set()
+    for name in compiled.module_replacements():
+        op = compiled.graph.op(name)
+        weight = op.input_of("weight") or (op.inputs[-1] if op.op in ("addmm", "mm") else None)
+        if weight is not None and weight.endswith(".weight"):
+            planned.add(weight.removesuffix(".weight"))
+    assert planned and planned == {p for p, what in report.items() if what == "SparseLinearCPU"}, report
+    assert all(what.startswith("torch linear on the masked weight: the plan runs it dense")
+               for p, what in report.items() if p not in planned), report
+    # every step's logits, not only their argmax: the decoder's forward with a cache against the masked model's
+    with torch.no_grad():
+        a = compiled.decoder()(got[:, :-1]).logits
+        b = model(got[:, :-1]).logits
+    assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item()), (a - b).abs().max()
+
+
+def test_a_saved_and_reloaded_decoder_still_generates(pair, tmp_path):
+    kind, model, compiled = pair
+    prompt = torch.randint(0, 200, (1, 5), generator=torch.Generator().manual_seed(3))
+    want = compiled.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    compiled.save(tmp_path / kind)
+    loaded = sparta.load(tmp_path / kind)
+    assert loaded.graph.hf_model["class"] == type(model).__name__
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), want)
+
+
+def test_sampling_arguments_reach_hugging_faces_loop(pair):
+    kind, model, compiled = pair
+    prompt = torch.randint(0, 200, (1, 4), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(11)
+    a = compiled.generate(prompt, max_new_tokens=5, do_sample=True, top_k=20, pad_token_id=0)
+    torch.manual_seed(11)
+    b = model.generate(prompt, max_new_tokens=5, do_sample=True, top_k=20, pad_token_id=0)
+    assert a.shape == (1, 9) and torch.equal(a, b)
+
+
+def test_a_model_without_a_language_model_head_or_not_from_hugging_face_is_refused():
+    torch.manual_seed(0)
+    base = _llama().model.eval()
+    ids = torch.randint(0, 200, (2, 8))
+    compiled = sparta.compile(base, None, (ids,), target="cpu")
+    assert compiled(ids).last_hidden_state.shape == (2, 8, 128)      # captured with its defaults (no cache output)
+    with pytest.raises(GenerationError, match="LlamaForCausalLM"):
+        compiled.generate(ids, max_new_tokens=2)
+    mlp = sparta.compile(torch.nn.Sequential(torch.nn.Linear(8, 8)).eval(), None, (torch.randn(2, 8),))
+    with pytest.raises(GenerationError, match="Hugging Face"):
+        mlp.generate(torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_a_record_naming_a_class_outside_transformers_is_refused():
+    from sparta.frontend.hf import model_class
+    for name in ("os", "PreTrainedModel", "LlamaConfig", "__import__", 3):
+        with pytest.raises(sparta.SpartaError):
+            model_class(name)
+
+
+def test_the_decode_steps_four_dimensional_mask_is_the_one_the_model_builds():
+    """DecodeGraphs hands a one-token step its padding mask over the whole static cache: on the CPU (no graphs) the
+    step's logits equal those of the model given the 2-d mask."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt = torch.randint(0, 200, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0                                            # left padding in the second row
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        assert max_cache_length(cache) == 16
+        step = torch.randint(0, 200, (2, 1))
+        mask2 = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+        position = (mask2.cumsum(-1) - 1).clamp_min(0)[:, -1:]
+        kwargs = {"input_ids": step, "position_ids": position, "past_key_values": cache, "use_cache": True}
+        if "cache_position" in transformers.LlamaForCausalLM.forward.__code__.co_varnames:
+            kwargs["cache_position"] = torch.tensor([6])
+        state = [t.clone() for t in _small_tensors(cache)]
+        want = model(attention_mask=mask2, **kwargs).logits
+        for t, s in zip(_small_tensors(cache), state):      # the same step again from the same cache state
+            t.copy_(s)
+        full = DecodeGraphs(model)._full_mask(mask2, 16)
+        got = model(attention_mask=full, **kwargs).logits
+    assert full.shape == (2, 1, 1, 16) and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def _small_tensors(cache):
+    from sparta.runtime.decode_graphs import _cache_state
+    return _cache_state(cache)
