@@ -159,3 +159,16 @@ def test_the_decode_steps_four_dimensional_mask_is_the_one_the_model_builds():
 def _small_tensors(cache):
     from sparta.runtime.decode_graphs import _cache_state
     return _cache_state(cache)
+
+
+def test_a_kernels_only_save_generates_with_the_checkpoints_weights_and_refuses_another_mask(tmp_path):
+    model, compiled = _compiled("llama", seed=4)
+    compiled.save(tmp_path / "plan", weights=False)
+    loaded = sparta.load(tmp_path / "plan", weights=model.state_dict())
+    prompt = torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(8))
+    want = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want)
+    other = {k: v.clone() for k, v in model.state_dict().items()}
+    other["model.layers.1.mlp.down_proj.weight"] += 1e-2          # non-zero where the compiled mask prunes
+    with pytest.raises(sparta.SpartaError, match="down_proj"):
+        sparta.load(tmp_path / "plan", weights=other)

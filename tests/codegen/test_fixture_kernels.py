@@ -16,6 +16,7 @@ CASES = {
     "pingpong_ffn": (saved_models.pingpong_ffn, kernel_choices.check_pingpong),
     "postln_fp16": (saved_models.postln_fp16, kernel_choices.check_postln),
     "tesa_w4a16": (saved_models.tesa_w4a16, kernel_choices.check_tesa_w4a16),
+    "llama_generate": (saved_models.llama_generate, kernel_choices.check_llama_generate),
 }
 STATIC = {"tesa_w4a16"}     # one row: a batch of one stays fixed
 

@@ -1,0 +1,209 @@
+"""``generate()`` end to end: a Hugging Face Llama-shaped decoder, block-sparse, compiled here, run on a GPU with its
+weights from a checkpoint built there, against dense ``generate()`` peers in one process.
+
+    # machine with TVM + nvcc: compile, save the plan and kernels only (no weights)
+    python benchmarks/bench_generate.py --build artifacts/gen7b --layers 32 --density 0.1
+    # GPU: build the checkpoint from the config and seed, load with it, generate, measure
+    python benchmarks/bench_generate.py --dir artifacts/gen7b --prompt 512 --new 128 --batch 1 --out gen.json
+
+The model is Llama-2-7B's shape (width 4096, FFN 11008, 32 heads, vocabulary 32000; ``--layers`` of its 32 layers),
+bf16, random weights from ``--seed``; every decoder linear keeps ``--density`` of its ``--block`` blocks, chosen by a
+seeded generator that gives the same masks on every machine. Peers, each on the same masked weights: Hugging Face
+``generate()`` eager (dynamic cache); with its static cache and ``torch.compile`` (its own auto-compile of the decode
+step, ``reduce-overhead``); and the dense model with the decode step replayed from CUDA graphs exactly as sparta's
+(``sparta.runtime.decode_graphs``) — the fairest dense peer, gpt-fast's loop. Reported: tokens/s of the new tokens
+(prefill included in the wall time, as a user sees it), the prefill alone, the bytes floor (weights read per step at
+the device's copy bandwidth), and next-token KL divergence to the fp32 masked model on the prompt for sparta and for
+the dense bf16 model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bench_mask, save  # noqa: E402
+
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                 vocab_size=32000, max_position_embeddings=4096)
+
+
+def config(layers: int):
+    import transformers
+    return transformers.LlamaConfig(num_hidden_layers=layers, **LLAMA2_7B)
+
+
+def masks_for(model, density: float, block: int) -> dict[str, torch.Tensor]:
+    """Seeded block masks on every decoder linear (the same on every machine)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("proj.weight"):
+            grid = bench_mask(p.shape[0] // block, p.shape[1] // block, density, f"gen-{name}")
+            out[name] = grid.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return out
+
+
+def build(args) -> None:
+    import sparta
+    import transformers
+    cfg = config(args.layers)
+    with torch.device("meta"):
+        shapes = transformers.LlamaForCausalLM(cfg)
+    masks = masks_for(shapes, args.density, args.block)
+    del shapes
+    torch.manual_seed(args.seed)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    t0 = time.perf_counter()
+    compiled = sparta.compile(model, masks, (ids,), target="cuda", tokens=(1, args.prompt_tokens))
+    compile_s = time.perf_counter() - t0
+    compiled.save(args.build, weights=False)
+    meta = {"layers": args.layers, "density": args.density, "block": args.block, "seed": args.seed,
+            "compile_s": compile_s, "timings": compiled.timings}
+    (Path(args.build) / "bench.json").write_text(json.dumps(meta, indent=1))
+    print(compiled.plan_report(only_gemm=True))
+    print(json.dumps(meta, indent=1))
+
+
+def checkpoint(meta: dict, device: str):
+    """The dense model of the folder's config and seed, bf16 on ``device``, its pruned blocks zero."""
+    import transformers
+    torch.manual_seed(meta["seed"])
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config(meta["layers"])).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        for name, mask in masks_for(model, meta["density"], meta["block"]).items():
+            model.get_parameter(name).mul_(mask.to(device))
+    return model
+
+
+def timed_generate(fn, prompt, new: int, reps: int) -> dict:
+    out = fn(prompt, new)                 # first call: captures, compiles, allocates
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn(prompt, new)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    best = sorted(times)[len(times) // 2]
+    return {"s": best, "tok_s": prompt.shape[0] * new / best, "tokens": out[:, prompt.shape[1]:].tolist()}
+
+
+def prefill_ms(forward, prompt, reps: int = 10) -> float:
+    with torch.no_grad():
+        forward(prompt)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            forward(prompt)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def kl_to(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || model) of the next-token distributions."""
+    p = torch.log_softmax(reference_logits.float(), -1)
+    q = torch.log_softmax(logits.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def run(args) -> dict:
+    import sparta
+    from sparta.runtime.decode_graphs import DecodeGraphs
+    meta = json.loads((Path(args.dir) / "bench.json").read_text())
+    dense = checkpoint(meta, "cuda")
+    compiled = sparta.load(args.dir, weights=dense).to("cuda")
+    vocab = dense.config.vocab_size
+    prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(3)).cuda()
+    kw = dict(do_sample=False, pad_token_id=0)
+    results = {"meta": meta, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+               "device": torch.cuda.get_device_name()}
+
+    def sparta_gen(p, n):
+        return compiled.generate(p, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    def eager_gen(p, n):
+        return dense.generate(p, max_new_tokens=n, min_new_tokens=n, disable_compile=True, **kw)
+
+    graphs = DecodeGraphs(dense)
+
+    def graphs_gen(p, n):
+        dense.get_compiled_call = lambda *_: graphs
+        try:
+            return dense.generate(p, max_new_tokens=n, min_new_tokens=n, cache_implementation="static", **kw)
+        finally:
+            del dense.get_compiled_call
+
+    def hf_compiled_gen(p, n):
+        return dense.generate(p, max_new_tokens=n, min_new_tokens=n, cache_implementation="static", **kw)
+
+    peers = {"sparta": sparta_gen, "dense_cuda_graphs": graphs_gen, "dense_eager": eager_gen,
+             "dense_hf_compile": hf_compiled_gen}
+    for name, fn in peers.items():
+        if args.only and name not in args.only:
+            continue
+        try:
+            with torch.no_grad():
+                results[name] = timed_generate(fn, prompt, args.new, args.reps)
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the others still run
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(name, {k: v for k, v in results[name].items() if k != "tokens"}, flush=True)
+    ok = [k for k in peers if "tok_s" in results.get(k, {}) and k != "sparta"]
+    if "tok_s" in results.get("sparta", {}) and ok:
+        best = max(ok, key=lambda k: results[k]["tok_s"])
+        results["speedup_vs_best_dense"] = {"peer": best, "x": results["sparta"]["tok_s"] / results[best]["tok_s"]}
+        results["same_tokens_as_dense"] = results["sparta"]["tokens"] == results[best]["tokens"]
+    kept = sum(m.sum().item() for m in masks_for(dense, meta["density"], meta["block"]).values())
+    weights = sum(p.numel() for n, p in dense.named_parameters() if not n.endswith("proj.weight")) + kept
+    results["bytes_floor_tok_s"] = {"bytes_per_step": 2 * weights, "at_3.0TBps": args.batch * 3.0e12 / (2 * weights)}
+    decoder = compiled.decoder()
+    results["prefill_ms"] = {"sparta": prefill_ms(lambda x: decoder(x, use_cache=False), prompt),
+                             "dense_eager": prefill_ms(lambda x: dense(x, use_cache=False), prompt)}
+    with torch.no_grad():
+        sparse_logits = decoder(prompt[:1], use_cache=False).logits
+        dense_logits = dense(prompt[:1], use_cache=False).logits
+        fp32 = dense.float()
+        ref = fp32(prompt[:1], use_cache=False).logits
+    results["kl_to_fp32_masked"] = {"sparta": kl_to(ref, sparse_logits), "dense_bf16": kl_to(ref, dense_logits)}
+    results["decode_graphs"] = {"captured": len(compiled.decoder().sparta_decode_graphs.graphs)}
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", help="compile and save the kernels-only folder here (machine with TVM)")
+    ap.add_argument("--dir", help="the folder --build wrote (GPU machine)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="--build: the largest prefill planned for")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", nargs="*", help="peers to run (default: all)")
+    ap.add_argument("--out", help="write the JSON here (default: benchmarks/results/)")
+    args = ap.parse_args()
+    if args.build:
+        return build(args)
+    results = run(args)
+    text = json.dumps({k: v for k, v in results.items()}, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    else:
+        print(save("generate", results))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("sparta", "dense_eager", "dense_cuda_graphs",
+                                                                    "dense_hf_compile")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``generate()`` on a GPU: the grouped-query Llama of ``tests/fixtures/saved_models.py`` (``llama_generate``),
+compiled and saved where TVM is, loaded without TVM — its weights from the folder, and again from a checkpoint into a
+kernels-only save — generates on sparta's kernels with Hugging Face's static cache and decode steps replayed from CUDA
+graphs."""
+
+import pytest
+import torch
+
+from fixtures.artifacts import MISSING, ROOT
+from fixtures.kernel_choices import check_llama_generate
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    import sparta
+    folder = ROOT / "saved_llama_generate"
+    if not (folder / "sparta.json").is_file():
+        pytest.skip(MISSING + f"no saved model in {folder}")
+    return sparta.load(folder).to("cuda")
+
+
+def _greedy_reference(reference, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, list[float]]:
+    """Greedy tokens of the cache-free masked dense graph (recomputed from scratch each step), with each step's gap
+    between its best and second-best logit."""
+    ids, gaps = prompt, []
+    with torch.no_grad():
+        for _ in range(new):
+            logits = reference(ids).logits[:, -1].float()
+            top = logits.topk(2, -1).values
+            gaps.append(float((top[:, 0] - top[:, 1]).min()))
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    return ids, gaps
+
+
+def test_generate_replays_cuda_graphs_and_follows_the_masked_dense_model(model):
+    check_llama_generate(model)
+    prompt = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(0)).cuda()
+    got = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    graphs = model.decoder().sparta_decode_graphs
+    assert graphs.replays >= 23 and len(graphs.graphs) == 1
+    again = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, again)
+    eager = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
+                           disable_compile=True)
+    assert torch.equal(got, eager)                       # the graphs replay exactly the eager decode steps
+    want, gaps = _greedy_reference(model.reference().to("cuda"), prompt, 24)
+    # bf16 kernels against torch's bf16 ops: the tokens agree until a step whose top two logits nearly tie
+    first = next((i for i in range(24) if not torch.equal(got[:, 37 + i], want[:, 37 + i])), 24)
+    assert first == 24 or gaps[first] < 0.1, (first, gaps[first], got, want)
+    assert first >= 8, (first, gaps)
+
+
+def test_a_kernels_only_save_generates_with_the_weights_of_a_checkpoint(model, tmp_path):
+    import sparta
+    folder = tmp_path / "kernels_only"
+    model.save(folder, weights=False)
+    state = model.source_reference().state_dict()         # the user's names, pruned blocks zero
+    loaded = sparta.load(folder, weights=state).to("cuda")
+    prompt = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(1)).cuda()
+    a = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    b = loaded.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
