@@ -8,6 +8,10 @@ later by bit rounding). TeSAs form a lattice under the element-wise minimum
 
 TeSAs are immutable values. ``tesa.bits`` hands out a copy; passes that need the raw
 tensor without copying use :meth:`TeSA.view`, which must never be written to.
+
+A TeSA constant over aligned ``bh × bw`` blocks of its last two dims can be held as one value per block
+(:meth:`TeSA.from_blocks`; :meth:`TeSA.block_grid` reads it): ``view()`` then materialises the elements, and the
+lattice, statistics and passes that know the form work on the blocks (a 7B model's masks fit in memory).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -56,9 +61,9 @@ def _check_integral(x, name, what):
 class TeSA:
     """Tensor with sparsity attribute: per element, 0 (pruned) or its bit width."""
 
-    __slots__ = ("_bits", "_uniform")
+    __slots__ = ("_bits", "_uniform", "_block", "_shape")
 
-    def __init__(self, bits: torch.Tensor, *, _trusted: bool = False, name: str | None = None):
+    def __init__(self, bits: torch.Tensor, *, _trusted: bool = False, name: str | None = None, _block=None):
         if not _trusted:
             bits = _as_tensor(bits, name, "bits")
             _check_integral(bits, name, "bits")
@@ -75,6 +80,15 @@ class TeSA:
             uniform = int(bits.reshape(-1)[0])
         self._bits = bits
         self._uniform = uniform
+        self._block = None
+        self._shape = tuple(bits.shape)
+        if _block is not None:            # ``bits`` is one value per block: the elements' shape is the grid's × block
+            if uniform is not None:
+                bits = torch.tensor(uniform, dtype=torch.uint8)
+            shape = (*self._shape[:-2], self._shape[-2] * _block[0], self._shape[-1] * _block[1])
+            self._bits = bits if uniform is None else bits.expand(shape)
+            self._block = None if uniform is not None else (int(_block[0]), int(_block[1]))
+            self._shape = shape
 
     # ---- constructors -------------------------------------------------------------
     @classmethod
@@ -89,6 +103,17 @@ class TeSA:
         if not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= MAX_BITS:
             raise TeSAError(f"{_label(name)}: bits must be an integer in 1..{MAX_BITS}, got {bits!r}")
         return cls(m.to(torch.uint8) * int(bits), _trusted=True)
+
+    @classmethod
+    def from_blocks(cls, blocks, block: Sequence[int] = (32, 32), bits: int = 32, *, name: str | None = None) -> TeSA:
+        """Kept ``block``-shaped blocks (``blocks`` true / 1: a grid over the last two dims) get ``bits``, the others
+        are pruned; held as one value per block (the elements of a 4096×11008 mask cost 45 MB, its blocks 44 kB)."""
+        grid = cls.from_mask(blocks, bits, name=name).view()
+        if grid.dim() < 2:
+            raise TeSAError(f"{_label(name)}: a block grid needs 2 or more dims, got shape {tuple(grid.shape)}")
+        if len(block) != 2 or not all(isinstance(b, (int, np.integer)) and b >= 1 for b in block):
+            raise TeSAError(f"{_label(name)}: block must be two positive ints, got {block!r}")
+        return cls(grid.contiguous(), _trusted=True, _block=tuple(block))
 
     @classmethod
     def from_bits(cls, bits, *, name: str | None = None) -> TeSA:
@@ -111,28 +136,43 @@ class TeSA:
     # ---- reading --------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._bits.shape)
+        return self._shape
 
     @property
     def ndim(self) -> int:
-        return self._bits.dim()
+        return len(self._shape)
 
     def numel(self) -> int:
-        return self._bits.numel()
+        return math.prod(self._shape)
 
     def view(self) -> torch.Tensor:
-        """The stored uint8 tensor itself (may be an expanded view); never write to it."""
-        return self._bits
+        """The stored uint8 tensor itself (may be an expanded view; a block TeSA's elements, materialised); never
+        write to it."""
+        if self._block is None:
+            return self._bits
+        bh, bw = self._block
+        return self._bits.repeat_interleave(bh, -2).repeat_interleave(bw, -1)
+
+    def block_grid(self) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """``(one uint8 value per block, (bh, bw))`` of a TeSA held by blocks (:meth:`from_blocks`), else None."""
+        return None if self._block is None else (self._bits, self._block)
+
+    def map_bits(self, fn) -> TeSA:
+        """The TeSA of ``fn(bits)`` for an element-wise ``fn`` of uint8 tensors (on the blocks where held so)."""
+        return TeSA(fn(self._bits).to(torch.uint8), _trusted=True, _block=self._block)
+
+    def _area(self) -> int:
+        return 1 if self._block is None else self._block[0] * self._block[1]
 
     @property
     def bits(self) -> torch.Tensor:
         """A copy of the per-element bit widths (uint8; 0 = pruned)."""
-        return self._bits.clone()
+        return self.view().clone()
 
     @property
     def mask(self) -> torch.Tensor:
         """Bool tensor: True where the element is kept."""
-        return self._bits != 0
+        return self.view() != 0
 
     @property
     def uniform(self) -> int | None:
@@ -151,14 +191,14 @@ class TeSA:
             return 1.0
         if self._uniform is not None:
             return 1.0 if self._uniform else 0.0
-        return float(torch.count_nonzero(self._bits)) / self.numel()
+        return float(torch.count_nonzero(self._bits)) / self._bits.numel()
 
     def bit_histogram(self) -> dict[int, int]:
         """Element count per bit value (0 = pruned), only values that occur."""
         if self._uniform is not None:
             return {self._uniform: self.numel()} if self.numel() else {}
         counts = torch.bincount(self._bits.reshape(-1).to(torch.int64), minlength=MAX_BITS + 1)
-        return {int(v): int(c) for v, c in enumerate(counts.tolist()) if c}
+        return {int(v): int(c) * self._area() for v, c in enumerate(counts.tolist()) if c}
 
     def max_bits(self) -> int:
         return int(self._bits.max()) if self.numel() else 0
@@ -178,6 +218,8 @@ class TeSA:
         """
         if bh < 1 or bw < 1:
             raise TeSAError(f"block shape must be positive, got {bh}x{bw}")
+        if self._block is not None and bh % self._block[0] == 0 and bw % self._block[1] == 0:
+            return TeSA(self._bits != 0, _trusted=True).block_density(bh // self._block[0], bw // self._block[1])
         m = self.mask.to(torch.float32)
         if m.dim() == 0:
             m = m.reshape(1, 1)
@@ -202,7 +244,9 @@ class TeSA:
             return self
         if self._uniform is not None and self._uniform >= other.max_bits():
             return other
-        return TeSA(torch.minimum(self._bits, other._bits), _trusted=True)
+        if self._block is not None and self._block == other._block:
+            return TeSA(torch.minimum(self._bits, other._bits), _trusted=True, _block=self._block)
+        return TeSA(torch.minimum(self.view(), other.view()), _trusted=True)
 
     def join(self, other: TeSA) -> TeSA:
         """Element-wise maximum (least upper bound): kept wins, more bits win."""
@@ -216,11 +260,17 @@ class TeSA:
             return self
         if self._uniform == 0:
             return other
-        return TeSA(torch.maximum(self._bits, other._bits), _trusted=True)
+        if self._block is not None and self._block == other._block:
+            return TeSA(torch.maximum(self._bits, other._bits), _trusted=True, _block=self._block)
+        return TeSA(torch.maximum(self.view(), other.view()), _trusted=True)
 
     def __le__(self, other: TeSA) -> bool:
         """Lattice order: every element of self is at most other's."""
-        return self.shape == other.shape and bool((self._bits <= other._bits).all())
+        if self.shape != other.shape:
+            return False
+        if self._block is not None and self._block == other._block:
+            return bool((self._bits <= other._bits).all())
+        return bool((self.view() <= other.view()).all())
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, TeSA):
@@ -229,17 +279,20 @@ class TeSA:
             return False
         if self._uniform is not None and other._uniform is not None:
             return self._uniform == other._uniform or self.numel() == 0
-        return bool(torch.equal(self._bits.contiguous(), other._bits.contiguous()))
+        if self._block is not None and self._block == other._block:
+            return bool(torch.equal(self._bits, other._bits))
+        return bool(torch.equal(self.view().contiguous(), other.view().contiguous()))
 
     def __hash__(self) -> int:
-        return hash((self.shape, self.digest()))
+        return hash(self.shape)         # equal TeSAs held differently (by blocks, by elements) hash alike
 
     def digest(self) -> str:
-        """A content hash (shape and values), stable across processes."""
+        """A content hash (shape and values, and the block form where held by blocks), stable across processes."""
         h = hashlib.sha256(repr(self.shape).encode())
         if self._uniform is not None:
             h.update(b"u%d" % self._uniform)
         else:
+            h.update(b"b%r" % (self._block,) if self._block else b"")
             h.update(self._bits.contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
@@ -259,6 +312,9 @@ class TeSA:
         header = {"shape": list(self.shape)}
         if self._uniform is not None:
             return {**header, "encoding": "uniform", "value": self._uniform}, b""
+        if self._block is not None:     # the grid's own encoding, and the block
+            inner, payload = TeSA(self._bits, _trusted=True).serialize()
+            return {**header, "encoding": "blocks", "block": list(self._block), "grid": inner}, payload
         flat = self._bits.reshape(-1).numpy()
         values = np.unique(flat)
         kept = values[values != 0]
@@ -273,6 +329,12 @@ class TeSA:
             shape = tuple(int(s) for s in header["shape"])
             n = int(np.prod(shape, dtype=np.int64))
             enc = header["encoding"]
+            if enc == "blocks":
+                block, grid = tuple(int(b) for b in header["block"]), cls.deserialize(header["grid"], payload)
+                out = cls(grid.view(), _trusted=True, _block=block) if len(block) == 2 else None
+                if out is None or out.shape != shape:
+                    raise TeSAError(f"corrupt serialised TeSA: blocks of {block} over {grid.shape} are not {shape}")
+                return out
             if enc == "uniform":
                 return cls.dense(shape, int(header["value"]))
             raw = zlib.decompress(payload)

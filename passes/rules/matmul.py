@@ -71,6 +71,8 @@ def linear(op: Op, ins, outs):
     x, w, b = _role(op, "input"), _role(op, "weight"), _role(op, "bias")
     if x is None or w is None:
         return None
+    if ins[w].block_grid() is not None and ins[w].ndim == 2 and ins[x].ndim >= 2:
+        return block_linear(ins, outs, x, w, b)
     compact = _distinct_rows(ins[x], outs[0]) if ins[x].ndim >= 2 and ins[w].ndim == 2 else None
     if compact is None:
         return affine_rule(op, ins, outs, lambda a, m: F.linear(a, m), [x, w], [b])
@@ -83,6 +85,48 @@ def linear(op: Op, ins, outs):
     new_ins[x] = refine(ins[x], kept(new_ins[x])[inverse].reshape(ins[x].shape))
     new_y = refine(outs[0], kept(new_outs[0])[inverse].reshape(outs[0].shape))
     return result(ins, outs, new_ins, [new_y, *new_outs[1:]])
+
+
+def block_linear(ins, outs, x: int, w: int, b: int | None):
+    """The exact linear rule for a weight held by blocks (``TeSA.from_blocks``), on its blocks: the forward and the
+    input's need reduce the activations over a block's columns or rows; the weight keeps its block form unless some
+    kept block is needed only in part (then it is refined by elements)."""
+    wt, (grid, (bh, bw)) = ins[w], ins[w].block_grid()
+    n, k = wt.shape
+    g = (grid != 0).to(torch.float32)                                   # (N/bh, K/bw)
+    xs = kept(ins[x]).reshape(-1, k)
+    add = kept(ins[b]) if b is not None else torch.zeros((), dtype=torch.bool)
+    fwd = (xs.reshape(-1, k // bw, bw).any(-1).to(torch.float32) @ g.T > 0).repeat_interleave(bh, -1)
+    y = outs[0]
+    new_y = refine(y, (fwd | add).reshape(y.shape))
+    need = kept(new_y).reshape(-1, n)
+    need_x = (need.reshape(-1, n // bh, bh).any(-1).to(torch.float32) @ g > 0).repeat_interleave(bw, -1)
+    new_ins = list(ins)
+    new_ins[x] = refine(ins[x], need_x.reshape(ins[x].shape))
+    new_ins[w] = _refine_blocks(wt, need, xs)
+    if b is not None:
+        new_ins[b] = refine(ins[b], any_to_shape(need, ins[b].shape))
+    return result(ins, outs, new_ins, [new_y, *outs[1:]])
+
+
+def _refine_blocks(wt: TeSA, need: torch.Tensor, xs: torch.Tensor) -> TeSA:
+    """``wt`` refined by ``W[n, k]`` needed iff some row needs output ``n`` and keeps input ``k``, over the distinct
+    column patterns of ``need`` and ``xs`` (few: a dense activation has one)."""
+    grid, (bh, bw) = wt.block_grid()
+    cn, inv_n = torch.unique(need.T, dim=0, return_inverse=True)        # output columns' patterns over rows
+    ck, inv_k = torch.unique(xs.T, dim=0, return_inverse=True)
+    ok = (cn.to(torch.float32) @ ck.T.to(torch.float32)) > 0           # pattern pairs meeting on some row
+    pn = torch.zeros(len(inv_n), len(cn)).index_put_((torch.arange(len(inv_n)), inv_n), torch.tensor(1.0))
+    pk = torch.zeros(len(inv_k), len(ck)).index_put_((torch.arange(len(inv_k)), inv_k), torch.tensor(1.0))
+    pn = pn.reshape(-1, bh, len(cn)).amax(1)                            # the patterns in each block row / column
+    pk = pk.reshape(-1, bw, len(ck)).amax(1)
+    some_unneeded = (pn @ (~ok).to(torch.float32) @ pk.T) > 0
+    if not bool((some_unneeded & (grid != 0)).any()):
+        return wt
+    some_needed = (pn @ ok.to(torch.float32) @ pk.T) > 0
+    if not bool((some_unneeded & some_needed & (grid != 0)).any()):     # whole blocks unneeded: still by blocks
+        return wt.map_bits(lambda bits: torch.where(some_needed, bits, 0))
+    return refine(wt, ok[inv_n][:, inv_k])
 
 
 def _distinct_rows(x: TeSA, y: TeSA):

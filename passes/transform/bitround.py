@@ -28,16 +28,21 @@ class BitGroup:
 
 
 def round_bits(tesa: TeSA, widths: list[int]) -> TeSA:
-    """Each kept element's bits rounded up to the smallest width in ``widths`` holding it."""
+    """Each kept element's bits rounded up to the smallest width in ``widths`` holding it (on a TeSA's blocks where
+    it is held by blocks)."""
     widths = sorted(widths)
-    bits = tesa.view().to(torch.int16)
-    out = torch.zeros_like(bits)
-    lower = 0
-    for w in widths:
-        out = torch.where((bits > lower) & (bits <= w), torch.full_like(bits, w), out)
-        lower = w
-    out = torch.where(bits > widths[-1], torch.full_like(bits, widths[-1]), out)
-    return TeSA(out.to(torch.uint8), _trusted=True)
+
+    def rounded(view):
+        bits = view.to(torch.int16)
+        out = torch.zeros_like(bits)
+        lower = 0
+        for w in widths:
+            out = torch.where((bits > lower) & (bits <= w), torch.full_like(bits, w), out)
+            lower = w
+        return torch.where(bits > widths[-1], torch.full_like(bits, widths[-1]), out)
+    if tesa.uniform is None:
+        return tesa.map_bits(rounded)
+    return TeSA(rounded(tesa.view()).to(torch.uint8), _trusted=True)
 
 
 def groupings(tesa: TeSA, widths: list[int]) -> list[list[BitGroup]]:
@@ -56,11 +61,10 @@ def groupings(tesa: TeSA, widths: list[int]) -> list[list[BitGroup]]:
             else:
                 run.append(w)
         runs.append(run)
-        bits = rounded.view()
         groups = []
-        for r in runs:
-            sel = (bits >= r[0]) & (bits <= r[-1])
-            groups.append(BitGroup(r[-1], TeSA.from_mask(sel, r[-1])))
+        for lo, hi in ((r[0], r[-1]) for r in runs):
+            sel = rounded.map_bits(lambda bits: torch.where((bits >= lo) & (bits <= hi), hi, 0))
+            groups.append(BitGroup(hi, sel))
         options.append(groups)
     options.sort(key=len, reverse=True)
     return options

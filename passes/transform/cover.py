@@ -28,10 +28,23 @@ class ShapeCover:
     blocks: torch.Tensor      # bool grid (ceil(H/bh), ceil(W/bw)): chosen blocks
     assigned: torch.Tensor    # bool (H, W): kept elements this shape computes
     cost: float               # sum of block costs
+    unit: tuple[int, int] = (1, 1)   # ``assigned`` (and a 1×1 shape's ``blocks``) hold one value per unit × unit
 
     @property
     def n_blocks(self) -> int:
-        return int(torch.count_nonzero(self.blocks))
+        return int(torch.count_nonzero(self.blocks)) * (self.unit[0] * self.unit[1] if self.shape == (1, 1) else 1)
+
+    @property
+    def nnz(self) -> int:
+        """Kept elements this shape computes."""
+        return int(torch.count_nonzero(self.assigned)) * self.unit[0] * self.unit[1]
+
+    def elements(self, bits: int):
+        """The TeSA of the elements this shape computes, at ``bits`` (held by units where the cover ran on them)."""
+        from ...tesa import TeSA
+        if self.unit == (1, 1):
+            return TeSA.from_mask(self.assigned, bits)
+        return TeSA.from_blocks(self.assigned, self.unit, bits)
 
 
 ROUNDS = 32  # vectorised greedy rounds before the heap takes over (each costs one pass per shape)
@@ -123,6 +136,26 @@ def block_cover(mask: torch.Tensor, costs: dict[tuple[int, int], float]) -> list
         assigned[(1, 1)] |= uncovered
         total[(1, 1)] += costs[(1, 1)] * int(torch.count_nonzero(uncovered))
     return [ShapeCover(s, chosen[s], assigned[s], total[s]) for s in shapes if chosen[s].any()]
+
+
+def block_cover_by_blocks(grid: torch.Tensor, block: tuple[int, int],
+                          costs: dict[tuple[int, int], float]) -> list[ShapeCover]:
+    """:func:`block_cover` of the mask that keeps the ``block``-shaped blocks ``grid`` (bool) keeps, run on units of
+    the coarsest grid every candidate shape aligns with (each kept unit is whole, so the greedy takes the same blocks;
+    1×1 elements are priced per unit). The covers hold ``assigned`` per unit (``ShapeCover.unit``)."""
+    coarse = [s for s in costs if s != (1, 1)]
+    gh = math.gcd(block[0], *(s[0] for s in coarse))
+    gw = math.gcd(block[1], *(s[1] for s in coarse))
+    if (1, 1) in costs and (gh, gw) in coarse:      # a shape of one unit would read as the 1×1 one: halve the unit
+        gh, gw = (gh, gw // 2) if gw % 2 == 0 else (gh // 2, gw) if gh % 2 == 0 else (1, 1)
+    if (gh, gw) == (1, 1):
+        mask = grid.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        return block_cover(mask, costs)
+    mask = grid.repeat_interleave(block[0] // gh, 0).repeat_interleave(block[1] // gw, 1)
+    scaled = {((s[0] // gh, s[1] // gw) if s != (1, 1) else s): c * (gh * gw if s == (1, 1) else 1)
+              for s, c in costs.items()}
+    back = {(s[0] // gh, s[1] // gw) if s != (1, 1) else s: s for s in costs}
+    return [ShapeCover(back[c.shape], c.blocks, c.assigned, c.cost, (gh, gw)) for c in block_cover(mask, scaled)]
 
 
 def cover_cost(cover: list[ShapeCover]) -> float:

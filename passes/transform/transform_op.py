@@ -23,7 +23,7 @@ import torch
 from ...graph import Graph, Op
 from ...tesa import TeSA, bits_of_dtype
 from .bitround import groupings
-from .cover import block_cover
+from .cover import block_cover, block_cover_by_blocks
 from ..fusion import epilogue
 from ..gemm import gemm_bias, gemm_view, in_weight_layout, weight_matrix
 from .plan import Candidate, OpPlan, SubOp, WeightQuant
@@ -153,17 +153,21 @@ def choose(options):
 
 def _group_options(group, profile: HardwareProfile, act_bits: int, rows: list[int], model_bits: tuple[int, int]):
     """(cost at each of ``rows``, sub-ops costed at the first, description) for each way to run one bit group."""
-    mask = group.tesa.mask
+    by_blocks = group.tesa.block_grid()
+    mask = group.tesa.mask if by_blocks is None else None
     kern = profile.kernel(group.bits, act_bits)
-    n, k = mask.shape
+    n, k = group.tesa.shape
     options = []
     if (group.bits, act_bits) != model_bits:  # at the model's own widths this is the dense candidate
         us = [profile.dense_us(m, n, k, group.bits, act_bits) for m in rows]
-        options.append((us, [SubOp("dense", group.bits, act_bits, None, 0, int(torch.count_nonzero(mask)), us[0],
+        nnz = sum(c for b, c in group.tesa.bit_histogram().items() if b)
+        options.append((us, [SubOp("dense", group.bits, act_bits, None, 0, nnz, us[0],
                                    elements=group.tesa)], f"dense@W{group.bits}A{act_bits}"))
     seen = set()
     for menu in _menus(kern.block_shapes()):
-        cover = block_cover(mask, {s: kern.blocks[s] for s in menu})
+        menu_costs = {s: kern.blocks[s] for s in menu}
+        cover = block_cover(mask, menu_costs) if by_blocks is None else \
+            block_cover_by_blocks(by_blocks[0] != 0, by_blocks[1], menu_costs)
         key = tuple((c.shape, c.n_blocks) for c in cover)
         if key in seen:
             continue
@@ -173,9 +177,9 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, rows: list[in
             us = [profile.sub_op_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits, k) for m in rows]
             fine = c.shape == (1, 1)
             subs.append(SubOp("fine_sparse" if fine else "block_sparse", group.bits, act_bits, c.shape,
-                              c.n_blocks, int(torch.count_nonzero(c.assigned)), us[0],
+                              c.n_blocks, c.nnz, us[0],
                               blocks=TeSA.from_mask(c.blocks, 1) if not fine else None,
-                              elements=TeSA.from_mask(c.assigned, group.bits)))
+                              elements=c.elements(group.bits)))
             costs = [a + b for a, b in zip(costs, us)]
         desc = " + ".join(f"{c.n_blocks}x{c.shape[0]}x{c.shape[1]}@W{group.bits}A{act_bits}" for c in cover)
         options.append((costs, subs, desc or "empty"))

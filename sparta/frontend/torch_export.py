@@ -82,7 +82,10 @@ def from_torch(module: torch.nn.Module, example_inputs=(), example_kwargs=None, 
                 table.pop(op, None)
             ep = ep.run_decompositions(table)
         except Exception as exc:  # noqa: BLE001 - export errors come in many types; all mean "cannot capture"
-            raise CaptureError(f"torch.export could not capture {name}: {type(exc).__name__}: {exc}") from exc
+            hint = ("; the model returns an object sparta cannot take apart (a cache?): have forward return tensors "
+                    "or a ModelOutput (a Hugging Face model: use_cache=False in example_kwargs)"
+                    if "in output, which is not a known type" in str(exc) else "")
+            raise CaptureError(f"torch.export could not capture {name}: {type(exc).__name__}: {exc}{hint}") from exc
         _refuse_mutation(ep, name)      # known only once decomposition has functionalised the graph
         _check_runs(module, example_inputs, example_kwargs, name)
     graph = _build(ep, name)
@@ -382,6 +385,7 @@ def _build(ep, name: str) -> Graph:
     uses: dict[str, list] = {}       # symbol -> every [input, dim] of that size
     tied = _tie(names, state, nodes)
     params = dict(ep.named_parameters())
+    share = _shares_storage(state, names.values())
     for n in ep.graph.nodes:
         if n.op == "placeholder":
             if n.name in names:  # weight / buffer / constant
@@ -389,8 +393,9 @@ def _build(ep, name: str) -> Graph:
                 if target in tied:
                     names[n.name] = tied[target]
                     continue
-                # an own copy: later in-place updates of the source model do not reach the compiled one
-                data = state[target].detach().clone()
+                # an own copy (later in-place updates of the source model do not reach the compiled one), except
+                # for a model too large to hold twice: then the module's storage is shared (_shares_storage)
+                data = state[target].detach() if share else state[target].detach().clone()
                 g.add_tensor(_value_of(data, target, "weight", data=data, is_parameter=target in params))
             elif isinstance(n.meta.get("val"), torch.Tensor):
                 names[n.name] = n.name
@@ -474,6 +479,17 @@ def _tie_batches(g: Graph, dynamic: dict, uses: dict, ranges: dict) -> None:
     for op in g.ops():
         op.args = pytree.tree_map_only(SymRef, renamed, op.args)
         op.kwargs = pytree.tree_map_only(SymRef, renamed, op.kwargs)
+
+
+SHARE_BYTES = 1 << 30
+"""A model whose weights, buffers and constants take more bytes than this is captured sharing their storage with the
+module (no copy: a 7B model is 13.5 GB in bf16); the graph then reads what the module holds, and an in-place update of
+the module after the compile reaches the dense ops of the compiled model (packed sparse weights are copies)."""
+
+
+def _shares_storage(state: dict, targets) -> bool:
+    """Whether :func:`_build` shares the module's tensors instead of copying them (:data:`SHARE_BYTES`)."""
+    return sum(state[t].numel() * state[t].element_size() for t in set(targets)) > SHARE_BYTES
 
 
 def _tie(names: dict, state: dict, nodes: dict) -> dict[str, str]:
