@@ -8,7 +8,7 @@ weights from a checkpoint built there, against dense ``generate()`` peers in one
 
 The model is Llama-2-7B's shape (width 4096, FFN 11008, 32 heads, vocabulary 32000; ``--layers`` of its 32 layers),
 bf16, random weights from ``--seed``; every decoder linear keeps ``--density`` of its ``--block`` blocks, chosen by a
-seeded generator that gives the same masks on every machine. Peers, each on the same masked weights: Hugging Face
+seeded generator that gives the same masks on every machine (``--bits 4``: and its weights are 4-bit, W4A16). Peers, each on the same masked weights: Hugging Face
 ``generate()`` eager (dynamic cache); with its static cache and ``torch.compile`` (its own auto-compile of the decode
 step, ``reduce-overhead``); and the dense model with the decode step replayed from CUDA graphs exactly as sparta's
 (``sparta.runtime.decode_graphs``) — the fairest dense peer, gpt-fast's loop. Reported: tokens/s of the new tokens
@@ -56,6 +56,8 @@ def build(args) -> None:
     with torch.device("meta"):
         shapes = transformers.LlamaForCausalLM(cfg)
     masks = masks_for(shapes, args.density, args.block)
+    if args.bits != 16:                        # the user's bits on every decoder linear: no calibration
+        masks = {n: sparta.TeSA.from_mask(m, args.bits) for n, m in masks.items()}
     del shapes
     torch.manual_seed(args.seed)
     model = transformers.LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
@@ -64,7 +66,7 @@ def build(args) -> None:
     compiled = sparta.compile(model, masks, (ids,), target="cuda", tokens=(1, args.prompt_tokens))
     compile_s = time.perf_counter() - t0
     compiled.save(args.build, weights=False)
-    meta = {"layers": args.layers, "density": args.density, "block": args.block, "seed": args.seed,
+    meta = {"layers": args.layers, "density": args.density, "block": args.block, "seed": args.seed, "bits": args.bits,
             "compile_s": compile_s, "timings": compiled.timings}
     (Path(args.build) / "bench.json").write_text(json.dumps(meta, indent=1))
     print(compiled.plan_report(only_gemm=True))
@@ -78,7 +80,7 @@ def checkpoint(meta: dict, device: str):
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config(meta["layers"])).eval().to(torch.bfloat16)
     with torch.no_grad():
-        for name, mask in masks_for(model, meta["density"], meta["block"]).items():
+        for name, mask in masks_for(model, meta["density"], meta["block"]).items() if meta["density"] < 1 else ():
             model.get_parameter(name).mul_(mask.to(device))
     return model
 
@@ -116,6 +118,8 @@ def kl_to(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 def run(args) -> dict:
     import sparta
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     from sparta.runtime.decode_graphs import DecodeGraphs
     meta = json.loads((Path(args.dir) / "bench.json").read_text())
     dense = checkpoint(meta, "cuda")
@@ -145,7 +149,7 @@ def run(args) -> dict:
         return dense.generate(p, max_new_tokens=n, min_new_tokens=n, cache_implementation="static", **kw)
 
     peers = {"sparta": sparta_gen, "dense_cuda_graphs": graphs_gen, "dense_eager": eager_gen,
-             "dense_hf_compile": hf_compiled_gen}
+             "dense_hf_compile": hf_compiled_gen}      # the slowest to start last
     for name, fn in peers.items():
         if args.only and name not in args.only:
             continue
@@ -155,6 +159,8 @@ def run(args) -> dict:
         except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the others still run
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         print(name, {k: v for k, v in results[name].items() if k != "tokens"}, flush=True)
+        if args.out:                           # what is measured survives a run cut off later
+            Path(args.out).write_text(json.dumps(results, indent=1))
     ok = [k for k in peers if "tok_s" in results.get(k, {}) and k != "sparta"]
     if "tok_s" in results.get("sparta", {}) and ok:
         best = max(ok, key=lambda k: results[k]["tok_s"])
@@ -184,6 +190,7 @@ def main():
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bits", type=int, default=16, help="--build: the decoder linears' weight bits (4: W4A16)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="--build: the largest prefill planned for")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)

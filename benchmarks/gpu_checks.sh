@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call: install sparta (no deps, no TVM), run the GPU suite on fixtures built from this commit, then the
-# benchmarks named in $1 ("suite", "gemv", "bert", "rmsnorm"; default all). Logs and results JSON go to $OUT (or
+# benchmarks named in $1 ("suite", "gemv", "bert", "rmsnorm", "generate"; default all but generate). Logs and results JSON go to $OUT (or
 # results/). The artifacts travel as one archive (artifacts/cuda.tar.xz of artifacts/cuda and the benchmarks' folders).
 #   python tests/fixtures/build_cuda.py; python benchmarks/bench_cuda_any_rows_gemv.py --build     # build machine
 #   bash benchmarks/gpu_checks.sh "suite gemv"                                                       # GPU machine
@@ -28,5 +28,13 @@ if [[ $WHAT == *bert* ]]; then
 fi
 if [[ $WHAT == *rmsnorm* ]]; then
     python benchmarks/bench_cuda_rmsnorm.py > "$OUT/rmsnorm.log" 2>&1; tail -6 "$OUT/rmsnorm.log"
+fi
+if [[ $WHAT == *generate* ]]; then      # folders of bench_generate.py --build: gen*/ (kernels only)
+    for d in artifacts/gen*/; do
+        n=$(basename "$d"); for b in ${GEN_BATCHES:-1}; do
+            python benchmarks/bench_generate.py --dir "$d" --batch "$b" --out "$OUT/generate-$n-b$b.json" \
+                > "$OUT/generate-$n-b$b.log" 2>&1; tail -22 "$OUT/generate-$n-b$b.log"
+        done
+    done
 fi
 ls "$OUT"      # the benchmarks write their JSON there ($SPARTA_RESULTS)
