@@ -68,9 +68,15 @@ def build(args) -> None:
     compiled.save(args.build, weights=False)
     meta = {"layers": args.layers, "density": args.density, "block": args.block, "seed": args.seed, "bits": args.bits,
             "compile_s": compile_s, "timings": compiled.timings}
-    (Path(args.build) / "bench.json").write_text(json.dumps(meta, indent=1))
+    meta_path(args.build).write_text(json.dumps(meta, indent=1))
     print(compiled.plan_report(only_gemm=True))
     print(json.dumps(meta, indent=1))
+
+
+def meta_path(folder) -> Path:
+    """What the benchmark needs of a build (layers, masks' seed, compile time): beside the saved folder, whose every
+    file the manifest lists."""
+    return Path(str(folder).rstrip("/") + ".bench.json")
 
 
 def checkpoint(meta: dict, device: str):
@@ -121,7 +127,7 @@ def run(args) -> dict:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     from sparta.runtime.decode_graphs import DecodeGraphs
-    meta = json.loads((Path(args.dir) / "bench.json").read_text())
+    meta = json.loads(meta_path(args.dir).read_text())
     dense = checkpoint(meta, "cuda")
     compiled = sparta.load(args.dir, weights=dense).to("cuda")
     vocab = dense.config.vocab_size

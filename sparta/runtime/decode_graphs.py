@@ -4,8 +4,8 @@ Hugging Face's ``generate`` runs each decode step through ``model.get_compiled_c
 (fixed addresses). :class:`DecodeGraphs` is that call: each step signature (the tensors' shapes and dtypes, the cache
 object) is captured once into a ``torch.cuda.CUDAGraph`` and replayed with the step's inputs copied in, so a step
 costs the host one launch instead of one per kernel. The 2-d padding mask, which grows by one each step, goes in as
-a 4-d mask over the whole static cache (what the model would have built from it), so every step of a generation has
-one shape. Prefill and any call this cannot replay (no static cache, several tokens, not on a GPU) run eagerly.
+a 4-d mask over the whole static cache (what the model would have built from it; some transformers releases pass that
+4-d mask already), so every step of a generation has one shape. Prefill and any call this cannot replay (no static cache, several tokens, not on a GPU) run eagerly.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 def max_cache_length(cache) -> int | None:
     """The number of positions a static cache holds (None: not a cache of fixed length this can read)."""
-    for name in ("get_max_cache_shape", "get_max_length"):
+    for name in ("get_max_length", "get_max_cache_shape"):       # the name of newer transformers first
         fn = getattr(cache, name, None)
         if callable(fn):
             try:
@@ -45,6 +45,7 @@ class DecodeGraphs:
         self.model = model
         self.graphs: dict = {}
         self.replays = 0
+        self.fallbacks = 0         # calls run eagerly (prefill, or a step this cannot replay)
 
     def __call__(self, **kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
@@ -52,10 +53,12 @@ class DecodeGraphs:
         mask = kwargs.get("attention_mask")
         length = max_cache_length(cache) if cache is not None else None
         if not (isinstance(ids, torch.Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1
-                and length is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2
-                and mask.shape[1] <= length):
+                and length is not None and isinstance(mask, torch.Tensor)
+                and (mask.dim() == 2 and mask.shape[1] <= length or mask.dim() == 4 and mask.shape[-1] == length)):
+            self.fallbacks += 1
             return self.model(**kwargs)
-        kwargs = dict(kwargs, attention_mask=self._full_mask(mask, length))
+        if mask.dim() == 2:        # some transformers releases build the 4-d mask themselves for a static cache
+            kwargs = dict(kwargs, attention_mask=self._full_mask(mask, length))
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in kwargs.items() if k not in tensors}
         key = (tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(tensors.items())),
