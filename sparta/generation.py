@@ -101,7 +101,6 @@ def swap_report(model) -> list[tuple[str, str]]:
 
 
 def _rebuild(compiled, record: dict):
-    from .compiled_model import masked_weights
     from .frontend.hf import model_class
     graph: Graph = compiled.graph
     cls = model_class(record["class"])
@@ -112,7 +111,7 @@ def _rebuild(compiled, record: dict):
     swaps, report = _swaps(compiled, model)
     for path, module in swaps.items():
         _set_module(model, path, module)
-    masked = masked_weights(graph)
+    masked = _Masked(graph)
     missing = []
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
@@ -133,19 +132,32 @@ def _rebuild(compiled, record: dict):
     return model, report
 
 
-def _weight(graph: Graph, name: str, masked: dict) -> torch.Tensor | None:
+class _Masked:
+    """A graph weight's value with its pruned elements zero, computed for the weights asked for only."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+
+    def get(self, name: str):
+        v = self.graph.tensor(name)
+        if v.data is None:
+            return None
+        return v.data if v.tesa.is_dense else v.tesa.apply(v.data)
+
+
+def _weight(graph: Graph, name: str, masked: _Masked) -> torch.Tensor | None:
     """A parameter's value in the compiled graph (its pruned elements zero): by name, alias or stacked part."""
     try:
         target, perm = graph.resolve(name)
     except SpartaError:
         target, perm = None, None
     if target is not None:
-        value = masked.get(target, graph.tensor(target).data)
+        value = masked.get(target)
         return None if value is None else value if perm is None else value.permute(perm).contiguous()
     for stacked, parts in graph.stacked_weights.items():
         for part, start, end in parts:
             if part == name and graph.has_tensor(stacked):
-                value = masked.get(stacked, graph.tensor(stacked).data)
+                value = masked.get(stacked)
                 return None if value is None else value[start:end].clone()
     return None
 
