@@ -53,10 +53,8 @@ def nvcc_version() -> str:
 def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     """``template(spec)`` (an IRModule with one PrimFunc ``spec.name``) → cached CUDA artifact, with
     cubins for ``spec.archs`` if the spec names them (e.g. ``sm_90a`` for wgmma), else ``archs``."""
+    key = _key(template, spec, archs)
     archs = _archs(spec, archs)
-    key = cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
-                           "archs": list(archs), "versions": versions(), "nvcc": nvcc_version(),
-                           "source": _source_digest(inspect.getmodule(template))})
     t0 = time.perf_counter()
     path = cache.lookup(key, "launch.json")
     if path is not None:
@@ -81,6 +79,49 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
 
     path = cache.store(key, "launch.json", write, {"name": spec.name, "kind": "cuda"})
     return CudaArtifact(path.parent, json.loads(path.read_text()), False, time.perf_counter() - t0)
+
+
+def _key(template, spec, archs=ARCHS) -> str:
+    return cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
+                            "archs": list(_archs(spec, archs)), "versions": versions(), "nvcc": nvcc_version(),
+                            "source": _source_digest(inspect.getmodule(template))})
+
+
+def build_jobs() -> int:
+    """Worker processes for :func:`prebuild`: ``SPARTA_BUILD_JOBS``, else one per core (1: build in this process)."""
+    try:
+        return max(1, int(os.environ.get("SPARTA_BUILD_JOBS") or os.cpu_count() or 1))
+    except ValueError:
+        raise CodegenError(f"SPARTA_BUILD_JOBS must be a number of processes, got "
+                           f"{os.environ['SPARTA_BUILD_JOBS']!r}") from None
+
+
+def prebuild(items, jobs: int | None = None, progress=None) -> int:
+    """Build the kernels of ``items`` ((template, spec) pairs; repeats built once) that the cache lacks, in a pool of
+    ``jobs`` processes (default :func:`build_jobs`), so the builds that follow find them cached. Returns how many were
+    built. ``progress(n)`` is told of each one done."""
+    todo = {}
+    for template, spec in items:
+        key = _key(template, spec)
+        if key not in todo and cache.lookup(key, "launch.json") is None:
+            todo[key] = (template, spec)
+    jobs = build_jobs() if jobs is None else jobs
+    if jobs <= 1 or len(todo) <= 1:
+        for template, spec in todo.values():
+            build_cuda(template, spec)
+            progress and progress(1)
+        return len(todo)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in as_completed([pool.submit(_build_one, t, s) for t, s in todo.values()]):
+            done.result()
+            progress and progress(1)
+    return len(todo)
+
+
+def _build_one(template, spec) -> None:
+    build_cuda(template, spec)
 
 
 def cuda_source(template, spec) -> str:
@@ -261,4 +302,4 @@ def save_dir(artifact: CudaArtifact, dest: Path) -> Path:
     return dest
 
 
-__all__ = ["build_cuda", "build_folders", "cuda_source", "cuda_templates", "CudaArtifact", "ARCHS", "save_dir"]
+__all__ = ["build_cuda", "build_folders", "prebuild", "build_jobs", "cuda_source", "cuda_templates", "CudaArtifact", "ARCHS", "save_dir"]

@@ -17,6 +17,7 @@ import dataclasses
 
 from ..backend.fx import Fused, Passthrough
 from ..graph import Graph
+from ..progress import bar
 from ..passes.fusion import GatedUnit
 from ..passes.transform.groups import NORM_OPS, check_epilogue
 from ..passes.transform.plan import Plan
@@ -29,7 +30,7 @@ from ..templates.registry import family
 from ..templates.w8a8_gemv.kernel import w8a8_gemv
 from ..templates.w8a8_gemv.runtime import W8A8GemvCUDA
 from .cuda_bind import torch_row
-from .cuda_build import build_cuda
+from .cuda_build import build_cuda, prebuild
 from .select_cuda import select_kernels
 
 
@@ -40,10 +41,12 @@ def specialize_cuda(graph: Graph, plan: Plan, target: Target | None = None):
     target = target if target is not None else load_target("cuda")
     if any(p.kind == "sparse" and p.kernel is None for p in plan.ops.values()):
         select_kernels(graph, plan, target)
+    prebuild_tiles(graph, plan)
     replacements, report = {}, []
-    for op_plan in plan.ops.values():
-        if op_plan.kind != "sparse":
-            continue
+    sparse = [p for p in plan.ops.values() if p.kind == "sparse"]
+    progress = bar("specialise", len(sparse))
+    for op_plan in sparse:
+        progress.update(1)
         op = graph.op(op_plan.op)
         if op_plan.kernel.kernel == "torch":
             report.append(torch_row(op, "W16A16", op_plan.kernel.reason))
@@ -57,12 +60,26 @@ def specialize_cuda(graph: Graph, plan: Plan, target: Target | None = None):
         elif fused is not None:
             replacements[fused.name] = Passthrough(fused.inputs[0])
         report += rows
+    progress.close()
     rows = {r["op"]: r for r in report}
     for group in plan.fusions:
         if group.kind == "codes":
             _write_codes(graph, group, replacements, rows[group.anchor])
     report += _norms(graph, plan, replacements)
     return replacements, report
+
+
+def prebuild_tiles(graph: Graph, plan: Plan, jobs: int | None = None) -> int:
+    """Build the block-sparse family's kernels of ``plan`` that the cache lacks in a pool of processes
+    (``cuda_build.prebuild``), before the ops' builds find them cached; returns how many were built."""
+    from ..templates.bsr_linear.build import kernel_specs
+    from .cuda_bind import gemm_parts
+    items = []
+    for p in plan.ops.values():
+        if p.kind == "sparse" and p.kernel is not None and p.kernel.kernel == "bsr_linear":
+            items += kernel_specs(p, gemm_parts(graph, graph.op(p.op), p))["all"]
+    with bar("build kernels", unit="kernel") as progress:
+        return prebuild(items, jobs, progress.update)
 
 
 def _write_codes(graph: Graph, group, replacements: dict, row: dict) -> None:

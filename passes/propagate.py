@@ -133,6 +133,21 @@ def _restore_sequence_bound_weights(graph: Graph, before: dict) -> list[str]:
     return restored
 
 
+def _structure(op: Op) -> str:
+    """What a rule reads of ``op`` besides the TeSAs, with its tensors named by their place among its inputs (so two
+    layers' ops of one structure have one key)."""
+    from torch.utils import _pytree as pytree
+
+    from ..graph import TensorRef
+    slot = {t: i for i, t in reversed(list(enumerate(op.inputs)))}
+
+    def anon(x):
+        return f"@{slot.get(x.name, x.name)}"
+    args = pytree.tree_map_only(TensorRef, anon, (op.args, op.kwargs))
+    return repr((op.op, str(op.target), op.roles, [slot[t] for t in op.inputs], len(op.outputs), op.multi_output,
+                 sorted(op.attrs.items(), key=lambda kv: kv[0]), args))
+
+
 class _Engine:
     def __init__(self, g: Graph, scramble: str, trials: int, seed: int, device, report: PropagationReport):
         self.g, self.mode, self.trials, self.seed, self.device, self.report = g, scramble, trials, seed, device, report
@@ -145,6 +160,25 @@ class _Engine:
         self.is_output = set(g.outputs)
         self.constants = {v.name: v.data for v in g.tensors("weight")
                           if v.data is not None and not v.data.dtype.is_floating_point}
+        self.memo: dict[tuple, tuple] = {}      # rule answers by op structure and TeSA contents (repeated layers)
+
+    def remembered(self, op: Op, ins, outs, fn):
+        """``fn(op, ins, outs)`` of a rule (a pure function of the op's structure and the TeSAs), answered from
+        :attr:`memo` for an op of the same structure already seen with equal TeSAs (the next decoder layer's)."""
+        key = (_structure(op), tuple(t.digest() for t in ins), tuple(t.digest() for t in outs))
+        hit = self.memo.get(key)
+        if hit is None:
+            res = fn(op, ins, outs)
+            if res is None:
+                self.memo[key] = (None,)
+                return None
+            hit = tuple([None if new is old else new for new, old in zip(news, olds)] for news, olds in
+                        zip(res, (ins, outs)))
+            self.memo[key] = hit
+        if hit == (None,):
+            return None
+        return tuple([old if new is None else new for new, old in zip(news, olds)] for news, olds in
+                     zip(hit, (ins, outs)))
 
     def combined(self, name: str) -> TeSA:
         fact = self.fact[name]
@@ -173,7 +207,7 @@ class _Engine:
 
     def evaluate(self, op: Op, ins, outs):
         fn = None if self.mode == "always" else get_rule(op.op)
-        res = fn(op, ins, outs) if fn is not None else None
+        res = self.remembered(op, ins, outs, fn) if fn is not None else None
         if res is not None:
             self.report.by_rule[fn.__name__] = self.report.by_rule.get(fn.__name__, 0) + 1
             return res, fn.__name__
@@ -194,7 +228,13 @@ class _Engine:
         for v in list(self.g.tensors()):
             if not self.slots[v.name] and v.name not in self.is_output:
                 self.update(v.name, queue, queued)
+        from ..progress import bar
+        with bar("propagate", unit="rule") as progress:
+            self._drain(queue, queued, limit, progress)
+
+    def _drain(self, queue, queued, limit: int, progress) -> None:
         while queue:
+            progress.update(1)
             if self.report.evaluations >= limit:
                 raise PropagationError(f"propagation did not converge within {limit} rule evaluations")
             op = self.g.op(queue.popleft())

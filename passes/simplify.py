@@ -26,7 +26,9 @@ import itertools
 import torch
 from torch.utils import _pytree as pytree
 
+
 from ..graph import Graph, Op, SymRef, TensorRef, bind_call
+from ..tesa import TeSA
 
 ATTENTION = ("scaled_dot_product_attention",)
 COPIES = ("clone", "alias", "detach")
@@ -186,6 +188,20 @@ def fuse_sibling_linears(graph: Graph) -> Graph:
     return out
 
 
+def _stacked_tesa(tesas: list) -> TeSA:
+    """The TeSAs of weights (or biases) stacked along their first dim: by blocks where every part is held by blocks
+    of one shape (or is uniform and a whole number of them), else by elements."""
+    grids = [t.block_grid() for t in tesas]
+    block = next((g[1] for g in grids if g is not None), None)
+    if block is not None and all(t.ndim == 2 and t.shape[0] % block[0] == 0 and t.shape[1] % block[1] == 0
+                                 and (g is None and t.uniform is not None or g is not None and g[1] == block)
+                                 for t, g in zip(tesas, grids)):
+        parts = [g[0] if g is not None else torch.full((t.shape[0] // block[0], t.shape[1] // block[1]), t.uniform,
+                                                         dtype=torch.uint8) for t, g in zip(tesas, grids)]
+        return TeSA(torch.cat(parts), _trusted=True, _block=block)
+    return TeSA(torch.cat([t.view() for t in tesas]), _trusted=True)
+
+
 def _stacked_name(names: list[str]) -> str:
     """``a.q_proj.weight`` + ``a.k_proj.weight`` -> ``a.q_proj+k_proj.weight``."""
     parts = [n.split(".") for n in names]
@@ -212,7 +228,7 @@ def _stacked_linear(graph: Graph, out: Graph, ops: list[Op], ranges: dict) -> li
         if names[0] is None:
             continue
         vs = [graph.tensor(n) for n in names]
-        tesa = TeSA(torch.cat([v.tesa.view() for v in vs]), _trusted=True)
+        tesa = _stacked_tesa([v.tesa for v in vs])
         data = torch.cat([v.data for v in vs])
         values[role] = out.add_tensor(Value(_stacked_name(names), tuple(data.shape), data.dtype, "weight", tesa,
                                             data, is_parameter=False)).name

@@ -285,9 +285,14 @@ def run_pass(ctx: CompileContext, p: Pass | str) -> CompileContext:
 
 
 def run_passes(ctx: CompileContext, passes=PASSES) -> CompileContext:
-    """Run ``passes`` (default: the pipeline) in order on ``ctx``."""
-    for p in passes:
-        run_pass(ctx, p)
+    """Run ``passes`` (default: the pipeline) in order on ``ctx``, with a progress bar of the stages
+    (``sparta.progress``)."""
+    from .progress import bar
+    with bar("sparta.compile", len(passes), unit="pass") as progress:
+        for p in passes:
+            progress.set_postfix_str(p.name)
+            run_pass(ctx, p)
+            progress.update(1)
     return ctx
 
 

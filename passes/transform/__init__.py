@@ -33,19 +33,27 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
     fitted = dict(getattr(quantization, "weights", {}) or {})
     plan.static_scales = dict(getattr(quantization, "static_scales", {}) or {})
     ops_with_templates = sparse_ops if sparse_ops is not None else prof.sparse_ops
-    for op in graph.ops():
-        p = transform_gemm(graph, op, prof, ops_with_templates)
-        if p is None:
-            nbytes = sum(_nbytes(graph, t) for t in [*op.inputs, *op.outputs])
-            us = prof.memory_us(nbytes)
-            p = OpPlan(op.name, op.op, "torch", us, us)
-        else:
-            p.weight_quant = weight_quantisation(graph, op, p, fitted, prof)
-            if stacked := graph.simplified.stacked_linears.get(op.name):
-                why = f"runs {', '.join(stacked)} stacked as one linear ({p.weight})"
-                p.note = f"{p.note}; {why}" if p.note else why
-        plan.ops[op.name] = p
+    from ...progress import bar
+    with bar("transform", len(graph)) as progress:
+        for op in graph.ops():
+            _plan_op(graph, op, plan, prof, ops_with_templates, fitted)
+            progress.update(1)
     return choose_formats(graph, plan, Target(plan.target, prof))     # each width's default number format
+
+
+def _plan_op(graph: Graph, op, plan: Plan, prof, ops_with_templates, fitted: dict) -> None:
+    """One op's plan into ``plan.ops``."""
+    p = transform_gemm(graph, op, prof, ops_with_templates)
+    if p is None:
+        nbytes = sum(_nbytes(graph, t) for t in [*op.inputs, *op.outputs])
+        us = prof.memory_us(nbytes)
+        p = OpPlan(op.name, op.op, "torch", us, us)
+    else:
+        p.weight_quant = weight_quantisation(graph, op, p, fitted, prof)
+        if stacked := graph.simplified.stacked_linears.get(op.name):
+            why = f"runs {', '.join(stacked)} stacked as one linear ({p.weight})"
+            p.note = f"{p.note}; {why}" if p.note else why
+    plan.ops[op.name] = p
 
 
 def _nbytes(graph: Graph, name: str) -> int:

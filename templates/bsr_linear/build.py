@@ -63,6 +63,34 @@ def _few_row_specs(choice, spec: BsrSpec, site) -> list:
 
 
 
+def kernel_specs(op_plan: OpPlan, parts) -> dict:
+    """The specs of every kernel :func:`build` builds for ``op_plan.kernel`` (``parts``: ``gemm_parts``): ``spec``,
+    ``hopper``, ``gemv`` (or None), ``few`` [(rows, family, spec)], ``buckets`` [(rows, spec)], and ``w4`` (the
+    4-bit parameters or None); ``all`` lists (template, spec) of them all (what a build pool builds ahead)."""
+    choice = op_plan.kernel
+    view, site, rows, bias, unit = parts.view, parts.site, parts.rows, parts.bias, parts.unit
+    _, _, _, m, n, k = view
+    weight, act = site.weight, site.act
+    dtype, tiles = choice.dtype, dict(choice.tiles)
+    w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
+    out = "bfloat16" if dtype in ("int8", "w4a16") and site.act16 == "bfloat16" else "float16"  # low bits, bf16 model
+    spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
+                   zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
+    tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
+    tag += "bf16_" if out == "bfloat16" else ""
+    spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
+                                          f"{f'_g{spec.groups}' if spec.groups else ''}_"
+                                          f"{act}{'_gated' if spec.gate else ''}{'_bias' if spec.bias else ''}")
+    hopper = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma") if choice.hopper else None
+    few = _few_row_specs(choice, spec, site)
+    gemv = _gemv_spec(spec, choice.gemv)
+    buckets = [(top, dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")) for top, t in choice.buckets or ()]
+    every = [(bsr_linear, spec)] + ([(bsr_linear, hopper)] if hopper else []) \
+        + [(w4a16_gemv if family == "w4a16_gemv" else w8a8_gemv, g) for _, family, g in few] \
+        + ([(bsr_gemv, gemv)] if gemv else []) + [(bsr_linear, b) for _, b in buckets]
+    return {"spec": spec, "hopper": hopper, "gemv": gemv, "few": few, "buckets": buckets, "w4": w4, "all": every}
+
+
 def build(graph: Graph, op: Op, op_plan: OpPlan):
     """The tile kernel of ``op_plan.kernel`` for ``op``, with the GEMVs and smaller-M tiles it carries: (module,
     report rows, the fused activation op, gated unit or None)."""
@@ -70,33 +98,20 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     parts = gemm_parts(graph, op, op_plan)
     view, site, rows, bias, fused, unit = parts.view, parts.site, parts.rows, parts.bias, parts.fused, parts.unit
     x_name, _, _, m, n, k = view
-    weight, act = site.weight, site.act
-    dtype, tiles = choice.dtype, dict(choice.tiles)
-    w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
-    out = "bfloat16" if dtype in ("int8", "w4a16") and site.act16 == "bfloat16" else "float16"  # low bits, bf16 model
-    spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
-                   zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
+    weight, act, dtype = site.weight, site.act, choice.dtype
+    specs = kernel_specs(op_plan, parts)
+    spec, w4 = specs["spec"], specs["w4"]
+    out = spec.out
     mask = block_mask_for(weight, spec)
     if choice.dense_grid:
         mask = torch.ones_like(mask)   # every block computed, zeros included (a dense tile does not skip empty blocks)
-    tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
-    tag += "bf16_" if out == "bfloat16" else ""
-    spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
-                                          f"{f'_g{spec.groups}' if spec.groups else ''}_"
-                                          f"{act}{'_gated' if spec.gate else ''}{'_bias' if spec.bias else ''}")
     art = build_cuda(bsr_linear, spec)
-    hopper = None
-    if choice.hopper is not None:      # Hopper's warpgroup MMA over the same packed blocks, run on sm_90
-        h_spec = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma")
-        hopper = (build_cuda(bsr_linear, h_spec), h_spec)
+    hopper = (build_cuda(bsr_linear, specs["hopper"]), specs["hopper"]) if specs["hopper"] is not None else None
     few = [(top, build_cuda(w4a16_gemv if family == "w4a16_gemv" else w8a8_gemv, g), g)
-           for top, family, g in _few_row_specs(choice, spec, site)]
-    g_spec = _gemv_spec(spec, choice.gemv)
+           for top, family, g in specs["few"]]
+    g_spec = specs["gemv"]
     gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
-    buckets = []                        # tile kernels over the same packed blocks for calls of few rows
-    for top, t in choice.buckets or ():
-        b_spec = dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")
-        buckets.append((top, build_cuda(bsr_linear, b_spec), b_spec))
+    buckets = [(top, build_cuda(bsr_linear, b_spec), b_spec) for top, b_spec in specs["buckets"]]
     out_shape = graph.tensor((unit.mul if unit else op).outputs[0]).shape
     if w4 is not None:
         scale, zero = w4.expand(k)
