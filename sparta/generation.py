@@ -304,9 +304,14 @@ def _parameters_on_meta():
 
 def generate(compiled, *args, **kwargs):
     """``compiled.generate``: Hugging Face's ``generate`` on :func:`decoder`; on a GPU with a static cache (unless a
-    cache or cache implementation is given) and each decode step replayed from a CUDA graph."""
+    cache or cache implementation is given) and each decode step replayed from a CUDA graph — a plain greedy call
+    runs :func:`sparta.runtime.decode_loop.greedy_generate` (one graph per token, forward to next input)."""
+    from .runtime import decode_loop
     from .runtime.decode_graphs import DecodeGraphs
     model = compiled.decoder()
+    if model.device.type == "cuda" and decode_loop.supports(args, kwargs):
+        with torch.no_grad():
+            return decode_loop.greedy_generate(model, *args, **kwargs)
     if model.device.type == "cuda":
         if not any(k in kwargs for k in ("cache_implementation", "past_key_values", "cache")) \
                 and kwargs.get("use_cache", True):

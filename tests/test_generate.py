@@ -172,3 +172,25 @@ def test_a_kernels_only_save_generates_with_the_checkpoints_weights_and_refuses_
     other["model.layers.1.mlp.down_proj.weight"] += 1e-2          # non-zero where the compiled mask prunes
     with pytest.raises(sparta.SpartaError, match="down_proj"):
         sparta.load(tmp_path / "plan", weights=other)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stops(kind):
+    """The GPU loop's steps (mask slot, positions, argmax, padding after the end of sequence, stop once every row
+    ended) run here one by one, without graphs: the tokens equal Hugging Face's greedy loop's with a static cache,
+    for rows that end early, rows that do not, and a left-padded row."""
+    from sparta.runtime.decode_loop import greedy_generate
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval()
+    prompt = torch.randint(1, 200, (3, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(prompt)
+    mask[2, :3] = 0
+    with torch.no_grad():
+        free = model.generate(prompt, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              cache_implementation="static")
+        eos = int(free[0, 7 + 5])                         # a token the first row emits on its 6th step
+        kw = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+        for end in (None, eos):
+            want = model.generate(prompt, do_sample=False, cache_implementation="static", eos_token_id=end, **kw)
+            got = greedy_generate(model, prompt, graphs=False, chunk=4, eos_token_id=end, **kw)
+            assert torch.equal(got, want), (end, got, want)

@@ -27,7 +27,7 @@ def _greedy_reference(reference, prompt: torch.Tensor, new: int) -> tuple[torch.
     ids, gaps = prompt, []
     with torch.no_grad():
         for _ in range(new):
-            logits = reference(ids).logits[:, -1].float()
+            logits = reference(ids)[0][:, -1].float()          # the graph's flat outputs: the logits
             top = logits.topk(2, -1).values
             gaps.append(float((top[:, 0] - top[:, 1]).min()))
             ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
@@ -62,3 +62,18 @@ def test_a_kernels_only_save_generates_with_the_weights_of_a_checkpoint(model, t
     a = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     b = loaded.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b)
+
+
+def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_tokens(model):
+    """The default greedy call takes sparta's loop (sparta.runtime.decode_loop): its tokens equal Hugging Face's loop's
+    on the same kernels, for a left-padded batch, with and without an end-of-sequence token."""
+    prompt = torch.randint(3, 512, (3, 21), generator=torch.Generator().manual_seed(4)).cuda()
+    mask = torch.ones_like(prompt)
+    mask[1, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    free = model.generate(prompt, eos_token_id=None, **kw)
+    assert free.shape == (3, 61)
+    for eos in (None, int(free[0, 21 + 9])):
+        fast = model.generate(prompt, eos_token_id=eos, **kw)
+        hf = model.generate(prompt, eos_token_id=eos, disable_compile=True, **kw)
+        assert torch.equal(fast, hf), (eos, fast, hf)

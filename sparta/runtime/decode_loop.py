@@ -1,0 +1,157 @@
+"""Greedy decoding with one CUDA-graph replay per token and no host sync between tokens (gpt-fast's loop).
+
+Hugging Face's loop pays the host ~1–2 ms a token (input preparation, logits processing, a stop check that waits for
+the GPU), more than a sparse 7B decode step's kernels take. For the plain greedy call (no sampling, beams, processors,
+streamers or stopping criteria of the user's) :func:`greedy_generate` lets Hugging Face run the prefill and the first
+decode step — so the cache, masks and input names are its own, whatever the transformers release — records the
+arguments of that step, and captures one CUDA graph that runs a whole step: write the new key's slot into the 4-d
+mask, the forward, the argmax, the finished rows' padding, the next step's ids and positions. The remaining tokens are
+replays of that graph, checked for end of sequence once per ``chunk`` tokens. The tokens equal Hugging Face's greedy
+loop's (the same kernels on the same inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode_graphs import max_cache_length
+
+#: generate() arguments the loop honours itself; any other argument runs Hugging Face's loop
+SUPPORTED = {"attention_mask", "max_new_tokens", "do_sample", "pad_token_id", "eos_token_id", "num_beams",
+             "cache_implementation", "use_cache"}
+
+
+def supports(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``generate(*args, **kwargs)`` call is one :func:`greedy_generate` runs as Hugging Face would."""
+    return (len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].is_cuda and args[0].dim() == 2
+            and set(kwargs) <= SUPPORTED and not kwargs.get("do_sample", False)
+            and kwargs.get("num_beams", 1) == 1 and kwargs.get("use_cache", True)
+            and kwargs.get("cache_implementation", "static") == "static"
+            and isinstance(kwargs.get("max_new_tokens"), int) and kwargs["max_new_tokens"] > 2)
+
+
+class _Recorder:
+    """Hugging Face's compiled-call hook for the first decode step: runs it eagerly and keeps its arguments."""
+
+    def __init__(self, model):
+        self.model, self.kwargs = model, None
+
+    def __call__(self, **kwargs):
+        if self.kwargs is None:
+            self.kwargs = dict(kwargs)
+        return self.model(**kwargs)
+
+
+def _stop_after(new: int, prompt: int):
+    from transformers import StoppingCriteria
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= prompt + new, dtype=torch.bool,
+                              device=input_ids.device)
+    return StopAfter()
+
+
+def greedy_generate(model, ids: torch.Tensor, *, max_new_tokens: int, chunk: int = 32, graphs: bool = True,
+                    **kwargs) -> torch.Tensor:
+    """``model.generate(ids, max_new_tokens=..., do_sample=False, ...)`` on a GPU with a static cache, every token
+    after the second one replay of one CUDA graph (``graphs=False``: the same steps called one by one, any device)."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation import CompileConfig
+    recorder = _Recorder(model)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("do_sample", "num_beams", "cache_implementation")}
+    model.get_compiled_call = lambda *_: recorder
+    hook = {}
+    if not ids.is_cuda:                 # Hugging Face calls the hook on accelerators only, unless told otherwise
+        hook["compile_config"] = CompileConfig()
+        hook["compile_config"]._compile_all_devices = True
+    try:
+        head = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, cache_implementation="static",
+                              stopping_criteria=StoppingCriteriaList([_stop_after(2, ids.shape[1])]), **hook,
+                              **kwargs)
+    finally:
+        del model.get_compiled_call
+    config = model.generation_config
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    step = recorder.kwargs
+    if step is None or head.shape[1] != ids.shape[1] + 2:       # finished early (end of sequence) or not recorded
+        return head
+    mask = step.get("attention_mask")
+    if not (mask is None or isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)) \
+            or not isinstance(step.get("input_ids"), torch.Tensor) or max_cache_length(
+                step.get("past_key_values", step.get("cache"))) is None:   # per-layer masks (sliding windows), ...
+        return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=ids.device, dtype=torch.long)
+    pad = 0 if pad is None else int(pad)
+    loop = _GraphLoop(model, step, head, eos, pad, max_new_tokens - 2)
+    return loop.run(chunk, graphs)
+
+
+class _GraphLoop:
+    """The static state of the loop and the graph of one step."""
+
+    def __init__(self, model, step: dict, head: torch.Tensor, eos: torch.Tensor, pad: int, steps: int):
+        self.model, self.steps, self.eos, self.pad = model, steps, eos, pad
+        self.cache = step.get("past_key_values", step.get("cache"))
+        length = max_cache_length(self.cache)
+        batch, prompt = head.shape[0], head.shape[1] - 2
+        self.static = {k: v.clone() for k, v in step.items() if isinstance(v, torch.Tensor) and k != "attention_mask"}
+        self.others = {k: v for k, v in step.items() if not isinstance(v, torch.Tensor)}
+        mask = step.get("attention_mask")
+        if mask is not None and mask.dim() == 4:            # the step's own mask over the static cache
+            self.mask = mask.clone()
+        else:                                               # 2-d: keys kept so far, as a 4-d mask over the cache
+            full = torch.zeros(batch, length, dtype=torch.bool, device=head.device)
+            full[:, : mask.shape[1]] = mask.bool() if mask is not None else True
+            self.mask = full[:, None, None, :]
+        self.slot = torch.tensor([prompt + 1], device=head.device)     # where the next key goes in the cache
+        self.index = torch.zeros(1, dtype=torch.long, device=head.device)
+        self.tokens = torch.full((batch, steps), pad, dtype=torch.long, device=head.device)
+        self.done = torch.isin(head[:, prompt:], eos).any(1) if eos.numel() else \
+            torch.zeros(batch, dtype=torch.bool, device=head.device)
+        self.head = head
+        self.static["input_ids"].copy_(head[:, -1:])         # the second token is the next step's input
+        self._advance_positions()
+
+    def _advance_positions(self) -> None:
+        for name in ("position_ids", "cache_position"):
+            if name in self.static:
+                self.static[name].add_(1)
+
+    def step(self) -> None:
+        self.mask.index_fill_(-1, self.slot, True if self.mask.dtype == torch.bool else 0.0)   # the new key: kept
+        out = self.model(**self.static, attention_mask=self.mask, **self.others)
+        nxt = out.logits[:, -1].argmax(-1)
+        nxt = torch.where(self.done, torch.full_like(nxt, self.pad), nxt)
+        if self.eos.numel():
+            self.done |= torch.isin(nxt, self.eos)
+        self.tokens.index_copy_(1, self.index, nxt[:, None])
+        self.static["input_ids"].copy_(nxt[:, None])
+        self._advance_positions()
+        self.slot.add_(1)
+        self.index.add_(1)
+
+    def run(self, chunk: int, graphs: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            self.step()                                       # the first step eagerly: lazy allocations happen here
+            replay = self.step
+            if graphs:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.step()
+                replay = graph.replay
+            done_at = self.steps
+            for i in range(1, self.steps):
+                replay()
+                if (i + 1) % chunk == 0 and bool(self.done.all()):
+                    done_at = i + 1
+                    break
+        tokens = self.tokens[:, :done_at]
+        if self.eos.numel() and bool(self.done.all()):         # stop where the last row ended, as Hugging Face does
+            ended = torch.isin(tokens, self.eos).float().argmax(1)
+            ended = torch.where(torch.isin(tokens, self.eos).any(1), ended, torch.full_like(ended, tokens.shape[1]))
+            already = torch.isin(self.head[:, -2:], self.eos).any(1)
+            ended = torch.where(already, torch.zeros_like(ended), ended + 1)
+            tokens = tokens[:, : int(ended.max())]
+        return torch.cat([self.head, tokens], 1)
