@@ -8,13 +8,14 @@ weights from a checkpoint built there, against dense ``generate()`` peers in one
 
 The model is Llama-2-7B's shape (width 4096, FFN 11008, 32 heads, vocabulary 32000; ``--layers`` of its 32 layers),
 bf16, random weights from ``--seed``; every decoder linear keeps ``--density`` of its ``--block`` blocks, chosen by a
-seeded generator that gives the same masks on every machine (``--bits 4``: and its weights are 4-bit, W4A16). Peers, each on the same masked weights: Hugging Face
-``generate()`` eager (dynamic cache); with its static cache and ``torch.compile`` (its own auto-compile of the decode
-step, ``reduce-overhead``); and the dense model with the decode step replayed from CUDA graphs exactly as sparta's
-(``sparta.runtime.decode_graphs``) — the fairest dense peer, gpt-fast's loop. Reported: tokens/s of the new tokens
-(prefill included in the wall time, as a user sees it), the prefill alone, the bytes floor (weights read per step at
-the device's copy bandwidth), and next-token KL divergence to the fp32 masked model on the prompt for sparta and for
-the dense bf16 model.
+seeded generator that gives the same masks on every machine (``--bits 4``: and its weights are 4-bit, W4A16).
+Peers, each on the same masked weights: sparta's default greedy call (its loop: one CUDA graph per token,
+``sparta.runtime.decode_loop``) and the same through Hugging Face's loop (graphs per step); the dense model in
+sparta's loop (gpt-fast's: the fairest dense peer), in Hugging Face's loop with graphs per step, with its static cache
+and its own ``torch.compile`` of the step (``reduce-overhead``), and eager. Reported: tokens/s of the new tokens
+(prefill included in the wall time, as a user sees it), the bytes floor (weights read per step at 3.0 TB/s), next-token
+KL divergence to the fp32 masked model on the prompt for sparta and for the dense bf16 model, and prefill as Hugging
+Face runs it (eager) and as one CUDA graph (the GPU's time alone).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def timed_generate(fn, prompt, new: int, reps: int) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     best = sorted(times)[len(times) // 2]
-    return {"s": best, "tok_s": prompt.shape[0] * new / best, "tokens": out[:, prompt.shape[1]:].tolist()}
+    return {"s": best, "tok_s": prompt.shape[0] * new / best, "tokens": out[0, prompt.shape[1]:].tolist()}
 
 
 def prefill_ms(forward, prompt, reps: int = 10) -> float:
@@ -114,6 +115,25 @@ def prefill_ms(forward, prompt, reps: int = 10) -> float:
             forward(prompt)
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps * 1e3
+
+
+def graph_ms(forward, prompt, reps: int = 10) -> float:
+    """GPU time of one forward captured in a CUDA graph (no host cost): what a prefill captured per length costs."""
+    with torch.no_grad():
+        forward(prompt)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward(prompt)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def kl_to(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -189,6 +209,9 @@ def run(args) -> dict:
     results["bytes_floor_tok_s"] = {"bytes_per_step": 2 * weights, "at_3.0TBps": args.batch * 3.0e12 / (2 * weights)}
     results["prefill_ms"] = {"sparta": prefill_ms(lambda x: decoder(x, use_cache=False), prompt),
                              "dense_eager": prefill_ms(lambda x: dense(x, use_cache=False), prompt)}
+    results["prefill_graph_ms"] = {"sparta": graph_ms(lambda x: decoder(x, use_cache=False), prompt),
+                                   "dense": graph_ms(lambda x: dense(x, use_cache=False), prompt)}
+    print("prefill", results["prefill_ms"], results["prefill_graph_ms"], flush=True)
     with torch.no_grad():
         sparse_logits = decoder(prompt[:1], use_cache=False).logits
         dense_logits = dense(prompt[:1], use_cache=False).logits
