@@ -26,6 +26,7 @@ from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
 from ..templates.registry import epilogue_of, rule, rules
 from ..templates.w4a16_gemv.spec import gemv_group
+from .kept_blocks import KeepGrid, keep_grid, kept_block_mask
 from .select_attention import select_attention
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
@@ -47,13 +48,38 @@ class GemmSite:
     bias: str                      # "none" | "vector" | "other"
     act: str                       # the fused epilogue activation ("none", "relu", "gelu": exact)
     requantized: bool              # its (activated) output is written as int8 codes at a static scale
-    weight: torch.Tensor           # (N, K) fp32, pruned elements zero
+    weight_value: torch.Tensor | None   # (N, K) fp32, pruned elements zero; None: computed on first read of weight
     w4_group: int                  # the W4A16 GEMV's scale group for the plan's 4-bit scales, 0 if none fits
     w4_refusal: str                # why the 4-bit scales do not suit the kernels ("" where they do)
     any_rows: bool = False         # the graph was captured dynamic: kernels take any number of rows (m: the hint)
     act16: str = "float16"         # the 16-bit activations' type: "float16", or "bfloat16" for a bf16 model
     gate: bool = False             # the epilogue computes a gated unit act(gate)·up of the output's halves
     formats: tuple = ()            # the sub-operators' (weight format, activation format) pairs (sparta.formats)
+    graph: Graph | None = None     # where the weight is read from (sites built by gemm_site)
+    keep: KeepGrid | None = None   # the kept elements by blocks (kept_blocks.keep_grid), None: by the weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (N, K) weight in fp32, pruned elements zero: built on first read (only packing low-bit kernels needs
+        it; masks come from :meth:`block_mask`)."""
+        if self.weight_value is None:
+            keep = self.plan.kept(self.n, self.k)
+            self.weight_value = torch.where(keep, weight_matrix(self.graph, self.op), 0.0) \
+                if self.op.op in GEMM_OPS else torch.zeros(0, 0)
+        return self.weight_value
+
+    def fast(self, bn: int, bk: int, gate_n: int = 0) -> bool:
+        """Whether :meth:`block_mask` and packing read the covers' blocks (not the fp32 weight)."""
+        return self.keep is not None and self.graph is not None and self.keep.fits(bn, bk, gate_n)
+
+    def block_mask(self, bn: int, bk: int, gate_n: int = 0) -> torch.Tensor:
+        """``block_mask_of`` the weight in ``bn × bk`` blocks (a gated kernel's ``gate_padded`` rows, ``gate_n`` =
+        N): the blocks with a kept nonzero."""
+        if self.fast(bn, bk, gate_n):
+            return kept_block_mask(self.graph.tensor(gemm_view(self.graph, self.op)[1]), self.keep, bn, bk, gate_n)
+        from ..templates.bsr_linear.packing import block_mask_of
+        from ..templates.bsr_linear.spec import gate_padded
+        return block_mask_of(gate_padded(self.weight, gate_n, bn) if gate_n else self.weight, bn, bk)
 
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
@@ -105,11 +131,12 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
     _, weight_name, _, m, n, k = view
     widths = {(s.weight_bits, s.act_bits) for s in op_plan.subops}
     bits = f"W{next(iter(widths))[0]}A{next(iter(widths))[1]}" if len(widths) == 1 else "mixed"
-    keep = op_plan.kept(n, k)
+    grid = keep_grid(op, op_plan, n, k)
+    dense = grid.all() if grid is not None else bool(op_plan.kept(n, k).all())
     side = 64 if max((max(s.block) for s in op_plan.subops if s.block is not None), default=32) >= 64 else 32
     bias_name = gemm_bias(op)
     bias = "none" if bias_name is None else \
-        "vector" if graph.tensor(bias_name).shape == (n,) and graph.tensor(bias_name).data is not None else "other"
+        "vector" if graph.tensor(bias_name).shape == (n,) and graph.tensor(bias_name).has_data else "other"
     fused, unit = fused_activation(graph, op, op_plan), fused_gate(graph, op, op_plan)
     act = unit.activation if unit is not None else op_plan.epilogue[-1] if fused is not None else "none"
     out = unit.mul.outputs[0] if unit is not None else (fused or op).outputs[0]
@@ -122,12 +149,11 @@ def gemm_site(graph: Graph, op: Op, op_plan: OpPlan, plan: Plan | None = None) -
             refusal = f"W4A16 kernels need scale groups of a multiple of 32 columns, not {quant.group}"
         else:
             group = gemv_group(quant.group, k)
-    weight = torch.where(keep, weight_matrix(graph, op), 0.0) if op.op in GEMM_OPS else torch.zeros(0, 0)
     requantized = plan is not None and out in plan.static_scales
     act16 = "bfloat16" if graph.tensor(view[0]).dtype == torch.bfloat16 else "float16"
-    return GemmSite(op, op_plan, m, n, k, bits, bool(keep.all()), side, bias, act, requantized,
-                    weight, group, refusal, graph.any_rows, act16, unit is not None,
-                    tuple(dict.fromkeys((s.weight_format, s.act_format) for s in op_plan.subops)))
+    return GemmSite(op, op_plan, m, n, k, bits, dense, side, bias, act, requantized,
+                    None, group, refusal, graph.any_rows, act16, unit is not None,
+                    tuple(dict.fromkeys((s.weight_format, s.act_format) for s in op_plan.subops)), graph, grid)
 
 
 def select_gemm(site: GemmSite, target: Target) -> KernelChoice:

@@ -15,7 +15,7 @@ def gemm_view(graph: Graph, op: Op):
     """(activation, weight name, weight TeSA as (N, K), M, N, K) of a GEMM-like op, or None."""
     def is_weight(name):
         v = graph.tensor(name)
-        return v.kind == "weight" and v.data is not None and v.data.dtype.is_floating_point
+        return v.kind == "weight" and v.has_data and v.dtype.is_floating_point
 
     if op.op == "linear":
         x, w = op.input_of("input"), op.input_of("weight")

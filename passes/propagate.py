@@ -159,7 +159,7 @@ class _Engine:
                 self.slots[t].append((op.name, i))
         self.is_output = set(g.outputs)
         self.constants = {v.name: v.data for v in g.tensors("weight")
-                          if v.data is not None and not v.data.dtype.is_floating_point}
+                          if not v.dtype.is_floating_point and v.has_data}
         self.memo: dict[tuple, tuple] = {}      # rule answers by op structure and TeSA contents (repeated layers)
 
     def remembered(self, op: Op, ins, outs, fn):

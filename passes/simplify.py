@@ -132,7 +132,7 @@ def _rebuild(graph: Graph, rewrites: dict[str, str], renames: dict[str, str] | N
     out = Graph(graph.name)
     for v in graph.tensors():
         if v.name in live:
-            out.add_tensor(dataclasses.replace(v))
+            out.add_tensor(v.copy())
     for op in reversed(kept):
         out.add_op(Op(op.name, op.op, list(op.inputs), list(op.outputs), dict(op.attrs), list(op.roles), op.target,
                       op.args, dict(op.kwargs), op.source, op.multi_output))
@@ -147,14 +147,14 @@ def fuse_sibling_linears(graph: Graph) -> Graph:
     over their weights stacked along N, each former output a slice of its output (or ``graph`` itself if none).
 
     Each linear's weight (and bias, if all have one) must be a constant only it reads, of one dtype and K; the stacked
-    weight's TeSA stacks theirs. One kernel launch instead of several: on a GPU each costs a few µs of latency at
+    weight's TeSA stacks theirs and its value is theirs, concatenated only when read (``graph.StackedValue``). One kernel launch instead of several: on a GPU each costs a few µs of latency at
     decode and prefill sizes, and a wider N fills the SMs better."""
     groups: dict[str, list[Op]] = {}
     for op in graph.ops("linear"):
         x, w, b = op.input_of("input"), op.input_of("weight"), op.input_of("bias")
         wv = graph.tensor(w) if w is not None else None
-        if x is None or wv is None or wv.data is None or len(wv.shape) != 2 or graph.consumers(w) != [op.name] \
-                or (b is not None and (graph.tensor(b).data is None or graph.consumers(b) != [op.name])) \
+        if x is None or wv is None or not wv.has_data or len(wv.shape) != 2 or graph.consumers(w) != [op.name] \
+                or (b is not None and (not graph.tensor(b).has_data or graph.consumers(b) != [op.name])) \
                 or op.outputs[0] in graph.outputs:
             continue
         groups.setdefault(x, []).append(op)
@@ -171,7 +171,7 @@ def fuse_sibling_linears(graph: Graph) -> Graph:
     out = Graph(graph.name)
     for v in graph.tensors():
         if v.name not in stacked:
-            out.add_tensor(dataclasses.replace(v))
+            out.add_tensor(v.copy())
     ranges = {}                 # each stacked weight or bias: [[its part, first row, end row], ...]
     for op in graph.ops():
         if op.name in fused:
@@ -218,7 +218,7 @@ def _stacked_name(names: list[str]) -> str:
 def _stacked_linear(graph: Graph, out: Graph, ops: list[Op], ranges: dict) -> list[Op]:
     """The stacked linear of ``ops`` (its weight, bias and output added to ``out``, the parts' rows of each to
     ``ranges``) and one slice per former output."""
-    from ..graph import Value
+    from ..graph import StackedValue, Value
     from ..tesa import TeSA, bits_of_dtype
     first = ops[0]
     x = first.input_of("input")
@@ -228,10 +228,8 @@ def _stacked_linear(graph: Graph, out: Graph, ops: list[Op], ranges: dict) -> li
         if names[0] is None:
             continue
         vs = [graph.tensor(n) for n in names]
-        tesa = _stacked_tesa([v.tesa for v in vs])
-        data = torch.cat([v.data for v in vs])
-        values[role] = out.add_tensor(Value(_stacked_name(names), tuple(data.shape), data.dtype, "weight", tesa,
-                                            data, is_parameter=False)).name
+        tesa = _stacked_tesa([v.tesa for v in vs])      # the value: the parts', concatenated when read
+        values[role] = out.add_tensor(StackedValue(_stacked_name(names), tesa, [v.data for v in vs])).name
         ends = itertools.accumulate(v.shape[0] for v in vs)
         ranges[values[role]] = [[n, end - v.shape[0], end] for n, v, end in zip(names, vs, ends)]
     y0 = graph.tensor(first.outputs[0])

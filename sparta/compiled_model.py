@@ -19,13 +19,33 @@ class VerificationError(SpartaError):
     """The compiled model disagrees with its dense reference."""
 
 
-def masked_weights(graph: Graph) -> dict[str, torch.Tensor]:
-    """Weights with their pruned elements zeroed (the dense reference's weights)."""
-    out = {}
-    for v in graph.tensors("weight"):
-        if v.data is not None and not v.tesa.is_dense:
-            out[v.name] = v.tesa.apply(v.data)
-    return out
+class MaskedWeights(Mapping):
+    """Weights with their pruned elements zeroed (the dense reference's weights), by name, each computed when read
+    (a large model's are never all held); ``overrides`` are given values."""
+
+    def __init__(self, graph: Graph, overrides: Mapping | None = None):
+        self.graph, self.overrides = graph, dict(overrides or {})
+        self.names = list(dict.fromkeys([v.name for v in graph.tensors("weight")
+                                         if v.has_data and not v.tesa.is_dense] + list(self.overrides)))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.overrides:
+            return self.overrides[name]
+        if name not in self.names:
+            raise KeyError(name)
+        v = self.graph.tensor(name)
+        return v.tesa.apply(v.data)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def masked_weights(graph: Graph) -> MaskedWeights:
+    """Weights with their pruned elements zeroed (the dense reference's weights), computed as they are read."""
+    return MaskedWeights(graph)
 
 
 class CompiledModel(torch.nn.Module):
@@ -58,9 +78,9 @@ class CompiledModel(torch.nn.Module):
         if device is not None:
             self.module.to(device)
         # the reference sees what the kernels really apply: quantised weights dequantised
-        self._reference_weights = {**masked_weights(self.graph), **{
+        self._reference_weights = MaskedWeights(self.graph, {
             m.weight_name: m.reference_weight for m in self._replacements.values()
-            if getattr(m, "reference_weight", None) is not None}}
+            if getattr(m, "reference_weight", None) is not None})
         self._quantized = any(k.get("bits", "W32A32") != "W32A32" for k in self.kernels)
         self._reference, self._inductor_fn, self._decoder = None, None, None
 

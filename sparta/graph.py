@@ -66,6 +66,51 @@ class Value:
         self.shape = tuple(int(s) for s in self.shape)
         self.tesa.check_shape(self.shape, self.name)
 
+    @property
+    def has_data(self) -> bool:
+        """Whether the tensor holds a value (without computing a stacked one)."""
+        return self.data is not None
+
+    def copy(self) -> Value:
+        """A fresh record of the same tensor (value and TeSA shared)."""
+        return replace(self)
+
+
+class StackedValue(Value):
+    """A weight stacked along its first dim from ``parts`` (sibling linears run as one): ``data`` concatenates them
+    on each read and is never held, so a model's stacked weights cost no memory beside their parts. Setting
+    ``data`` makes that tensor the one part."""
+
+    def __init__(self, name: str, tesa: TeSA, parts, is_parameter: bool = False):
+        self.parts = list(parts)
+        shape = (sum(int(p.shape[0]) for p in self.parts), *self.parts[0].shape[1:])
+        super().__init__(name, shape, self.parts[0].dtype, "weight", tesa, None, is_parameter)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+
+    @data.setter
+    def data(self, value) -> None:
+        if value is not None:
+            self.parts = [value]
+
+    @property
+    def has_data(self) -> bool:
+        return True
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows ``start:end`` of the value (one part's own tensor where they are one part's rows)."""
+        first = 0
+        for p in self.parts:
+            if first <= start and end <= first + p.shape[0]:
+                return p[start - first:end - first]
+            first += p.shape[0]
+        return self.data[start:end]
+
+    def copy(self) -> StackedValue:
+        return StackedValue(self.name, self.tesa, self.parts, self.is_parameter)
+
 
 @dataclass
 class Op:
@@ -308,7 +353,7 @@ class Graph:
         return [n for n in self._order if n in out]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {v.name: v.data for v in self.tensors("weight") if v.data is not None}
+        return {v.name: v.data for v in self.tensors("weight") if v.has_data}
 
     @property
     def any_rows(self) -> bool:
@@ -455,7 +500,7 @@ class Graph:
         """A structural copy with fresh Value/Op records (weights and TeSAs shared: immutable)."""
         g = Graph(self.name)
         for v in self.tensors():
-            g.add_tensor(replace(v))
+            g.add_tensor(v.copy())
         for o in self.ops():
             g.add_op(replace(o, inputs=list(o.inputs), outputs=list(o.outputs), attrs=dict(o.attrs),
                              roles=list(o.roles), meta=dict(o.meta)))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .codegen import cache
-from .graph import Graph
+from .graph import Graph, StackedValue
 from .tesa import TeSA
 
 _LEN = struct.Struct("<Q")
@@ -55,9 +55,10 @@ def pipeline_key(graph: Graph, target: str, options: dict) -> str:
         h.update(json.dumps([op.name, op.op, op.inputs, op.outputs, op.roles, str(op.target), op.attrs,
                              repr(op.args), repr(op.kwargs), op.multi_output], sort_keys=True, default=repr).encode())
     for v in graph.tensors():
-        data = None if v.data is None else str(v.data.dtype)
+        data = str(v.data.dtype) if v.has_data and not isinstance(v, StackedValue) else str(v.dtype) \
+            if v.has_data else None             # (a stacked value: its parts' dtype, without concatenating them)
         h.update(f"{v.name}|{v.shape}|{v.dtype}|{v.kind}|{v.is_parameter}|{data}|{v.tesa.digest()}".encode())
-        if v.data is not None and not v.data.dtype.is_floating_point:
+        if v.has_data and not v.dtype.is_floating_point:
             h.update(value_bytes(v.data))
     return h.hexdigest()[:32]
 

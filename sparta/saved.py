@@ -143,12 +143,16 @@ def _source_json(compiled, tensors: dict) -> dict | None:
         name = key.removeprefix("source/")
         if compiled.graph.has_tensor(name) and compiled.graph.tensor(name).data is t:
             shared.append(name)
-        elif name in parts and torch.equal(compiled.graph.tensor(parts[name][0]).data[parts[name][1]:parts[name][2]],
-                                           t):
+        elif name in parts and torch.equal(_rows(compiled.graph.tensor(parts[name][0]), *parts[name][1:]), t):
             sliced[name] = parts[name]       # rows of a stacked weight (sibling linears run as one)
         else:
             tensors[key] = t
     return {**data, "shared": sorted(shared), **({"sliced": sliced} if sliced else {})}
+
+
+def _rows(value, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of a graph weight (of a stacked one without concatenating its parts)."""
+    return value.rows(start, end) if hasattr(value, "rows") else value.data[start:end]
 
 
 def _restorable_weights(compiled) -> set[str]:

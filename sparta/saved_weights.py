@@ -32,7 +32,7 @@ def records(compiled, kernels_only: bool, tensors: dict) -> dict:
     aliases = _aliases(graph)
     out = []
     for v in graph.tensors():
-        if v.data is None or not (v.is_parameter or v.name in graph.stacked_weights):
+        if not v.has_data or not (v.is_parameter or v.name in graph.stacked_weights):
             continue
         rec = {"name": v.name, "names": [v.name, *aliases.get(v.name, [])]}
         parts = graph.stacked_weights.get(v.name)

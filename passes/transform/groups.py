@@ -142,7 +142,7 @@ def _norms(graph: Graph, plan: Plan, groups: list[FusionGroup]) -> list[FusionGr
 
 def _param(graph: Graph, op: Op, role: str) -> str | None:
     name = op.input_of(role)
-    return None if name is None else "const" if graph.tensor(name).data is not None else "other"
+    return None if name is None else "const" if graph.tensor(name).has_data else "other"
 
 
 def residual_add(graph: Graph, op: Op, taken: set) -> Op | None:
@@ -158,7 +158,7 @@ def residual_add(graph: Graph, op: Op, taken: set) -> Op | None:
     s = add.outputs[0]
     shape, dtype = graph.tensor(s).shape, graph.tensor(s).dtype
     if dtype not in (torch.float16, torch.bfloat16) or any(
-            v.dtype != dtype or v.shape != shape or v.data is not None for v in map(graph.tensor, add.inputs)):
+            v.dtype != dtype or v.shape != shape or v.has_data for v in map(graph.tensor, add.inputs)):
         return None
     return add if graph.consumers(s) == [op.name] and s not in graph.outputs else None
 

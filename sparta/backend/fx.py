@@ -146,7 +146,7 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
 
     ``weights`` overrides the stored weight data by name (e.g. masked weights).
     """
-    weights = dict(weights or {})
+    weights = weights if weights is not None else {}       # a mapping read by name (MaskedWeights: lazily)
     replacements = dict(replacements or {})
     root = torch.nn.Module()
     fg = fx.Graph()
@@ -155,8 +155,10 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
         env[name] = fg.placeholder(_fx_name(name))
     read = {t for o in graph.ops() if o.name not in replacements for t in o.inputs} | set(graph.outputs)
     for v in graph.tensors("weight"):
-        data = weights.get(v.name, v.data)
-        if data is None or v.name not in read:
+        if v.name not in read:
+            continue
+        data = weights[v.name] if v.name in weights else v.data
+        if data is None:
             continue
         parent, leaf = _ensure_parent(root, v.name)
         if v.is_parameter:

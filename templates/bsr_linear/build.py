@@ -11,6 +11,8 @@ import torch
 
 from ...codegen.cuda_bind import bind, gemm_parts, report_row
 from ...codegen.cuda_build import build_cuda
+from ...codegen.kept_blocks import packed_blocks
+from ...runtime.cuda import act16_dtype
 from ...graph import Graph, Op
 from ...passes.transform.plan import OpPlan
 from ..quant.build import row_quantizer
@@ -21,9 +23,11 @@ from ..w8a8_gemv.kernel import w8a8_gemv
 from .gemv import bsr_gemv
 from .gemv_spec import BsrGemvSpec
 from .kernel import bsr_linear
-from .packing import block_mask_for
+from .packing import build_table
 from .runtime import SparseLinearCUDA
 from .spec import BsrSpec
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def int8_codes_spec(spec: BsrSpec, tiles: dict | None = None) -> BsrSpec:
@@ -70,9 +74,9 @@ def kernel_specs(op_plan: OpPlan, parts) -> dict:
     choice = op_plan.kernel
     view, site, rows, bias, unit = parts.view, parts.site, parts.rows, parts.bias, parts.unit
     _, _, _, m, n, k = view
-    weight, act = site.weight, site.act
+    act = site.act
     dtype, tiles = choice.dtype, dict(choice.tiles)
-    w4 = op_plan.weight_quant[4].params(weight) if dtype == "w4a16" else None
+    w4 = op_plan.weight_quant[4].params(site.weight) if dtype == "w4a16" else None
     out = "bfloat16" if dtype in ("int8", "w4a16") and site.act16 == "bfloat16" else "float16"  # low bits, bf16 model
     spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
                    zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
@@ -98,11 +102,12 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     parts = gemm_parts(graph, op, op_plan)
     view, site, rows, bias, fused, unit = parts.view, parts.site, parts.rows, parts.bias, parts.fused, parts.unit
     x_name, _, _, m, n, k = view
-    weight, act, dtype = site.weight, site.act, choice.dtype
+    act, dtype = site.act, choice.dtype
     specs = kernel_specs(op_plan, parts)
     spec, w4 = specs["spec"], specs["w4"]
     out = spec.out
-    mask = block_mask_for(weight, spec)
+    gate_n = spec.n if spec.gate else 0
+    mask = site.block_mask(spec.bn, spec.bk, gate_n)
     if choice.dense_grid:
         mask = torch.ones_like(mask)   # every block computed, zeros included (a dense tile does not skip empty blocks)
     art = build_cuda(bsr_linear, spec)
@@ -113,22 +118,27 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
     buckets = [(top, build_cuda(bsr_linear, b_spec), b_spec) for top, b_spec in specs["buckets"]]
     out_shape = graph.tensor((unit.mul if unit else op).outputs[0]).shape
+    kernels = dict(hopper=(hopper[0].path, hopper[1]) if hopper else None, gemv=(gemv[0].path, gemv[1]) if gemv
+                   else None, buckets=[(top, a.path, b) for top, a, b in buckets])
     if w4 is not None:
         scale, zero = w4.expand(k)
-        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, weight), scale, zero,
-                                                mask, bias, out_shape)
+        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, site.weight), scale,
+                                                zero, mask, bias, out_shape)
+    elif dtype in ("float16", "bfloat16") and act16_dtype(spec) == _DTYPES[dtype] and \
+            site.fast(spec.bn, spec.bk, gate_n):          # 16-bit: the kept blocks, read in the weight's own dtype
+        table, packed = build_table(mask, spec.groups, spec.gate)
+        wp = packed_blocks(graph.tensor(view[1]), site.keep, spec, packed, _DTYPES[dtype])
+        module = SparseLinearCUDA(op.name, x_name, art.path, spec, wp, table, bias, out_shape, **kernels)
     else:
+        weight = site.weight
         int8 = dtype == "int8"
         scale = int8_weight_scale(op_plan, weight, k) if int8 else None
         quant = row_quantizer(rows, k, site.act16) if int8 else None
         module = SparseLinearCUDA.from_weight(op.name, x_name, art.path, spec, weight, mask, bias, out_shape,
-                                              weight_scale=scale, quant_folder=quant,
-                                              hopper=(hopper[0].path, hopper[1]) if hopper else None,
-                                              gemv=(gemv[0].path, gemv[1]) if gemv else None,
-                                              buckets=[(top, a.path, b) for top, a, b in buckets])
+                                              weight_scale=scale, quant_folder=quant, **kernels)
     if few and w4 is not None:
         group = few[0][2].group
-        module.attach_w4_gemvs([(top, a.path, g) for top, a, g in few], w4_codes(w4, weight),
+        module.attach_w4_gemvs([(top, a.path, g) for top, a, g in few], w4_codes(w4, site.weight),
                                scale[:, ::group], None if zero is None else zero[:, ::group].to(torch.uint8))
     elif few:
         module.attach_w8_gemvs([(top, a.path, g) for top, a, g in few], module.dense_codes())

@@ -15,8 +15,6 @@ from ..registry import rule
 from ..w4a16_gemv.select import w4a16_few_rows
 from ..w8a8_gemv.select import w8a8_few_rows
 from .gemv_spec import BsrGemvSpec
-from .packing import block_mask_of
-from .spec import gate_padded
 
 
 @rule("gemm_cuda", 25)
@@ -74,8 +72,8 @@ def w8a8_sparse_tile(site: GemmSite, target: Target):
 
 @rule("gemm_cuda", 50)
 def fp16_stream(site: GemmSite, target: Target):
-    if site.side == 64 and not _runs_w4(site) and (tiles := stream_tiles(site.m, block_mask_of(
-            site.weight, 64, 64), target)) is not None:
+    if site.side == 64 and not _runs_w4(site) and (tiles := stream_tiles(site.m, site.block_mask(64, 64),
+                                                                         target)) is not None:
         return choice("bsr_linear", "fp16_stream", "few kept 64-blocks per block row: the streaming grid", site.act16,
                       tiles, note=_unhonoured(site), gemv=fp16_gemv_tiling(replace(site, gate=False), tiles, target))
     return None
@@ -148,8 +146,7 @@ def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None
     if not site.any_rows and site.m > g["max_rows"]:
         return None
     n = site.n // 2 if site.gate else site.n
-    weight = gate_padded(site.weight, n, tiles["bn"]) if site.gate else site.weight
-    mask = block_mask_of(weight, tiles["bn"], tiles["bk"])
+    mask = site.block_mask(tiles["bn"], tiles["bk"], n if site.gate else 0)
     counts = mask.sum(dim=1)
     if site.gate:                      # a slot runs the gate's block row and the up's
         counts = counts[: counts.numel() // 2] + counts[counts.numel() // 2:]
