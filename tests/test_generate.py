@@ -174,10 +174,10 @@ def test_a_kernels_only_save_generates_with_the_checkpoints_weights_and_refuses_
         sparta.load(tmp_path / "plan", weights=other)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stops(kind):
+@pytest.mark.parametrize("kind, inductor", [("llama", False), ("gpt2", False), ("llama", True)])
+def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stops(kind, inductor):
     """The GPU loop's steps (mask slot, positions, argmax, padding after the end of sequence, stop once every row
-    ended) run here one by one, without graphs: the tokens equal Hugging Face's greedy loop's with a static cache,
+    ended) run here one by one, without graphs (and through torch.compile, as on a GPU): the tokens equal Hugging Face's greedy loop's with a static cache,
     for rows that end early, rows that do not, and a left-padded row."""
     from sparta.runtime.decode_loop import greedy_generate
     torch.manual_seed(0)
@@ -192,5 +192,5 @@ def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stop
         kw = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0)
         for end in (None, eos):
             want = model.generate(prompt, do_sample=False, cache_implementation="static", eos_token_id=end, **kw)
-            got = greedy_generate(model, prompt, graphs=False, chunk=4, eos_token_id=end, **kw)
+            got = greedy_generate(model, prompt, graphs=False, inductor=inductor, chunk=4, eos_token_id=end, **kw)
             assert torch.equal(got, want), (end, got, want)

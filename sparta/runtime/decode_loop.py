@@ -5,16 +5,20 @@ the GPU), more than a sparse 7B decode step's kernels take. For the plain greedy
 streamers or stopping criteria of the user's) :func:`greedy_generate` lets Hugging Face run the prefill and the first
 decode step — so the cache, masks and input names are its own, whatever the transformers release — records the
 arguments of that step, and captures one CUDA graph that runs a whole step: write the new key's slot into the 4-d
-mask, the forward, the argmax, the finished rows' padding, the next step's ids and positions. The remaining tokens are
+mask, the forward (through ``torch.compile``: Inductor fuses the norms, rotary embedding and residual adds around
+sparta's kernel ops, which a decode step otherwise spends most of its launches on), the argmax, the finished rows'
+padding, the next step's ids and positions. The remaining tokens are
 replays of that graph, checked for end of sequence once per ``chunk`` tokens. The tokens equal Hugging Face's greedy
 loop's (the same kernels on the same inputs).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from .decode_graphs import max_cache_length
+from .decode_graphs import _cache_state, max_cache_length
 
 #: generate() arguments the loop honours itself; any other argument runs Hugging Face's loop
 SUPPORTED = {"attention_mask", "max_new_tokens", "do_sample", "pad_token_id", "eos_token_id", "num_beams",
@@ -53,9 +57,12 @@ def _stop_after(new: int, prompt: int):
 
 
 def greedy_generate(model, ids: torch.Tensor, *, max_new_tokens: int, chunk: int = 32, graphs: bool = True,
-                    **kwargs) -> torch.Tensor:
+                    inductor: bool | None = None, **kwargs) -> torch.Tensor:
     """``model.generate(ids, max_new_tokens=..., do_sample=False, ...)`` on a GPU with a static cache, every token
-    after the second one replay of one CUDA graph (``graphs=False``: the same steps called one by one, any device)."""
+    after the second one replay of one CUDA graph (``graphs=False``: the same steps called one by one, any device).
+    ``inductor`` (default: on a GPU): the step's forward goes through ``torch.compile`` first (Inductor fuses the
+    norms, rotary embedding and residual adds around the kernels; compiled once per model and step shape), eager where
+    that fails."""
     from transformers import StoppingCriteriaList
     from transformers.generation import CompileConfig
     recorder = _Recorder(model)
@@ -84,15 +91,28 @@ def greedy_generate(model, ids: torch.Tensor, *, max_new_tokens: int, chunk: int
         return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=ids.device, dtype=torch.long)
     pad = 0 if pad is None else int(pad)
-    loop = _GraphLoop(model, step, head, eos, pad, max_new_tokens - 2)
+    loop = _GraphLoop(model, step, head, eos, pad, max_new_tokens - 2, ids.is_cuda if inductor is None else inductor)
     return loop.run(chunk, graphs)
+
+
+def compiled_step(model):
+    """The model's forward through ``torch.compile`` (Inductor's default mode: the CUDA graph is the loop's), kept on
+    the model: its decode steps compile once."""
+    forward = getattr(model, "sparta_compiled_step", None)
+    if forward is None:
+        forward = torch.compile(model, dynamic=False)
+        object.__setattr__(model, "sparta_compiled_step", forward)    # not a submodule: no second copy in state
+    return forward
 
 
 class _GraphLoop:
     """The static state of the loop and the graph of one step."""
 
-    def __init__(self, model, step: dict, head: torch.Tensor, eos: torch.Tensor, pad: int, steps: int):
+    def __init__(self, model, step: dict, head: torch.Tensor, eos: torch.Tensor, pad: int, steps: int,
+                 inductor: bool = False):
         self.model, self.steps, self.eos, self.pad = model, steps, eos, pad
+        self.forward = compiled_step(model) if inductor else model
+        self.inductor_error = None
         self.cache = step.get("past_key_values", step.get("cache"))
         length = max_cache_length(self.cache)
         batch, prompt = head.shape[0], head.shape[1] - 2
@@ -111,8 +131,15 @@ class _GraphLoop:
         self.done = torch.isin(head[:, prompt:], eos).any(1) if eos.numel() else \
             torch.zeros(batch, dtype=torch.bool, device=head.device)
         self.head = head
+        self.saved_state = [(t, t.clone()) for t in _cache_state(self.cache)]
         self.static["input_ids"].copy_(head[:, -1:])         # the second token is the next step's input
         self._advance_positions()
+
+    def _restore(self) -> None:
+        """Undo what a forward of the next step did to the cache's counters (its keys and values are rewritten by
+        the real step)."""
+        for t, before in self.saved_state:
+            t.copy_(before)
 
     def _advance_positions(self) -> None:
         for name in ("position_ids", "cache_position"):
@@ -121,7 +148,7 @@ class _GraphLoop:
 
     def step(self) -> None:
         self.mask.index_fill_(-1, self.slot, True if self.mask.dtype == torch.bool else 0.0)   # the new key: kept
-        out = self.model(**self.static, attention_mask=self.mask, **self.others)
+        out = self.forward(**self.static, attention_mask=self.mask, **self.others)
         nxt = out.logits[:, -1].argmax(-1)
         nxt = torch.where(self.done, torch.full_like(nxt, self.pad), nxt)
         if self.eos.numel():
@@ -134,6 +161,15 @@ class _GraphLoop:
 
     def run(self, chunk: int, graphs: bool = True) -> torch.Tensor:
         with torch.no_grad():
+            if self.forward is not self.model:                # compile on the step's inputs, before any state moves
+                try:
+                    self.forward(**self.static, attention_mask=self.mask.clone(), **self.others)
+                except Exception as exc:  # noqa: BLE001 - Dynamo and Inductor fail in many ways: run the step eagerly
+                    self.inductor_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    warnings.warn(f"sparta generate: the decode step runs without torch.compile ({self.inductor_error})",
+                                  stacklevel=3)
+                    self.forward = self.model
+                self._restore()
             self.step()                                       # the first step eagerly: lazy allocations happen here
             replay = self.step
             if graphs:
