@@ -177,8 +177,8 @@ def test_a_kernels_only_save_generates_with_the_checkpoints_weights_and_refuses_
 @pytest.mark.parametrize("kind, inductor", [("llama", False), ("gpt2", False), ("llama", True)])
 def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stops(kind, inductor):
     """The GPU loop's steps (mask slot, positions, argmax, padding after the end of sequence, stop once every row
-    ended) run here one by one, without graphs (and through torch.compile, as on a GPU): the tokens equal Hugging Face's greedy loop's with a static cache,
-    for rows that end early, rows that do not, and a left-padded row."""
+    ended) run here one by one, without graphs (and through torch.compile, as on a GPU): the tokens equal Hugging
+    Face's greedy loop's with a static cache, for rows that end early, rows that do not, and a left-padded row."""
     from sparta.runtime.decode_loop import greedy_generate
     torch.manual_seed(0)
     model = MODELS[kind]().eval()
