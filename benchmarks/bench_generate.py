@@ -40,14 +40,14 @@ def config(layers: int):
     return transformers.LlamaConfig(num_hidden_layers=layers, **LLAMA2_7B)
 
 
-def masks_for(model, density: float, block: int) -> dict[str, torch.Tensor]:
-    """Seeded block masks on every decoder linear (the same on every machine)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if name.endswith("proj.weight"):
-            grid = bench_mask(p.shape[0] // block, p.shape[1] // block, density, f"gen-{name}")
-            out[name] = grid.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return out
+def grids_for(model, density: float, block: int) -> dict[str, torch.Tensor]:
+    """Seeded block grids (kept blocks true) of every decoder linear, the same on every machine."""
+    return {name: bench_mask(p.shape[0] // block, p.shape[1] // block, density, f"gen-{name}")
+            for name, p in model.named_parameters() if name.endswith("proj.weight")}
+
+
+def expand(grid: torch.Tensor, block: int) -> torch.Tensor:
+    return grid.repeat_interleave(block, 0).repeat_interleave(block, 1)
 
 
 def build(args) -> None:
@@ -56,13 +56,12 @@ def build(args) -> None:
     cfg = config(args.layers)
     with torch.device("meta"):
         shapes = transformers.LlamaForCausalLM(cfg)
-    masks = masks_for(shapes, args.density, args.block)
-    if args.bits != 16:                        # the user's bits on every decoder linear: no calibration
-        masks = {n: sparta.TeSA.dense(tuple(m.shape), args.bits) if args.density >= 1 else
-                 sparta.TeSA.from_mask(m, args.bits) for n, m in masks.items()}
+    grids = grids_for(shapes, args.density, args.block)
+    masks = {n: sparta.TeSA.dense(tuple(shapes.get_parameter(n).shape), args.bits) if args.density >= 1 else
+             sparta.TeSA.from_blocks(g, (args.block, args.block), args.bits) for n, g in grids.items()}
     del shapes
     torch.manual_seed(args.seed)
-    model = transformers.LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    model = bf16_model(cfg, "cpu")
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
     compiled = sparta.compile(model, masks, (ids,), target="cuda", tokens=(1, args.prompt_tokens))
@@ -75,6 +74,18 @@ def build(args) -> None:
     print(json.dumps(meta, indent=1))
 
 
+def bf16_model(cfg, device: str):
+    """The model created in bf16 on ``device`` (a 7B model created in fp32 first would need 27 GB)."""
+    import transformers
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
 def meta_path(folder) -> Path:
     """What the benchmark needs of a build (layers, masks' seed, compile time): beside the saved folder, whose every
     file the manifest lists."""
@@ -83,13 +94,11 @@ def meta_path(folder) -> Path:
 
 def checkpoint(meta: dict, device: str):
     """The dense model of the folder's config and seed, bf16 on ``device``, its pruned blocks zero."""
-    import transformers
     torch.manual_seed(meta["seed"])
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config(meta["layers"])).eval().to(torch.bfloat16)
+    model = bf16_model(config(meta["layers"]), device)
     with torch.no_grad():
-        for name, mask in masks_for(model, meta["density"], meta["block"]).items() if meta["density"] < 1 else ():
-            model.get_parameter(name).mul_(mask.to(device))
+        for name, grid in grids_for(model, meta["density"], meta["block"]).items() if meta["density"] < 1 else ():
+            model.get_parameter(name).mul_(expand(grid, meta["block"]).to(device))
     return model
 
 
@@ -204,7 +213,8 @@ def run(args) -> dict:
         best = max(ok, key=lambda k: results[k]["tok_s"])
         results["speedup_vs_best_dense"] = {"peer": best, "x": results["sparta"]["tok_s"] / results[best]["tok_s"]}
         results["same_tokens_as_dense"] = results["sparta"]["tokens"] == results[best]["tokens"]
-    kept = sum(m.sum().item() for m in masks_for(dense, meta["density"], meta["block"]).values())
+    kept = sum(g.sum().item() * meta["block"] ** 2 if meta["density"] < 1 else g.numel() * meta["block"] ** 2
+               for g in grids_for(dense, meta["density"], meta["block"]).values())
     weights = sum(p.numel() for n, p in dense.named_parameters() if not n.endswith("proj.weight")) + kept
     results["bytes_floor_tok_s"] = {"bytes_per_step": 2 * weights, "at_3.0TBps": args.batch * 3.0e12 / (2 * weights)}
     results["prefill_ms"] = {"sparta": prefill_ms(lambda x: decoder(x, use_cache=False), prompt),
