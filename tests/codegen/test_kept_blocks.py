@@ -131,3 +131,24 @@ def test_a_cuda_compile_reads_one_stacked_weight_at_a_time_and_packs_as_the_dens
         assert fast[name][1].keys() == slow[name][1].keys()
         for b in fast[name][1]:
             assert torch.equal(fast[name][1][b], slow[name][1][b]), (name, b)
+
+
+def test_the_dense_reference_masks_weights_as_they_are_read():
+    """A compiled model holds no masked copy of its weights: each is masked when the reference reads it."""
+    from sparta.compiled_model import MaskedWeights, masked_weights
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).eval()
+    keep = torch.rand(64, 64) < 0.5
+    compiled = sparta.compile(model, {"0.weight": keep}, (torch.randn(4, 64),))
+    masked = masked_weights(compiled.graph)
+    assert isinstance(masked, MaskedWeights) and list(masked) == ["0.weight"]
+    assert not any(isinstance(v, torch.Tensor) for v in vars(masked).values())
+    assert torch.equal(masked["0.weight"], model[0].weight * keep)
+    assert masked["0.weight"] is not masked["0.weight"]
+    with pytest.raises(KeyError):
+        masked["2.weight"]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = model[2](torch.relu(x @ (model[0].weight * keep).t() + model[0].bias))
+        got = compiled.reference()(x)
+    torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, want)
