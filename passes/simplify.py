@@ -218,7 +218,8 @@ def _stacked_name(names: list[str]) -> str:
 def _stacked_linear(graph: Graph, out: Graph, ops: list[Op], ranges: dict) -> list[Op]:
     """The stacked linear of ``ops`` (its weight, bias and output added to ``out``, the parts' rows of each to
     ``ranges``) and one slice per former output."""
-    from ..graph import StackedValue, Value
+    from ..graph import Value
+    from ..stacked_value import StackedValue
     from ..tesa import TeSA, bits_of_dtype
     first = ops[0]
     x = first.input_of("input")

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from .codegen import cache
-from .graph import Graph, StackedValue
+from .graph import Graph
+from .stacked_value import StackedValue
 from .tesa import TeSA
 
 _LEN = struct.Struct("<Q")

@@ -10,7 +10,8 @@ import torch
 
 import sparta
 from sparta.codegen.kept_blocks import KeepGrid, keep_grid, kept_block_mask, packed_blocks
-from sparta.graph import StackedValue, Value
+from sparta.graph import Value
+from sparta.stacked_value import StackedValue
 from sparta.templates.bsr_linear.packing import block_mask_of, build_table, pack_weight
 from sparta.templates.bsr_linear.spec import BsrSpec, gate_padded
 
