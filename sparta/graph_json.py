@@ -291,8 +291,8 @@ def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str,
     tensors, values = {}, []
     for v in graph.tensors():
         values.append({"name": v.name, "shape": list(v.shape), "dtype": dtype_name(v.dtype), "kind": v.kind,
-                       "is_parameter": v.is_parameter, "tesa": v.tesa.to_json(), "data": v.data is not None})
-        if v.data is not None:
+                       "is_parameter": v.is_parameter, "tesa": v.tesa.to_json(), "data": v.has_data})
+        if v.has_data:
             tensors[prefix + v.name] = v.data
     ops = [{"name": o.name, "op": o.op, "inputs": o.inputs, "outputs": o.outputs, "target": target_name(o.target),
             "args": encode(tuple(o.args)), "kwargs": encode(dict(o.kwargs)), "source": o.source,
