@@ -66,12 +66,19 @@ def build(args) -> None:
     t0 = time.perf_counter()
     compiled = sparta.compile(model, masks, (ids,), target="cuda", tokens=(1, args.prompt_tokens))
     compile_s = time.perf_counter() - t0
+    print(f"compiled in {compile_s:.0f} s, peak RSS {peak_rss_gib():.1f} GiB", flush=True)
     compiled.save(args.build, weights=False)
+    print(f"saved, peak RSS {peak_rss_gib():.1f} GiB", flush=True)
     meta = {"layers": args.layers, "density": args.density, "block": args.block, "seed": args.seed, "bits": args.bits,
             "compile_s": compile_s, "timings": compiled.timings}
     meta_path(args.build).write_text(json.dumps(meta, indent=1))
     print(compiled.plan_report(only_gemm=True))
     print(json.dumps(meta, indent=1))
+
+
+def peak_rss_gib() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def bf16_model(cfg, device: str):

@@ -286,13 +286,14 @@ def _keys(context: str | None, n: int) -> list | None:
     return keys if plain else None
 
 
-def graph_to_json(graph: Graph, prefix: str = "graph/") -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(json, tensors)``: the graph's structure and TeSAs as JSON, weight data keyed ``prefix + name``."""
+def graph_to_json(graph: Graph, prefix: str = "graph/", stacked: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(json, tensors)``: the graph's structure and TeSAs as JSON, weight data keyed ``prefix + name``
+    (``stacked=False``: not the stacked weights', which would be concatenated from their parts to be read)."""
     tensors, values = {}, []
     for v in graph.tensors():
         values.append({"name": v.name, "shape": list(v.shape), "dtype": dtype_name(v.dtype), "kind": v.kind,
                        "is_parameter": v.is_parameter, "tesa": v.tesa.to_json(), "data": v.has_data})
-        if v.has_data:
+        if v.has_data and (stacked or v.name not in graph.stacked_weights):
             tensors[prefix + v.name] = v.data
     ops = [{"name": o.name, "op": o.op, "inputs": o.inputs, "outputs": o.outputs, "target": target_name(o.target),
             "args": encode(tuple(o.args)), "kwargs": encode(dict(o.kwargs)), "source": o.source,

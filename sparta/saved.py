@@ -88,10 +88,10 @@ def _write(compiled, root: Path, weights: bool = True) -> None:
     from .graph_json import graph_to_json
 
     (root / "kernels").mkdir()
-    graph_json, tensors = graph_to_json(compiled.graph)
+    graph_json, tensors = graph_to_json(compiled.graph, stacked=weights)    # kernels only: no stacked copies
     restorable = _restorable_weights(compiled)
     for name in restorable:                           # the kernel module's packed copy restores it
-        del tensors["graph/" + name]
+        tensors.pop("graph/" + name, None)
     modules = {}
     for op_name, module in compiled.module_replacements().items():
         config, mtensors, folders = module.saved_state()
