@@ -21,6 +21,7 @@ Face runs it (eager) and as one CUDA graph (the GPU's time alone).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -204,6 +205,21 @@ def run(args) -> dict:
     peers = {"sparta": sparta_gen, "dense_fast_loop": dense_fast, "sparta_hf_loop": sparta_hf_loop,
              "dense_hf_loop_graphs": graphs_gen, "dense_eager": eager_gen,
              "dense_hf_compile": hf_compiled_gen}      # the slowest to start last
+    results["prefill_ms"] = {"sparta": prefill_ms(lambda x: decoder(x, use_cache=False), prompt),
+                             "dense_eager": prefill_ms(lambda x: dense(x, use_cache=False), prompt)}
+    results["prefill_graph_ms"] = {"sparta": graph_ms(lambda x: decoder(x, use_cache=False), prompt),
+                                   "dense": graph_ms(lambda x: dense(x, use_cache=False), prompt)}
+    print("prefill", results["prefill_ms"], results["prefill_graph_ms"], flush=True)
+    with torch.no_grad():
+        sparse_logits = decoder(prompt[:1], use_cache=False).logits
+        dense_logits = dense(prompt[:1], use_cache=False).logits
+        fp32 = copy.deepcopy(dense).float()
+        ref = fp32(prompt[:1], use_cache=False).logits
+        del fp32
+    results["kl_to_fp32_masked"] = {"sparta": kl_to(ref, sparse_logits), "dense_bf16": kl_to(ref, dense_logits)}
+    print("kl", results["kl_to_fp32_masked"], flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
     for name, fn in peers.items():
         if args.only and name not in args.only:
             continue
@@ -224,17 +240,6 @@ def run(args) -> dict:
                for g in grids_for(dense, meta["density"], meta["block"]).values())
     weights = sum(p.numel() for n, p in dense.named_parameters() if not n.endswith("proj.weight")) + kept
     results["bytes_floor_tok_s"] = {"bytes_per_step": 2 * weights, "at_3.0TBps": args.batch * 3.0e12 / (2 * weights)}
-    results["prefill_ms"] = {"sparta": prefill_ms(lambda x: decoder(x, use_cache=False), prompt),
-                             "dense_eager": prefill_ms(lambda x: dense(x, use_cache=False), prompt)}
-    results["prefill_graph_ms"] = {"sparta": graph_ms(lambda x: decoder(x, use_cache=False), prompt),
-                                   "dense": graph_ms(lambda x: dense(x, use_cache=False), prompt)}
-    print("prefill", results["prefill_ms"], results["prefill_graph_ms"], flush=True)
-    with torch.no_grad():
-        sparse_logits = decoder(prompt[:1], use_cache=False).logits
-        dense_logits = dense(prompt[:1], use_cache=False).logits
-        fp32 = dense.float()
-        ref = fp32(prompt[:1], use_cache=False).logits
-    results["kl_to_fp32_masked"] = {"sparta": kl_to(ref, sparse_logits), "dense_bf16": kl_to(ref, dense_logits)}
     return results
 
 
