@@ -8,8 +8,9 @@ arguments of that step, and captures one CUDA graph that runs a whole step: writ
 mask, the forward (through ``torch.compile``: Inductor fuses the norms, rotary embedding and residual adds around
 sparta's kernel ops, which a decode step otherwise spends most of its launches on), the argmax, the finished rows'
 padding, the next step's ids and positions. The remaining tokens are
-replays of that graph, checked for end of sequence once per ``chunk`` tokens. The tokens equal Hugging Face's greedy
-loop's (the same kernels on the same inputs).
+replays of that graph, checked for end of sequence once per ``chunk`` tokens. Without ``torch.compile`` the tokens
+equal Hugging Face's greedy loop's (the same kernels on the same inputs); with it, up to near-ties (Inductor's fused
+norms round differently).
 """
 
 from __future__ import annotations

@@ -65,15 +65,31 @@ def test_a_kernels_only_save_generates_with_the_weights_of_a_checkpoint(model, t
 
 
 def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_tokens(model):
-    """The default greedy call takes sparta's loop (sparta.runtime.decode_loop): its tokens equal Hugging Face's loop's
-    on the same kernels, for a left-padded batch, with and without an end-of-sequence token."""
+    """The default greedy call takes sparta's loop (sparta.runtime.decode_loop). Without torch.compile its tokens equal
+    Hugging Face's loop's on the same kernels, for a left-padded batch, with and without an end-of-sequence token;
+    with it (the default) Inductor's fused norms round differently, so the tokens agree up to a step whose two best
+    logits are within rounding of each other."""
+    from sparta.runtime.decode_loop import greedy_generate
     prompt = torch.randint(3, 512, (3, 21), generator=torch.Generator().manual_seed(4)).cuda()
     mask = torch.ones_like(prompt)
     mask[1, :5] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    free = model.generate(prompt, eos_token_id=None, **kw)
+    kw = dict(attention_mask=mask, max_new_tokens=40, pad_token_id=0)
+    free = model.generate(prompt, eos_token_id=None, do_sample=False, **kw)
     assert free.shape == (3, 61)
-    for eos in (None, int(free[0, 21 + 9])):
-        fast = model.generate(prompt, eos_token_id=eos, **kw)
-        hf = model.generate(prompt, eos_token_id=eos, disable_compile=True, **kw)
-        assert torch.equal(fast, hf), (eos, fast, hf)
+    hf_free = model.generate(prompt, eos_token_id=None, do_sample=False, disable_compile=True, **kw)
+    with torch.no_grad():
+        for eos in (None, int(hf_free[0, 21 + 9])):
+            exact = greedy_generate(model.decoder(), prompt, inductor=False, eos_token_id=eos, **kw)
+            hf = model.generate(prompt, eos_token_id=eos, do_sample=False, disable_compile=True, **kw)
+            assert torch.equal(exact, hf), (eos, exact, hf)
+        differ = (free != hf_free).any(0).nonzero()
+        if len(differ):
+            col = int(differ[0])
+            assert col >= 21 + 4, (col, free, hf_free)
+            ext = torch.cat([mask, torch.ones(3, col - 21, dtype=mask.dtype, device=mask.device)], 1)
+            position = (ext.cumsum(-1) - 1).masked_fill(ext == 0, 1)          # as generate() places a padded row
+            logits = model.decoder()(hf_free[:, :col], attention_mask=ext, position_ids=position,
+                                     use_cache=False).logits[:, -1].float()
+            for row in (free[:, col] != hf_free[:, col]).nonzero().flatten().tolist():
+                gap = (logits[row, hf_free[row, col]] - logits[row, free[row, col]]).abs().item()
+                assert gap < 0.1, (row, col, gap)
