@@ -81,7 +81,6 @@ class GatedKernelMLP(torch.nn.Module):
 def decoder(compiled) -> torch.nn.Module:
     """The Hugging Face model rebuilt around ``compiled``'s kernel modules, on the compiled model's device (cached
     on ``compiled``; :func:`swap_report` lists what runs where)."""
-    from .frontend.hf import model_class
     record = compiled.graph.hf_model
     if record is None:
         raise GenerationError("generate() needs a Hugging Face model (compiled from a transformers "
@@ -89,7 +88,6 @@ def decoder(compiled) -> torch.nn.Module:
     if not record.get("generative"):
         raise GenerationError(f"{record['class']} cannot generate (it has no language-model head): compile its "
                               f"*ForCausalLM class, e.g. {record['class'].removesuffix('Model')}ForCausalLM")
-    model_class(record["class"])
     model, report = _rebuild(compiled, record)
     model.sparta_swaps = report
     return model.to(compiled.device)
@@ -101,6 +99,7 @@ def swap_report(model) -> list[tuple[str, str]]:
 
 
 def _rebuild(compiled, record: dict):
+    from .compiled_model import MaskedWeights
     from .frontend.hf import model_class
     graph: Graph = compiled.graph
     cls = model_class(record["class"])
@@ -111,7 +110,7 @@ def _rebuild(compiled, record: dict):
     swaps, report = _swaps(compiled, model)
     for path, module in swaps.items():
         _set_module(model, path, module)
-    masked = _Masked(graph)
+    masked = MaskedWeights(graph)
     missing = []
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
@@ -132,32 +131,24 @@ def _rebuild(compiled, record: dict):
     return model, report
 
 
-class _Masked:
-    """A graph weight's value with its pruned elements zero, computed for the weights asked for only."""
-
-    def __init__(self, graph: Graph):
-        self.graph = graph
-
-    def get(self, name: str):
-        v = self.graph.tensor(name)
-        if v.data is None:
-            return None
-        return v.data if v.tesa.is_dense else v.tesa.apply(v.data)
+def _value(graph: Graph, masked, name: str) -> torch.Tensor | None:
+    """A weight's value with its pruned elements zero (``masked``: the graph's :class:`MaskedWeights`)."""
+    return masked[name] if name in masked.names else graph.tensor(name).data
 
 
-def _weight(graph: Graph, name: str, masked: _Masked) -> torch.Tensor | None:
+def _weight(graph: Graph, name: str, masked) -> torch.Tensor | None:
     """A parameter's value in the compiled graph (its pruned elements zero): by name, alias or stacked part."""
     try:
         target, perm = graph.resolve(name)
     except SpartaError:
         target, perm = None, None
     if target is not None:
-        value = masked.get(target)
+        value = _value(graph, masked, target)
         return None if value is None else value if perm is None else value.permute(perm).contiguous()
     for stacked, parts in graph.stacked_weights.items():
         for part, start, end in parts:
             if part == name and graph.has_tensor(stacked):
-                value = masked.get(stacked)
+                value = _value(graph, masked, stacked)
                 return None if value is None else value[start:end].clone()
     return None
 

@@ -7,7 +7,7 @@ import torch
 
 import sparta
 from sparta.generation import GenerationError, swap_report
-from sparta.runtime.decode_graphs import DecodeGraphs, max_cache_length
+from sparta.runtime.decode_graphs import full_mask, max_cache_length
 
 transformers = pytest.importorskip("transformers")
 
@@ -151,7 +151,7 @@ def test_the_decode_steps_four_dimensional_mask_is_the_one_the_model_builds():
         want = model(attention_mask=mask2, **kwargs).logits
         for t, s in zip(_small_tensors(cache), state):      # the same step again from the same cache state
             t.copy_(s)
-        full = DecodeGraphs(model)._full_mask(mask2, 16)
+        full = full_mask(model, mask2, 16)
         got = model(attention_mask=full, **kwargs).logits
     assert full.shape == (2, 1, 1, 16) and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 

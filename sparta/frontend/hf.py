@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-import torch
-
 from ..errors import SpartaError
 
 
@@ -65,12 +63,3 @@ def model_class(name: str):
                           f"({transformers.__version__}) has")
     return cls
 
-
-def skeleton(record: dict, dtype: torch.dtype) -> torch.nn.Module:
-    """The recorded model built on the meta device (no memory, no initialisation), in ``dtype``, in eval mode."""
-    cls = model_class(record["class"])
-    config = cls.config_class.from_dict(dict(record["config"]))
-    config.torch_dtype = dtype
-    with torch.device("meta"):
-        model = cls(config)
-    return model.to(dtype).eval()

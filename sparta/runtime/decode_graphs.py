@@ -28,6 +28,18 @@ def max_cache_length(cache) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def full_mask(model, mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The 4-d mask ``(B, 1, 1, length)`` of a one-token step over a static cache of ``length`` positions: the keys the
+    2-d ``mask`` keeps, up to its length; boolean for SDPA, additive in the model's dtype for other attention."""
+    full = torch.zeros(mask.shape[0], length, dtype=torch.bool, device=mask.device)
+    full[:, : mask.shape[1]] = mask.bool()
+    full = full[:, None, None, :]
+    if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+        return full
+    dtype = model.dtype
+    return torch.zeros(full.shape, dtype=dtype, device=mask.device).masked_fill(~full, torch.finfo(dtype).min)
+
+
 def _cache_state(cache) -> list[torch.Tensor]:
     """The cache's small device tensors (lengths, counters) that a forward advances in place."""
     out = []
@@ -58,7 +70,7 @@ class DecodeGraphs:
             self.fallbacks += 1
             return self.model(**kwargs)
         if mask.dim() == 2:        # some transformers releases build the 4-d mask themselves for a static cache
-            kwargs = dict(kwargs, attention_mask=self._full_mask(mask, length))
+            kwargs = dict(kwargs, attention_mask=full_mask(self.model, mask, length))
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in kwargs.items() if k not in tensors}
         key = (tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(tensors.items())),
@@ -73,16 +85,6 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return out
-
-    def _full_mask(self, mask: torch.Tensor, length: int) -> torch.Tensor:
-        """The 4-d mask ``(B, 1, 1, length)`` of a one-token step: the keys the 2-d mask keeps, up to its length."""
-        full = torch.zeros(mask.shape[0], length, dtype=torch.bool, device=mask.device)
-        full[:, : mask.shape[1]] = mask.bool()
-        full = full[:, None, None, :]
-        if getattr(self.model.config, "_attn_implementation", "sdpa") == "sdpa":
-            return full
-        dtype = self.model.dtype
-        return torch.zeros(full.shape, dtype=dtype, device=mask.device).masked_fill(~full, torch.finfo(dtype).min)
 
     def _capture(self, tensors: dict, others: dict):
         static = {k: v.clone() for k, v in tensors.items()}

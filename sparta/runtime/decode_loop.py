@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from .decode_graphs import _cache_state, max_cache_length
+from .decode_graphs import _cache_state, full_mask, max_cache_length
 
 #: generate() arguments the loop honours itself; any other argument runs Hugging Face's loop
 SUPPORTED = {"attention_mask", "max_new_tokens", "do_sample", "pad_token_id", "eos_token_id", "num_beams",
@@ -120,12 +120,10 @@ class _GraphLoop:
         self.static = {k: v.clone() for k, v in step.items() if isinstance(v, torch.Tensor) and k != "attention_mask"}
         self.others = {k: v for k, v in step.items() if not isinstance(v, torch.Tensor)}
         mask = step.get("attention_mask")
-        if mask is not None and mask.dim() == 4:            # the step's own mask over the static cache
-            self.mask = mask.clone()
-        else:                                               # 2-d: keys kept so far, as a 4-d mask over the cache
-            full = torch.zeros(batch, length, dtype=torch.bool, device=head.device)
-            full[:, : mask.shape[1]] = mask.bool() if mask is not None else True
-            self.mask = full[:, None, None, :]
+        if mask is None:                                    # no padding: the prompt and the first new key kept
+            mask = torch.ones(batch, prompt + 1, dtype=torch.bool, device=head.device)
+        # the step's own 4-d mask over the static cache, or the 2-d one's keys as such a mask
+        self.mask = mask.clone() if mask.dim() == 4 else full_mask(model, mask, length)
         self.slot = torch.tensor([prompt + 1], device=head.device)     # where the next key goes in the cache
         self.index = torch.zeros(1, dtype=torch.long, device=head.device)
         self.tokens = torch.full((batch, steps), pad, dtype=torch.long, device=head.device)
