@@ -96,3 +96,15 @@ class PostLNBlock(nn.Module):
 
     def forward(self, x):
         return self.ln2(self.ln(self.fc(x) + x))
+
+
+class QKV(nn.Module):
+    """Three sibling linears reading one input, as attention's q/k/v (compiled for CUDA they run stacked):
+    ``q(x) * k(x) + v(x)``."""
+
+    def __init__(self, d=256):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        return self.q(x) * self.k(x) + self.v(x)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MLP, SmallCNN, tiny_bert
+from models import MLP, QKV, SmallCNN, tiny_bert
 
 import sparta
 from sparta import TeSA
@@ -436,15 +436,8 @@ def test_a_cuda_model_with_stacked_linears_stores_their_weights_once(tmp_path, m
         pytest.skip("needs nvcc")
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
 
-    class QKV(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.k, self.v = (torch.nn.Linear(512, 512) for _ in range(3))
-
-        def forward(self, x):
-            return self.q(x) * self.k(x) + self.v(x)
     torch.manual_seed(0)
-    model = QKV().half().eval()
+    model = QKV(512).half().eval()
     tesa = {f"{n}.weight": _block_mask((512, 512), 32, 0.1, i) for i, n in enumerate("qkv")}
     compiled = sparta.compile(model, tesa, (torch.randn(4, 64, 512).half(),), target="cuda")
     assert list(compiled.graph.stacked_weights) == ["q+k+v.weight", "q+k+v.bias"]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import QKV
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -201,15 +202,8 @@ def test_stacked_linears_take_their_parts_from_the_checkpoint(tmp_path, monkeypa
         pytest.skip("needs nvcc")
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
 
-    class QKV(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.k, self.v = (torch.nn.Linear(256, 256) for _ in range(3))
-
-        def forward(self, x):
-            return self.q(x) * self.k(x) + self.v(x)
     torch.manual_seed(0)
-    model = QKV().half().eval()
+    model = QKV(256).half().eval()
     tesa = {f"{n}.weight": _block_mask((256, 256), 32, 0.2, i) for i, n in enumerate("qkv")}
     with torch.no_grad():
         for name, m in tesa.items():
