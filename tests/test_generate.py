@@ -192,5 +192,8 @@ def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stop
         kw = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0)
         for end in (None, eos):
             want = model.generate(prompt, do_sample=False, cache_implementation="static", eos_token_id=end, **kw)
+            hook = object()
+            model.get_compiled_call = hook                    # a hook installed before is put back after
             got = greedy_generate(model, prompt, graphs=False, inductor=inductor, chunk=4, eos_token_id=end, **kw)
             assert torch.equal(got, want), (end, got, want)
+            assert model.__dict__.pop("get_compiled_call") is hook

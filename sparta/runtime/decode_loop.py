@@ -68,6 +68,7 @@ def greedy_generate(model, ids: torch.Tensor, *, max_new_tokens: int, chunk: int
     from transformers.generation import CompileConfig
     recorder = _Recorder(model)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("do_sample", "num_beams", "cache_implementation")}
+    previous = model.__dict__.get("get_compiled_call")        # the hook generate() installs for HF's own loop
     model.get_compiled_call = lambda *_: recorder
     hook = {}
     if not ids.is_cuda:                 # Hugging Face calls the hook on accelerators only, unless told otherwise
@@ -78,7 +79,10 @@ def greedy_generate(model, ids: torch.Tensor, *, max_new_tokens: int, chunk: int
                               stopping_criteria=StoppingCriteriaList([_stop_after(2, ids.shape[1])]), **hook,
                               **kwargs)
     finally:
-        del model.get_compiled_call
+        if previous is None:
+            del model.get_compiled_call
+        else:
+            model.get_compiled_call = previous
     config = model.generation_config
     eos = kwargs.get("eos_token_id", config.eos_token_id)
     pad = kwargs.get("pad_token_id", config.pad_token_id)
