@@ -1,7 +1,9 @@
-"""Where a sparse 7B decode step's GPU time goes: one eager decode step of ``bench_generate.py``'s model (no Inductor,
-no graph) under torch.profiler, kernels grouped by name.
+"""Where a sparse 7B decode step's GPU time goes: one decode step of ``bench_generate.py``'s model under
+torch.profiler, kernels grouped by name — eager (no Inductor, no graph) or, with ``--inductor``, the step the greedy
+loop runs (``torch.compile``'d, launched one kernel at a time, then its CUDA graph timed); ``--phases``: a whole
+``generate()`` call timed at three lengths, its fixed cost (prefill, first step, capture) apart from the per-token one.
 
-    python benchmarks/probes/decode_step_profile.py --dir artifacts/gen7b [--dense] --out step.json
+    python benchmarks/probes/decode_step_profile.py --dir artifacts/gen7b [--dense] [--inductor] [--phases] --out s.json
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,41 +20,102 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_generate import checkpoint, meta_path  # noqa: E402
 
 
+def kernel_rows(prof) -> list[dict]:
+    rows = [{"name": e.key[:110], "calls": e.count, "us": e.device_time_total} for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "device_time_total", 0) > 0]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def show(title: str, rows: list[dict], top: int = 30) -> dict:
+    total = sum(r["us"] for r in rows)
+    print(f"{title}: GPU total {total:.0f} us, {sum(r['calls'] for r in rows)} kernels")
+    for r in rows[:top]:
+        print(f"{r['us']:9.0f} us {r['calls']:5d}  {r['name']}")
+    return {"total_us": total, "kernels": rows}
+
+
+def profiled(fn) -> list[dict]:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return kernel_rows(prof)
+
+
+def graph_us(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+def phases(model, generate, prompt) -> dict:
+    """Wall time of whole generate() calls at three lengths: the slope is a token's cost, the rest the call's."""
+    out = {}
+    for new in (3, 34, 130):
+        generate(prompt, new)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            generate(prompt, new)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[new] = sorted(times)[1] * 1e3
+    per_token = (out[130] - out[34]) / 96
+    fixed = out[130] - 130 * per_token
+    print(f"generate ms by new tokens {out}; per token {per_token:.3f} ms, fixed {fixed:.1f} ms")
+    return {"ms_by_new_tokens": out, "per_token_ms": per_token, "fixed_ms": fixed}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", required=True)
     ap.add_argument("--dense", action="store_true", help="profile the dense model instead")
+    ap.add_argument("--inductor", action="store_true", help="also the torch.compile'd step and its CUDA graph")
+    ap.add_argument("--phases", action="store_true", help="also time whole generate() calls")
     ap.add_argument("--out")
     args = ap.parse_args()
     import sparta
+    from sparta.runtime.decode_loop import compiled_step, greedy_generate
     from transformers import StaticCache
     meta = json.loads(meta_path(args.dir).read_text())
     dense = checkpoint(meta, "cuda")
     model = dense if args.dense else sparta.load(args.dir, weights=dense).to("cuda").decoder()
+    model.generation_config.eos_token_id = None
     prompt = torch.randint(0, 32000, (1, 512), generator=torch.Generator().manual_seed(3)).cuda()
     cache = StaticCache(config=model.config, max_cache_len=640)
+    result = {"dense": args.dense, "device": torch.cuda.get_device_name()}
     with torch.no_grad():
         out = model(prompt, past_key_values=cache, use_cache=True)
         step = out.logits[:, -1:].argmax(-1)
         kw = dict(past_key_values=cache, use_cache=True, position_ids=torch.tensor([[512]], device="cuda"))
         if "cache_position" in model.forward.__code__.co_varnames:
             kw["cache_position"] = torch.tensor([512], device="cuda")
-        model(step, **kw)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            model(step, **kw)
-            torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "device_time_total", 0) > 0:
-            rows.append({"name": e.key[:90], "calls": e.count, "us": e.device_time_total})
-    rows.sort(key=lambda r: -r["us"])
-    total = sum(r["us"] for r in rows)
-    print(f"GPU total {total:.0f} us, {sum(r['calls'] for r in rows)} kernels")
-    for r in rows[:25]:
-        print(f"{r['us']:9.0f} us {r['calls']:5d}  {r['name']}")
+        result["eager"] = show("eager step", profiled(lambda: model(step, **kw)))
+        if args.inductor:
+            forward = compiled_step(model)
+            result["inductor"] = show("torch.compile'd step", profiled(lambda: forward(step, **kw)))
+            result["inductor_graph_us"] = graph_us(lambda: forward(step, **kw))
+            result["eager_graph_us"] = graph_us(lambda: model(step, **kw))
+            print(f"step as one CUDA graph: compiled {result['inductor_graph_us']:.0f} us, "
+                  f"eager {result['eager_graph_us']:.0f} us")
+        if args.phases:
+            def generate(p, n):
+                return greedy_generate(model, p, max_new_tokens=n, pad_token_id=0)
+            result["phases"] = phases(model, generate, prompt)
     if args.out:
-        Path(args.out).write_text(json.dumps({"total_us": total, "kernels": rows}, indent=1))
+        Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
