@@ -26,6 +26,7 @@ from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
 from ..target import Target
 from ..templates.registry import epilogue_of, rule, rules
 from ..templates.w4a16_gemv.spec import gemv_group
+from .bucket_costs import bucket_estimates, dense_widths
 from .kept_blocks import KeepGrid, keep_grid, kept_block_mask
 from .select_attention import select_attention
 
@@ -175,6 +176,10 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
         site = gemm_site(graph, op, op_plan, plan)
         op_plan.kernel = choice("torch", "not_a_gemm", f"not a GEMM the CUDA template takes ({op.op})") \
             if site is None else select_gemm(site, target)
+        if site is not None:           # each bucket of rows priced by the kernel that runs there
+            last = max([r for r, _, _ in op_plan.rows_us], default=site.m)
+            op_plan.kernel.bucket_us = bucket_estimates(site, op_plan.kernel, target.profile, last,
+                                                        dense_widths(graph, op, target.profile))
         fuses = epilogue_of(op_plan.kernel.kernel)
         for _, family, _ in op_plan.kernel.few_rows or ():    # every kernel of the op computes the fused epilogue
             less = epilogue_of(family)

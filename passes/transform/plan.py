@@ -78,27 +78,44 @@ class KernelChoice:
     few_rows: list | None = None   # [[max rows, family, tiles], ...]: low-bit GEMVs (their own packed weight) run
     #                                first, each for calls of up to its rows (a graph of any rows)
     dense_grid: bool = False       # a dense tile: every block computed, zeros included (no empty block skipped)
+    bucket_us: list | None = None  # [[max rows, kernel, rows costed at, est µs, dense µs], ...] per entry of by_rows(),
+    #                                from the cost of the kernel that runs there (est None: the profile has no cost)
 
-    def describe(self) -> str:
+    def describe(self, epilogue: str = "") -> str:
+        """The kernel (``epilogue``: what it fuses, e.g. `` +bias+relu``), per bucket of rows with its estimate."""
         if self.kernel == "torch":
             return f"torch ({self.reason})"
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
-        main = f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]"
-        return "; ".join([f"M<={top}: {kernel}" for top, kernel in self.by_rows()[:-1]] + [f"else {main}"]) \
-            if self.gemv or self.buckets or self.few_rows else main       # the kernel per bucket of rows, per call
+        main = f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]{epilogue}"
+        if not (self.gemv or self.buckets or self.few_rows):
+            return main
+        rows = self.by_rows()               # the kernel per bucket of rows, per call, and its estimate
+        costs = self.bucket_us if self.bucket_us and len(self.bucket_us) == len(rows) else [None] * len(rows)
+        return "; ".join([f"M<={top}: {kernel}{_cost(c)}" for (top, kernel), c in zip(rows[:-1], costs)]
+                         + [f"else {main}{_cost(costs[-1], True)}"])
 
     def by_rows(self) -> list[tuple[int | None, str]]:
         """[(max rows, kernel), ...]: the kernel a call of up to that many rows runs, in increasing rows (None: the
         rest)."""
+        return [(top, label) for top, label, _, _ in self.runs_by_rows()]
+
+    def runs_by_rows(self) -> list[tuple[int | None, str, str, dict]]:
+        """[(max rows, kernel, what runs, its tiling), ...] as :meth:`by_rows`; what runs: ``"bsr_gemv"``, a low-bit
+        GEMV family, ``"tile"`` (a bucket's M tile over the main kernel's blocks) or the main kernel's family."""
         if self.kernel == "torch":
-            return [(None, "torch")]
-        out = [(top, f"{family}[{t.get('warps', '')} warps]") for top, family, t in self.few_rows or ()]
+            return [(None, "torch", "torch", {})]
+        out = [(top, f"{family}[{t.get('warps', '')} warps]", family, t) for top, family, t in self.few_rows or ()]
         if self.gemv and not self.few_rows:
-            out.append((self.gemv["rows"], f"bsr_gemv[{self.gemv['warps']} warps]"))
-        low = max([t for t, _ in out], default=0)
-        out += [(top, f"tm {t['tm']}") for top, t in self.buckets or () if top > low]
+            out.append((self.gemv["rows"], f"bsr_gemv[{self.gemv['warps']} warps]", "bsr_gemv", self.gemv))
+        low = max([t for t, *_ in out], default=0)
+        out += [(top, f"tm {t['tm']}", "tile", t) for top, t in self.buckets or () if top > low]
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
-        return out + [(None, f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}]")]
+        return out + [(None, f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}]", self.kernel, self.tiles)]
+
+    def estimate_note(self) -> str:
+        """Which kernels of the buckets of rows have no estimate, and why."""
+        missing = list(dict.fromkeys(k.split("[")[0] for _, k, _, e, _ in self.bucket_us or () if e is None))
+        return f"no estimate for {', '.join(missing)}: the cost profile has no cost for it" if missing else ""
 
     def kernel_at(self, rows: int) -> str:
         """The kernel a call of ``rows`` rows runs."""
@@ -228,12 +245,13 @@ class Plan:
                 continue
             blocks = " + ".join(s.describe() for s in p.subops)
             bits = " ".join(f"{b}:{c}" for b, c in sorted(p.bits.items())) if p.bits else ""
-            kernel = p.kernel.describe() if p.kernel is not None else ("vendor" if p.kind == "dense" else
-                                                                       _cpu_kernels(p) if p.kind == "sparse" else "")
-            if p.kind == "sparse" and p.epilogue and (p.kernel is None or p.kernel.kernel != "torch"):
-                kernel += " +" + "+".join(p.epilogue)
+            fused = " +" + "+".join(p.epilogue) if p.kind == "sparse" and p.epilogue else ""
+            kernel = p.kernel.describe(fused) if p.kernel is not None else ("vendor" if p.kind == "dense" else
+                                                                            _cpu_kernels(p) + fused if p.kind == "sparse"
+                                                                            else "")
             why = p.kernel.reason if p.kernel is not None and p.kernel.kernel != "torch" else ""
-            note = "; ".join(x for x in (p.note, why, p.kernel.note if p.kernel is not None else "", _range(p)) if x)
+            kernel_notes = (p.kernel.note, p.kernel.estimate_note()) if p.kernel is not None else ()
+            note = "; ".join(x for x in (p.note, why, *kernel_notes, _range(p)) if x)
             rows.append((p.op, p.op_type, p.kind, f"{p.density:.3f}" if p.gemm else "", bits, blocks, kernel,
                          f"{p.est_us:.1f}", f"{p.dense_us:.1f}", note))
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
@@ -276,12 +294,22 @@ def _sub_to_json(s: SubOp) -> dict:
     return d
 
 
+def _cost(entry, last: bool = False) -> str:
+    """`` ~X µs (dense Y µs)`` of one bucket's ``[max rows, kernel, rows, est µs, dense µs]`` (the last: at its
+    rows)."""
+    if entry is None:
+        return ""
+    _, _, rows, est, dense = entry
+    at = f" at M={rows}" if last else ""
+    return (f" ~{est:.1f} µs{at}" if est is not None else f" no estimate{at}") + f" (dense {dense:.1f} µs)"
+
+
 def _range(p: OpPlan) -> str:
     """An op planned over a token range: its estimated time against dense at the range's ends."""
     if not p.rows_us:
         return ""
     ends = [p.rows_us[0]] + p.rows_us[-1:] if len(p.rows_us) > 1 else p.rows_us
-    many = p.kernel is not None and len(p.kernel.by_rows()) > 1
+    many = p.kernel is not None and len(p.kernel.by_rows()) > 1 and not p.kernel.bucket_us   # else: the kernel column
 
     def on(r):
         return f" ({p.kernel.kernel_at(r)})" if many else ""

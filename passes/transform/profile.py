@@ -143,6 +143,38 @@ class HardwareProfile:
             per_block = ns * self.k_factor(kern, shape, k) * m
         return max(n_blocks * per_block / 1e3, self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
 
+    # ---- one kernel's cost (µs; None: the profile has no cost for it) ----------------------
+    def gemv_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int,
+                k: int = 0) -> float | None:
+        """The few-row block-sparse GEMV over ``n_blocks`` blocks at ``m`` rows: its cost per block measured at one
+        row (``blocks_one_row``) and the per-row cost above it, one kernel call."""
+        kern = self.kernel(weight_bits, act_bits)
+        if tuple(shape) not in kern.blocks_one_row or tuple(shape) not in kern.blocks or self.rows <= 1:
+            return None
+        return self.sub_op_us + self.block_us(n_blocks, shape, m, weight_bits, act_bits, k)
+
+    def tile_us(self, n_blocks: int, shape: tuple[int, int], m: int, tm: int, weight_bits: int, act_bits: int,
+                k: int = 0) -> float | None:
+        """A tile kernel of ``tm`` rows per tile over ``n_blocks`` blocks at ``m`` rows: the blocks' cost per row
+        (``blocks``, measured on the tile kernels) over ``m`` rounded up to whole tiles (a tile computes all its rows),
+        at least the blocks' weight bytes over the bandwidth, one kernel call."""
+        kern = self.kernel(weight_bits, act_bits)
+        ns = kern.blocks.get(tuple(shape))
+        if ns is None:
+            return None
+        rows = -(-max(m, 1) // tm) * tm
+        return self.sub_op_us + max(n_blocks * ns * self.k_factor(kern, shape, k) * rows / 1e3,
+                                    self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
+
+    def dense_tile_us(self, m: int, tm: int, n: int, k: int, weight_bits: int, act_bits: int) -> float:
+        """sparta's dense tile kernel (every block computed) of ``tm`` rows per tile at ``m`` rows: the kernel's
+        dense rate (``dense_gflops``, measured on its tiles) over ``m`` rounded up to whole tiles, at least the
+        weight bytes over the bandwidth, one kernel call."""
+        kern = self.kernel(weight_bits, act_bits)
+        rows = -(-max(m, 1) // tm) * tm
+        return self.sub_op_us + max(2.0 * rows * n * k / (kern.dense_gflops * 1e3),
+                                    self.weight_stream_us(n * k, weight_bits))
+
     def k_factor(self, kern: KernelCosts, shape: tuple[int, int], k: int) -> float:
         """How much more a block's per-row work costs at input width ``k`` than at the profile's: linear in K
         between the two measured widths, flat outside them, never less (a wider K is never cheaper per block)."""

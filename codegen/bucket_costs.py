@@ -1,0 +1,79 @@
+"""The estimate per bucket of rows of a chosen CUDA kernel (``KernelChoice.bucket_us``): each bucket priced by the cost
+of the kernel that runs there, never by the plan's cover model at those rows.
+
+The cost profile (``passes/profiles/cuda.json``) prices the block-sparse GEMV by its one-row block costs
+(``HardwareProfile.gemv_us``), the tile kernels by their block costs per row over whole M tiles
+(``tile_us``; a dense grid by the kernel's dense rate, ``dense_tile_us``); a kernel it has no cost for (the low-bit
+GEMVs) gets no estimate (None), which the plan report says. Each bucket is priced at its top rows, the last at the
+planned range's end (at least one row above the bucket before it). Nothing here needs TVM or a GPU.
+"""
+
+from __future__ import annotations
+
+from ..errors import PlanError
+from ..passes.transform.plan import KernelChoice
+from ..passes.transform.profile import HardwareProfile
+
+BITS = {"float16": (16, 16), "bfloat16": (16, 16), "int8": (8, 8), "w4a16": (4, 16)}   # kernel dtype -> (W, A) bits
+
+
+def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_rows: int,
+                     dense_bits: tuple[int, int]) -> list | None:
+    """``[[max rows, kernel, rows, est µs, dense µs], ...]`` per entry of ``picked.by_rows()`` (``site``: the
+    ``GemmSite``; ``last_rows``: the rows the last bucket is priced at, the planned range's end; ``dense_bits``: the
+    dense GEMM's widths), or None for a choice of one kernel or not the block-sparse family."""
+    runs = picked.runs_by_rows()
+    if picked.kernel != "bsr_linear" or len(runs) < 2:
+        return None
+    out, low, blocks = [], 0, {}
+    for top, label, what, tiles in runs:
+        rows = top if top is not None else max(last_rows, low + 1)
+        est = kernel_us(site, picked, what, tiles, rows, profile, blocks)
+        out.append([top, label, rows, None if est is None else round(est, 3),
+                     round(profile.dense_us(rows, site.n, site.k, *dense_bits), 3)])
+        low = rows
+    return out
+
+
+def kernel_us(site, picked: KernelChoice, what: str, tiles: dict, rows: int, profile: HardwareProfile,
+              blocks: dict | None = None) -> float | None:
+    """The cost of one kernel of ``picked`` (``what``/``tiles``: an entry of ``runs_by_rows``) at ``rows`` rows, or
+    None where the profile has no cost for it. ``blocks``: a cache of kept-block counts by block shape."""
+    if what not in ("bsr_gemv", "tile", "bsr_linear"):
+        return None                                    # a low-bit GEMV: the profile has no cost for it
+    wb, ab = BITS.get(picked.dtype, (16, 16))
+    try:
+        profile.kernel(wb, ab)
+    except PlanError:
+        return None
+    main = picked.tiles
+    if what == "bsr_linear" and picked.dense_grid:
+        return profile.dense_tile_us(rows, main.get("tm", 128), site.n, site.k, wb, ab)
+    shape = (main["bn"], main["bk"])
+    n_blocks = kept_blocks(site, shape, blocks)
+    if what == "bsr_gemv":
+        return profile.gemv_us(n_blocks, shape, rows, wb, ab, site.k)
+    return profile.tile_us(n_blocks, shape, rows, tiles.get("tm", main.get("tm", 128)), wb, ab, site.k)
+
+
+def dense_widths(graph, op, profile: HardwareProfile) -> tuple[int, int]:
+    """The (weight, activation) widths of the op's dense GEMM: the model's, rounded up as the plan's dense path."""
+    from ..passes.gemm import gemm_view
+    from ..tesa import bits_of_dtype
+    x, w = gemm_view(graph, op)[:2]
+    widths = profile.act_widths()
+    return tuple(profile.round_up(bits_of_dtype(graph.tensor(t).dtype), widths) for t in (w, x))
+
+
+def kept_blocks(site, shape: tuple[int, int], cache: dict | None = None) -> int:
+    """The blocks of ``shape`` the kernels over the site's packed weight compute (a gated kernel: both halves')."""
+    if cache is not None and shape in cache:
+        return cache[shape]
+    n = site.n // 2 if site.gate else site.n
+    count = int(site.block_mask(shape[0], shape[1], n if site.gate else 0).sum())
+    if cache is not None:
+        cache[shape] = count
+    return count
+
+
+__all__ = ["bucket_estimates", "dense_widths", "kernel_us", "kept_blocks"]
