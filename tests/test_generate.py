@@ -174,12 +174,17 @@ def test_a_kernels_only_save_generates_with_the_checkpoints_weights_and_refuses_
         sparta.load(tmp_path / "plan", weights=other)
 
 
-@pytest.mark.parametrize("kind, inductor", [("llama", False), ("gpt2", False), ("llama", True)])
-def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stops(kind, inductor):
+@pytest.mark.parametrize("kind, inductor, path", [("llama", False, "session"), ("gpt2", False, "session"),
+                                                  ("llama", True, "session"), ("llama", False, "recorded"),
+                                                  ("gpt2", False, "recorded")])
+def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stops(kind, inductor, path, monkeypatch):
     """The GPU loop's steps (mask slot, positions, argmax, padding after the end of sequence, stop once every row
     ended) run here one by one, without graphs (and through torch.compile, as on a GPU): the tokens equal Hugging
-    Face's greedy loop's with a static cache, for rows that end early, rows that do not, and a left-padded row."""
-    from sparta.runtime.decode_loop import greedy_generate
+    Face's greedy loop's with a static cache, for rows that end early, rows that do not, and a left-padded row — as a
+    session runs them (its own prefill and cache) and as the recorded-step loop does (Hugging Face's first step)."""
+    from sparta.runtime import decode_loop
+    if path == "recorded":
+        monkeypatch.setattr(decode_loop, "supports_session", lambda *a: False)
     torch.manual_seed(0)
     model = MODELS[kind]().eval()
     prompt = torch.randint(1, 200, (3, 7), generator=torch.Generator().manual_seed(2))
@@ -190,10 +195,46 @@ def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stop
                               cache_implementation="static")
         eos = int(free[0, 7 + 5])                         # a token the first row emits on its 6th step
         kw = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0)
-        for end in (None, eos):
+        for end in (None, eos, int(free[1, 7])):          # ... and one the second row emits first
             want = model.generate(prompt, do_sample=False, cache_implementation="static", eos_token_id=end, **kw)
             hook = object()
             model.get_compiled_call = hook                    # a hook installed before is put back after
-            got = greedy_generate(model, prompt, graphs=False, inductor=inductor, chunk=4, eos_token_id=end, **kw)
+            got = decode_loop.greedy_generate(model, prompt, graphs=False, inductor=inductor, chunk=4,
+                                              eos_token_id=end, **kw)
             assert torch.equal(got, want), (end, got, want)
             assert model.__dict__.pop("get_compiled_call") is hook
+    assert ("sparta_decode_sessions" in model.__dict__) == (path == "session")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_a_session_keeps_its_cache_and_step_for_the_next_call_and_pads_prompts_to_a_bucket(kind):
+    """A second call reuses the session's cache and step loop; prompts padded on the right to a bucket of lengths
+    (what a GPU prefill graph runs) give Hugging Face's tokens, at another prompt length in the same bucket and
+    with a left-padded row; a call needing a longer cache gets a new session."""
+    from sparta.runtime.decode_loop import greedy_generate
+    from sparta.runtime.decode_session import prompt_bucket
+    torch.manual_seed(1)
+    model = MODELS[kind]().eval()
+    prompt = torch.randint(1, 200, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+
+    def both(ids, m, new=10):
+        kw = dict(attention_mask=m, max_new_tokens=new, pad_token_id=0, eos_token_id=None)
+        want = model.generate(ids, do_sample=False, cache_implementation="static", **kw)
+        return greedy_generate(model, ids, graphs=False, inductor=False, **kw), want
+
+    with torch.no_grad():
+        got, want = both(prompt, mask)
+        assert torch.equal(got, want)
+        session = model.sparta_decode_sessions[2]
+        cache, (loop,) = session.cache, session.loops.values()
+        session.buckets = True                            # as on a GPU
+        for ids, m in ((prompt, mask), (prompt[:, 2:], mask[:, 2:]), (prompt[:, :5], None)):
+            got, want = both(ids, m)
+            assert torch.equal(got, want), (ids.shape, got, want)
+        assert model.sparta_decode_sessions[2] is session and session.cache is cache
+        assert list(session.loops.values()) == [loop] and sorted(session.prefills) == [9, 16]
+        assert (prompt_bucket(5), prompt_bucket(9), prompt_bucket(512), prompt_bucket(513)) == (16, 16, 512, 1024)
+        got, want = both(prompt, mask, new=70)                # 79 positions: a longer cache
+        assert torch.equal(got, want) and model.sparta_decode_sessions[2] is not session

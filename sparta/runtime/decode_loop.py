@@ -2,15 +2,15 @@
 
 Hugging Face's loop pays the host ~1–2 ms a token (input preparation, logits processing, a stop check that waits for
 the GPU), more than a sparse 7B decode step's kernels take. For the plain greedy call (no sampling, beams, processors,
-streamers or stopping criteria of the user's) :func:`greedy_generate` lets Hugging Face run the prefill and the first
-decode step — so the cache, masks and input names are its own, whatever the transformers release — records the
-arguments of that step, and captures one CUDA graph that runs a whole step: write the new key's slot into the 4-d
-mask, the forward (through ``torch.compile``: Inductor fuses the norms, rotary embedding and residual adds around
-sparta's kernel ops, which a decode step otherwise spends most of its launches on), the argmax, the finished rows'
-padding, the next step's ids and positions. The remaining tokens are
-replays of that graph, checked for end of sequence once per ``chunk`` tokens. Without ``torch.compile`` the tokens
-equal Hugging Face's greedy loop's (the same kernels on the same inputs); with it, up to near-ties (Inductor's fused
-norms round differently).
+streamers or stopping criteria of the user's) :func:`greedy_generate` runs the model's own forward in a loop of its
+own: one CUDA graph runs a whole step — write the new key's slot into the 4-d mask, the forward (through
+``torch.compile``: Inductor fuses the norms, rotary embedding and residual adds around sparta's kernel ops), the
+argmax, the finished rows' padding, the next step's ids and positions — and the tokens are replays of it, checked
+for end of sequence once per ``chunk`` tokens. The cache, the prefill graphs and the step graph stay on the model for
+the next call (:mod:`sparta.runtime.decode_session`). A model the session cannot drive runs the recorded-step loop:
+Hugging Face prefills and takes the first decode step, whose arguments (names, masks, cache) are recorded and
+replayed. Without ``torch.compile`` the tokens equal Hugging Face's greedy loop's (the same kernels on the same
+inputs); with it, up to near-ties (Inductor's fused norms round differently).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from .decode_graphs import _cache_state, full_mask, max_cache_length
+from .decode_session import session_for, supports_session
 
 #: generate() arguments the loop honours itself; any other argument runs Hugging Face's loop
 SUPPORTED = {"attention_mask", "max_new_tokens", "do_sample", "pad_token_id", "eos_token_id", "num_beams",
@@ -59,11 +60,66 @@ def _stop_after(new: int, prompt: int):
 
 def greedy_generate(model, ids: torch.Tensor, *, max_new_tokens: int, chunk: int = 32, graphs: bool = True,
                     inductor: bool | None = None, **kwargs) -> torch.Tensor:
-    """``model.generate(ids, max_new_tokens=..., do_sample=False, ...)`` on a GPU with a static cache, every token
-    after the second one replay of one CUDA graph (``graphs=False``: the same steps called one by one, any device).
+    """``model.generate(ids, max_new_tokens=..., do_sample=False, ...)`` with a static cache, every token after the
+    first one replay of one CUDA graph (``graphs=False`` or not on a GPU: the same steps called one by one).
     ``inductor`` (default: on a GPU): the step's forward goes through ``torch.compile`` first (Inductor fuses the
     norms, rotary embedding and residual adds around the kernels; compiled once per model and step shape), eager where
-    that fails."""
+    that fails. A model a :class:`~sparta.runtime.decode_session.DecodeSession` serves keeps its cache, prefill
+    graphs and step graph for the next call; any other runs the recorded-step loop."""
+    graphs = graphs and ids.is_cuda
+    inductor = ids.is_cuda if inductor is None else inductor
+    eos, pad = _eos_and_pad(model, kwargs, ids.device)
+    mask = kwargs.get("attention_mask")
+    if supports_session(model, ids, mask):
+        return _session_generate(model, ids, mask, max_new_tokens, eos, pad, chunk, graphs, inductor)
+    return _recorded_generate(model, ids, max_new_tokens, eos, pad, chunk, graphs, inductor, kwargs)
+
+
+def _eos_and_pad(model, kwargs: dict, device) -> tuple[torch.Tensor, int]:
+    config = model.generation_config
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=device, dtype=torch.long)
+    return eos, 0 if pad is None else int(pad)
+
+
+def _session_generate(model, ids, mask, new: int, eos, pad: int, chunk: int, graphs: bool, inductor: bool):
+    batch, length = ids.shape
+    session = session_for(model, batch, length + new, ids.device, graphs, inductor)
+    first, positions = session.prefill(ids, mask)
+    first = first.clone()
+    key = (tuple(eos.tolist()), pad)
+    loop = session.loops.get(key)
+    if loop is None:
+        names = session.names
+        static = {"input_ids": first[:, None].clone(), "position_ids": positions[:, None].clone()}
+        if names["cache_position"]:
+            static["cache_position"] = torch.tensor([length], device=ids.device)
+    keep = torch.zeros(batch, session.capacity, dtype=torch.bool, device=ids.device)
+    if loop is None:
+        loop = session.loops[key] = StepLoop(model, static, {names["cache"]: session.cache, "use_cache": True},
+                                             full_mask(model, keep, session.capacity), eos, pad, inductor)
+    keep[:, :length] = True if mask is None else mask.bool()
+    loop.arm(first[:, None], positions[:, None], length, full_mask(model, keep, session.capacity), length,
+             torch.isin(first, eos) if eos.numel() else None)
+    return _finish(ids, first[:, None], loop.run(new - 1, chunk, graphs), eos, loop)
+
+
+def _finish(ids, head_new: torch.Tensor, tokens: torch.Tensor, eos, loop) -> torch.Tensor:
+    """The prompt and the new tokens, cut where the last row ended (as Hugging Face stops)."""
+    new = torch.cat([head_new, tokens], 1)
+    if eos.numel() and bool(loop.done.all()):
+        hit = torch.isin(new, eos)
+        ended = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full_like(hit[:, 0], new.shape[1],
+                                                                                   dtype=torch.long))
+        new = new[:, : int(ended.max())]
+    return torch.cat([ids, new], 1)
+
+
+def _recorded_generate(model, ids, max_new_tokens: int, eos, pad: int, chunk: int, graphs: bool, inductor: bool,
+                       kwargs: dict) -> torch.Tensor:
+    """Hugging Face prefills and takes the first decode step, whose arguments are recorded; the rest are replays
+    of that step's graph (models a session does not serve)."""
     from transformers import StoppingCriteriaList
     from transformers.generation import CompileConfig
     recorder = _Recorder(model)
@@ -83,21 +139,26 @@ def greedy_generate(model, ids: torch.Tensor, *, max_new_tokens: int, chunk: int
             del model.get_compiled_call
         else:
             model.get_compiled_call = previous
-    config = model.generation_config
-    eos = kwargs.get("eos_token_id", config.eos_token_id)
-    pad = kwargs.get("pad_token_id", config.pad_token_id)
     step = recorder.kwargs
     if step is None or head.shape[1] != ids.shape[1] + 2:       # finished early (end of sequence) or not recorded
         return head
     mask = step.get("attention_mask")
+    cache = step.get("past_key_values", step.get("cache"))
+    length = max_cache_length(cache)
     if not (mask is None or isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)) \
-            or not isinstance(step.get("input_ids"), torch.Tensor) or max_cache_length(
-                step.get("past_key_values", step.get("cache"))) is None:   # per-layer masks (sliding windows), ...
+            or not isinstance(step.get("input_ids"), torch.Tensor) or length is None:   # per-layer masks, ...
         return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
-    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=ids.device, dtype=torch.long)
-    pad = 0 if pad is None else int(pad)
-    loop = _GraphLoop(model, step, head, eos, pad, max_new_tokens - 2, ids.is_cuda if inductor is None else inductor)
-    return loop.run(chunk, graphs)
+    batch, prompt = head.shape[0], head.shape[1] - 2
+    if mask is None:                                    # no padding: the prompt and the first new key kept
+        mask = torch.ones(batch, prompt + 1, dtype=torch.bool, device=head.device)
+    mask = mask.clone() if mask.dim() == 4 else full_mask(model, mask, length)
+    static = {k: v.clone() for k, v in step.items() if isinstance(v, torch.Tensor) and k != "attention_mask"}
+    others = {k: v for k, v in step.items() if not isinstance(v, torch.Tensor)}
+    loop = StepLoop(model, static, others, mask, eos, pad, inductor)
+    done = torch.isin(head[:, prompt:], eos).any(1) if eos.numel() else None
+    positions = static["position_ids"] + 1 if "position_ids" in static else None
+    loop.arm(head[:, -1:], positions, prompt + 1, mask, prompt + 1, done)
+    return _finish(ids, head[:, prompt:], loop.run(max_new_tokens - 2, chunk, graphs), eos, loop)
 
 
 def compiled_step(model):
@@ -110,33 +171,43 @@ def compiled_step(model):
     return forward
 
 
-class _GraphLoop:
-    """The static state of the loop and the graph of one step."""
+class StepLoop:
+    """One decode step's static inputs and state (mask, next slot, tokens, finished rows) and, once captured, its
+    CUDA graph: armed anew for each call, so a graph serves every call of its shapes."""
 
-    def __init__(self, model, step: dict, head: torch.Tensor, eos: torch.Tensor, pad: int, steps: int,
+    def __init__(self, model, static: dict, others: dict, mask: torch.Tensor, eos: torch.Tensor, pad: int,
                  inductor: bool = False):
-        self.model, self.steps, self.eos, self.pad = model, steps, eos, pad
+        self.model, self.eos, self.pad = model, eos, pad
         self.forward = compiled_step(model) if inductor else model
+        self.warmed = not inductor
         self.inductor_error = None
-        self.cache = step.get("past_key_values", step.get("cache"))
-        length = max_cache_length(self.cache)
-        batch, prompt = head.shape[0], head.shape[1] - 2
-        self.static = {k: v.clone() for k, v in step.items() if isinstance(v, torch.Tensor) and k != "attention_mask"}
-        self.others = {k: v for k, v in step.items() if not isinstance(v, torch.Tensor)}
-        mask = step.get("attention_mask")
-        if mask is None:                                    # no padding: the prompt and the first new key kept
-            mask = torch.ones(batch, prompt + 1, dtype=torch.bool, device=head.device)
-        # the step's own 4-d mask over the static cache, or the 2-d one's keys as such a mask
-        self.mask = mask.clone() if mask.dim() == 4 else full_mask(model, mask, length)
-        self.slot = torch.tensor([prompt + 1], device=head.device)     # where the next key goes in the cache
-        self.index = torch.zeros(1, dtype=torch.long, device=head.device)
-        self.tokens = torch.full((batch, steps), pad, dtype=torch.long, device=head.device)
-        self.done = torch.isin(head[:, prompt:], eos).any(1) if eos.numel() else \
-            torch.zeros(batch, dtype=torch.bool, device=head.device)
-        self.head = head
+        self.static, self.others, self.mask = static, others, mask
+        self.cache = others.get("past_key_values", others.get("cache"))
+        batch, dev = mask.shape[0], mask.device
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)          # where the next key goes in the cache
+        self.index = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tokens = torch.full((batch, mask.shape[-1]), pad, dtype=torch.long, device=dev)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.graph = None
+        self.saved_state = []
+
+    def arm(self, ids: torch.Tensor, positions: torch.Tensor | None, cache_position: int, mask: torch.Tensor,
+            slot: int, done: torch.Tensor | None) -> None:
+        """The next step's input ids and positions, the mask over the cache so far, the slot its key goes to."""
+        self.static["input_ids"].copy_(ids)
+        if positions is not None and "position_ids" in self.static:
+            self.static["position_ids"].copy_(positions)
+        if "cache_position" in self.static:
+            self.static["cache_position"].fill_(cache_position)
+        self.mask.copy_(mask)
+        self.slot.fill_(slot)
+        self.index.zero_()
+        self.tokens.fill_(self.pad)
+        if done is None:
+            self.done.zero_()
+        else:
+            self.done.copy_(done)
         self.saved_state = [(t, t.clone()) for t in _cache_state(self.cache)]
-        self.static["input_ids"].copy_(head[:, -1:])         # the second token is the next step's input
-        self._advance_positions()
 
     def _restore(self) -> None:
         """Undo what a forward of the next step did to the cache's counters (its keys and values are rewritten by
@@ -162,9 +233,11 @@ class _GraphLoop:
         self.slot.add_(1)
         self.index.add_(1)
 
-    def run(self, chunk: int, graphs: bool = True) -> torch.Tensor:
+    def run(self, steps: int, chunk: int, graphs: bool = True) -> torch.Tensor:
+        """``steps`` tokens (fewer where every row ended), each one replay of the step's graph (captured on the
+        first call: one step runs eagerly before it)."""
         with torch.no_grad():
-            if self.forward is not self.model:                # compile on the step's inputs, before any state moves
+            if not self.warmed:                               # compile on the step's inputs, before any state moves
                 try:
                     self.forward(**self.static, attention_mask=self.mask.clone(), **self.others)
                 except Exception as exc:  # noqa: BLE001 - Dynamo and Inductor fail in many ways: run the step eagerly
@@ -173,24 +246,19 @@ class _GraphLoop:
                                   stacklevel=3)
                     self.forward = self.model
                 self._restore()
-            self.step()                                       # the first step eagerly: lazy allocations happen here
-            replay = self.step
-            if graphs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                self.warmed = True
+            first = 0
+            if graphs and self.graph is None and steps:
+                self.step()                                   # eagerly: lazy allocations happen here
+                first = 1
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):            # recorded, not run
                     self.step()
-                replay = graph.replay
-            done_at = self.steps
-            for i in range(1, self.steps):
+            replay = self.graph.replay if graphs else self.step
+            done_at = steps
+            for i in range(first, steps):
                 replay()
                 if (i + 1) % chunk == 0 and bool(self.done.all()):
                     done_at = i + 1
                     break
-        tokens = self.tokens[:, :done_at]
-        if self.eos.numel() and bool(self.done.all()):         # stop where the last row ended, as Hugging Face does
-            ended = torch.isin(tokens, self.eos).float().argmax(1)
-            ended = torch.where(torch.isin(tokens, self.eos).any(1), ended, torch.full_like(ended, tokens.shape[1]))
-            already = torch.isin(self.head[:, -2:], self.eos).any(1)
-            ended = torch.where(already, torch.zeros_like(ended), ended + 1)
-            tokens = tokens[:, : int(ended.max())]
-        return torch.cat([self.head, tokens], 1)
+        return self.tokens[:, :done_at]

@@ -82,6 +82,13 @@ def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_to
             exact = greedy_generate(model.decoder(), prompt, inductor=False, eos_token_id=eos, **kw)
             hf = model.generate(prompt, eos_token_id=eos, do_sample=False, disable_compile=True, **kw)
             assert torch.equal(exact, hf), (eos, exact, hf)
+        # the call kept its session: the prompt's bucket (21 -> 32 rows) and the step were captured, and a second
+        # call replays both with the same cache
+        session = model.decoder().sparta_decode_sessions[3]
+        assert session.prefills[32].graph is not None and all(lp.graph is not None for lp in session.loops.values())
+        cache = session.cache
+        again = greedy_generate(model.decoder(), prompt, inductor=False, eos_token_id=None, **kw)
+        assert torch.equal(again, hf_free) and session.cache is cache
         differ = (free != hf_free).any(0).nonzero()
         if len(differ):
             col = int(differ[0])
