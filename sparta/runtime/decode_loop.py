@@ -85,10 +85,10 @@ def _eos_and_pad(model, kwargs: dict, device) -> tuple[torch.Tensor, int]:
 
 def _session_generate(model, ids, mask, new: int, eos, pad: int, chunk: int, graphs: bool, inductor: bool):
     batch, length = ids.shape
-    session = session_for(model, batch, length + new, ids.device, graphs, inductor)
+    session = session_for(model, batch, length + new, ids.device, graphs)
     first, positions = session.prefill(ids, mask)
     first = first.clone()
-    key = (tuple(eos.tolist()), pad)
+    key = (tuple(eos.tolist()), pad, inductor)
     loop = session.loops.get(key)
     if loop is None:
         names = session.names

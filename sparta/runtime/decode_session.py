@@ -125,15 +125,15 @@ class _Prefill:
 class DecodeSession:
     """One static cache of ``capacity`` positions for ``batch`` rows, its prefill graphs and its step loop."""
 
-    def __init__(self, model, batch: int, capacity: int, device: torch.device, graphs: bool, inductor: bool):
+    def __init__(self, model, batch: int, capacity: int, device: torch.device, graphs: bool):
         from transformers import StaticCache
         self.model, self.batch, self.capacity, self.device = model, batch, capacity, device
-        self.graphs, self.inductor = graphs, inductor
+        self.graphs = graphs
         self.buckets = graphs             # prompts padded to a bucket of lengths (a graph per bucket)
         self.names = forward_names(model)
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
         self.prefills: dict[int, _Prefill] = {}
-        self.loops: dict = {}             # (end-of-sequence ids, pad id) -> StepLoop
+        self.loops: dict = {}             # (end-of-sequence ids, pad id, through Inductor) -> StepLoop
 
     def prefill(self, ids: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs the prompt into the cache; returns (the first new token per row, each row's next position)."""
@@ -164,11 +164,11 @@ def _rewind(cache, before: list[torch.Tensor], ran: int, kept: int) -> None:
             t.sub_(torch.where(t - b == ran, ran - kept, 0).to(t.dtype))
 
 
-def session_for(model, batch: int, needed: int, device: torch.device, graphs: bool, inductor: bool) -> DecodeSession:
+def session_for(model, batch: int, needed: int, device: torch.device, graphs: bool) -> DecodeSession:
     """The model's session for ``batch`` rows whose cache holds ``needed`` positions (a longer one replaces it)."""
     sessions = model.__dict__.setdefault("sparta_decode_sessions", {})
     s = sessions.get(batch)
     capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
-    if s is None or s.capacity < needed or s.device != device or (s.graphs, s.inductor) != (graphs, inductor):
-        s = sessions[batch] = DecodeSession(model, batch, capacity, device, graphs, inductor)
+    if s is None or s.capacity < needed or s.device != device or s.graphs != graphs:
+        s = sessions[batch] = DecodeSession(model, batch, capacity, device, graphs)
     return s
