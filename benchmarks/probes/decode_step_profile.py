@@ -1,7 +1,8 @@
 """Where a sparse 7B decode step's GPU time goes: one decode step of ``bench_generate.py``'s model under
 torch.profiler, kernels grouped by name — eager (no Inductor, no graph) or, with ``--inductor``, the step the greedy
 loop runs (``torch.compile``'d, launched one kernel at a time, then its CUDA graph timed); ``--phases``: a whole
-``generate()`` call timed at three lengths, its fixed cost (prefill, first step, capture) apart from the per-token one.
+``generate()`` call timed at three lengths, its fixed cost (prefill, first step, capture) apart from the per-token one;
+``--prefill``: the 512-token prefill's kernels.
 
     python benchmarks/probes/decode_step_profile.py --dir artifacts/gen7b [--dense] [--inductor] [--phases] --out s.json
 """
@@ -84,6 +85,7 @@ def main():
     ap.add_argument("--dense", action="store_true", help="profile the dense model instead")
     ap.add_argument("--inductor", action="store_true", help="also the torch.compile'd step and its CUDA graph")
     ap.add_argument("--phases", action="store_true", help="also time whole generate() calls")
+    ap.add_argument("--prefill", action="store_true", help="also the 512-token prefill (eager, kernels by name)")
     ap.add_argument("--out")
     args = ap.parse_args()
     import sparta
@@ -110,6 +112,8 @@ def main():
             result["eager_graph_us"] = graph_us(lambda: model(step, **kw))
             print(f"step as one CUDA graph: compiled {result['inductor_graph_us']:.0f} us, "
                   f"eager {result['eager_graph_us']:.0f} us")
+        if args.prefill:
+            result["prefill"] = show("prefill of 512 tokens", profiled(lambda: model(prompt, use_cache=False)))
         if args.phases:
             def generate(p, n):
                 return greedy_generate(model, p, max_new_tokens=n, pad_token_id=0)
