@@ -59,6 +59,7 @@ class CompileContext:
     kernels: list = field(default_factory=list)
     compiled: Any = None                    # the CompiledModel
     timings: dict = field(default_factory=dict)
+    folded: dict = field(default_factory=dict)   # constants fold_bn derived: name -> what they were folded from
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,19 @@ def attach_tesa(graph: Graph, initial_tesa: Mapping | None) -> Graph:
 def simplify(ctx: CompileContext) -> None:
     from .passes.simplify import simplify as run
     ctx.graph = run(ctx.graph)
+
+
+def fold_bn(ctx: CompileContext) -> None:
+    """Inference BatchNorms folded into the convolutions before them."""
+    from .passes.fold_bn import fold_batch_norms
+    ctx.graph, folded = fold_batch_norms(ctx.graph)
+    ctx.folded.update(folded)
+
+
+def shrink(ctx: CompileContext) -> None:
+    """The graph rewritten to the plan's channel shrinking: sliced weights, narrow tensors, gathers and scatters."""
+    from .passes.shrink_graph import shrink_graph
+    ctx.graph = shrink_graph(ctx.graph, ctx.plan, ctx.target.profile, ctx.folded)
 
 
 def fuse_siblings(ctx: CompileContext) -> None:
@@ -254,10 +268,12 @@ PASSES = (
     Pass("capture", capture),
     Pass("attach_tesa", attach),
     Pass("simplify", simplify),
+    Pass("fold_bn", fold_bn),
     Pass("fuse_siblings", fuse_siblings, targets=("cuda",)),
     Pass("plan_tokens", plan_tokens),
     Pass("target", choose_target),
     Pass("propagate_and_plan", propagate_and_plan, timed=""),   # propagate, calibrate, transform or plan_cache
+    Pass("shrink", shrink),
     Pass("formats", choose_formats),
     Pass("dismantle", pin_dismantle, when=lambda o: o.dismantle is not None),
     Pass("select", select),

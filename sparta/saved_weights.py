@@ -50,6 +50,11 @@ def records(compiled, kernels_only: bool, tensors: dict) -> dict:
 
 def strip(compiled, tensors: dict, modules: dict, weights: dict) -> None:
     """Leave the weights' values out of ``tensors`` (in place): a kernels-only save."""
+    derived = getattr(compiled.plan, "derived", None) or {}
+    if derived:                 # folded BatchNorms, shrunk channels: constants a checkpoint does not hold
+        name, how = next(iter(derived.items()))
+        raise SavedModelError(f"cannot save without weights: {len(derived)} constants are computed from the weights "
+                              f"at compile time (e.g. {name!r}: {how}); save with weights=True")
     for rec in weights["graph"]:
         tensors.pop("graph/" + rec["name"], None)
     for name in weights["source"]:

@@ -10,6 +10,7 @@ from .bitround import BitGroup, choose_formats, groupings, round_bits
 from .cover import ShapeCover, block_cover, check_cover, cover_cost
 from .plan import Candidate, OpPlan, Plan, SubOp
 from .profile import HardwareProfile, KernelCosts, load_profile
+from .shrink import plan_shrink
 from .transform_op import (gemm_bias, gemm_view, in_weight_layout, row_points, transform_gemm, weight_matrix,
                            weight_quantisation)
 
@@ -17,7 +18,8 @@ from .transform_op import (gemm_bias, gemm_view, in_weight_layout, row_points, t
 def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quantization=None) -> Plan:
     """Plan every op of ``graph`` for ``target`` (``"cpu"``/``"cuda"`` or a :class:`~sparta.target.Target`, whose
     cost model it reads): GEMM-like ops get the cheapest sub-operator plan by the hardware profile's cost model;
-    the others stay torch ops.
+    the others stay torch ops. Then channel shrinking (``shrink.py``): GEMMs whose dropped channels are constant or
+    unused run dense on their kept channels where the cost model says it pays.
 
     Every sub-operator that runs an integer weight width gets its scales in the plan
     (``OpPlan.weight_quant``): calibration's where ``quantization`` (a :class:`QuantReport`, by
@@ -38,6 +40,7 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
         for op in graph.ops():
             _plan_op(graph, op, plan, prof, ops_with_templates, fitted)
             progress.update(1)
+    plan_shrink(graph, plan, prof)                                    # channels no output depends on: dropped
     return choose_formats(graph, plan, Target(plan.target, prof))     # each width's default number format
 
 

@@ -22,7 +22,7 @@ from ...tesa import TeSA
 from ..quant.scheme import GRANULARITIES, QUANT_SOURCES, WeightQuant  # noqa: F401  (part of the plan)
 
 TEMPLATES = ("dense", "block_sparse", "fine_sparse")
-KINDS = ("torch", "dense", "sparse")
+KINDS = ("torch", "dense", "sparse", "shrink")
 DISMANTLE = ("none", "full", "tile")
 
 
@@ -151,6 +151,8 @@ class OpPlan:
     note: str = ""                                 # what the plan could not honour, and why
     kernel: KernelChoice | None = None             # the kernel selection chose (sparse ops; see codegen/select_*)
     rows_us: list = field(default_factory=list)    # [[rows, est µs, dense µs], ...] over the token range planned for
+    shrink: dict = field(default_factory=dict)     # kind "shrink": the channels kept ("out"/"in": [before, after],
+    #                                                packed "out_keep"/"in_keep", "gather", "groups"; see shrink.py)
 
     def kept(self, n: int, k: int):
         """The (N, K) weight elements the sub-operators compute (bool)."""
@@ -218,6 +220,8 @@ class Plan:
     ops: dict[str, OpPlan] = field(default_factory=dict)
     static_scales: dict[str, float] = field(default_factory=dict)   # int8 activations at one calibrated scale
     fusions: list = field(default_factory=list)    # FusionGroups: what each kernel computes of its neighbours
+    channels: dict[str, str] = field(default_factory=dict)   # narrow tensors: their kept channels (packed bits)
+    derived: dict[str, str] = field(default_factory=dict)    # constants computed from weights (folded, shrunk): how
 
     def __getitem__(self, op_name: str) -> OpPlan:
         if op_name not in self.ops:
@@ -243,10 +247,11 @@ class Plan:
         for p in self.ops.values():
             if only_gemm and p.gemm is None:
                 continue
-            blocks = " + ".join(s.describe() for s in p.subops)
+            blocks = _shrunk(p) if p.shrink else " + ".join(s.describe() for s in p.subops)
             bits = " ".join(f"{b}:{c}" for b, c in sorted(p.bits.items())) if p.bits else ""
             fused = " +" + "+".join(p.epilogue) if p.kind == "sparse" and p.epilogue else ""
-            kernel = p.kernel.describe(fused) if p.kernel is not None else ("vendor" if p.kind == "dense" else
+            vendor = p.kind in ("dense", "shrink")
+            kernel = p.kernel.describe(fused) if p.kernel is not None else ("vendor" if vendor else
                                                                             _cpu_kernels(p) + fused if p.kind == "sparse"
                                                                             else "")
             why = p.kernel.reason if p.kernel is not None and p.kernel.kernel != "torch" else ""
@@ -263,7 +268,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"target": self.target, "profile": self.profile,
                 "ops": {name: _op_to_json(p) for name, p in self.ops.items()},
-                "static_scales": dict(self.static_scales), "fusions": [g.to_json() for g in self.fusions]}
+                "static_scales": dict(self.static_scales), "fusions": [g.to_json() for g in self.fusions],
+                "channels": dict(self.channels), "derived": dict(self.derived)}
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
@@ -275,7 +281,9 @@ class Plan:
             for g in data.get("fusions", []):
                 _check_fields(FusionGroup, g, "fusion group")
                 fusions.append(FusionGroup(**g))
-            return cls(data["target"], dict(data["profile"]), ops, scales, fusions)
+            return cls(data["target"], dict(data["profile"]), ops, scales, fusions,
+                       {str(k): str(v) for k, v in data.get("channels", {}).items()},
+                       {str(k): str(v) for k, v in data.get("derived", {}).items()})
         except KeyError as exc:
             raise PlanError(f"plan JSON lacks field {exc}") from exc
 
@@ -302,6 +310,11 @@ def _cost(entry, last: bool = False) -> str:
     _, _, rows, est, dense = entry
     at = f" at M={rows}" if last else ""
     return (f" ~{est:.1f} µs{at}" if est is not None else f" no estimate{at}") + f" (dense {dense:.1f} µs)"
+
+
+def _shrunk(p: OpPlan) -> str:
+    from .shrink import describe
+    return describe(p.shrink)
 
 
 def _range(p: OpPlan) -> str:
