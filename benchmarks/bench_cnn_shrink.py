@@ -142,10 +142,12 @@ def wall_us(fn, x, device: str, iters: int, windows: int = 3) -> float:
     return statistics.median(means)
 
 
-def compile_sparta(model: nn.Module, x: torch.Tensor, target: str):
+def compile_sparta(model: nn.Module, size: int, dtype, target: str, batches: list[int]):
+    """Sparta's default compile at an example of batch 2, planned over every batch up to the largest measured."""
+    x = torch.randn(2, 3, size, size, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return sparta.compile(model, None, (x,), target=target)
+        return sparta.compile(model, None, (x,), target=target, tokens=(1, max(2, *batches)))
 
 
 def measure(name: str, args, compiled=None) -> dict:
@@ -154,8 +156,8 @@ def measure(name: str, args, compiled=None) -> dict:
     pruned = prune_model(model, args.amount)
     size = 32 if name == "smoke" else 224
     t0 = time.perf_counter()
-    if compiled is None:                  # the example's batch is free: one compile serves every batch
-        compiled = compile_sparta(model.to(dtype), torch.randn(2, 3, size, size, dtype=dtype), args.device)
+    if compiled is None:                  # the batch is free: one compile serves every batch (planned up to the largest)
+        compiled = compile_sparta(model.to(dtype), size, dtype, args.device, args.batch)
     compile_s = time.perf_counter() - t0
     shrunk = [p.op for p in compiled.plan.ops.values() if p.kind == "shrink"]
     dense = masked(model, name, args.seed).to(dtype).to(device).to(memory_format=torch.channels_last)
@@ -163,6 +165,10 @@ def measure(name: str, args, compiled=None) -> dict:
     result = {"compile_s": round(compile_s, 2), "shrunk_ops": len(shrunk),
               "plan_est_us": round(compiled.plan.est_us(), 1), "plan_dense_us": round(compiled.plan.dense_us(), 1),
               "batches": {}}
+    with torch.enable_grad():                 # Torch-Pruning traces through autograd
+        tp_model = torch_pruned(model, name, args.seed, pruned, torch.randn(1, 3, size, size))
+    if tp_model is not None:
+        tp_model = tp_model.to(dtype).to(device).to(memory_format=torch.channels_last)
     for batch in args.batch:
         x = torch.randn(batch, 3, size, size, dtype=dtype, device=device).to(memory_format=torch.channels_last)
         row = {}
@@ -178,9 +184,7 @@ def measure(name: str, args, compiled=None) -> dict:
             got = sparta_model(x).float()
             row["sparta_us"] = wall_us(sparta_model, x, device, args.iters)
             row["sparta_max_abs_diff"] = float((got - want).abs().max())
-            tp_model = torch_pruned(model, name, args.seed, pruned, torch.randn(1, 3, size, size))
             if tp_model is not None:
-                tp_model = tp_model.to(dtype).to(device).to(memory_format=torch.channels_last)
                 torch._dynamo.reset()
                 fn = torch.compile(tp_model) if not args.no_compile else tp_model
                 row["torch_pruning_us"] = wall_us(fn, x, device, args.iters)
@@ -199,8 +203,7 @@ def build(args) -> None:
         prune_model(model, args.amount)
         size = 32 if name == "smoke" else 224
         dtype = torch.float16 if args.device == "cuda" else torch.float32
-        compiled = compile_sparta(model.to(dtype), torch.randn(2, 3, size, size, dtype=dtype), args.device)
-        compiled.save(root / name)
+        compile_sparta(model.to(dtype), size, dtype, args.device, args.batch).save(root / name)
     (root / "meta.json").write_text(json.dumps({"seed": args.seed, "amount": args.amount, "models": args.models}))
 
 
@@ -231,10 +234,9 @@ def main(argv=None) -> dict:
     for name in args.models:
         loaded = sparta.load(Path(args.dir) / name) if args.dir else None
         results["models"][name] = measure(name, args, loaded)
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+        if args.out:                          # as each model comes
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
     return results
 
 
