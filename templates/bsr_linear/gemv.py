@@ -15,7 +15,9 @@ def bsr_gemv(spec: BsrGemvSpec):
 
     M = tirx.Var("M", "int32")
     N, K, BN, BK, MR, W = spec.n, spec.k, spec.bn, spec.bk, spec.rows, spec.warps
-    LPR, J, UR = spec.lanes_per_row, spec.loads, spec.unit_rows
+    LPR, J, UR = spec.lanes_per_row, spec.lane_loads, spec.unit_rows
+    IF = spec.inflight                       # blocks a warp keeps in flight
+    XF = IF > 2                              # the round's X pieces load before its first product too
     RPI = 32 // LPR                          # block rows one warp-wide load covers
     U = BN // UR                             # CTAs per block row
     HEAD, BLOCK = spec.table_head, BN * BK
@@ -57,6 +59,41 @@ def bsr_gemv(spec: BsrGemvSpec):
                         acc[a0 + i * MR + m] = acc[a0 + i * MR + m] + wf[i * 8 + v] * to_f32(xv[m * 8 + v], ACT)
 
     @T.macro
+    def load_x(X, M, xv, kb, o, kq):
+        # every row's X piece for the block in slot o (``XF``: into slot o of xv)
+        for m in T.unroll(MR):
+            if m < M:
+                if K % BK == 0 or kb[o] * BK + kq * 8 < K:
+                    for v in T.vectorized(8):
+                        xv[(o * MR + m) * 8 + v] = X[m, kb[o] * BK + kq * 8 + v]
+                else:
+                    for v in T.unroll(8):
+                        xv[(o * MR + m) * 8 + v] = T.float16(0)
+
+    @T.macro
+    def fma(M, wv, wf, xv, acc, o, a0):
+        # acc[i, m] += W piece i of slot o · its X piece (loaded by load_x)
+        for e in T.unroll(J * 8):
+            wf[e] = to_f32(wv[o * J * 8 + e], ACT)
+        for m in T.unroll(MR):
+            if m < M:
+                for i in T.unroll(J):
+                    for v in T.unroll(8):
+                        acc[a0 + i * MR + m] = acc[a0 + i * MR + m] + wf[i * 8 + v] * to_f32(
+                            xv[(o * MR + m) * 8 + v], ACT)
+
+    @T.macro
+    def fma_block(M, wv, wf, xv, acc, o, j, warp, gate_count):
+        # ``XF``: the warp's j-th block (slot o) into the gate's sums or the up's
+        if GATE:
+            if warp + j * W < gate_count:
+                fma(M, wv, wf, xv, acc, o, 0)
+            else:
+                fma(M, wv, wf, xv, acc, o, SUMS)
+        else:
+            fma(M, wv, wf, xv, acc, o, 0)
+
+    @T.macro
     def multiply_block(X, M, wv, wf, xv, acc, kb, o, kq, j, warp, gate_count):
         # the warp's j-th block into the gate's sums or the up's
         if GATE:
@@ -81,10 +118,10 @@ def bsr_gemv(spec: BsrGemvSpec):
         tx = T.launch_thread("threadIdx.x", 32 * W)
         red = T.alloc_buffer(((1 + GATE) * W * UR * MR,), "float32", scope="shared")
         acc = T.alloc_buffer(((1 + GATE) * SUMS,), "float32", scope="local")
-        wv = T.alloc_buffer((2 * J * 8,), "float16", scope="local")     # two blocks in flight
+        wv = T.alloc_buffer((IF * J * 8,), "float16", scope="local")    # IF blocks in flight
         wf = T.alloc_buffer((J * 8,), "float32", scope="local")
-        kb = T.alloc_buffer((2,), "int32", scope="local")
-        xv = T.alloc_buffer((MR * 8,), "float16", scope="local")
+        kb = T.alloc_buffer((IF,), "int32", scope="local")
+        xv = T.alloc_buffer(((IF if XF else 1) * MR * 8,), "float16", scope="local")
         tot = T.alloc_buffer((1 + GATE,), "float32", scope="local")
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
@@ -98,15 +135,34 @@ def bsr_gemv(spec: BsrGemvSpec):
         gate_count = T.meta_var(Tab[slot * SI + SI - 1])     # gated: the gate's blocks come first
         for i in T.unroll((1 + GATE) * SUMS):
             acc[i] = T.float32(0)
-        for t in T.serial((count - warp + 2 * W - 1) // (2 * W)):     # the warp's blocks, two at a time
-            load_block(Wp, Tab, wv, kb, 0, 2 * t, first, r0, rr, kq, count, warp)
-            load_block(Wp, Tab, wv, kb, 1, 2 * t + 1, first, r0, rr, kq, count, warp)
-            if PDL:
-                if t == 0:                   # the weights load while the previous kernel finishes; X is its output
-                    T.evaluate(grid_dependency("wait"))
-            multiply_block(X, M, wv, wf, xv, acc, kb, 0, kq, 2 * t, warp, gate_count)
-            if warp + (2 * t + 1) * W < count:
-                multiply_block(X, M, wv, wf, xv, acc, kb, 1, kq, 2 * t + 1, warp, gate_count)
+        for t in T.serial((count - warp + IF * W - 1) // (IF * W)):     # the warp's blocks, IF at a time
+            if XF:                           # every block, then every X piece, then the products
+                for o in T.unroll(IF):
+                    load_block(Wp, Tab, wv, kb, o, IF * t + o, first, r0, rr, kq, count, warp)
+                if PDL:
+                    if t == 0:
+                        T.evaluate(grid_dependency("wait"))
+                for o in T.unroll(IF):
+                    if warp + (IF * t + o) * W < count:
+                        load_x(X, M, xv, kb, o, kq)
+                for o in T.unroll(IF):
+                    if warp + (IF * t + o) * W < count:
+                        fma_block(M, wv, wf, xv, acc, o, IF * t + o, warp, gate_count)
+            elif IF == 2:
+                load_block(Wp, Tab, wv, kb, 0, 2 * t, first, r0, rr, kq, count, warp)
+                load_block(Wp, Tab, wv, kb, 1, 2 * t + 1, first, r0, rr, kq, count, warp)
+                if PDL:
+                    if t == 0:               # the weights load while the previous kernel finishes; X is its output
+                        T.evaluate(grid_dependency("wait"))
+                multiply_block(X, M, wv, wf, xv, acc, kb, 0, kq, 2 * t, warp, gate_count)
+                if warp + (2 * t + 1) * W < count:
+                    multiply_block(X, M, wv, wf, xv, acc, kb, 1, kq, 2 * t + 1, warp, gate_count)
+            else:
+                load_block(Wp, Tab, wv, kb, 0, t, first, r0, rr, kq, count, warp)
+                if PDL:
+                    if t == 0:
+                        T.evaluate(grid_dependency("wait"))
+                multiply_block(X, M, wv, wf, xv, acc, kb, 0, kq, t, warp, gate_count)
         if PDL:                              # every write after the previous kernel completed
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
