@@ -154,15 +154,15 @@ def graph_ms(forward, prompt, reps: int = 10) -> float:
 
 
 def session_prefill_ms(model, prompt, reps: int = 10) -> float:
-    """A prefill as the greedy loop runs it (its session's graph of the Inductor-compiled forward for the prompt's
-    bucket, the cache reset before): wall time over ``reps`` back-to-back calls."""
+    """A prefill as the greedy loop runs it (its session's CUDA graph for the prompt's bucket, the cache reset
+    before): wall time over ``reps`` back-to-back calls."""
     session = model.sparta_decode_sessions[prompt.shape[0]]
     with torch.no_grad():
-        session.prefill(prompt, None, True)
+        session.prefill(prompt, None)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(reps):
-            session.prefill(prompt, None, True)
+            session.prefill(prompt, None)
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps * 1e3
 

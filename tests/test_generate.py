@@ -234,7 +234,7 @@ def test_a_session_keeps_its_cache_and_step_for_the_next_call_and_pads_prompts_t
             got, want = both(ids, m)
             assert torch.equal(got, want), (ids.shape, got, want)
         assert model.sparta_decode_sessions[2] is session and session.cache is cache
-        assert list(session.loops.values()) == [loop] and sorted(session.prefills) == [(9, False), (16, False)]
+        assert list(session.loops.values()) == [loop] and sorted(session.prefills) == [9, 16]
         assert (prompt_bucket(5), prompt_bucket(9), prompt_bucket(512), prompt_bucket(513)) == (16, 16, 512, 1024)
         got, want = both(prompt, mask, new=70)                # 79 positions: a longer cache
         assert torch.equal(got, want) and model.sparta_decode_sessions[2] is not session

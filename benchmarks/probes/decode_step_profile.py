@@ -89,8 +89,7 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     import sparta
-    from sparta.runtime.decode_loop import greedy_generate
-    from sparta.runtime.decode_session import compiled_step
+    from sparta.runtime.decode_loop import compiled_step, greedy_generate
     from transformers import StaticCache
     meta = json.loads(meta_path(args.dir).read_text())
     dense = checkpoint(meta, "cuda")

@@ -65,22 +65,12 @@ def step_mask(model, keep: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.zeros(full.shape, dtype=dtype, device=keep.device).masked_fill(~full, torch.finfo(dtype).min)
 
 
-def compiled_step(model):
-    """The model's forward through ``torch.compile`` (Inductor's default mode: the CUDA graph is the loop's), kept on
-    the model: its decode steps compile once."""
-    forward = getattr(model, "sparta_compiled_step", None)
-    if forward is None:
-        forward = torch.compile(model, dynamic=False)
-        object.__setattr__(model, "sparta_compiled_step", forward)    # not a submodule: no second copy in state
-    return forward
-
-
 class _Prefill:
     """Static inputs of one prefill length and, on a GPU, its graph: the forward and the next token."""
 
-    def __init__(self, session: "DecodeSession", rows: int, forward):
+    def __init__(self, session: "DecodeSession", rows: int):
         s, dev, batch = session, session.device, session.batch
-        self.session, self.rows, self.call = s, rows, forward
+        self.session, self.rows = s, rows
         self.ids = torch.zeros(batch, rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, rows, dtype=torch.long, device=dev)
         self.mask = step_mask(s.model, torch.ones(batch, s.capacity, dtype=torch.bool, device=dev), rows)
@@ -113,9 +103,9 @@ class _Prefill:
             kw["cache_position"] = torch.arange(self.rows, device=self.ids.device)
         if s.names["logits_to_keep"]:
             kw["logits_to_keep"] = self.last
-            logits = self.call(**kw).logits[:, -1]
+            logits = s.model(**kw).logits[:, -1]
         else:
-            logits = self.call(**kw).logits.index_select(1, self.last)[:, 0]
+            logits = s.model(**kw).logits.index_select(1, self.last)[:, 0]
         self.next.copy_(logits.argmax(-1))
 
     def run(self, graphs: bool) -> None:
@@ -142,20 +132,17 @@ class DecodeSession:
         self.buckets = graphs             # prompts padded to a bucket of lengths (a graph per bucket)
         self.names = forward_names(model)
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        self.prefills: dict[tuple, _Prefill] = {}     # (rows, through Inductor) -> its inputs and graph
+        self.prefills: dict[int, _Prefill] = {}
         self.loops: dict = {}             # (end-of-sequence ids, pad id, through Inductor) -> StepLoop
 
-    def prefill(self, ids: torch.Tensor, keep: torch.Tensor | None, inductor: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs the prompt into the cache (``inductor``: the forward through ``torch.compile``, compiled once per
-        bucket); returns (the first new token per row, each row's next position)."""
+    def prefill(self, ids: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the prompt into the cache; returns (the first new token per row, each row's next position)."""
         length = ids.shape[1]
         rows = prompt_bucket(length) if self.buckets else length
         rows = min(max(rows, length), self.capacity)
-        entry = self.prefills.get((rows, inductor))
+        entry = self.prefills.get(rows)
         if entry is None:
-            entry = self.prefills[rows, inductor] = _Prefill(self, rows, compiled_step(self.model) if inductor
-                                                             else self.model)
+            entry = self.prefills[rows] = _Prefill(self, rows)
         self.cache.reset()
         before = [t.clone() for t in _cache_state(self.cache)]
         entry.fill(ids, keep)

@@ -85,7 +85,7 @@ def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_to
         # the call kept its session: the prompt's bucket (21 -> 32 rows) and the step were captured, and a second
         # call replays both with the same cache
         session = model.decoder().sparta_decode_sessions[3]
-        assert session.prefills[32, False].graph is not None and all(lp.graph is not None for lp in session.loops.values())
+        assert session.prefills[32].graph is not None and all(lp.graph is not None for lp in session.loops.values())
         cache = session.cache
         again = greedy_generate(model.decoder(), prompt, inductor=False, eos_token_id=None, **kw)
         assert torch.equal(again, hf_free) and session.cache is cache
