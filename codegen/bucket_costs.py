@@ -3,8 +3,8 @@ of the kernel that runs there, never by the plan's cover model at those rows.
 
 The cost profile (``passes/profiles/cuda.json``) prices the block-sparse GEMV by its one-row block costs
 (``HardwareProfile.gemv_us``), the tile kernels by their block costs per row over whole M tiles
-(``tile_us``; a dense grid by the kernel's dense rate, ``dense_tile_us``); a kernel it has no cost for (the low-bit
-GEMVs) gets no estimate (None), which the plan report says. Each bucket is priced at its top rows, the last at the
+(``tile_us``; a dense grid by the kernel's dense rate, ``dense_tile_us``), the low-bit GEMVs by the bytes they stream
+(``low_bit_gemv_us``); a kernel it has no cost for gets no estimate (None), which the plan report says. Each bucket is priced at its top rows, the last at the
 planned range's end (at least one row above the bucket before it). Nothing here needs TVM or a GPU.
 """
 
@@ -39,8 +39,13 @@ def kernel_us(site, picked: KernelChoice, what: str, tiles: dict, rows: int, pro
               blocks: dict | None = None) -> float | None:
     """The cost of one kernel of ``picked`` (``what``/``tiles``: an entry of ``runs_by_rows``) at ``rows`` rows, or
     None where the profile has no cost for it. ``blocks``: a cache of kept-block counts by block shape."""
+    if what in ("w4a16_gemv", "w8a8_gemv"):               # dense codes and their scales, streamed once
+        n, k = site.n, site.k
+        nbytes = n * k // 2 + n * k // max(tiles.get("group") or 128, 1) * 4 if what == "w4a16_gemv" \
+            else n * k + 4 * n
+        return profile.low_bit_gemv_us(what, rows, nbytes)
     if what not in ("bsr_gemv", "tile", "bsr_linear"):
-        return None                                    # a low-bit GEMV: the profile has no cost for it
+        return None
     wb, ab = BITS.get(picked.dtype, (16, 16))
     try:
         profile.kernel(wb, ab)

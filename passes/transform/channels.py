@@ -98,7 +98,7 @@ class GemmSite:
             return ((blocks != 0) & cols.reshape(-1, bw).any(1)).any(1).repeat_interleave(bh)
         m = self._pairs(graph)
         if g == 1:
-            return m.any(1) if bool(cols.all()) else m[:, cols].any(1)
+            return m.any(1) if bool(cols.all()) else m[:, cols.bool()].any(1)
         return (m.reshape(g, -1, m.shape[1]) & cols.reshape(g, 1, -1)).any(-1).reshape(-1)
 
     def used(self, graph: Graph) -> torch.Tensor:

@@ -88,6 +88,7 @@ class HardwareProfile:
     rows: int = 0                   # activation rows of the ``blocks`` measurements (0: unknown, cost linear in rows)
     k: int = 0                      # input width K of the ``blocks`` measurements
     wide_k: int = 0                 # input width K of the ``blocks_wide_k`` measurements (0: none)
+    low_bit_gemv: dict = field(default_factory=dict)     # family -> {rows: [fixed µs, GB/s]} (``low_bit_gemv_us``)
 
     # ---- what the hardware runs ---------------------------------------------------------
     def act_widths(self) -> list[int]:
@@ -175,6 +176,16 @@ class HardwareProfile:
         return self.sub_op_us + max(2.0 * rows * n * k / (kern.dense_gflops * 1e3),
                                     self.weight_stream_us(n * k, weight_bits))
 
+    def low_bit_gemv_us(self, family: str, m: int, nbytes: int) -> float | None:
+        """A low-bit GEMV (``w4a16_gemv``, ``w8a8_gemv``) streaming ``nbytes`` of codes and scales at ``m`` rows: a
+        fixed cost plus the bytes at its measured rate, both linear in the rows between the measured ones."""
+        points = sorted((int(r), v) for r, v in self.low_bit_gemv.get(family, {}).items())
+        if not points:
+            return None
+        (r0, (c0, g0)), (r1, (c1, g1)) = points[0], points[-1]
+        t = 0.0 if r1 == r0 else min(max((m - r0) / (r1 - r0), 0.0), 1.0)
+        return c0 + t * (c1 - c0) + nbytes / ((g0 + t * (g1 - g0)) * 1e3)
+
     def k_factor(self, kern: KernelCosts, shape: tuple[int, int], k: int) -> float:
         """How much more a block's per-row work costs at input width ``k`` than at the profile's: linear in K
         between the two measured widths, flat outside them, never less (a wider K is never cheaper per block)."""
@@ -207,6 +218,7 @@ class HardwareProfile:
                 **({"rows": self.rows} if self.rows else {}),
                 **({"k": self.k} if self.k else {}),
                 **({"wide_k": self.wide_k} if self.wide_k else {}),
+                **({"low_bit_gemv": self.low_bit_gemv} if self.low_bit_gemv else {}),
                 "kernels": [{"weight_bits": k.weight_bits, "act_bits": k.act_bits, "dense_gflops": k.dense_gflops,
                              "blocks": {f"{a}x{b}": v for (a, b), v in k.blocks.items()},
                              **({"weight_code_bits": k.weight_code_bits} if k.weight_code_bits else {}),
@@ -242,7 +254,9 @@ class HardwareProfile:
                        float(data["fixed_us"]), float(data["bandwidth_gbs"]), kernels, dict(data.get("notes", {})),
                        tuple(data.get("sparse_ops", cls.sparse_ops)), int(dis.get("full_max_blocks", 512)), large,
                        bool(data.get("stream_weights", False)), float(data.get("kernel_call_us", 0.0)),
-                       int(data.get("rows", 0)), int(data.get("k", 0)), int(data.get("wide_k", 0)))
+                       int(data.get("rows", 0)), int(data.get("k", 0)), int(data.get("wide_k", 0)),
+                       {f: {str(r): [float(c), float(g)] for r, (c, g) in v.items()}
+                        for f, v in data.get("low_bit_gemv", {}).items()})
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise PlanError(f"invalid hardware profile: {exc}") from exc
 

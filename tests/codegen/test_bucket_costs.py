@@ -71,16 +71,35 @@ def test_each_bucket_is_priced_by_its_own_kernel():
     assert bucket_estimates(s, select_gemm(site(m=4096, any_rows=False), CUDA), PROFILE, 4096, (16, 16)) is None, "one kernel"
 
 
-def test_a_kernel_the_profile_does_not_price_says_so():
+def test_low_bit_gemvs_are_priced_by_the_bytes_they_stream_and_a_profile_without_them_says_so():
+    import dataclasses
     s = site(m=4, bits="W8A8", any_rows=True)
     picked = select_gemm(s, CUDA)
-    picked.bucket_us = bucket_estimates(s, picked, PROFILE, 1000, (16, 16))
+    est = bucket_estimates(s, picked, PROFILE, 1000, (16, 16))
+    gemvs = [e for e in est if e[1].startswith("w8a8_gemv")]
+    assert gemvs and all(e[3] == pytest.approx(PROFILE.low_bit_gemv_us("w8a8_gemv", e[2], s.n * s.k + 4 * s.n),
+                                               abs=1e-3) for e in gemvs)
+    assert [e[3] for e in gemvs] == sorted(e[3] for e in gemvs), "more rows never cost less"
+    picked.bucket_us = est
+    assert f"M<=8: w8a8_gemv[16 warps] ~{gemvs[0][3]:.1f} µs (dense " in picked.describe()
+    assert picked.estimate_note() == ""
+    bare = dataclasses.replace(PROFILE, low_bit_gemv={})
+    picked.bucket_us = bucket_estimates(s, picked, bare, 1000, (16, 16))
     assert [us is None for _, _, _, us, _ in picked.bucket_us] == [True] * (len(picked.bucket_us) - 1) + [False]
     assert "M<=8: w8a8_gemv[16 warps] no estimate (dense " in picked.describe()
     assert picked.estimate_note() == "no estimate for w8a8_gemv: the cost profile has no cost for it"
     plan = Plan("cuda", {"device": CUDA.device})
     plan.ops["linear"] = OpPlan("linear", "linear", "sparse", 1.0, 2.0, kernel=picked)
     assert "no estimate for w8a8_gemv: the cost profile has no cost for it" in plan.report()
+
+
+@pytest.mark.parametrize("family, n, k, rows, measured", [
+    ("w4a16_gemv", 11008, 4096, 1, 9.40), ("w4a16_gemv", 4096, 4096, 1, 4.39), ("w4a16_gemv", 11008, 4096, 16, 12.18),
+    ("w4a16_gemv", 4096, 4096, 16, 6.78), ("w8a8_gemv", 11008, 4096, 1, 16.84), ("w8a8_gemv", 4096, 4096, 16, 8.96)])
+def test_the_low_bit_gemv_costs_reproduce_the_measurements_they_were_fitted_to(family, n, k, rows, measured):
+    """benchmarks/RESULTS.md, "CUDA low-bit GEMVs of a default (any rows) compile" (H100, the profile's device)."""
+    nbytes = n * k // 2 + n * k // 128 * 4 if family == "w4a16_gemv" else n * k + 4 * n
+    assert PROFILE.low_bit_gemv_us(family, rows, nbytes) == pytest.approx(measured, rel=0.04)
 
 
 def test_the_estimates_survive_the_plan_json_and_older_plans_load():
