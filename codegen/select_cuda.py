@@ -65,8 +65,10 @@ class GemmSite:
         it; masks come from :meth:`block_mask`)."""
         if self.weight_value is None:
             keep = self.plan.kept(self.n, self.k)
-            self.weight_value = torch.where(keep, weight_matrix(self.graph, self.op), 0.0) \
-                if self.op.op in GEMM_OPS else torch.zeros(0, 0)
+            w = weight_matrix(self.graph, self.op) if self.op.op in GEMM_OPS else torch.zeros(0, 0)
+            # a meta weight (compiled from the meta device): its kept elements stand for nonzeros
+            self.weight_value = keep.to(torch.float32) if w.is_meta else torch.where(keep, w, 0.0) \
+                if self.op.op in GEMM_OPS else w
         return self.weight_value
 
     def fast(self, bn: int, bk: int, gate_n: int = 0) -> bool:

@@ -15,6 +15,11 @@ from .tesa import TeSA
 from .text import table
 
 
+def refuse_meta(what: str) -> None:
+    from .meta_model import refuse
+    refuse(what)
+
+
 class VerificationError(SpartaError):
     """The compiled model disagrees with its dense reference."""
 
@@ -52,6 +57,8 @@ class CompiledModel(torch.nn.Module):
     """A model compiled by sparta: call it like the original module, for inference. Its kernels compute no
     gradients, so a call with grad mode on and an input that requires grad is refused (rather than returning
     outputs cut off from autograd): call it under ``torch.no_grad()``, or with inputs that do not require grad."""
+
+    from_meta = False        # compiled from a meta-device model: no weights (``sparta.meta_model``)
 
     def __init__(self, graph: Graph, *, target: str = "cpu", plan=None, replacements=None, timings=None,
                  kernels=None, source: Graph | None = None, inductor: str | None = None):
@@ -112,6 +119,8 @@ class CompiledModel(torch.nn.Module):
         return self._inductor_fn(*flat)
 
     def forward(self, *args, **kwargs):
+        if self.from_meta:
+            refuse_meta("calling it")
         if torch.compiler.is_compiling():   # Dynamo guards the shapes itself: take the inputs as they come
             outs = self.module(*self.graph.flat_inputs(args, kwargs, check=False))
         else:
@@ -131,8 +140,10 @@ class CompiledModel(torch.nn.Module):
     def save(self, path, weights: bool = True) -> str:
         """Write the model (graph, plan, weights, kernels) to the folder ``path``; reload with ``sparta.load``.
         ``weights=False`` writes no weight values (plan, kernels and masks only): ``sparta.load(path, weights=...)``
-        takes them from the user's checkpoint."""
+        takes them from the user's checkpoint (the only save of a model compiled from the meta device)."""
         from .saved import save
+        if self.from_meta and weights:
+            refuse_meta("save(dir) with weights")
         return str(save(self, path, weights=weights))
 
     def decoder(self) -> torch.nn.Module:
@@ -146,6 +157,8 @@ class CompiledModel(torch.nn.Module):
     def generate(self, *args, **kwargs):
         """Hugging Face's ``generate()`` (same arguments) over sparta's kernels, with its KV cache; on a GPU the cache
         is static and decode steps replay CUDA graphs. For compiled ``*ForCausalLM`` models."""
+        if self.from_meta:
+            refuse_meta("generate()")
         from .generation import generate
         return generate(self, *args, **kwargs)
 
@@ -189,6 +202,8 @@ class CompiledModel(torch.nn.Module):
         (both as plain torch ops on masked fp weights: propagation may prune only what cannot change an
         output), and the kernels against the propagated graph (masked, quantised weights as the kernels
         apply them). Returns the worst relative error of each output against the model as given."""
+        if self.from_meta:
+            refuse_meta("verify()")
         if not isinstance(trials, int) or trials < 1:
             raise SpartaError(f"verify needs trials >= 1, got {trials!r}")
         for what, tol in (("rtol", rtol), ("atol", atol)):
@@ -237,6 +252,8 @@ class CompiledModel(torch.nn.Module):
         forwards) against the dense reference's ops and the plan's estimates, and the whole call: a
         :class:`~sparta.profiling.Profile` (``.report()``, ``.slower_than_dense()``, ``.to_json()``). No inputs:
         random ones of the example's shapes."""
+        if self.from_meta:
+            refuse_meta("profile()")
         from .profiling import profile
         if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
             raise SpartaError(f"profile: reps is the number of forwards to time, a whole number >= 1; got {reps!r}")

@@ -60,6 +60,7 @@ class CompileContext:
     compiled: Any = None                    # the CompiledModel
     timings: dict = field(default_factory=dict)
     folded: dict = field(default_factory=dict)   # constants fold_bn derived: name -> what they were folded from
+    meta: bool = False                      # the model's parameters are on the meta device (``sparta.meta_model``)
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,26 @@ def _codegen(target: str, which: int) -> Callable:
 def capture(ctx: CompileContext) -> None:
     from .frontend.prune_masks import find_masks
     from .shapes import capture_shapes
+    from . import meta_model
     o = ctx.options
-    ctx.model, ctx.found_masks = find_masks(ctx.model)   # pruning made permanent on a copy
+    if meta_model.is_meta_model(ctx.model):          # no values: no masks to find, nothing that reads them
+        meta_model.check_options(o)
+        ctx.meta, buffers, ctx.found_masks = True, meta_model.prepare(ctx.model), {}
+    else:
+        ctx.model, ctx.found_masks = find_masks(ctx.model)   # pruning made permanent on a copy
     ctx.graph = capture_shapes(ctx.model, o.example_inputs, o.example_kwargs, o.parameters, o.dynamic)
+    if ctx.meta:
+        meta_model.fill_buffers(ctx.graph, buffers)
+        meta_model.devices_to_cpu(ctx.graph)
 
 
 def attach(ctx: CompileContext) -> None:
     from .frontend.prune_masks import attach_masks
     attach_masks(ctx.graph, ctx.found_masks, ctx.options.initial_tesa)
     attach_tesa(ctx.graph, ctx.options.initial_tesa)
+    if ctx.meta:
+        from .meta_model import check_bits
+        check_bits(ctx.graph)
     ctx.source = ctx.graph.copy()
 
 
@@ -252,6 +264,7 @@ def build_model(ctx: CompileContext) -> None:
     o = ctx.options
     ctx.compiled = CompiledModel(ctx.graph, target=o.target, plan=ctx.plan, replacements=ctx.replacements,
                                  timings=ctx.timings, kernels=ctx.kernels, source=ctx.source, inductor=o.inductor)
+    ctx.compiled.from_meta = ctx.meta
 
 
 def measure(ctx: CompileContext) -> None:

@@ -143,11 +143,19 @@ def _source_json(compiled, tensors: dict) -> dict | None:
         name = key.removeprefix("source/")
         if compiled.graph.has_tensor(name) and compiled.graph.tensor(name).data is t:
             shared.append(name)
-        elif name in parts and torch.equal(_rows(compiled.graph.tensor(parts[name][0]), *parts[name][1:]), t):
+        elif name in parts and _same(_rows(compiled.graph.tensor(parts[name][0]), *parts[name][1:]), t):
             sliced[name] = parts[name]       # rows of a stacked weight (sibling linears run as one)
         else:
             tensors[key] = t
     return {**data, "shared": sorted(shared), **({"sliced": sliced} if sliced else {})}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal tensors; meta ones (a model compiled from the meta device: its stacked parts are its own parameters)
+    of one shape and dtype."""
+    if a.is_meta or b.is_meta:
+        return a.is_meta and b.is_meta and a.shape == b.shape and a.dtype == b.dtype
+    return torch.equal(a, b)
 
 
 def _rows(value, start: int, end: int) -> torch.Tensor:

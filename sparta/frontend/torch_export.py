@@ -332,7 +332,10 @@ def _refuse_mutation(ep, name: str) -> None:
 
 
 def _check_runs(module, example_inputs, example_kwargs, name: str) -> None:
-    """Run the model once eagerly: export accepts inputs (int64 ids for a float layer) the model cannot run."""
+    """Run the model once eagerly: export accepts inputs (int64 ids for a float layer) the model cannot run (a model
+    on the meta device cannot run: its export's own checks stand)."""
+    if any(p.is_meta for p in module.parameters()):
+        return
     try:
         with torch.no_grad():
             module(*example_inputs, **example_kwargs)
@@ -498,7 +501,9 @@ def _tie(names: dict, state: dict, nodes: dict) -> dict[str, str]:
     groups: dict[tuple, list[str]] = {}
     for node_name, target in names.items():
         t = state[target]
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        # meta tensors have no storage (every address is 0): one only ties to itself
+        where = ("meta", id(t)) if t.is_meta else t.untyped_storage().data_ptr()
+        key = (where, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         groups.setdefault(key, []).append(node_name)
     tied = {}
     for members in groups.values():

@@ -23,7 +23,7 @@ def op_bias(graph, op, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None
 
 def sub_weight(weight: torch.Tensor, sub, n: int, k: int, n_pad: int, k_pad: int) -> torch.Tensor:
     """The (N_pad, K_pad) share of ``weight`` (N, K) a sub-operator computes (its elements; zero elsewhere)."""
-    w = torch.where(sub.elements.mask.reshape(n, k), weight, 0.0)
+    w = torch.where(sub.elements.mask.reshape(n, k).to(weight.device), weight, 0.0)   # (a meta weight: meta)
     return torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
 
 
