@@ -45,11 +45,14 @@ def _meta(dtype=torch.float32, **shape):
 
 
 def _real(dtype=torch.float32, block=16, **shape):
+    """The model with real weights, masked; no kept weight exactly zero (an fp16 draw can round to 0, which a real
+    compile reads as pruned: an element the meta compile cannot know)."""
     torch.manual_seed(0)
     model = _llama(**shape).to(dtype)
     with torch.no_grad():
         for name, mask in _masks(model, block).items():
-            model.get_parameter(name).mul_(mask)
+            w = model.get_parameter(name)
+            w.copy_(torch.where(mask & (w == 0), torch.full_like(w, 1e-3), w) * mask)
     return model
 
 
@@ -57,21 +60,22 @@ def _kernel_parts(folder: Path) -> dict:
     """What a kernels-only folder says about the kernels: the plan of every op with a weight, the kernel records,
     the kernel modules' configs, the weights' masks, the files of ``kernels/`` and their digests, the stored tensors.
     (Names of torch ops may differ: the meta capture's SDPA output is contiguous, the CPU's is not, so the meta graph
-    has one more ``clone`` per layer.)"""
+    has one more ``clone`` per layer; fused ops' placeholder modules and the kernels' notes name them.)"""
     manifest = json.loads((folder / "sparta.json").read_text())
     with safe_open(str(folder / "tensors.safetensors"), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return {"plan": {k: v for k, v in manifest["plan"]["ops"].items() if v.get("weight")},
             "kernels": _scrub(manifest["kernels"]), "weights": manifest["weights"],
-            "modules": _scrub(manifest["modules"]),
+            "modules": _scrub({k: v for k, v in manifest["modules"].items() if v.get("type") != "fused"}),
             "files": {k: v for k, v in manifest["files"].items() if k.startswith("kernels/")},
             "tensors": tensors}
 
 
 def _scrub(x):
-    """Without build times and the names of the graph tensors a module reads."""
+    """Without build times, the names of the graph tensors a module reads and the kernels' notes (which name the torch
+    ops fused into them)."""
     if isinstance(x, dict):
-        return {k: _scrub(v) for k, v in x.items() if k not in ("build_s", "input_name", "input_names")}
+        return {k: _scrub(v) for k, v in x.items() if k not in ("build_s", "input_name", "input_names", "x_name", "gated_output", "note")}
     return [_scrub(v) for v in x] if isinstance(x, list) else x
 
 
@@ -136,8 +140,6 @@ def test_quantised_meta_weights_and_prune_hooks_are_refused():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.xfail(reason="the CUDA meta compile builds its kernels, but its folder's kernel records and weights "
-                          "entry still differ from the real compile's (not yet examined)", strict=False)
 def test_meta_compile_writes_the_real_compiles_plan_and_kernels_cuda(tmp_path):      # CUDA kernels build; none run
     parts = []
     shape = {"hidden": 512, "inter": 1408}          # fp16 and this size: the H200 plan gives the linears kernels
