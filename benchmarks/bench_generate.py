@@ -62,7 +62,7 @@ def build(args) -> None:
              sparta.TeSA.from_blocks(g, (args.block, args.block), args.bits) for n, g in grids.items()}
     del shapes
     torch.manual_seed(args.seed)
-    model = bf16_model(cfg, "cpu")
+    model = bf16_model(cfg, "meta" if args.meta else "cpu")     # meta: no checkpoint at compile time
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
     compiled = sparta.compile(model, masks, (ids,), target="cuda", tokens=(1, args.prompt_tokens))
@@ -71,7 +71,8 @@ def build(args) -> None:
     compiled.save(args.build, weights=False)
     print(f"saved, peak RSS {peak_rss_gib():.1f} GiB", flush=True)
     meta = {"layers": args.layers, "density": args.density, "block": args.block, "seed": args.seed, "bits": args.bits,
-            "compile_s": compile_s, "timings": compiled.timings}
+            "compile_s": compile_s, "timings": compiled.timings, "meta_device": args.meta,
+            "peak_rss_gib": peak_rss_gib()}
     meta_path(args.build).write_text(json.dumps(meta, indent=1))
     print(compiled.plan_report(only_gemm=True))
     print(json.dumps(meta, indent=1))
@@ -271,6 +272,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bits", type=int, default=16, help="--build: the decoder linears' weight bits (4: W4A16)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="--build: the largest prefill planned for")
+    ap.add_argument("--meta", action="store_true", help="--build: compile the model created on the meta device")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
