@@ -55,13 +55,46 @@ def smoke_model() -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
+class Bottleneck(nn.Module):
+    """torchvision's ResNet-50 bottleneck (stride on the 3×3), for machines without torchvision."""
+
+    def __init__(self, cin, mid, stride=1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, 4 * mid, 1, bias=False), nn.BatchNorm2d(4 * mid)
+        self.downsample = nn.Sequential(nn.Conv2d(cin, 4 * mid, 1, stride, bias=False), nn.BatchNorm2d(4 * mid)) \
+            if stride != 1 or cin != 4 * mid else None
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return torch.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+def resnet50_nn() -> nn.Module:
+    """ResNet-50's layers from ``torch.nn`` (torchvision's topology: stages of 3, 4, 6, 3 bottlenecks)."""
+    layers, cin = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)], 64
+    for i, (mid, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
+        for j in range(blocks):
+            layers.append(Bottleneck(cin, mid, 2 if i and not j else 1))
+            cin = 4 * mid
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000))
+
+
 def build_model(name: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if name == "smoke":
         model = smoke_model()
     else:
-        import torchvision
-        model = getattr(torchvision.models, name)(weights=None)
+        try:
+            import torchvision
+            model = getattr(torchvision.models, name)(weights=None)
+        except ImportError:
+            if name != "resnet50":
+                raise
+            model = resnet50_nn()                  # the CPU machine has no torchvision
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
@@ -176,7 +209,7 @@ def measure(name: str, args, compiled=None) -> dict:
         with torch.no_grad():
             want = dense(x).float()
             modes = {}
-            for mode in ("default", "reduce-overhead"):
+            for mode in ("default", "reduce-overhead") if device == "cuda" else ("default",):
                 torch._dynamo.reset()
                 fn = torch.compile(dense, mode=mode) if not args.no_compile else dense
                 modes[mode] = wall_us(fn, x, device, args.iters)
@@ -187,7 +220,7 @@ def measure(name: str, args, compiled=None) -> dict:
             row["sparta_max_abs_diff"] = float((got - want).abs().max())
             if tp_model is not None:              # the same best of the two modes
                 tp_modes = {}
-                for mode in ("default", "reduce-overhead"):
+                for mode in ("default", "reduce-overhead") if device == "cuda" else ("default",):
                     torch._dynamo.reset()
                     fn = torch.compile(tp_model, mode=mode) if not args.no_compile else tp_model
                     tp_modes[mode] = wall_us(fn, x, device, args.iters)
