@@ -40,39 +40,20 @@ def bsr_gemv(spec: BsrGemvSpec):
     SUMS = J * MR                            # a thread's sums (a gated kernel keeps the up's after the gate's)
 
     @T.macro
-    def multiply(X, M, wv, wf, xv, acc, kb, o, kq, a0):
-        # acc[i, m] += W piece i · X[m, the lane's 8 columns of the block]: every row's X piece in flight first
+    def load_x(X, M, xv, kb, o, kq, xs):
+        # every row's X piece for the block in slot o of wv, into slot xs of xv
         for m in T.unroll(MR):
             if m < M:
                 if K % BK == 0 or kb[o] * BK + kq * 8 < K:
                     for v in T.vectorized(8):
-                        xv[m * 8 + v] = X[m, kb[o] * BK + kq * 8 + v]
+                        xv[(xs * MR + m) * 8 + v] = X[m, kb[o] * BK + kq * 8 + v]
                 else:
                     for v in T.unroll(8):
-                        xv[m * 8 + v] = T.float16(0)
-        for e in T.unroll(J * 8):
-            wf[e] = to_f32(wv[o * J * 8 + e], ACT)
-        for m in T.unroll(MR):
-            if m < M:
-                for i in T.unroll(J):
-                    for v in T.unroll(8):
-                        acc[a0 + i * MR + m] = acc[a0 + i * MR + m] + wf[i * 8 + v] * to_f32(xv[m * 8 + v], ACT)
+                        xv[(xs * MR + m) * 8 + v] = T.float16(0)
 
     @T.macro
-    def load_x(X, M, xv, kb, o, kq):
-        # every row's X piece for the block in slot o (``XF``: into slot o of xv)
-        for m in T.unroll(MR):
-            if m < M:
-                if K % BK == 0 or kb[o] * BK + kq * 8 < K:
-                    for v in T.vectorized(8):
-                        xv[(o * MR + m) * 8 + v] = X[m, kb[o] * BK + kq * 8 + v]
-                else:
-                    for v in T.unroll(8):
-                        xv[(o * MR + m) * 8 + v] = T.float16(0)
-
-    @T.macro
-    def fma(M, wv, wf, xv, acc, o, a0):
-        # acc[i, m] += W piece i of slot o · its X piece (loaded by load_x)
+    def fma(M, wv, wf, xv, acc, o, xs, a0):
+        # acc[i, m] += W piece i of slot o · its X piece (slot xs of xv, loaded by load_x)
         for e in T.unroll(J * 8):
             wf[e] = to_f32(wv[o * J * 8 + e], ACT)
         for m in T.unroll(MR):
@@ -80,18 +61,24 @@ def bsr_gemv(spec: BsrGemvSpec):
                 for i in T.unroll(J):
                     for v in T.unroll(8):
                         acc[a0 + i * MR + m] = acc[a0 + i * MR + m] + wf[i * 8 + v] * to_f32(
-                            xv[(o * MR + m) * 8 + v], ACT)
+                            xv[(xs * MR + m) * 8 + v], ACT)
+
+    @T.macro
+    def multiply(X, M, wv, wf, xv, acc, kb, o, kq, a0):
+        # acc[i, m] += W piece i · X[m, the lane's 8 columns of the block]: every row's X piece in flight first
+        load_x(X, M, xv, kb, o, kq, 0)
+        fma(M, wv, wf, xv, acc, o, 0, a0)
 
     @T.macro
     def fma_block(M, wv, wf, xv, acc, o, j, warp, gate_count):
         # ``XF``: the warp's j-th block (slot o) into the gate's sums or the up's
         if GATE:
             if warp + j * W < gate_count:
-                fma(M, wv, wf, xv, acc, o, 0)
+                fma(M, wv, wf, xv, acc, o, o, 0)
             else:
-                fma(M, wv, wf, xv, acc, o, SUMS)
+                fma(M, wv, wf, xv, acc, o, o, SUMS)
         else:
-            fma(M, wv, wf, xv, acc, o, 0)
+            fma(M, wv, wf, xv, acc, o, o, 0)
 
     @T.macro
     def multiply_block(X, M, wv, wf, xv, acc, kb, o, kq, j, warp, gate_count):
@@ -144,7 +131,7 @@ def bsr_gemv(spec: BsrGemvSpec):
                         T.evaluate(grid_dependency("wait"))
                 for o in T.unroll(IF):
                     if warp + (IF * t + o) * W < count:
-                        load_x(X, M, xv, kb, o, kq)
+                        load_x(X, M, xv, kb, o, kq, o)
                 for o in T.unroll(IF):
                     if warp + (IF * t + o) * W < count:
                         fma_block(M, wv, wf, xv, acc, o, IF * t + o, warp, gate_count)
