@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from bench_generate import checkpoint, meta_path  # noqa: E402
+from bench_generate import checkpoint, graph_ms, meta_path  # noqa: E402
 
 
 def kernel_rows(prof) -> list[dict]:
@@ -42,22 +42,6 @@ def profiled(fn) -> list[dict]:
         fn()
         torch.cuda.synchronize()
     return kernel_rows(prof)
-
-
-def graph_us(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
 
 
 def phases(model, generate, prompt) -> dict:
@@ -108,8 +92,8 @@ def main():
         if args.inductor:
             forward = compiled_step(model)
             result["inductor"] = show("torch.compile'd step", profiled(lambda: forward(step, **kw)))
-            result["inductor_graph_us"] = graph_us(lambda: forward(step, **kw))
-            result["eager_graph_us"] = graph_us(lambda: model(step, **kw))
+            result["inductor_graph_us"] = graph_ms(lambda s: forward(s, **kw), step, reps=50) * 1e3
+            result["eager_graph_us"] = graph_ms(lambda s: model(s, **kw), step, reps=50) * 1e3
             print(f"step as one CUDA graph: compiled {result['inductor_graph_us']:.0f} us, "
                   f"eager {result['eager_graph_us']:.0f} us")
         if args.prefill:
