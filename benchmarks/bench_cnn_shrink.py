@@ -184,6 +184,17 @@ def compile_sparta(model: nn.Module, size: int, dtype, target: str, batches: lis
         return sparta.compile(model, None, (x,), target=target, tokens=(1, max(2, *batches)))
 
 
+def compiled_modes_us(model: nn.Module, x: torch.Tensor, args) -> dict[str, float]:
+    """µs per call of ``torch.compile(model)`` in each mode (``default`` and, on CUDA, ``reduce-overhead``; the model
+    itself with ``--no-compile``)."""
+    modes = {}
+    for mode in ("default", "reduce-overhead") if args.device == "cuda" else ("default",):
+        torch._dynamo.reset()
+        fn = torch.compile(model, mode=mode) if not args.no_compile else model
+        modes[mode] = wall_us(fn, x, args.device, args.iters)
+    return modes
+
+
 def measure(name: str, args, compiled=None) -> dict:
     device, dtype = args.device, torch.float16 if args.device == "cuda" else torch.float32
     model = build_model(name, args.seed)
@@ -208,22 +219,14 @@ def measure(name: str, args, compiled=None) -> dict:
         row = {}
         with torch.no_grad():
             want = dense(x).float()
-            modes = {}
-            for mode in ("default", "reduce-overhead") if device == "cuda" else ("default",):
-                torch._dynamo.reset()
-                fn = torch.compile(dense, mode=mode) if not args.no_compile else dense
-                modes[mode] = wall_us(fn, x, device, args.iters)
+            modes = compiled_modes_us(dense, x, args)
             row["dense_compile_us"] = min(modes.values())
             row["dense_compile_modes_us"] = modes
             got = sparta_model(x).float()
             row["sparta_us"] = wall_us(sparta_model, x, device, args.iters)
             row["sparta_max_abs_diff"] = float((got - want).abs().max())
             if tp_model is not None:              # the same best of the two modes
-                tp_modes = {}
-                for mode in ("default", "reduce-overhead") if device == "cuda" else ("default",):
-                    torch._dynamo.reset()
-                    fn = torch.compile(tp_model, mode=mode) if not args.no_compile else tp_model
-                    tp_modes[mode] = wall_us(fn, x, device, args.iters)
+                tp_modes = compiled_modes_us(tp_model, x, args)
                 row["torch_pruning_us"] = min(tp_modes.values())
                 row["torch_pruning_modes_us"] = tp_modes
                 row["torch_pruning_max_abs_diff"] = float((tp_model(x).float() - want).abs().max())
