@@ -33,11 +33,16 @@ def full_mask(model, mask: torch.Tensor, length: int) -> torch.Tensor:
     2-d ``mask`` keeps, up to its length; boolean for SDPA, additive in the model's dtype for other attention."""
     full = torch.zeros(mask.shape[0], length, dtype=torch.bool, device=mask.device)
     full[:, : mask.shape[1]] = mask.bool()
-    full = full[:, None, None, :]
+    return attention_mask(model, full[:, None, None, :])
+
+
+def attention_mask(model, keep: torch.Tensor) -> torch.Tensor:
+    """A 4-d mask of kept keys (bool) as the model's attention takes it: boolean for SDPA, additive in the model's
+    dtype otherwise."""
     if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
-        return full
+        return keep
     dtype = model.dtype
-    return torch.zeros(full.shape, dtype=dtype, device=mask.device).masked_fill(~full, torch.finfo(dtype).min)
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def _cache_state(cache) -> list[torch.Tensor]:

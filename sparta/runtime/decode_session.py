@@ -17,7 +17,7 @@ import inspect
 
 import torch
 
-from .decode_graphs import _cache_state
+from .decode_graphs import _cache_state, attention_mask
 
 CAPACITY_STEP = 64          # the static cache's length is a multiple of this (one step graph serves nearby lengths)
 
@@ -58,11 +58,7 @@ def step_mask(model, keep: torch.Tensor, rows: int) -> torch.Tensor:
     pos = torch.arange(length, device=keep.device)
     causal = pos[:rows, None] >= pos[None, :]
     full = (causal[None] & keep[:, None, :]) | (pos[:rows, None] == pos[None, :])[None]
-    full = full[:, None]
-    if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
-        return full
-    dtype = model.dtype
-    return torch.zeros(full.shape, dtype=dtype, device=keep.device).masked_fill(~full, torch.finfo(dtype).min)
+    return attention_mask(model, full[:, None])
 
 
 class _Prefill:
