@@ -90,13 +90,12 @@ def _session_generate(model, ids, mask, new: int, eos, pad: int, chunk: int, gra
     first = first.clone()
     key = (tuple(eos.tolist()), pad, inductor)
     loop = session.loops.get(key)
+    keep = torch.zeros(batch, session.capacity, dtype=torch.bool, device=ids.device)
     if loop is None:
         names = session.names
         static = {"input_ids": first[:, None].clone(), "position_ids": positions[:, None].clone()}
         if names["cache_position"]:
             static["cache_position"] = torch.tensor([length], device=ids.device)
-    keep = torch.zeros(batch, session.capacity, dtype=torch.bool, device=ids.device)
-    if loop is None:
         loop = session.loops[key] = StepLoop(model, static, {names["cache"]: session.cache, "use_cache": True},
                                              full_mask(model, keep, session.capacity), eos, pad, inductor)
     keep[:, :length] = True if mask is None else mask.bool()
