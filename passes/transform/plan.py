@@ -106,6 +106,9 @@ class KernelChoice:
             return [(None, "torch", "torch", {})]
         out = [(top, f"{family}[{t.get('warps', '')} warps]", family, t) for top, family, t in self.few_rows or ()]
         if self.gemv and not self.few_rows:
+            if one := self.gemv.get("one_row"):
+                tiling = {k: v for k, v in self.gemv.items() if k != "one_row"} | one | {"rows": 1}
+                out.append((1, f"bsr_gemv[1 row, {one['warps']} warps]", "bsr_gemv", tiling))
             out.append((self.gemv["rows"], f"bsr_gemv[{self.gemv['warps']} warps]", "bsr_gemv", self.gemv))
         low = max([t for t, *_ in out], default=0)
         out += [(top, f"tm {t['tm']}", "tile", t) for top, t in self.buckets or () if top > low]

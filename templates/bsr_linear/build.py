@@ -44,10 +44,19 @@ def _gemv_spec(spec: BsrSpec, tiling: dict | None) -> BsrGemvSpec | None:
     (``SparseLinearCUDA`` refuses one that does not fit them)."""
     if not tiling:
         return None
+    tiling = {k: v for k, v in tiling.items() if k != "one_row"}
     return BsrGemvSpec(spec.n, spec.k, spec.bn, spec.bk, bias=spec.bias, act=spec.act, groups=spec.groups,
                        dtype=spec.act16, gate=spec.gate, **tiling,
                        name=spec.name.replace("bsr_", "bsr_gemv_", 1) + f"_w{tiling['warps']}"
                                                                        f"{'_pdl' if tiling.get('pdl') else ''}")
+
+
+def _one_row_spec(gemv: BsrGemvSpec | None, tiling: dict | None) -> BsrGemvSpec | None:
+    """The GEMV built for one row beside ``gemv`` (``KernelChoice.gemv["one_row"]``), over the same blocks."""
+    one = (tiling or {}).get("one_row")
+    if gemv is None or not one:
+        return None
+    return dataclasses.replace(gemv, rows=1, **one, name=f"{gemv.name}_r1_w{one['warps']}_l{one.get('loads', 0)}")
 
 
 
@@ -88,11 +97,13 @@ def kernel_specs(op_plan: OpPlan, parts) -> dict:
     hopper = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma") if choice.hopper else None
     few = _few_row_specs(choice, spec, site)
     gemv = _gemv_spec(spec, choice.gemv)
+    gemv1 = _one_row_spec(gemv, choice.gemv)
     buckets = [(top, dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")) for top, t in choice.buckets or ()]
     every = [(bsr_linear, spec)] + ([(bsr_linear, hopper)] if hopper else []) \
         + [(w4a16_gemv if family == "w4a16_gemv" else w8a8_gemv, g) for _, family, g in few] \
-        + ([(bsr_gemv, gemv)] if gemv else []) + [(bsr_linear, b) for _, b in buckets]
-    return {"spec": spec, "hopper": hopper, "gemv": gemv, "few": few, "buckets": buckets, "w4": w4, "all": every}
+        + [(bsr_gemv, g) for g in (gemv, gemv1) if g] + [(bsr_linear, b) for _, b in buckets]
+    return {"spec": spec, "hopper": hopper, "gemv": gemv, "gemv1": gemv1, "few": few, "buckets": buckets, "w4": w4,
+            "all": every}
 
 
 def build(graph: Graph, op: Op, op_plan: OpPlan):
@@ -116,10 +127,12 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
            for top, family, g in specs["few"]]
     g_spec = specs["gemv"]
     gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
+    gemv1 = (build_cuda(bsr_gemv, specs["gemv1"]), specs["gemv1"]) if specs["gemv1"] is not None else None
     buckets = [(top, build_cuda(bsr_linear, b_spec), b_spec) for top, b_spec in specs["buckets"]]
     out_shape = graph.tensor((unit.mul if unit else op).outputs[0]).shape
     kernels = dict(hopper=(hopper[0].path, hopper[1]) if hopper else None, gemv=(gemv[0].path, gemv[1]) if gemv
-                   else None, buckets=[(top, a.path, b) for top, a, b in buckets])
+                   else None, buckets=[(top, a.path, b) for top, a, b in buckets],
+                   gemv1=(gemv1[0].path, gemv1[1]) if gemv1 else None)
     if w4 is not None:
         scale, zero = w4.expand(k)
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, site.weight), scale,
@@ -150,10 +163,11 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
                      {"int8": "W8A8", "w4a16": "W4A16", "float16": "W16A16", "bfloat16": "W16A16 (bf16)"}[dtype]
                      + (" (bf16)" if out == "bfloat16" else ""),
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
-                     [art] + ([hopper[0]] if hopper else []) + ([gemv[0]] if gemv else []) + [a for _, a, _ in buckets]
+                     [art] + ([hopper[0]] if hopper else []) + [g[0] for g in (gemv, gemv1) if g] + [a for _, a, _ in buckets]
                      + [a for _, a, _ in few])
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
-             if hopper else []) + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
+             if hopper else []) + ([f"one row runs the GEMV {gemv1[0].path.name}"] if gemv1 else []) \
+        + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
         + [f"up to {top} rows run the {'W4A16' if w4 is not None else 'W8A8'} GEMV {a.path.name}" for top, a, _ in few] \
         + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] + ([choice.note] if choice.note else []) \
         + ([f"writes {unit.activation}(gate) * up ({', '.join(o.name for o in unit.ops)} fused)"] if unit else [])

@@ -198,7 +198,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
     input is quantised per token by the kernel in ``quant_folder`` (torch ops without one).
     ``hopper`` = (folder, spec): a ``wgmma`` kernel over the same blocks, run instead on sm_90 GPUs.
     ``gemv`` = (folder, spec): the few-row GEMV over the same blocks, run instead for inputs of up to ``spec.rows``
-    rows (16-bit kernels). ``buckets`` = [(max rows, folder, spec), ...] in increasing rows: tile kernels over the same
+    rows (16-bit kernels); ``gemv1`` likewise, built for one row, run for one-row inputs. ``buckets`` = [(max rows, folder, spec), ...] in increasing rows: tile kernels over the same
     blocks with smaller M tiles, each run for inputs of up to its rows that the GEMV does not take (kernels of any M).
     A W4A16 or W8A8 kernel of any M may carry low-bit GEMVs for its few-row calls (:class:`FewRowGemvs`).
     A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
@@ -213,7 +213,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
                  weight_scale: torch.Tensor | None = None, quant_folder: str | None = None,
-                 hopper: tuple | None = None, gemv: tuple | None = None, buckets=()):
+                 hopper: tuple | None = None, gemv: tuple | None = None, buckets=(), gemv1: tuple | None = None):
         super().__init__()
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
         self.init_few_rows()
@@ -231,6 +231,12 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
                 raise CudaRuntimeError(f"op {op_name!r}: the GEMV must read the fp16 kernel's blocks and table and "
                                        "compute its epilogue")
             self.gemv = (str(gemv[0]), gemv[1])
+        self.gemv1 = None
+        if gemv1 is not None:
+            if gemv is None or gemv1[1].rows != 1 or not gemv_fits(spec, gemv1[1]):
+                raise CudaRuntimeError(f"op {op_name!r}: the one-row GEMV must be built for one row and read the fp16 "
+                                       "kernel's blocks and table beside its few-row GEMV")
+            self.gemv1 = (str(gemv1[0]), gemv1[1])
         self.buckets = [(int(top), str(folder), b) for top, folder, b in buckets]
         same = ("n", "k", "bn", "bk", "bias", "act", "dtype", "table", "groups", "out", "gate")
         if any(b.m != 0 or spec.m != 0 or any(getattr(b, f) != getattr(spec, f) for f in same) for _, _, b in
@@ -252,7 +258,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
         self.output_names, self.out_scale = None, None     # set by requantize_output
-        self._op = self._gemv_op = None
+        self._op = self._gemv_op = self._gemv1_op = None
         self._bucket_ops = {}
         self.register_kernel(op_name)
 
@@ -273,7 +279,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         specs = [self.spec] + ([self.hopper[1]] if self.hopper else [])
         if any(s.out != "int8" for s in specs):
             raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8'")
-        self.gemv, self.buckets = None, []          # the GEMV and the bucket kernels write 16-bit outputs
+        self.gemv, self.gemv1, self.buckets = None, None, []   # the GEMVs and bucket kernels write 16-bit outputs
         if few_rows is not None or any(g.out != "int8" for _, _, g in self.few_rows):
             self.requantize_few_rows(few_rows)
         self._requantized(names, scale, self.spec.m, self.wp.device)
@@ -289,7 +295,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
                     block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
                     weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None,
-                    gemv=None, buckets=()) -> SparseLinearCUDA:
+                    gemv=None, buckets=(), gemv1=None) -> SparseLinearCUDA:
         """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
         scales, e.g. by calibration; default: each channel's absolute maximum / 127). W4A16 kernels
         round it to nearest in groups of 128 (fitted codes and scales: :meth:`from_w4_codes`)."""
@@ -307,7 +313,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         else:
             wp, table = pack_weight(weight.to(act16_dtype(spec)), spec, block_mask)
         return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper, gemv,
-                   buckets)
+                   buckets, gemv1)
 
     @classmethod
     def from_w4_codes(cls, op_name: str, x_name: str, folder, spec: BsrSpec, codes: torch.Tensor,
@@ -342,6 +348,10 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
             return out
         if len(inputs) == 2:
             return [self._op.int8(x.contiguous(), inputs[1])]
+        if self.gemv1 is not None and x.shape[0] == 1:
+            if self._gemv1_op is None or self._gemv1_op.wp.data_ptr() != self.wp.data_ptr():
+                self._gemv1_op = BsrGemvOp(*self.gemv1, self.wp, self.table, self.bias)
+            return [self._gemv1_op(x.contiguous())]
         if self.gemv is not None and x.shape[0] <= self.gemv[1].rows:
             if self._gemv_op is None or self._gemv_op.wp.data_ptr() != self.wp.data_ptr():
                 self._gemv_op = BsrGemvOp(*self.gemv, self.wp, self.table, self.bias)
@@ -400,7 +410,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
                 fresh.attach_w8_gemvs(list(self.few_rows), fresh.dense_codes())
         for name in self.weight_names:
             self._buffers[name] = fresh._buffers.get(name)
-        self._op, self._gemv_op, self._bucket_ops, self._few_ops = None, None, {}, {}
+        self._op, self._gemv_op, self._gemv1_op, self._bucket_ops, self._few_ops = None, None, None, {}, {}
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
@@ -420,6 +430,10 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         if self.gemv is not None:
             g_folder = Path(self.gemv[0])
             config["gemv"] = {"kernel": g_folder.name, "spec": dataclasses.asdict(self.gemv[1])}
+            folders[g_folder.name] = g_folder
+        if self.gemv1 is not None:
+            g_folder = Path(self.gemv1[0])
+            config["gemv1"] = {"kernel": g_folder.name, "spec": dataclasses.asdict(self.gemv1[1])}
             folders[g_folder.name] = g_folder
         if self.buckets:
             config["buckets"] = [{"rows": top, "kernel": Path(f).name, "spec": spec_to_json(b)}
@@ -445,13 +459,17 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         if gemv is not None:
             gemv = (folders[gemv["kernel"]], BsrGemvSpec(**gemv["spec"]))
             check_saved_spec(config["op_name"], *gemv)
+        gemv1 = config.get("gemv1")
+        if gemv1 is not None:
+            gemv1 = (folders[gemv1["kernel"]], BsrGemvSpec(**gemv1["spec"]))
+            check_saved_spec(config["op_name"], *gemv1)
         buckets = [(b["rows"], folders[b["kernel"]], spec_from_json(b["spec"])) for b in config.get("buckets", ())]
         for _, folder, bspec in buckets:
             check_saved_spec(config["op_name"], folder, bspec, load=load_spec)
         module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
                      folders[config["quantizer"]] if config.get("quantizer") else None,
-                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets)
+                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets, gemv1)
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_few_rows(config, tensors, folders)
@@ -465,6 +483,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
                 f"{ {'int8': 'W8A8', 'w4a16': 'W4A16', 'bfloat16': 'bf16'}.get(self.spec.dtype, 'fp16')}, act={self.spec.act}"
                 f"{' (gated: act(gate) * up)' if self.spec.gate else ''}"
                 f"{', wgmma on sm_90' if self.hopper else ''}"
+                f"{', one-row GEMV' if self.gemv1 else ''}"
                 f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}{self.few_rows_repr()}"
                 f"{''.join(f', tm {b.tm} up to {t} rows' for t, _, b in self.buckets)}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")

@@ -141,7 +141,8 @@ def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None
     """The block-sparse GEMV beside a 16-bit tile kernel, over its packed blocks, for calls of up to
     ``bsr_gemv.max_rows`` rows (a graph of any rows, or one compiled for that few), else None: warps enough to take
     the fullest block row's kept blocks in one round (two blocks a warp), up to 16, or up to 8 where the grid has more
-    CTAs than the GPU SMs (measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV")."""
+    CTAs than the GPU SMs (measured: benchmarks/RESULTS.md, "CUDA block-sparse fp16 GEMV"). ``one_row``: the tiling
+    of a second GEMV built for one row (fewer registers, more CTAs), which one-row calls run."""
     g = target.tiles("bsr_gemv")
     if not site.any_rows and site.m > g["max_rows"]:
         return None
@@ -152,7 +153,22 @@ def fp16_gemv_tiling(site: GemmSite, tiles: dict, target: Target) -> dict | None
         counts = counts[: counts.numel() // 2] + counts[counts.numel() // 2:]
     pairs = max(1, -(-int(counts.max()) // 2) if counts.numel() else 1)
     top = 16 if BsrGemvSpec(n, site.k, tiles["bn"], tiles["bk"]).ctas <= target.sms else 8
-    return dict(rows=g["max_rows"], warps=min(top, max(2, 1 << (pairs - 1).bit_length())), pdl=g["pdl"])
+    warps = min(top, max(2, 1 << (pairs - 1).bit_length()))
+    out = dict(rows=g["max_rows"], warps=warps, pdl=g["pdl"])
+    if g["max_rows"] > 1 and g.get("one_row_ctas_per_sm"):
+        out["one_row"] = dict(warps=warps, loads=one_row_loads(n, site.k, tiles, g["one_row_ctas_per_sm"] * target.sms))
+    return out
+
+
+def one_row_loads(n: int, k: int, tiles: dict, enough_ctas: int) -> int:
+    """16-byte loads a lane makes per block in the one-row GEMV: two where that still gives ``enough_ctas`` CTAs,
+    else one (more CTAs, each owning fewer rows of a block row; measured: benchmarks/RESULTS.md, "Block-sparse GEMV
+    at the 7B decode shapes")."""
+    try:
+        two = BsrGemvSpec(n, k, tiles["bn"], tiles["bk"], rows=1, loads=2)
+    except ValueError:                  # a block row too narrow for two loads a lane
+        return 1
+    return 2 if two.ctas >= enough_ctas else 1
 
 
 def pingpong_pays(m: int, n: int, target: Target) -> bool:

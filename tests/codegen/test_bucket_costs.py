@@ -52,7 +52,8 @@ def test_each_bucket_is_priced_by_its_own_kernel():
     est = bucket_estimates(s, picked, PROFILE, 3000, (16, 16))
     blocks = kept_blocks(s, (32, 32))
     assert [(top, label) for top, label, *_ in est] == picked.by_rows()
-    (gemv, *tiles, main) = est
+    (one_row, gemv, *tiles, main) = est
+    assert one_row[2] == 1 and one_row[3] == pytest.approx(PROFILE.gemv_us(blocks, (32, 32), 1, 16, 16, s.k), abs=1e-3)
     assert gemv[2] == 4 and gemv[3] == pytest.approx(PROFILE.gemv_us(blocks, (32, 32), 4, 16, 16, s.k), abs=1e-3)
     for (top, label, rows, us, dense), (_, t) in zip(tiles, picked.buckets):
         assert label == f"tm {t['tm']}" and rows == top
@@ -144,7 +145,8 @@ def test_a_dynamic_cuda_compile_reports_each_buckets_kernel_estimate(tmp_path):
         assert tm32[3] == pytest.approx(PROFILE.tile_us(blocks, (32, 32), tm32[0], 32, 16, 16, k), abs=1e-3)
         assert tm32[3] != gemv[3] and est[-1][2] == max(r for r, _, _ in p.rows_us) == 2048 * m // 64
         line = next(r for r in report.splitlines() if r.startswith(p.op + " "))
-        assert f"M<=4: {gemv[1]} ~{gemv[3]:.1f} µs (dense {gemv[4]:.1f} µs); " in line
+        assert f"M<={gemv[0]}: {gemv[1]} ~{gemv[3]:.1f} µs (dense {gemv[4]:.1f} µs); " in line
+        assert gemv[0] == 1 and est[1][0] == 4 and est[1][1].startswith("bsr_gemv[") and f"M<=4: {est[1][1]}" in line
         assert f"M<=128: tm 32 ~{tm32[3]:.1f} µs (dense {tm32[4]:.1f} µs); " in line
         assert re.search(r"else bsr_linear\[float16 128x32x32\] \+bias[+a-z]* ~[0-9.]+ µs at M=\d+ \(dense", line)
     compiled.save(tmp_path / "saved")

@@ -67,13 +67,30 @@ def test_fp16_tiles_carry_the_few_row_gemv_where_calls_can_be_that_small():
     for kw in (dict(m=1), dict(m=top), dict(m=4096, any_rows=True), dict(m=4096, side=64, density=0.02, any_rows=True)):
         picked = select_gemm(site(**kw), CUDA)
         assert picked.gemv is not None and picked.gemv["rows"] == top and 2 <= picked.gemv["warps"] <= 16, kw
-        assert picked.describe().startswith(f"M<={top}: bsr_gemv[")
+        one = picked.gemv["one_row"]
+        assert picked.describe().startswith(f"M<=1: bsr_gemv[1 row, {one['warps']} warps]; M<={top}: bsr_gemv[")
+        assert picked.kernel_at(1).startswith("bsr_gemv[1 row") and picked.kernel_at(2).startswith("bsr_gemv[")
     for kw in (dict(m=top + 1), dict(m=4096), dict(m=1, bits="W8A8"), dict(m=512, bits="W4A16", w4_group=128)):
         assert select_gemm(site(**kw), CUDA).gemv is None, kw
     assert select_gemm(site(m=4, bits="W8A8", any_rows=True), CUDA).rule == "w8a8_sparse_tile"
     assert select_gemm(site(m=1, bits="W4A16", density=1, w4_group=128, any_rows=True), CUDA).rule != "w4a16_gemv"
     full = select_gemm(site(m=1, density=1.0), CUDA)       # every block of a row kept: as many warps as allowed
     assert full.gemv["warps"] == 16
+
+
+@pytest.mark.parametrize("n,k,gate,loads", [(4096, 4096, False, 1), (12288, 4096, False, 2),
+                                             (4096, 11008, False, 1), (22016, 4096, True, 2)])
+def test_one_row_gemv_takes_two_loads_a_lane_only_where_its_grid_stays_wide(n, k, gate, loads):
+    """The one-row GEMV at the 7B decode shapes (o, qkv, down, gated): two 16-byte loads a lane where that still gives
+    4 CTAs an SM, else one (the sweep's winners, RESULTS "Block-sparse GEMV at the 7B decode shapes")."""
+    picked = select_gemm(site(m=1, n=n, k=k, bias="none", any_rows=True, density=0.1), CUDA) if not gate else None
+    if gate:
+        from sparta.templates.bsr_linear.select import one_row_loads
+        tiles = {"bn": 32, "bk": 32}
+        assert one_row_loads(n // 2, k, tiles, 4 * CUDA.sms) == loads
+        return
+    assert picked.gemv["one_row"]["loads"] == loads
+    assert picked.gemv["one_row"]["warps"] == picked.gemv["warps"]
 
 
 def test_choices_carry_the_measured_tiles_of_the_target():

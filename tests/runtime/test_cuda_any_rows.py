@@ -177,6 +177,31 @@ def test_linear_module_runs_the_gemv_for_few_rows_and_the_tile_kernel_else(monke
     assert _err(y, ref) < 2e-3, "a GEMV captured in a CUDA graph reads the input written after capture"
 
 
+def test_linear_module_runs_the_one_row_gemv_for_one_row_and_the_few_row_gemv_above(monkeypatch):
+    """A module with both GEMVs (what a compile of any rows builds): one-row calls run the GEMV built for one row,
+    calls of up to 16 rows the other, each correct, also replayed from a CUDA graph."""
+    from sparta.templates.bsr_linear.runtime import BsrGemvOp, SparseLinearCUDA, load_spec
+    from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
+    from sparta.templates.bsr_linear.spec import reference
+    folder, g_folder, one_folder = _folder("r_odd_gelu"), _folder("r_gemv_odd_gelu"), _folder("r_gemv_odd_gelu_r1")
+    spec = load_spec(folder)
+    g_spec, one_spec = (BsrGemvSpec(**json.loads((f / "spec.json").read_text())) for f in (g_folder, one_folder))
+    mask = torch.rand(spec.row_blocks, spec.k_blocks) < 0.5
+    w, bias = torch.randn(spec.n, spec.k).half(), torch.randn(spec.n).half()
+    module = SparseLinearCUDA.from_weight("lin", "x", folder, spec, w, mask, bias, (0, spec.n),
+                                          gemv=(g_folder, g_spec), gemv1=(one_folder, one_spec)).cuda()
+    calls, gemv = [], BsrGemvOp.__call__
+    monkeypatch.setattr(BsrGemvOp, "__call__", lambda self, x: calls.append((x.shape[0], self.spec.rows))
+                        or gemv(self, x))
+    for m in (1, 3, 1, 16, 20):
+        x = torch.randn(m, spec.k, device="cuda").half()
+        ref = reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)
+        assert _err(module(x), ref) < 2e-3, f"M={m}"
+    assert calls == [(1, 1), (3, 16), (1, 1), (16, 16)], calls
+    x, y = _replayed_from_a_cuda_graph(module, 1, spec.k)
+    assert _err(y, reference(x, w.cuda(), mask, bias.cuda(), spec.act, spec.bn, spec.bk)) < 2e-3
+
+
 def test_linear_module_runs_the_tile_kernel_of_each_bucket_of_rows(monkeypatch):
     """Calls the GEMV does not take run the tile kernel of the smallest bucket that holds their rows (each over the same
     packed blocks), larger calls the module's own; each correct, also replayed from a CUDA graph."""
