@@ -1,0 +1,142 @@
+"""sparta's decode-attention kernels (``templates/decode_attention/``) from torch, without TVM.
+
+``DecodeAttentionOp(partial_folder, combine_folder)(q, k, v, keep, scale)`` runs the two kernels on torch's current
+stream: the partial kernel into an fp32 workspace allocated per call (``torch.empty`` on the inputs' device, so a CUDA
+graph capture takes it from its pool), then the combine kernel into ``out``. :class:`DecodeAttentionCUDA` is the kernel
+module: its op ``sparta::decode_attention`` (defined for every family in ``sparta/runtime/ops.py``) takes
+``[q, k, v, keep]`` and the module's fp32 ``scale``, and has a fake implementation, so it runs inside
+``torch.compile`` graphs and CUDA graph captures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .spec import DTYPES, DecodeAttentionError, DecodeAttentionSpec, check_inputs, workspace_shapes
+from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
+from ...runtime.ops import KernelModule
+
+
+def folder_spec(folder) -> DecodeAttentionSpec:
+    """The spec a kernel folder was built from (its ``spec.json``)."""
+    return DecodeAttentionSpec(**json.loads(kernel_file(folder, "spec.json")))
+
+
+def check_pair(partial: DecodeAttentionSpec, combine: DecodeAttentionSpec) -> None:
+    """Refuse two kernels that are not the partial and combine stages of one attention shape."""
+    same = dataclasses.replace(combine, stage="partial", name=partial.name) == partial
+    if partial.stage != "partial" or combine.stage != "combine" or not same:
+        raise DecodeAttentionError(f"kernels {partial.name} ({partial.stage}) and {combine.name} ({combine.stage}) "
+                                   "are not the partial and combine stages of one decode attention")
+
+
+class DecodeAttentionOp:
+    """Both kernels of one (Hq, Hkv, D, dtype), loaded from their folders; ``op(q, k, v, keep, scale)``."""
+
+    def __init__(self, partial_folder, combine_folder):
+        self.spec, combine = folder_spec(partial_folder), folder_spec(combine_folder)
+        check_pair(self.spec, combine)
+        self.partial, self.combine = CudaKernel(partial_folder), CudaKernel(combine_folder)
+        self.dtype = DTYPES[self.spec.dtype]
+        self._prepared = None
+        self._scales: dict[tuple, torch.Tensor] = {}
+
+    def scale_tensor(self, scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``scale`` as the (1,) fp32 tensor on ``device`` the kernel reads (a float's tensor made once)."""
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+                raise DecodeAttentionError(f"decode attention {self.spec.name}: a scale tensor must be one fp32 value "
+                                           f"on {device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+            return scale.reshape(1)
+        key = (device, float(scale))
+        if key not in self._scales:
+            self._scales[key] = torch.full((1,), float(scale), dtype=torch.float32, device=device)
+        return self._scales[key]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                 scale: float | torch.Tensor) -> torch.Tensor:
+        b, s = check_inputs(self.spec, q, k, v, keep)
+        if not q.is_cuda:
+            raise CudaRuntimeError(f"decode attention {self.spec.name} runs on a CUDA GPU; q is on {q.device}")
+        out = torch.empty(b, self.spec.hq, self.spec.d, dtype=self.dtype, device=q.device)
+        if b == 0:
+            return out
+        ws = {name: torch.empty(shape, dtype=torch.float32, device=q.device)
+              for name, shape in workspace_shapes(self.spec, b, s).items()}
+        first = dict(Q=lanes16(q), K=lanes16(k), V=lanes16(v), KEEP=keep.view(torch.uint8),
+                     SCALE=self.scale_tensor(scale, q.device), **ws)
+        second = dict(**ws, Y=lanes16(out))
+        if self._prepared is None or self._prepared[0].device != q.device.index:
+            self._prepared = (self.partial.prepare(tuple(first), **first), self.combine.prepare(tuple(second), **second))
+        else:
+            self._prepared[0].launch(**first)
+            self._prepared[1].launch(**second)
+        return out
+
+
+class DecodeAttentionCUDA(KernelModule):
+    """Decode attention on sparta's kernels (the op ``sparta::decode_attention``): ``module(q, k, v, keep)`` with
+    ``q`` (B, Hq, D), ``k``, ``v`` (B, Hkv, S, D), ``keep`` (B, S) bool, at the softmax scale given at construction
+    (default ``D ** -0.5``)."""
+
+    kernel_family = "decode_attention"
+    weight_names = ("scale",)
+
+    def __init__(self, partial_folder, combine_folder, scale: float | None = None, op_name: str = "decode_attention"):
+        super().__init__()
+        self.spec = folder_spec(partial_folder)
+        check_pair(self.spec, folder_spec(combine_folder))
+        self.partial_folder, self.combine_folder, self.op_name = str(partial_folder), str(combine_folder), op_name
+        value = self.spec.d ** -0.5 if scale is None else float(scale)
+        self.register_buffer("scale", torch.tensor([value], dtype=torch.float32))
+        self._op = None
+        self.register_kernel(op_name)
+
+    @classmethod
+    def from_folder(cls, root, name: str, scale: float | None = None) -> DecodeAttentionCUDA:
+        """The module of the kernel folders ``root/<name>_partial`` and ``root/<name>_combine``."""
+        root = Path(root)
+        return cls(root / f"{name}_partial", root / f"{name}_combine", scale, name)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.call_kernel(q, k, v, keep)[0]
+
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        q, k, v, keep = inputs
+        if not q.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
+                                   "(module.to('cuda'))")
+        if self.scale.device != q.device:       # move the module first where a CUDA graph captures it
+            self.scale = self.scale.to(q.device)
+        if self._op is None:
+            self._op = DecodeAttentionOp(self.partial_folder, self.combine_folder)
+        return [self._op(q, k, v, keep, self.scale)]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        q = inputs[0]
+        return [q.new_empty((q.shape[0], self.spec.hq, self.spec.d))]
+
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
+        partial, combine = Path(self.partial_folder), Path(self.combine_folder)
+        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "partial": partial.name,
+                  "combine": combine.name}
+        return config, {"scale": self.scale}, {partial.name: partial, combine.name: combine}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> DecodeAttentionCUDA:
+        spec = DecodeAttentionSpec(**config["spec"])
+        partial, combine = folders[config["partial"]], folders[config["combine"]]
+        check_saved_spec(config["op_name"], partial, spec)
+        return cls(partial, combine, float(tensors["scale"].reshape(-1)[0]), config["op_name"])
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"{self.op_name}: Hq={s.hq}, Hkv={s.hkv}, D={s.d}, {s.dtype}, {s.chunk} keys a split, "
+                f"scale={float(self.scale.reshape(-1)[0]):.6g}")
+
+
+__all__ = ["DecodeAttentionCUDA", "DecodeAttentionOp", "check_pair", "folder_spec"]
