@@ -59,6 +59,7 @@ class CompiledModel(torch.nn.Module):
     outputs cut off from autograd): call it under ``torch.no_grad()``, or with inputs that do not require grad."""
 
     from_meta = False        # compiled from a meta-device model: no weights (``sparta.meta_model``)
+    decode_modules: dict = {}   # kernels only generate()'s decode steps run, by what (``codegen/decode_kernels.py``)
 
     def __init__(self, graph: Graph, *, target: str = "cpu", plan=None, replacements=None, timings=None,
                  kernels=None, source: Graph | None = None, inductor: str | None = None):

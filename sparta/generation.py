@@ -89,12 +89,20 @@ def decoder(compiled) -> torch.nn.Module:
         raise GenerationError(f"{record['class']} cannot generate (it has no language-model head): compile its "
                               f"*ForCausalLM class, e.g. {record['class'].removesuffix('Model')}ForCausalLM")
     model, report = _rebuild(compiled, record)
+    kernel = compiled.decode_modules.get("attention")
+    if kernel is not None:
+        from .hf_attention import attach
+        kernel.to(compiled.device)
+        name = f"{type(kernel).__name__} at one-token steps over the cache ({kernel.spec.name.rsplit('_', 1)[0]}); " \
+               "else torch SDPA"
+        report += [(path, name) for path in attach(model, kernel)]
     model.sparta_swaps = report
     return model.to(compiled.device)
 
 
 def swap_report(model) -> list[tuple[str, str]]:
-    """``(module path, what runs it)`` for every linear of a :func:`decoder` model."""
+    """``(module path, what runs it)`` for every linear of a :func:`decoder` model, and its attention modules where
+    the decode steps run sparta's decode-attention kernel."""
     return list(getattr(model, "sparta_swaps", []))
 
 

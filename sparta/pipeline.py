@@ -57,6 +57,7 @@ class CompileContext:
     plan: Any = None                        # the Plan
     replacements: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
+    decode_modules: dict = field(default_factory=dict)   # kernels only generate()'s decode steps run, by what
     compiled: Any = None                    # the CompiledModel
     timings: dict = field(default_factory=dict)
     folded: dict = field(default_factory=dict)   # constants fold_bn derived: name -> what they were folded from
@@ -259,12 +260,22 @@ def attention(ctx: CompileContext) -> None:
     ctx.replacements.update(attention_modules(ctx.graph, ctx.plan))
 
 
+def decode_kernels(ctx: CompileContext) -> None:
+    """A Hugging Face decoder's decode-step attention on sparta's kernel (``codegen/decode_kernels.py``)."""
+    from .codegen.decode_kernels import decode_attention
+    choice, module = decode_attention(ctx.graph)
+    if choice is not None and ctx.plan is not None:
+        ctx.plan.decode["attention"] = choice
+        ctx.decode_modules["attention"] = module
+
+
 def build_model(ctx: CompileContext) -> None:
     from .compiled_model import CompiledModel
     o = ctx.options
     ctx.compiled = CompiledModel(ctx.graph, target=o.target, plan=ctx.plan, replacements=ctx.replacements,
                                  timings=ctx.timings, kernels=ctx.kernels, source=ctx.source, inductor=o.inductor)
     ctx.compiled.from_meta = ctx.meta
+    ctx.compiled.decode_modules = dict(ctx.decode_modules)
 
 
 def measure(ctx: CompileContext) -> None:
@@ -292,6 +303,7 @@ PASSES = (
     Pass("select", select),
     Pass("specialize", specialize, timed="codegen"),
     Pass("attention", attention),
+    Pass("decode_kernels", decode_kernels, targets=("cuda",)),
     Pass("build", build_model),
     Pass("measure", measure, when=lambda o: o.measure),
     Pass("verify", verify, when=lambda o: o.verify),

@@ -110,6 +110,12 @@ def _write(compiled, root: Path, weights: bool = True) -> None:
         for key, folder in folders.items():
             _copy_kernel(Path(folder), root / "kernels" / key)
         modules[op_name] = entry
+    decode = {}
+    for what, module in compiled.decode_modules.items():      # their values live in their config (no weights)
+        config, _, folders = module.saved_state()
+        decode[what] = {"type": _module_type(module), "config": config, "kernels": sorted(folders)}
+        for key, folder in folders.items():
+            _copy_kernel(Path(folder), root / "kernels" / key)
     source = _source_json(compiled, tensors)
     records = saved_weights.records(compiled, not weights, tensors)
     if not weights:
@@ -123,6 +129,8 @@ def _write(compiled, root: Path, weights: bool = True) -> None:
                 "kernels": kernels, "timings": compiled.timings, "modules": modules, "files": files}
     if source is not None:
         manifest["source"] = source
+    if decode:
+        manifest["decode_modules"] = decode
     manifest["weights"] = records
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -247,8 +255,23 @@ def _build(root: Path, manifest: dict, trust_kernels: bool, build, weights=None)
         source_json = {k: v for k, v in manifest["source"].items() if k not in ("shared", "sliced")}
         source = graph_from_json(source_json, source_tensors, prefix="source/")
     kernels = [dict(row) for row in manifest.get("kernels", [])]
-    return build(graph, target=manifest["target"], plan=plan, replacements=replacements,
-                 timings=manifest.get("timings"), kernels=kernels, source=source)
+    compiled = build(graph, target=manifest["target"], plan=plan, replacements=replacements,
+                     timings=manifest.get("timings"), kernels=kernels, source=source)
+    compiled.decode_modules = _decode_modules(root, manifest)
+    return compiled
+
+
+def _decode_modules(root: Path, manifest: dict) -> dict:
+    """The kernel modules only ``generate()``'s decode steps run (``manifest["decode_modules"]``)."""
+    out = {}
+    for what, entry in (manifest.get("decode_modules") or {}).items():
+        cls = _module_class(entry["type"])
+        folders = {key: _kernel_folder(root, key) for key in entry["kernels"]}
+        try:
+            out[str(what)] = cls.from_saved(entry["config"], {}, folders)
+        except SpartaError as exc:
+            raise SavedModelError(f"saved model {root}: decode kernel {what!r} cannot be restored: {exc}") from exc
+    return out
 
 
 def _load_modules(root: Path, manifest: dict, tensors: dict, trust_kernels: bool, repacking: bool = False) -> dict:

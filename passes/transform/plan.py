@@ -225,6 +225,7 @@ class Plan:
     fusions: list = field(default_factory=list)    # FusionGroups: what each kernel computes of its neighbours
     channels: dict[str, str] = field(default_factory=dict)   # narrow tensors: their kept channels (packed bits)
     derived: dict[str, str] = field(default_factory=dict)    # constants computed from weights (folded, shrunk): how
+    decode: dict[str, KernelChoice] = field(default_factory=dict)   # kernels only generate()'s decode steps run
 
     def __getitem__(self, op_name: str) -> OpPlan:
         if op_name not in self.ops:
@@ -265,14 +266,18 @@ class Plan:
         total = f"total: est {self.est_us():.1f} µs vs dense {self.dense_us():.1f} µs on {self.target} " \
                 f"(profile: {self.profile.get('device', '')}, {self.profile.get('date', '')})"
         fusions = "".join(f"\nfusion ({g.kind}): {g.describe()}" for g in self.fusions)
-        return table(rows) + "\n" + total + fusions
+        decode = "".join(f"\ngenerate() decode steps: {what} on {c.kernel}[{c.dtype} "
+                         f"{'x'.join(str(c.tiles[k]) for k in ('hq', 'hkv', 'd'))}] ({c.reason})"
+                         for what, c in self.decode.items())
+        return table(rows) + "\n" + total + fusions + decode
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"target": self.target, "profile": self.profile,
                 "ops": {name: _op_to_json(p) for name, p in self.ops.items()},
                 "static_scales": dict(self.static_scales), "fusions": [g.to_json() for g in self.fusions],
-                "channels": dict(self.channels), "derived": dict(self.derived)}
+                "channels": dict(self.channels), "derived": dict(self.derived),
+                "decode": {what: dataclasses.asdict(c) for what, c in self.decode.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
@@ -284,9 +289,13 @@ class Plan:
             for g in data.get("fusions", []):
                 _check_fields(FusionGroup, g, "fusion group")
                 fusions.append(FusionGroup(**g))
+            decode = {}
+            for what, c in data.get("decode", {}).items():
+                _check_fields(KernelChoice, c, "decode kernel")
+                decode[str(what)] = KernelChoice(**c)
             return cls(data["target"], dict(data["profile"]), ops, scales, fusions,
                        {str(k): str(v) for k, v in data.get("channels", {}).items()},
-                       {str(k): str(v) for k, v in data.get("derived", {}).items()})
+                       {str(k): str(v) for k, v in data.get("derived", {}).items()}, decode)
         except KeyError as exc:
             raise PlanError(f"plan JSON lacks field {exc}") from exc
 

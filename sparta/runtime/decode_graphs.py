@@ -30,7 +30,8 @@ def max_cache_length(cache) -> int | None:
 
 def full_mask(model, mask: torch.Tensor, length: int) -> torch.Tensor:
     """The 4-d mask ``(B, 1, 1, length)`` of a one-token step over a static cache of ``length`` positions: the keys the
-    2-d ``mask`` keeps, up to its length; boolean for SDPA, additive in the model's dtype for other attention."""
+    2-d ``mask`` keeps, up to its length; boolean for SDPA (and sparta's), additive in the model's dtype for other
+    attention."""
     full = torch.zeros(mask.shape[0], length, dtype=torch.bool, device=mask.device)
     full[:, : mask.shape[1]] = mask.bool()
     return attention_mask(model, full[:, None, None, :])
@@ -39,7 +40,7 @@ def full_mask(model, mask: torch.Tensor, length: int) -> torch.Tensor:
 def attention_mask(model, keep: torch.Tensor) -> torch.Tensor:
     """A 4-d mask of kept keys (bool) as the model's attention takes it: boolean for SDPA, additive in the model's
     dtype otherwise."""
-    if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+    if getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "sparta"):
         return keep
     dtype = model.dtype
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)

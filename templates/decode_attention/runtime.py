@@ -92,9 +92,19 @@ class DecodeAttentionCUDA(KernelModule):
         check_pair(self.spec, folder_spec(combine_folder))
         self.partial_folder, self.combine_folder, self.op_name = str(partial_folder), str(combine_folder), op_name
         value = self.spec.d ** -0.5 if scale is None else float(scale)
+        self._scale_value = value                   # read at trace time: no tensor read inside a compiled graph
         self.register_buffer("scale", torch.tensor([value], dtype=torch.float32))
         self._op = None
         self.register_kernel(op_name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The 16-bit dtype of its inputs and output."""
+        return DTYPES[self.spec.dtype]
+
+    @property
+    def scale_value(self) -> float:
+        return self._scale_value
 
     @classmethod
     def from_folder(cls, root, name: str, scale: float | None = None) -> DecodeAttentionCUDA:
@@ -123,15 +133,15 @@ class DecodeAttentionCUDA(KernelModule):
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         partial, combine = Path(self.partial_folder), Path(self.combine_folder)
         config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "partial": partial.name,
-                  "combine": combine.name}
-        return config, {"scale": self.scale}, {partial.name: partial, combine.name: combine}
+                  "combine": combine.name, "scale": float(self.scale.reshape(-1)[0])}
+        return config, {}, {partial.name: partial, combine.name: combine}
 
     @classmethod
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> DecodeAttentionCUDA:
         spec = DecodeAttentionSpec(**config["spec"])
         partial, combine = folders[config["partial"]], folders[config["combine"]]
         check_saved_spec(config["op_name"], partial, spec)
-        return cls(partial, combine, float(tensors["scale"].reshape(-1)[0]), config["op_name"])
+        return cls(partial, combine, float(config["scale"]), config["op_name"])
 
     def extra_repr(self) -> str:
         s = self.spec
