@@ -1,7 +1,8 @@
 """Codegen of the decode-attention family: both kernels of one (Hq, Hkv, D, dtype) built and wrapped in their module.
 
-No selection rule plans this family yet (a graph's attention ops run on ``attention``), so its build is not the per-op
-``build(graph, op, op_plan)`` of the planned families: :func:`build_decode_attention` takes the attention's shape.
+No graph op stands for it (the captured graph is a decoder's cache-free forward): ``codegen/decode_kernels.py`` plans it
+from the recorded model's config, so its build is :func:`build_decode_attention` by the attention's shape, not the
+per-op ``build(graph, op, op_plan)`` of the families that run graph ops.
 """
 
 from __future__ import annotations
