@@ -264,9 +264,11 @@ def decode_kernels(ctx: CompileContext) -> None:
     """A Hugging Face decoder's decode-step attention on sparta's kernel (``codegen/decode_kernels.py``)."""
     from .codegen.decode_kernels import decode_attention
     choice, module = decode_attention(ctx.graph)
-    if choice is not None and ctx.plan is not None:
-        ctx.plan.decode["attention"] = choice
-        ctx.decode_modules["attention"] = module
+    if ctx.plan is not None:
+        ctx.plan.decode.pop("attention", None)        # a plan from the pipeline cache holds none of its own
+        if choice is not None:
+            ctx.plan.decode["attention"] = choice
+            ctx.decode_modules["attention"] = module
 
 
 def build_model(ctx: CompileContext) -> None:

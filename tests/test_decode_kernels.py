@@ -21,6 +21,22 @@ def _llama(dtype=torch.bfloat16, heads=4, kv=2, hidden=256):
 def compiled():
     pytest.importorskip("tvm", reason="builds CUDA kernels")
     import sparta
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARTA_DECODE_ATTENTION", "1")
+        return _compile(sparta)
+
+
+def test_off_by_default_no_decode_kernel_is_planned(monkeypatch):
+    pytest.importorskip("tvm", reason="builds CUDA kernels")
+    import sparta
+    monkeypatch.delenv("SPARTA_DECODE_ATTENTION", raising=False)
+    plain = _compile(sparta)
+    assert plain.plan.decode == {} and plain.decode_modules == {}
+    assert "generate() decode steps" not in plain.plan_report()
+    assert plain.decoder().config._attn_implementation == "sdpa"
+
+
+def _compile(sparta):
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     return sparta.compile(_llama(), None, (ids,), target="cuda")
 
