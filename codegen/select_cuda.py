@@ -22,7 +22,7 @@ from ..graph import Graph, Op
 from ..passes.transform.groups import fuse
 from ..passes.fusion import fused_activation, fused_gate, is_gated
 from ..passes.transform.plan import KernelChoice, OpPlan, Plan
-from ..passes.transform.transform_op import gemm_bias, gemm_view, weight_matrix
+from ..passes.transform.transform_op import computes_every_element, gemm_bias, gemm_view, weight_matrix
 from ..target import Target
 from ..templates.registry import epilogue_of, rule, rules
 from ..templates.w4a16_gemv.spec import gemv_group
@@ -64,11 +64,12 @@ class GemmSite:
         """The (N, K) weight in fp32, pruned elements zero: built on first read (only packing low-bit kernels needs
         it; masks come from :meth:`block_mask`)."""
         if self.weight_value is None:
-            keep = self.plan.kept(self.n, self.k)
             w = weight_matrix(self.graph, self.op) if self.op.op in GEMM_OPS else torch.zeros(0, 0)
-            # a meta weight (compiled from the meta device): its kept elements stand for nonzeros
-            self.weight_value = keep.to(torch.float32) if w.is_meta else torch.where(keep, w, 0.0) \
-                if self.op.op in GEMM_OPS else w
+            if self.op.op in GEMM_OPS and (w.is_meta or not computes_every_element(self.plan)):
+                keep = self.plan.kept(self.n, self.k)
+                # a meta weight (compiled from the meta device): its kept elements stand for nonzeros
+                w = keep.to(torch.float32) if w.is_meta else torch.where(keep, w, 0.0)
+            self.weight_value = w
         return self.weight_value
 
     def fast(self, bn: int, bk: int, gate_n: int = 0) -> bool:

@@ -55,9 +55,10 @@ def _rows(graph: Graph, x: str) -> int:
 
 
 
-def weight_matrix(graph: Graph, op: Op) -> torch.Tensor:
-    """The op's weight as (N, K) fp32 (transposed for addmm/mm/matmul, flattened for conv)."""
-    w = graph.tensor(gemm_view(graph, op)[1]).data.to(torch.float32)
+def weight_matrix(graph: Graph, op: Op, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """The op's weight as (N, K) ``dtype`` (None: its own; transposed for addmm/mm/matmul, flattened for conv)."""
+    w = graph.tensor(gemm_view(graph, op)[1]).data
+    w = w if dtype is None else w.to(dtype)
     if op.op in ("addmm", "mm", "matmul"):
         return w.t().contiguous()
     return w.reshape(w.shape[0], -1)

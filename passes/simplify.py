@@ -190,7 +190,9 @@ def fuse_sibling_linears(graph: Graph) -> Graph:
 
 def _stacked_tesa(tesas: list) -> TeSA:
     """The TeSAs of weights (or biases) stacked along their first dim: by blocks where every part is held by blocks
-    of one shape (or is uniform and a whole number of them), else by elements."""
+    of one shape (or is uniform and a whole number of them), else by elements; uniform where all parts are alike."""
+    if len({t.uniform for t in tesas}) == 1 and tesas[0].uniform is not None:
+        return TeSA.dense((sum(t.shape[0] for t in tesas), *tesas[0].shape[1:]), tesas[0].uniform)
     grids = [t.block_grid() for t in tesas]
     block = next((g[1] for g in grids if g is not None), None)
     if block is not None and all(t.ndim == 2 and t.shape[0] % block[0] == 0 and t.shape[1] % block[1] == 0

@@ -158,7 +158,10 @@ class TeSA:
         return None if self._block is None else (self._bits, self._block)
 
     def map_bits(self, fn) -> TeSA:
-        """The TeSA of ``fn(bits)`` for an element-wise ``fn`` of uint8 tensors (on the blocks where held so)."""
+        """The TeSA of ``fn(bits)`` for an element-wise ``fn`` of uint8 tensors (on the blocks where held so; on one
+        element where all are alike)."""
+        if self._uniform is not None and self.numel():
+            return TeSA.dense(self.shape, int(fn(self._bits.reshape(-1)[:1]).to(torch.uint8)))
         return TeSA(fn(self._bits).to(torch.uint8), _trusted=True, _block=self._block)
 
     def _area(self) -> int:

@@ -53,32 +53,71 @@ class QuantParams:
 
     def codes(self, w: torch.Tensor) -> torch.Tensor:
         """Integer codes (as fp32) of the (N, K) weight ``w``."""
-        scale, zero = self.expand(w.shape[1])
-        lo, hi = self.code_range()
-        q = torch.round(w.float() / scale)
-        return (q if zero is None else q + zero).clamp(lo, hi)
+        w = w.float()
+        q = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        _codes_into(q, w, self.scale, self.zero, self.group, self.code_range())
+        return q
 
     def dequantize(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` quantised and dequantised (fp32, same shape)."""
-        scale, zero = self.expand(w.shape[1])
         q = self.codes(w)
-        return (q if zero is None else q - zero) * scale
+        _dequantize_codes(q, self.scale, self.zero, self.group)
+        return q
+
+
+def _by_group(x: torch.Tensor, t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (N, K) and per-group ``t`` (N, G) in shapes that broadcast element-wise: ``(N, G, group)`` (a view of a
+    contiguous ``x``) where groups tile K, else ``x`` and ``t`` repeated to ``(N, K)``."""
+    n, k = x.shape
+    if k % group == 0:
+        return x.reshape(n, k // group, group), t.unsqueeze(2)
+    return x, t.repeat_interleave(group, dim=1)[:, :k]
+
+
+def _codes_into(q: torch.Tensor, w: torch.Tensor, scale, zero, group: int, code_range) -> None:
+    """``q`` (N, K) contiguous fp32 := the codes of ``w`` (``round(w / scale) + zero``, clamped)."""
+    qg, s = _by_group(q, scale, group)
+    torch.div(_by_group(w, scale, group)[0], s, out=qg)
+    q.round_()
+    if zero is not None:
+        qg.add_(_by_group(q, zero, group)[1])
+    q.clamp_(*code_range)
+
+
+def _dequantize_codes(q: torch.Tensor, scale, zero, group: int) -> None:
+    """``q`` (N, K) codes := ``(q - zero) · scale``, in place."""
+    qg, s = _by_group(q, scale, group)
+    if zero is not None:
+        qg.sub_(_by_group(q, zero, group)[1])
+    qg.mul_(s)
 
 
 def weight_params(w: torch.Tensor, bits: int, *, symmetric: bool = True, group: int | None = None,
                   clip: torch.Tensor | float = 1.0) -> QuantParams:
     """Scales (and zero points) of ``w`` (N, K) from its clipped range: ``group`` columns per scale
     (None: per channel), ``clip`` a ratio per channel (or one) applied to the range."""
+    group = w.shape[1] if group is None else min(int(group), w.shape[1])
+    return _clipped(_ranges(w, group, symmetric), bits, group, clip)
+
+
+def _ranges(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Tensor, ...]:
+    """Each group's range: ``(absolute maximum,)`` (symmetric) or ``(minimum ≤ 0, maximum ≥ 0)``, (N, G) each."""
     n, k = w.shape
-    group = k if group is None else min(int(group), k)
     g = -(-k // group)
     wf = torch.nn.functional.pad(w.detach().float(), (0, g * group - k)).reshape(n, g, group)
-    clip = torch.as_tensor(clip, dtype=torch.float32).reshape(-1, 1).expand(n, 1)
     if symmetric:
-        scale = (wf.abs().amax(2) * clip).clamp_min(1e-12) / (2 ** (bits - 1) - 1)
+        return (wf.abs().amax(2),)
+    return wf.amin(2).clamp(max=0), wf.amax(2).clamp(min=0)
+
+
+def _clipped(ranges: tuple[torch.Tensor, ...], bits: int, group: int, clip) -> QuantParams:
+    """The params of group ranges (:func:`_ranges`) clipped by ``clip`` (a ratio per channel, or one)."""
+    n = ranges[0].shape[0]
+    clip = torch.as_tensor(clip, dtype=torch.float32).reshape(-1, 1).expand(n, 1)
+    if len(ranges) == 1:
+        scale = (ranges[0] * clip).clamp_min(1e-12) / (2 ** (bits - 1) - 1)
         return QuantParams(bits, scale, None, group, clip[:, 0].clone())
-    lo = wf.amin(2).clamp(max=0) * clip
-    hi = wf.amax(2).clamp(min=0) * clip
+    lo, hi = ranges[0] * clip, ranges[1] * clip
     scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-12)
     zero = torch.round(-lo / scale).clamp(0, 2 ** bits - 1)
     return QuantParams(bits, scale, zero, group, clip[:, 0].clone())
@@ -120,13 +159,42 @@ def fit_weight(w: torch.Tensor, bits: int, channel_sse: Callable[[torch.Tensor],
     return QuantParams(bits, scale, zero, tried[0][0].group, clip), errs[pick, rows]
 
 
+FIT_ROWS = 64     # channels fitted to their weight at once (their work stays in cache)
+
+
 def fit_to_weight(w: torch.Tensor, bits: int, *, symmetric: bool = True, granularity: str = "channel",
                   group: int = 128) -> QuantParams:
     """Scales fitted to the weight alone (no calibration data): per channel, the clip ratio that minimises
-    the weight's own squared rounding error ‖w − Q(w)‖²."""
-    w = w.detach().float()
-    return fit_weight(w, bits, lambda dq: (dq - w).pow(2).sum(1), symmetric=symmetric, granularity=granularity,
-                      group=group)[0]
+    the weight's own squared rounding error ‖w − Q(w)‖². The search of :func:`fit_weight` with that error, run
+    ``FIT_ROWS`` channels at a time (each channel's error is its own): the same ratios."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "tensor" or not w.shape[0]:
+        w = w.detach().float()
+        return fit_weight(w, bits, lambda dq: (dq - w).pow(2).sum(1), symmetric=symmetric, granularity=granularity,
+                          group=group)[0]
+    n, k = w.shape
+    group = min(int(group), k) if granularity == "group" else k
+    parts = []
+    for start in range(0, n, FIT_ROWS):
+        rows = w[start:start + FIT_ROWS].detach().float()
+        ranges = _ranges(rows, group, symmetric)
+        best = _clip_errors(rows, ranges, bits, group).argmin(0)
+        parts.append(_clipped(ranges, bits, group, torch.tensor([CLIPS[i] for i in best.tolist()])))
+    zero = None if symmetric else torch.cat([p.zero for p in parts])
+    return QuantParams(bits, torch.cat([p.scale for p in parts]), zero, group, torch.cat([p.clip for p in parts]))
+
+
+def _clip_errors(w: torch.Tensor, ranges: tuple[torch.Tensor, ...], bits: int, group: int) -> torch.Tensor:
+    """``(len(CLIPS), N)`` float64: each channel's ‖w − Q(w)‖² at each clip ratio (as ``dequantize`` gives Q)."""
+    errs = torch.empty(len(CLIPS), w.shape[0], dtype=torch.float64)
+    q = torch.empty(w.shape, dtype=torch.float32)
+    for i, c in enumerate(CLIPS):
+        p = _clipped(ranges, bits, group, c)
+        _codes_into(q, w, p.scale, p.zero, group, p.code_range())
+        _dequantize_codes(q, p.scale, p.zero, group)
+        errs[i] = q.sub_(w).pow_(2).sum(1)
+    return errs
 
 
 def fake_quant_float(t: torch.Tensor, bits: int, dtype: torch.dtype | None = None) -> torch.Tensor:

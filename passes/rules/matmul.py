@@ -71,7 +71,7 @@ def linear(op: Op, ins, outs):
     x, w, b = _role(op, "input"), _role(op, "weight"), _role(op, "bias")
     if x is None or w is None:
         return None
-    if ins[w].block_grid() is not None and ins[w].ndim == 2 and ins[x].ndim >= 2:
+    if _blocks_of(ins[w]) is not None and ins[w].ndim == 2 and ins[x].ndim >= 2:
         return block_linear(ins, outs, x, w, b)
     compact = _distinct_rows(ins[x], outs[0]) if ins[x].ndim >= 2 and ins[w].ndim == 2 else None
     if compact is None:
@@ -87,11 +87,18 @@ def linear(op: Op, ins, outs):
     return result(ins, outs, new_ins, [new_y, *new_outs[1:]])
 
 
+def _blocks_of(wt: TeSA):
+    """``wt.block_grid()``, or a kept uniform 2-D TeSA as one block; None otherwise."""
+    if wt.uniform and wt.ndim == 2:
+        return torch.full((1, 1), wt.uniform, dtype=torch.uint8), wt.shape
+    return wt.block_grid()
+
+
 def block_linear(ins, outs, x: int, w: int, b: int | None):
-    """The exact linear rule for a weight held by blocks (``TeSA.from_blocks``), on its blocks: the forward and the
-    input's need reduce the activations over a block's columns or rows; the weight keeps its block form unless some
-    kept block is needed only in part (then it is refined by elements)."""
-    wt, (grid, (bh, bw)) = ins[w], ins[w].block_grid()
+    """The exact linear rule for a weight held by blocks (``TeSA.from_blocks``; a kept uniform weight is one block),
+    on its blocks: the forward and the input's need reduce the activations over a block's columns or rows; the
+    weight keeps its block form unless some kept block is needed only in part (then it is refined by elements)."""
+    wt, (grid, (bh, bw)) = ins[w], _blocks_of(ins[w])
     n, k = wt.shape
     g = (grid != 0).to(torch.float32)                                   # (N/bh, K/bw)
     xs = kept(ins[x]).reshape(-1, k)
@@ -112,7 +119,7 @@ def block_linear(ins, outs, x: int, w: int, b: int | None):
 def _refine_blocks(wt: TeSA, need: torch.Tensor, xs: torch.Tensor) -> TeSA:
     """``wt`` refined by ``W[n, k]`` needed iff some row needs output ``n`` and keeps input ``k``, over the distinct
     column patterns of ``need`` and ``xs`` (few: a dense activation has one)."""
-    grid, (bh, bw) = wt.block_grid()
+    grid, (bh, bw) = _blocks_of(wt)
     cn, inv_n = torch.unique(need.T, dim=0, return_inverse=True)        # output columns' patterns over rows
     ck, inv_k = torch.unique(xs.T, dim=0, return_inverse=True)
     ok = (cn.to(torch.float32) @ ck.T.to(torch.float32)) > 0           # pattern pairs meeting on some row

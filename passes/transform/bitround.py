@@ -40,9 +40,7 @@ def round_bits(tesa: TeSA, widths: list[int]) -> TeSA:
             out = torch.where((bits > lower) & (bits <= w), torch.full_like(bits, w), out)
             lower = w
         return torch.where(bits > widths[-1], torch.full_like(bits, widths[-1]), out)
-    if tesa.uniform is None:
-        return tesa.map_bits(rounded)
-    return TeSA(rounded(tesa.view()).to(torch.uint8), _trusted=True)
+    return tesa.map_bits(rounded)
 
 
 def groupings(tesa: TeSA, widths: list[int]) -> list[list[BitGroup]]:

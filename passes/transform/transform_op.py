@@ -154,6 +154,9 @@ def choose(options):
 def _group_options(group, profile: HardwareProfile, act_bits: int, rows: list[int], model_bits: tuple[int, int]):
     """(cost at each of ``rows``, sub-ops costed at the first, description) for each way to run one bit group."""
     by_blocks = group.tesa.block_grid()
+    alike = group.tesa.uniform is not None and group.tesa.ndim == 2     # every element alike: one block
+    if alike:
+        by_blocks = (torch.full((1, 1), group.tesa.uniform, dtype=torch.uint8), group.tesa.shape)
     mask = group.tesa.mask if by_blocks is None else None
     kern = profile.kernel(group.bits, act_bits)
     n, k = group.tesa.shape
@@ -179,7 +182,7 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, rows: list[in
             subs.append(SubOp("fine_sparse" if fine else "block_sparse", group.bits, act_bits, c.shape,
                               c.n_blocks, c.nnz, us[0],
                               blocks=TeSA.from_mask(c.blocks, 1) if not fine else None,
-                              elements=c.elements(group.bits)))
+                              elements=group.tesa if alike and len(cover) == 1 else c.elements(group.bits)))
             costs = [a + b for a, b in zip(costs, us)]
         desc = " + ".join(f"{c.n_blocks}x{c.shape[0]}x{c.shape[1]}@W{group.bits}A{act_bits}" for c in cover)
         options.append((costs, subs, desc or "empty"))
@@ -206,13 +209,26 @@ def weight_quantisation(graph: Graph, op: Op, plan: OpPlan, fitted: dict,
             out[bits] = given
             continue
         if w is None:
-            _, _, _, _, n, k = gemm_view(graph, op)
-            w = torch.where(plan.kept(n, k), weight_matrix(graph, op), 0.0)
+            w = masked_weight(graph, op, plan, None)
         scheme = QuantConfig(0.0).scheme(bits)
         params = fit_to_weight(w, code, **scheme)
         out[bits] = WeightQuant.of(params, scheme["granularity"], "weight")
     return out
 
 
+def computes_every_element(plan: OpPlan) -> bool:
+    """Whether the op's sub-operators compute every weight element (``plan.kept`` all true, without building it)."""
+    return any(s.elements is None or s.elements.uniform for s in plan.subops)
+
+
+def masked_weight(graph: Graph, op: Op, plan: OpPlan, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """The op's (N, K) weight with the elements no sub-operator computes zero; ``dtype`` None: the weight's own
+    where every element is computed (fp32 otherwise)."""
+    if computes_every_element(plan):
+        return weight_matrix(graph, op, dtype)
+    _, _, _, _, n, k = gemm_view(graph, op)
+    return torch.where(plan.kept(n, k), weight_matrix(graph, op), 0.0)
+
+
 __all__ = ["transform_gemm", "row_points", "gemm_view", "GEMM_OPS", "weight_matrix", "in_weight_layout", "gemm_bias",
-           "weight_quantisation"]
+           "weight_quantisation", "masked_weight", "computes_every_element"]

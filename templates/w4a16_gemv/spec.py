@@ -155,14 +155,12 @@ def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     if tuple(q.shape) != (n, k) or tuple(scale.shape) != (n, k // g):
         raise ValueError(f"codes {tuple(q.shape)} / scales {tuple(scale.shape)} do not match {n}x{k}, group {g}")
     np_, kp = spec.tiles * 8, spec.chunks * KCHUNK
-    qp = torch.zeros(np_, kp, dtype=torch.int64, device=q.device)
-    qp[:n, :k] = q.to(torch.int64)
+    qp = torch.zeros(np_, kp, dtype=torch.uint8, device=q.device)
+    qp[:n, :k] = q.to(torch.uint8)
     qp = qp.reshape(spec.tiles, 8, spec.chunks, 4, 4, 8).permute(0, 2, 1, 3, 4, 5)   # tile, chunk, g, t, word, e
-    words = torch.zeros(qp.shape[:-1], dtype=torch.int64, device=q.device)
-    for e, pos in enumerate(ORDER):
-        words |= qp[..., e] << (4 * pos)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    wq = words.reshape(spec.tiles, spec.chunks, 32, 4).contiguous()
+    # byte b of a (little-endian) word holds nibble positions 2b (low) and 2b + 1 (high)
+    low, high = ([ORDER.index(2 * b + h) for b in range(4)] for h in (0, 1))
+    wq = (qp[..., low] | (qp[..., high] << 4)).contiguous().view(torch.int32).reshape(spec.tiles, spec.chunks, 32, 4)
 
     def per_group(t, dtype):
         out = torch.zeros(np_, spec.groups, dtype=dtype, device=q.device)
