@@ -1,9 +1,11 @@
-"""CNN channel shrinking: ResNet-50 and MobileNetV2 with half of each block's inner convolutions' output channels pruned.
+"""CNN channel shrinking: ResNet-18, ResNet-50 and MobileNetV2 with half of each block's inner convolutions' output
+channels pruned.
 
 Torchvision's models (random weights, seeded; BatchNorm statistics drawn so pruned channels leave nonzero constants),
 50% of the output channels of each residual block's convolutions but its last (each inverted residual's expansion)
-pruned by L2 norm (``torch.nn.utils.prune.ln_structured``), fp16, channels_last, batch 1 and 32. Peers in one
-process: ``torch.compile`` of the dense (masked) model, the best of its default and ``reduce-overhead`` modes;
+pruned by L2 norm (``torch.nn.utils.prune.ln_structured``), fp16, channels_last, batch 1 and 32 (the same models
+from ``torch.nn`` where torchvision does not import: ``cnn_nn_models.py``). Peers in one process: the dense (masked)
+model eager and under ``torch.compile``, the best of its default and ``reduce-overhead`` modes;
 sparta's default compile (``target="cuda"``: BatchNorms folded, the pruned channels shrunk, Inductor and a CUDA graph
 around the torch ops); Torch-Pruning's physically shrunk model under ``torch.compile`` (the same best of two
 modes) where ``torch_pruning`` is importable (it drops the pruned channels' BatchNorm constants, so its output
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sparta  # noqa: E402
+from cnn_nn_models import NN_MODELS  # noqa: E402
 
 
 class _Block(nn.Module):
@@ -55,34 +58,6 @@ def smoke_model() -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
-class Bottleneck(nn.Module):
-    """torchvision's ResNet-50 bottleneck (stride on the 3×3), for machines without torchvision."""
-
-    def __init__(self, cin, mid, stride=1):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
-        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
-        self.conv3, self.bn3 = nn.Conv2d(mid, 4 * mid, 1, bias=False), nn.BatchNorm2d(4 * mid)
-        self.downsample = nn.Sequential(nn.Conv2d(cin, 4 * mid, 1, stride, bias=False), nn.BatchNorm2d(4 * mid)) \
-            if stride != 1 or cin != 4 * mid else None
-
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = torch.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        return torch.relu(y + (x if self.downsample is None else self.downsample(x)))
-
-
-def resnet50_nn() -> nn.Module:
-    """ResNet-50's layers from ``torch.nn`` (torchvision's topology: stages of 3, 4, 6, 3 bottlenecks)."""
-    layers, cin = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)], 64
-    for i, (mid, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
-        for j in range(blocks):
-            layers.append(Bottleneck(cin, mid, 2 if i and not j else 1))
-            cin = 4 * mid
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000))
-
-
 def build_model(name: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if name == "smoke":
@@ -92,9 +67,9 @@ def build_model(name: str, seed: int) -> nn.Module:
             import torchvision
             model = getattr(torchvision.models, name)(weights=None)
         except ImportError:
-            if name != "resnet50":
+            if name not in NN_MODELS:
                 raise
-            model = resnet50_nn()                  # the CPU machine has no torchvision
+            model = NN_MODELS[name]()              # the CPU machine has no torchvision
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
@@ -219,6 +194,7 @@ def measure(name: str, args, compiled=None) -> dict:
         row = {}
         with torch.no_grad():
             want = dense(x).float()
+            row["dense_eager_us"] = wall_us(dense, x, device, args.iters)
             modes = compiled_modes_us(dense, x, args)
             row["dense_compile_us"] = min(modes.values())
             row["dense_compile_modes_us"] = modes
@@ -231,6 +207,7 @@ def measure(name: str, args, compiled=None) -> dict:
                 row["torch_pruning_modes_us"] = tp_modes
                 row["torch_pruning_max_abs_diff"] = float((tp_model(x).float() - want).abs().max())
         row["sparta_vs_dense_compile"] = round(row["dense_compile_us"] / row["sparta_us"], 3)
+        row["sparta_vs_dense_eager"] = round(row["dense_eager_us"] / row["sparta_us"], 3)
         if "torch_pruning_us" in row:
             row["sparta_vs_torch_pruning"] = round(row["torch_pruning_us"] / row["sparta_us"], 3)
         result["batches"][str(batch)] = row

@@ -20,7 +20,7 @@ from ..graph import Graph, Op, TensorRef, Value, bind_call
 from ..tesa import TeSA, bits_of_dtype
 from .transform.channels import Analysis, analyse, axis_of, unpack
 from .transform.plan import OpPlan, Plan
-from .transform.shrink import cat_parts
+from .transform.shrink import FUSING_TARGETS, cat_parts
 
 A = torch.ops.aten
 
@@ -143,9 +143,11 @@ class Rewriter:
         self.new_plans[name] = OpPlan(name, op_type, "torch", us, us, note=note)
 
     def us(self, *tensors: str) -> float:
-        """A torch op's estimate: one call and a pass over ``tensors``."""
+        """A boundary op's estimate: one call (none where Inductor fuses it, as the plan priced it) and a pass over
+        ``tensors``."""
         values = [self.out.tensor(t) for t in tensors]
-        return self.prof.fixed_us + self.prof.memory_us(sum(math.prod(v.shape) * v.dtype.itemsize for v in values))
+        fixed = 0.0 if self.prof.target in FUSING_TARGETS else self.prof.fixed_us
+        return fixed + self.prof.memory_us(sum(math.prod(v.shape) * v.dtype.itemsize for v in values))
 
     # ---- conversions ---------------------------------------------------------------------------------------------
     def convert(self, src_name: str, t: str, axis: int, src, dst, reader: str, into: str | None = None) -> str:
@@ -238,8 +240,12 @@ class Rewriter:
             groups = int(p.shrink.get("groups", 1))
             args = (TensorRef(x), TensorRef(wname), TensorRef(bias) if bias else None, op.attrs.get("stride", 1),
                     op.attrs.get("padding", 0), op.attrs.get("dilation", 1), groups)
-        inputs, roles, attrs = bind_call(op.target, args, {})
-        self.ops.append(Op(op.name, op.op, inputs, [y0], attrs, roles, op.target, args, {}, op.source))
+        op_type, target = op.op, op.target
+        if op.op == "conv2d" and self.prof.target == "cpu" and _native_at_batch_one(g.tensor(site.x), w, args):
+            op_type, target = "mkldnn_convolution", A.mkldnn_convolution.default
+            args = (*args[:3], _pair(args[4]), _pair(args[3]), _pair(args[5]), args[6])
+        inputs, roles, attrs = bind_call(target, args, {})
+        self.ops.append(Op(op.name, op_type, inputs, [y0], attrs, roles, target, args, {}, op.source))
         n, k = int(w.shape[0]), math.prod(w.shape[1:])
         self.new_plans[op.name] = p.replace(weight=wname, gemm=(p.gemm[0], n, k) if p.gemm else None,
                                             density=wtesa.density, bits=wtesa.bit_histogram())
@@ -309,6 +315,22 @@ class Rewriter:
             ops[op.name] = self.new_plans.get(op.name) or self.plan.ops[op.name]
         self.plan.ops = ops
         return final
+
+
+def _pair(v) -> list[int]:
+    return [int(v)] * 2 if isinstance(v, int) else [int(x) for x in v]
+
+
+def _native_at_batch_one(x: Value, w: torch.Tensor, args: tuple) -> bool:
+    """Whether torch would run this shrunk fp32 convolution at batch 1 as its native (non-oneDNN) kernel: a 3×3 or
+    smaller filter over an input of at most 20480 elements a sample (``ConvParams::use_mkldnn``), which shrinking
+    the input makes common. oneDNN's kernel computes the same and runs such a layer's small activations and large
+    weights far faster; ``mkldnn_convolution`` asks for it (at any batch, where torch would pick it from batch 2)."""
+    if not torch.backends.mkldnn.is_available() or w.dtype != torch.float32 or len(w.shape) != 4:
+        return False
+    if isinstance(args[4], str) or int(args[6]) != 1 or not all(isinstance(d, int) for d in x.shape[1:]):
+        return False
+    return not (w.shape[-1] > 3 and w.shape[-2] > 3) and math.prod(x.shape[1:]) * (w.shape[1] / x.shape[1]) <= 20480
 
 
 def describe_keep(keep, n: int) -> str:

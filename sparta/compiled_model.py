@@ -82,7 +82,8 @@ class CompiledModel(torch.nn.Module):
         from .backend.fx import to_graph_module
         device = self.device if hasattr(self, "module") else None
         self._replacements = dict(replacements)
-        self.module = to_graph_module(self.graph, masked_weights(self.graph), self._replacements)
+        self.module = to_graph_module(self.graph, masked_weights(self.graph), self._replacements,
+                                      channels_last=self.target == "cpu")
         if device is not None:
             self.module.to(device)
         # the reference sees what the kernels really apply: quantised weights dequantised

@@ -206,3 +206,72 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def _nn_models():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cnn_nn_models.py"
+    spec = importlib.util.spec_from_file_location("cnn_nn_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prune_recipe(model):
+    """The benchmark's recipe: 50% of the output channels of every block convolution but a block's last."""
+    for m in model.modules():
+        kind = type(m).__name__
+        if kind == "BasicBlock":
+            prune.ln_structured(m.conv1, "weight", amount=0.5, n=2, dim=0)
+        elif kind == "InvertedResidual" and len([c for c in m.modules() if isinstance(c, nn.Conv2d)]) == 3:
+            prune.ln_structured(m.conv[0], "weight", amount=0.5, n=2, dim=0)
+    return randomize(model)
+
+
+def test_resnet18_shrinks_runs_onednn_on_channels_last_weights_and_equals_the_masked_model():
+    torch.manual_seed(1)
+    model = _prune_recipe(_nn_models().resnet18_nn())
+    compiled = _compile(model, torch.randn(2, 3, 64, 64))
+    shrunk = _shrunk(compiled)
+    assert len(shrunk) == 16 and sum(bool(p.shrink["out_keep"]) for p in shrunk.values()) == 8
+    onednn = list(compiled.graph.ops("mkldnn_convolution"))     # the small narrow inputs of the last stages
+    assert onednn and all(op.name in shrunk for op in onednn)
+    convs = [op for op in compiled.graph.ops() if op.op in ("conv2d", "mkldnn_convolution")]
+    weights = dict(compiled.module.named_buffers()) | dict(compiled.module.named_parameters())
+    for op in convs:
+        w = weights[op.inputs[1]]
+        assert w.is_contiguous(memory_format=torch.channels_last), op.name
+    maps = [t for t in weights if t.endswith("_bias_map")]
+    assert maps and all(weights[t].is_contiguous(memory_format=torch.channels_last) for t in maps)
+    for x in (torch.randn(1, 3, 64, 64), torch.randn(3, 3, 64, 64).to(memory_format=torch.channels_last)):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_mobilenet_v2_inverted_residuals_shrink_and_equal_the_masked_model():
+    torch.manual_seed(2)
+    model = _prune_recipe(_nn_models().mobilenet_v2_nn())
+    compiled = _compile(model, torch.randn(2, 3, 64, 64))
+    shrunk = _shrunk(compiled)
+    depthwise = [p for p in shrunk.values() if p.shrink["groups"] > 1]
+    assert len(shrunk) == 3 * 16 and len(depthwise) == 16       # expansion, depthwise, projection of every block
+    for b in (1, 2):
+        x = torch.randn(b, 3, 64, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_cuda_plan_prices_region_boundaries_as_fused():
+    """Under Inductor a gather, scatter or bias map's add fuses into its element-wise neighbour: no launch is priced
+    for it, so MobileNetV2's blocks shrink in a CUDA plan (compiled here, no GPU) where launches alone outweighed
+    what each narrower convolution saves."""
+    torch.manual_seed(0)
+    model = _prune_recipe(_nn_models().mobilenet_v2_nn()).half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = sparta.compile(model, None, (torch.randn(2, 3, 224, 224).half(),), target="cuda", tokens=(1, 32))
+    assert len(_shrunk(compiled)) == 3 * 16
+    maps = [p for name, p in compiled.plan.ops.items() if name.endswith("_bias_map")]
+    assert maps and all(p.est_us < 1.0 for p in maps)          # bytes only: a launch alone is ~3 µs there
+    assert compiled.plan.est_us() < compiled.plan.dense_us()

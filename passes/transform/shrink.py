@@ -29,6 +29,9 @@ from .plan import Candidate, Plan, SubOp
 from .transform_op import TIE_MARGIN
 
 MAX_ROUNDS = 4
+# targets whose compiled model runs its torch ops under Inductor by default: a region's boundary ops (a gather, a
+# scatter, a bias map's add) fuse into the element-wise op beside them, costing their bytes but no launch
+FUSING_TARGETS = ("cuda",)
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Costs:
 
     def __init__(self, an: Analysis, plan: Plan, prof):
         self.an, self.plan, self.prof, self.graph = an, plan, prof, an.graph
+        self.boundary_fixed_us = 0.0 if prof.target in FUSING_TARGETS else prof.fixed_us
         self.regions: dict[str, list[str]] = {}
         for t in an.states:
             self.regions.setdefault(an.region(t), []).append(t)
@@ -92,7 +96,7 @@ class Costs:
             return 0.0
         n = self.graph.tensor(t).shape[axis]
         passes = _count(src, n) + _count(dst, n) * (1 if dst is not None and src is None else 2)
-        return self.prof.fixed_us + self.per_channel_us(t, axis) * passes
+        return self.boundary_fixed_us + self.per_channel_us(t, axis) * passes
 
     def gemm_us(self, name: str, cfg: Config, score: bool = True) -> float:
         """Its estimate; ``score``: over the token range planned for, as transform scores it (dense µs times the mean
@@ -130,7 +134,7 @@ class Costs:
         if not bool((reached if cfg.out_keep is None else reached & cfg.out_keep).any()):
             return 0.0
         n = _count(cfg.out_keep, self.graph.tensor(site.y).shape[axis])
-        return self.prof.fixed_us + 2 * n * self.per_channel_us(site.y, axis)
+        return self.boundary_fixed_us + 2 * n * self.per_channel_us(site.y, axis)
 
     def layout(self, layouts: dict, t: str, axis: int):
         s = self.an.states.get(t)

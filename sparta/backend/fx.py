@@ -140,11 +140,31 @@ def _sympy_names(dims) -> dict:
     return names
 
 
+CONV_OPS_2D = ("conv2d", "mkldnn_convolution")
+POINTWISE_READERS = ("add", "sub", "mul")
+
+
+def channels_last_constants(graph: Graph) -> set[str]:
+    """The 4-D constants read only as a 2-D convolution's weight or by element-wise ops (a bias map): stored
+    channels_last, oneDNN's layout on the CPU, where torch would otherwise reorder each weight on every call."""
+    out = set()
+    for v in graph.tensors("weight"):
+        readers = [graph.op(c) for c in graph.consumers(v.name)]
+        if len(v.shape) != 4 or not v.dtype.is_floating_point or not readers:
+            continue
+        if all(o.op in CONV_OPS_2D and o.inputs[1:2] == [v.name] and v.name not in o.inputs[:1] + o.inputs[2:]
+               or o.op in POINTWISE_READERS for o in readers):
+            out.add(v.name)
+    return out
+
+
 def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = None,
-                    replacements: Mapping[str, torch.nn.Module] | None = None) -> fx.GraphModule:
+                    replacements: Mapping[str, torch.nn.Module] | None = None,
+                    channels_last: bool = False) -> fx.GraphModule:
     """Build a GraphModule computing ``graph.outputs`` (a flat tuple) from ``graph.inputs``.
 
-    ``weights`` overrides the stored weight data by name (e.g. masked weights).
+    ``weights`` overrides the stored weight data by name (e.g. masked weights); ``channels_last``: the
+    :func:`channels_last_constants` are held channels_last.
     """
     weights = weights if weights is not None else {}       # a mapping read by name (MaskedWeights: lazily)
     replacements = dict(replacements or {})
@@ -154,12 +174,15 @@ def to_graph_module(graph: Graph, weights: Mapping[str, torch.Tensor] | None = N
     for name in graph.inputs:
         env[name] = fg.placeholder(_fx_name(name))
     read = {t for o in graph.ops() if o.name not in replacements for t in o.inputs} | set(graph.outputs)
+    nhwc = channels_last_constants(graph) if channels_last else set()
     for v in graph.tensors("weight"):
         if v.name not in read:
             continue
         data = weights[v.name] if v.name in weights else v.data
         if data is None:
             continue
+        if v.name in nhwc:
+            data = data.contiguous(memory_format=torch.channels_last)
         parent, leaf = _ensure_parent(root, v.name)
         if v.is_parameter:
             parent.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
