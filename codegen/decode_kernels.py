@@ -24,8 +24,8 @@ def attention_shape(graph: Graph) -> tuple[dict | None, str]:
     record = graph.hf_model
     if not record or not record.get("generative"):
         return None, "not a Hugging Face causal LM"
-    from ..frontend.hf import model_class
-    config = model_class(record["class"]).config_class.from_dict(dict(record["config"]))
+    from ..frontend.hf import model_config
+    config = model_config(record)
     hq = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     if not hq or not hidden:

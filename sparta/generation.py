@@ -108,10 +108,9 @@ def swap_report(model) -> list[tuple[str, str]]:
 
 def _rebuild(compiled, record: dict):
     from .compiled_model import MaskedWeights
-    from .frontend.hf import model_class
+    from .frontend.hf import model_class, model_config
     graph: Graph = compiled.graph
-    cls = model_class(record["class"])
-    config = cls.config_class.from_dict(dict(record["config"]))
+    cls, config = model_class(record["class"]), model_config(record)
     with _parameters_on_meta():
         model = cls(config)
     model.eval()

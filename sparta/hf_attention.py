@@ -50,7 +50,7 @@ def _decode_step(kernel, query, key, mask, dropout, scaling, kwargs) -> bool:
             and query.shape[-1] == s.d and query.dtype == key.dtype == kernel.dtype and not dropout
             and (scaling is None or abs(float(scaling) - kernel.scale_value) <= 1e-6 * kernel.scale_value)
             and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
-            and kwargs.get("position_bias") is None and key.stride(-1) == 1 and key.is_contiguous()
+            and kwargs.get("position_bias") is None and key.is_contiguous()
             and kwargs.get("s_aux") is None)
 
 

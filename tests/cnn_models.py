@@ -3,6 +3,9 @@ inverted residuals), a two-branch concatenation and a pruned FFN, with helpers t
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -154,3 +157,12 @@ def prune_channels(model: nn.Module, amount: float = 0.5) -> nn.Module:
     for conv in inner_convs(model):
         prune.ln_structured(conv, "weight", amount=amount, n=2, dim=0)
     return model
+
+
+def benchmark_module(name: str):
+    """The module ``benchmarks/<name>.py``, loaded by path (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

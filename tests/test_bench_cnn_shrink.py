@@ -1,19 +1,14 @@
 """benchmarks/bench_cnn_shrink.py on the CPU: a tiny torch.nn network, its JSON and the build/load path."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from cnn_models import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cnn_shrink.py"
-    spec = importlib.util.spec_from_file_location("bench_cnn_shrink", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("bench_cnn_shrink")
 
 
 def test_smoke_run_prints_times_and_ratios(bench, tmp_path):

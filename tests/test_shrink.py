@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 import torch
-from cnn_models import FFN, TinyMobileNetV2, TinyResNet, TwoBranch, inner_convs, prune_channels, randomize
+from cnn_models import (FFN, TinyMobileNetV2, TinyResNet, TwoBranch, benchmark_module, inner_convs, prune_channels,
+                        randomize)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -209,13 +210,7 @@ print("ok")
 
 
 def _nn_models():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cnn_nn_models.py"
-    spec = importlib.util.spec_from_file_location("cnn_nn_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("cnn_nn_models")
 
 
 def _prune_recipe(model):

@@ -50,6 +50,11 @@ def model_record(module) -> dict | None:
             "generative": bool(getattr(module, "can_generate", lambda: False)())}
 
 
+def model_config(record: dict):
+    """The config object of a :func:`model_record`, built by its model class's own config class."""
+    return model_class(record["class"]).config_class.from_dict(dict(record["config"]))
+
+
 def model_class(name: str):
     """The ``transformers`` model class ``name`` (a ``PreTrainedModel`` of the package itself), else an error."""
     try:

@@ -183,6 +183,16 @@ def gemv_fits(spec: BsrSpec, gemv: BsrGemvSpec) -> bool:
             == (spec.n, spec.k, spec.bn, spec.bk, spec.bias, spec.act, spec.groups, spec.dtype, spec.gate))
 
 
+def _saved_gemv(config: dict, key: str, folders: dict) -> tuple | None:
+    """(folder, spec) of the GEMV a saved op's ``config[key]`` names, its spec checked against the folder's."""
+    entry = config.get(key)
+    if entry is None:
+        return None
+    gemv = (folders[entry["kernel"]], BsrGemvSpec(**entry["spec"]))
+    check_saved_spec(config["op_name"], *gemv)
+    return gemv
+
+
 def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
     codes, scale, zero = quantize_w4(weight, group, spec.zero, act16_dtype(spec))
     k = weight.shape[1]
@@ -427,14 +437,11 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
             h_folder = Path(self.hopper[0])
             config["hopper"] = {"kernel": h_folder.name, "spec": spec_to_json(self.hopper[1])}
             folders[h_folder.name] = h_folder
-        if self.gemv is not None:
-            g_folder = Path(self.gemv[0])
-            config["gemv"] = {"kernel": g_folder.name, "spec": dataclasses.asdict(self.gemv[1])}
-            folders[g_folder.name] = g_folder
-        if self.gemv1 is not None:
-            g_folder = Path(self.gemv1[0])
-            config["gemv1"] = {"kernel": g_folder.name, "spec": dataclasses.asdict(self.gemv1[1])}
-            folders[g_folder.name] = g_folder
+        for key, gemv in (("gemv", self.gemv), ("gemv1", self.gemv1)):
+            if gemv is not None:
+                g_folder = Path(gemv[0])
+                config[key] = {"kernel": g_folder.name, "spec": dataclasses.asdict(gemv[1])}
+                folders[g_folder.name] = g_folder
         if self.buckets:
             config["buckets"] = [{"rows": top, "kernel": Path(f).name, "spec": spec_to_json(b)}
                                  for top, f, b in self.buckets]
@@ -455,14 +462,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         kernels = [(config["kernel"], spec)] + ([(hopper["kernel"], spec_from_json(hopper["spec"]))] if hopper else [])
         for name, kspec in kernels:
             check_saved_spec(config["op_name"], folders[name], kspec, load=load_spec)
-        gemv = config.get("gemv")
-        if gemv is not None:
-            gemv = (folders[gemv["kernel"]], BsrGemvSpec(**gemv["spec"]))
-            check_saved_spec(config["op_name"], *gemv)
-        gemv1 = config.get("gemv1")
-        if gemv1 is not None:
-            gemv1 = (folders[gemv1["kernel"]], BsrGemvSpec(**gemv1["spec"]))
-            check_saved_spec(config["op_name"], *gemv1)
+        gemv, gemv1 = (_saved_gemv(config, key, folders) for key in ("gemv", "gemv1"))
         buckets = [(b["rows"], folders[b["kernel"]], spec_from_json(b["spec"])) for b in config.get("buckets", ())]
         for _, folder, bspec in buckets:
             check_saved_spec(config["op_name"], folder, bspec, load=load_spec)
