@@ -160,6 +160,13 @@ def fold_bn(ctx: CompileContext) -> None:
     ctx.folded.update(folded)
 
 
+def convs_as_linears(ctx: CompileContext) -> None:
+    """1×1 convolutions pruned inside channels run as linears over channels (``passes/conv_as_linear.py``)."""
+    from .passes.conv_as_linear import convs_as_linears as run
+    ctx.graph, derived = run(ctx.graph)
+    ctx.folded.update(derived)
+
+
 def shrink(ctx: CompileContext) -> None:
     """The graph rewritten to the plan's channel shrinking: sliced weights, narrow tensors, gathers and scatters."""
     from .passes.shrink_graph import shrink_graph
@@ -295,6 +302,7 @@ PASSES = (
     Pass("attach_tesa", attach),
     Pass("simplify", simplify),
     Pass("fold_bn", fold_bn),
+    Pass("conv_as_linear", convs_as_linears, targets=("cuda",)),
     Pass("fuse_siblings", fuse_siblings, targets=("cuda",)),
     Pass("plan_tokens", plan_tokens),
     Pass("target", choose_target),
