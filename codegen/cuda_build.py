@@ -69,6 +69,7 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
         launch["shared_bytes"] = int(spec.shared_bytes)
     if getattr(spec, "pdl", False):       # launched with programmatic dependent launch where the GPU has it
         launch["pdl"] = True
+        source = coherent_params(source)
 
     def write(launch_path: Path):
         folder = launch_path.parent
@@ -81,10 +82,22 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
     return CudaArtifact(path.parent, json.loads(path.read_text()), False, time.perf_counter() - t0)
 
 
+def coherent_params(source: str) -> str:
+    """``source`` with no ``__restrict__`` pointer parameter, for a kernel built for programmatic dependent launch.
+
+    TVM declares every buffer ``__restrict__``; nvcc then reads one the kernel never writes through the non-coherent
+    read-only path (``ld.global.nc``), which promises the data does not change while the kernel runs, so ptxas may
+    move those loads above ``griddepcontrol.wait``. A programmatically dependent kernel runs while the kernel before
+    it still writes its inputs: such a load read the previous kernel's output before it was written (wrong tokens
+    inside generate()'s CUDA graphs, where the kernels run back to back)."""
+    return source.replace(" __restrict__ ", " ")
+
+
 def _key(template, spec, archs=ARCHS) -> str:
     return cache.cache_key({"template": f"{template.__module__}.{template.__name__}", "spec": spec.key(),
                             "archs": list(_archs(spec, archs)), "versions": versions(), "nvcc": nvcc_version(),
-                            "source": _source_digest(inspect.getmodule(template))})
+                            "source": _source_digest(inspect.getmodule(template)),
+                            "coherent": bool(getattr(spec, "pdl", False))})
 
 
 def build_jobs() -> int:
