@@ -31,7 +31,8 @@ SAMPLE = ("t_odd_gelu",                          # bsr_linear, mma.sync: fp16, t
           "t_w8g_sparse_m16_q8_late",            # W8A8 GEMV, tensor cores over the kept chunks
           "w4a16/t_m1_asym_g128_fold_nt3_ks5",   # W4A16 GEMV: folded scales, split K
           "t_ln_res_warp_both",                  # LayerNorm with the residual add, fp16 and int8 codes
-          "t_q_cta")                             # the per-token quantiser, a CTA per row
+          "t_q_cta",                             # the per-token quantiser, a CTA per row
+          "cv_odd_s2_relu_res")                  # conv2d: implicit GEMM, stride, padding, residual
 
 
 def digest(template, spec) -> str:
