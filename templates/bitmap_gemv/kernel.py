@@ -1,0 +1,224 @@
+"""The unstructured sparse GEMV (``spec.BitmapGemvSpec``, bitmap + kept values) in TVMScript.
+
+Grid: (row tiles, ``ksplit``). A CTA stages the X columns of its range in shared memory as fp32 (8 pad words after
+each stream's columns, so the lanes of a row read different banks), then its warps take the range's column tiles
+round robin. Per tile a lane loads its stream's bitmap words (16-byte loads, the warp's 512 contiguous bytes) and
+keeps them in shared memory (word ``q`` of lane ``l`` at ``[q][l]``: any word a lane asks for is in its own bank),
+counts its kept values, and loads its value pieces ``inflight`` at a time, all in flight before the first product:
+piece ``j`` of the lanes that have one lie side by side, a lane's place among them the popcount of a ballot. Then it
+walks its set bits in order (``__ffs``, clear the lowest; the next word when one runs out) against its values and
+the staged X: one fp32 FMA per kept value and row. The lanes of a row add by shuffles, the warps through shared
+memory; bias and activation in the epilogue. ``ksplit > 1``: each CTA leaves its fp32 partials in ``P`` and counts
+itself in ``C`` after a fence; the last of a row tile's CTAs sums them in split order (deterministic), writes ``Y``
+and resets its counter. ``pdl``: built for programmatic dependent launch; it waits before its first read.
+"""
+
+from __future__ import annotations
+
+from ..epilogue import tir_activate
+from ..ptx import from_f32, grid_dependency, to_f32
+from .spec import BitmapGemvSpec
+
+
+def _warp_call(fn: str, ret: str, body: str, *args):
+    """TIR: a call of a one-line warp-wide device function ``sparta_bm_<fn>(unsigned p)``."""
+    from tvm.script import tirx as T
+    ctype = {"uint32": "unsigned", "int32": "int"}[ret]
+    src = f"__device__ __forceinline__ {ctype} sparta_bm_{fn}(unsigned p) {{ return {body}; }}\n"
+    return T.cuda.func_call(f"sparta_bm_{fn}", *args, source_code=src, return_type=ret)
+
+
+def bitmap_gemv(spec: BitmapGemvSpec):
+    """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    M = tirx.Var("M", "int32")
+    N, K, MR, W, IF = spec.n, spec.k, spec.rows, spec.warps, spec.inflight
+    R, S, CS, WS, C = spec.tile_rows, spec.lanes_per_row, spec.stream_cols, spec.words, spec.tile_cols
+    NRT, NKT, KT, KS = spec.row_tiles, spec.col_tiles, spec.range_tiles, spec.ksplit
+    XS, NT = spec.x_stride, 32 * W
+    TPW = -(-KT // W)                         # tiles a warp takes (at most)
+    OUTS = R * MR
+    OUT_ITERS = -(-OUTS // NT)
+    STEPS = S.bit_length() - 1                # butterfly steps over a row's lanes
+    ACT, PDL = spec.dtype, spec.pdl
+    VEC = K % 8 == 0                          # X rows in 16-byte pieces
+    STAGE = KT * S * CS // (8 if VEC else 1)  # X pieces (or values) of one row to stage
+    FULL = T.uint32(0xFFFFFFFF)
+    # no __restrict__ under PDL: nvcc may move a restrict (ld.global.nc) load above griddepcontrol.wait
+    ATTRS = {"global_symbol": spec.name} if PDL else {"global_symbol": spec.name, "tirx.noalias": True}
+
+    def ballot(pred):
+        return _warp_call("ballot", "uint32", "__ballot_sync(0xffffffffu, p)", T.Cast("uint32", pred))
+
+    def warp_max(v):
+        return _warp_call("max", "int32", "(int)__reduce_max_sync(0xffffffffu, p)", T.Cast("uint32", v))
+
+    def popc(w):
+        return T.call_pure_extern("int32", "__popc", T.Cast("uint32", w))
+
+    def ffs(w):
+        return T.call_pure_extern("int32", "__ffs", T.reinterpret("int32", w))
+
+    @T.macro
+    def stage_x(X, xs, M, tx, ks):
+        # X[m, the range's columns] -> xs[m, stream block b: b * (CS + 8) + u] in fp32, zero past K
+        for m in T.serial(M):
+            for it in T.serial((STAGE + NT - 1) // NT):
+                i = T.meta_var(tx + it * NT)
+                if i < STAGE:
+                    if VEC:
+                        col = T.meta_var(ks * KT * C + i * 8)
+                        dst = T.meta_var(m * XS + (i // (CS // 8)) * (CS + 8) + i % (CS // 8) * 8)
+                        if col < K:
+                            for v in T.unroll(8):
+                                xs[dst + v] = to_f32(X[m, col + v], ACT)
+                        else:
+                            for v in T.unroll(8):
+                                xs[dst + v] = T.float32(0)
+                    else:
+                        col = T.meta_var(ks * KT * C + i)
+                        xs[m * XS + (i // CS) * (CS + 8) + i % CS] = T.if_then_else(
+                            col < K, to_f32(X[m, T.min(col, K - 1)], ACT), T.float32(0))
+
+    @T.prim_func
+    def kernel(x_h: T.handle, bits_h: T.handle, off_h: T.handle, vals_h: T.handle, b_h: T.handle, y_h: T.handle,
+               p_h: T.handle, c_h: T.handle):
+        T.func_attr(ATTRS)
+        nvals = T.int32()
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Bits = T.match_buffer(bits_h, (NRT * NKT * WS * 32,), "int32")
+        Off = T.match_buffer(off_h, (NRT * NKT + 1,), "int32")
+        Vals = T.match_buffer(vals_h, (nvals,), "float16")
+        B = T.match_buffer(b_h, (N,), "float16")
+        Y = T.match_buffer(y_h, (M, N), "float16")
+        P = T.match_buffer(p_h, (KS, MR, NRT * R), "float32")
+        Cnt = T.match_buffer(c_h, (NRT,), "int32")
+        rt = T.launch_thread("blockIdx.x", NRT)
+        ks = T.launch_thread("blockIdx.y", KS)
+        tx = T.launch_thread("threadIdx.x", NT)
+        xs = T.decl_buffer((MR * XS,), "float32", scope="shared.dyn")
+        red = T.alloc_buffer((W * R * MR,), "float32", scope="shared")
+        arrived = T.alloc_buffer((1,), "int32", scope="shared")
+        wd = T.alloc_buffer((WS,), "int32", scope="local")
+        wv = T.alloc_buffer((IF * 8,), "float16", scope="local")
+        acc = T.alloc_buffer((MR,), "float32", scope="local")
+        st = T.alloc_buffer((5,), "int32", scope="local")      # kept count, pieces, value base, pieces before, word
+        cur = T.alloc_buffer((1,), "uint32", scope="local")     # the unread bits of the current word
+        bal = T.alloc_buffer((1,), "uint32", scope="local")
+        tot = T.alloc_buffer((2,), "float32", scope="local")
+        last = T.alloc_buffer((1,), "bool", scope="local")
+        lane = T.meta_var(tx % 32)
+        warp = T.meta_var(tx // 32)
+        s = T.meta_var(lane % S)              # the lane's stream in its row
+        below = T.meta_var(T.shift_left(T.uint32(1), T.Cast("uint32", lane)) - T.uint32(1))
+        if PDL:
+            T.evaluate(grid_dependency("wait"))
+            T.evaluate(grid_dependency("launch_dependents"))
+        stage_x(X, xs, M, tx, ks)
+        for m in T.unroll(MR):
+            acc[m] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        for i in T.serial(TPW):
+            kl = T.meta_var(warp + i * W)     # the tile within the CTA's range
+            if kl < KT and ks * KT + kl < NKT:
+                tile = T.meta_var(rt * NKT + ks * KT + kl)
+                for q4 in T.unroll(WS // 4):
+                    for v in T.vectorized(4):
+                        wd[q4 * 4 + v] = Bits[((tile * (WS // 4) + q4) * 32 + lane) * 4 + v]
+                st[2] = Off[tile]
+                st[0] = 0
+                for q in T.unroll(WS):
+                    st[0] = st[0] + popc(wd[q])
+                st[1] = (st[0] + 7) // 8
+                st[3] = 0
+                st[4] = 0
+                cur[0] = T.Cast("uint32", wd[0])
+                for t in T.serial((warp_max(st[1]) + IF - 1) // IF):
+                    for o in T.unroll(IF):    # the lane's next IF pieces, all in flight
+                        bal[0] = ballot(T.Cast("int32", st[1] > t * IF + o))
+                        if st[1] > t * IF + o:
+                            for v in T.vectorized(8):
+                                wv[o * 8 + v] = Vals[(st[2] + st[3] + popc(bal[0] & below)) * 8 + v]
+                        st[3] = st[3] + popc(bal[0])
+                    for o in T.unroll(IF):
+                        for e in T.unroll(8):
+                            if (t * IF + o) * 8 + e < st[0]:
+                                while cur[0] == T.uint32(0):
+                                    st[4] = st[4] + 1
+                                    cur[0] = T.Cast("uint32", wd[st[4]])
+                                col = T.meta_var((kl * S + s) * (CS + 8) + st[4] * 32 + ffs(cur[0]) - 1)
+                                tot[0] = to_f32(wv[o * 8 + e], ACT)
+                                for m in T.unroll(MR):
+                                    if m < M:
+                                        acc[m] = acc[m] + tot[0] * xs[m * XS + col]
+                                cur[0] = cur[0] & (cur[0] - T.uint32(1))
+        for m in T.unroll(MR):                # the lanes of a row, then the warps
+            for b in T.unroll(STEPS):
+                T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[1], acc[m], T.uint32(1 << b), T.uint32(31), FULL))
+                acc[m] = acc[m] + tot[1]
+            if s == 0:
+                red[(warp * R + lane // S) * MR + m] = acc[m]
+        T.tvm_storage_sync("shared")
+        if KS == 1:
+            for it in T.unroll(OUT_ITERS):
+                o = T.meta_var(tx + it * NT)
+                if OUTS % NT == 0 or o < OUTS:
+                    n = T.meta_var(rt * R + o % R)
+                    if o // R < M and n < N:
+                        tot[0] = red[o % R * MR + o // R]
+                        for w in T.unroll(1, W):
+                            tot[0] = tot[0] + red[(w * R + o % R) * MR + o // R]
+                        if spec.bias:
+                            tot[0] = tot[0] + to_f32(B[n], ACT)
+                        tot[1] = tir_activate(tot[0], None, spec.act)
+                        Y[o // R, n] = from_f32(tot[1], ACT)
+        else:
+            for it in T.unroll(OUT_ITERS):
+                o = T.meta_var(tx + it * NT)
+                if OUTS % NT == 0 or o < OUTS:
+                    if o // R < M:
+                        tot[0] = red[o % R * MR + o // R]
+                        for w in T.unroll(1, W):
+                            tot[0] = tot[0] + red[(w * R + o % R) * MR + o // R]
+                        P[ks, o // R, rt * R + o % R] = tot[0]
+            T.cuda.thread_fence()
+            T.tvm_storage_sync("shared")
+            if tx == 0:
+                arrived[0] = T.cuda.atomic_add(Cnt.ptr_to([rt]), 1)
+            T.tvm_storage_sync("shared")
+            last[0] = arrived[0] == KS - 1
+            if last[0]:
+                T.cuda.thread_fence()
+                for it in T.unroll(OUT_ITERS):
+                    o = T.meta_var(tx + it * NT)
+                    if OUTS % NT == 0 or o < OUTS:
+                        n = T.meta_var(rt * R + o % R)
+                        if o // R < M and n < N:
+                            tot[0] = P[0, o // R, n]
+                            for k2 in T.unroll(1, KS):
+                                tot[0] = tot[0] + P[k2, o // R, n]
+                            if spec.bias:
+                                tot[0] = tot[0] + to_f32(B[n], ACT)
+                            tot[1] = tir_activate(tot[0], None, spec.act)
+                            Y[o // R, n] = from_f32(tot[1], ACT)
+                if tx == 0:
+                    Cnt[rt] = 0
+
+    return tvm.IRModule({spec.name: _drop_unused(kernel, spec)})
+
+
+def _drop_unused(func, spec: BitmapGemvSpec):
+    """The PrimFunc without the buffers this spec's kernel never reads (no bias, no split-K workspace)."""
+    drop = set()
+    if not spec.bias:
+        drop.add("B")
+    if spec.ksplit == 1:
+        drop.update(("P", "Cnt"))
+    from tvm import tirx
+    return tirx.PrimFunc([p for p in func.params if p.name not in drop], func.body, func.ret_type, func.attrs)
+
+
+__all__ = ["bitmap_gemv"]

@@ -1,0 +1,158 @@
+"""sparta's bitmap GEMV (``templates/bitmap_gemv/``) from torch, without TVM.
+
+:class:`BitmapGemvOp` runs the kernel on device tensors; :class:`BitmapLinearCUDA` is the kernel module (a linear of
+the packed weight for up to ``spec.rows`` rows, any leading dimensions): its op ``sparta::bitmap_gemv`` (defined for
+every family in ``sparta/runtime/ops.py``) takes ``[x (M, K)]`` and the packed tensors, and has a fake implementation,
+so it runs inside ``torch.compile`` graphs and CUDA graph captures. A ``ksplit > 1`` kernel's workspace (fp32
+partials, arrival counters the kernel leaves at zero) is a module buffer: one call at a time per module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .spec import DTYPES, BitmapGemvError, BitmapGemvSpec, BitmapPacked, pack_bitmap, split_buffers, unpack
+from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
+from ...runtime.ops import KernelModule
+
+
+def folder_spec(folder) -> BitmapGemvSpec:
+    """The spec a kernel folder was built from (its ``spec.json``)."""
+    return BitmapGemvSpec(**json.loads(kernel_file(folder, "spec.json")))
+
+
+def check_packed(spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor | None) -> None:
+    """Refuse packed tensors (or a bias) that do not fit ``spec``."""
+    where = f"bitmap GEMV {spec.name}"
+    if tuple(packed.bits.shape) != (spec.tiles, spec.words // 4, 32, 4) or packed.bits.dtype != torch.int32:
+        raise BitmapGemvError(f"{where}: bits must be int32 {(spec.tiles, spec.words // 4, 32, 4)}, got "
+                              f"{packed.bits.dtype} {tuple(packed.bits.shape)} (packed for another spec?)")
+    if tuple(packed.offsets.shape) != (spec.tiles + 1,) or packed.offsets.dtype != torch.int32:
+        raise BitmapGemvError(f"{where}: offsets must be int32 ({spec.tiles + 1},)")
+    if packed.values.dim() != 1 or packed.values.dtype != DTYPES[spec.dtype] or packed.values.numel() % 8:
+        raise BitmapGemvError(f"{where}: values must be a 1-d {spec.dtype} tensor of whole pieces of 8")
+    if spec.bias and (bias is None or tuple(bias.shape) != (spec.n,)):
+        raise BitmapGemvError(f"{where}: the kernel adds a bias of shape ({spec.n},); pass one")
+    if not spec.bias and bias is not None:
+        raise BitmapGemvError(f"{where}: the kernel was built without a bias")
+
+
+class BitmapGemvOp:
+    """The kernel of ``folder`` on device tensors: ``op(x)`` for a contiguous ``(M, K)`` x of the spec's dtype,
+    ``M <= spec.rows``; ``split``: the ``ksplit > 1`` workspace (``split_buffers``; made here if not given)."""
+
+    def __init__(self, folder, spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor | None,
+                 split: dict | None = None):
+        check_packed(spec, packed, bias)
+        self.kernel, self.spec, self.packed, self.bias = CudaKernel(folder), spec, packed, bias
+        self.split = split_buffers(spec, packed.values.device) if split is None else split
+        self._prepared = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if x.dim() != 2 or x.shape[1] != s.k or x.dtype != DTYPES[s.dtype] or not x.is_contiguous():
+            raise BitmapGemvError(f"bitmap GEMV {s.name}: x must be a contiguous {s.dtype} (M, {s.k}) tensor, got "
+                                  f"{x.dtype} {tuple(x.shape)}")
+        if x.shape[0] > s.rows:
+            raise BitmapGemvError(f"bitmap GEMV {s.name}: at most {s.rows} rows a call, got {x.shape[0]}")
+        if not x.is_cuda:
+            raise CudaRuntimeError(f"bitmap GEMV {s.name} runs on a CUDA GPU; x is on {x.device}")
+        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
+        if x.shape[0] == 0:                    # no rows: nothing to launch
+            return y
+        if self._prepared is None:
+            p = self.packed
+            self._prepared = self.kernel.prepare(
+                ("X", "Y"), X=lanes16(x), Bits=p.bits.view(-1), Off=p.offsets, Vals=lanes16(p.values), Y=lanes16(y),
+                **({"B": lanes16(self.bias)} if s.bias else {}), **self.split)
+        else:
+            self._prepared.launch(X=lanes16(x), Y=lanes16(y))
+        return y
+
+
+class BitmapLinearCUDA(KernelModule):
+    """``y = act(x · (W ⊙ mask)ᵀ + b)`` on the bitmap GEMV (the op ``sparta::bitmap_gemv``) for ``x`` (..., K) with
+    at most ``spec.rows`` rows in all; ``y`` in ``x``'s dtype."""
+
+    kernel_family = "bitmap_gemv"
+    weight_names = ("bits", "offsets", "values", "bias")
+
+    def __init__(self, folder, spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor | None = None,
+                 op_name: str = "bitmap_gemv"):
+        super().__init__()
+        dtype = DTYPES[spec.dtype]
+        bias = bias.detach().to(dtype).contiguous() if bias is not None else None
+        check_packed(spec, packed, bias)
+        self.folder, self.spec, self.op_name = str(folder), spec, op_name
+        self.register_buffer("bits", packed.bits)
+        self.register_buffer("offsets", packed.offsets)
+        self.register_buffer("values", packed.values)
+        self.register_buffer("bias", bias)
+        for key, buf in split_buffers(spec, packed.values.device).items():    # split-K workspace: not saved
+            self.register_buffer(f"split_{key}", buf, persistent=False)
+        self._op = None
+        self.register_kernel(op_name)
+
+    @classmethod
+    def from_weight(cls, folder, weight: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None = None,
+                    spec: BitmapGemvSpec | None = None, op_name: str = "bitmap_gemv") -> BitmapLinearCUDA:
+        """Pack ``weight`` where ``mask`` (``spec``: the folder's ``spec.json`` if not given)."""
+        spec = folder_spec(folder) if spec is None else spec
+        check_saved_spec(op_name, folder, spec)
+        return cls(folder, spec, pack_bitmap(weight, mask, spec), bias, op_name)
+
+    @property
+    def packed(self) -> BitmapPacked:
+        return BitmapPacked(self.bits, self.offsets, self.values)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(DTYPES[self.spec.dtype]).contiguous())
+        return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
+
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        x = inputs[0]
+        if not x.is_cuda or not self.values.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
+                                   "(module.to('cuda'))")
+        if self._op is None or self._op.packed.values.data_ptr() != self.values.data_ptr() \
+                or self._op.packed.bits.data_ptr() != self.bits.data_ptr():
+            split = {"P": self.split_P, "C": self.split_C} if self.spec.ksplit > 1 else {}
+            self._op = BitmapGemvOp(self.folder, self.spec, self.packed, self.bias, split)
+        return [self._op(x)]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        x = inputs[0]
+        return [x.new_empty((x.shape[0], self.spec.n), dtype=DTYPES[self.spec.dtype])]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (N, K) weight the kernel applies (zeros where pruned), on the CPU."""
+        return unpack(BitmapPacked(self.bits.cpu(), self.offsets.cpu(), self.values.cpu()), self.spec)[0]
+
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
+        folder = Path(self.folder)
+        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name}
+        tensors = {"bits": self.bits, "offsets": self.offsets, "values": self.values}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return config, tensors, {folder.name: folder}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> BitmapLinearCUDA:
+        spec = BitmapGemvSpec(**config["spec"])
+        folder = folders[config["folder"]]
+        check_saved_spec(config["op_name"], folder, spec)
+        packed = BitmapPacked(tensors["bits"], tensors["offsets"], tensors["values"])
+        return cls(folder, spec, packed, tensors.get("bias"), config["op_name"])
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        kept = self.values.numel()
+        return (f"{self.op_name}: N={s.n}, K={s.k}, up to {s.rows} rows, {s.dtype}, {kept} value slots "
+                f"({kept / (s.n * s.k):.1%} of dense), act={s.act}, bias={s.bias}")
+
+
+__all__ = ["BitmapLinearCUDA", "BitmapGemvOp", "check_packed", "folder_spec"]
