@@ -4,6 +4,7 @@ decoder linear block-sparse, compiled by ``sparta.compile``; the time of each pa
     python benchmarks/bench_compile_scale.py --layers 1 --target cuda        # a fresh (cold) kernel cache
     python benchmarks/bench_compile_scale.py --layers 32 --target cuda --cache-dir /tmp/k --out results.json
     python benchmarks/bench_compile_scale.py --layers 32 --target cuda --cache-dir /tmp/k  # again: warm
+    python benchmarks/bench_compile_scale.py --layers 4 --density 1 --bits 4 --save /tmp/w4   # every linear 4-bit
 
 Each linear (q/k/v/o/gate/up/down proj) keeps ``--density`` of its ``--block``-square blocks, drawn at random from a
 fixed seed (one mask per linear). ``--cache-dir``: the kernel cache (``SPARTA_CACHE``); without it a fresh temporary
@@ -48,8 +49,9 @@ def llama_7b(layers: int, vocab: int, meta: bool):
     return model.eval(), cfg
 
 
-def block_masks(model, block: int, density: float, seed: int = 0) -> dict:
-    """``{weight name: TeSA}``: each decoder linear keeps ``density`` of its blocks, at random (seeded)."""
+def block_masks(model, block: int, density: float, seed: int = 0, bits: int = 16) -> dict:
+    """``{weight name: TeSA}``: each decoder linear keeps ``density`` of its blocks, at random (seeded), at ``bits``
+    (a density of 1: every element, a uniform TeSA)."""
     import sparta
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -58,8 +60,11 @@ def block_masks(model, block: int, density: float, seed: int = 0) -> dict:
         for part in LINEARS:
             name = f"model.layers.{i}.{part}.weight"
             n, k = params[name].shape
+            if density >= 1:
+                out[name] = sparta.TeSA.dense((n, k), bits=bits)
+                continue
             blocks = torch.rand(n // block, k // block, generator=g) < density
-            out[name] = sparta.TeSA.from_blocks(blocks, (block, block), bits=16)
+            out[name] = sparta.TeSA.from_blocks(blocks, (block, block), bits=bits)
     return out
 
 
@@ -69,6 +74,8 @@ def main():
     ap.add_argument("--target", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--density", type=float, default=0.1, help="kept fraction of each linear's blocks")
     ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--bits", type=int, default=16, help="the linears' weight bits (4: W4A16 on CUDA)")
+    ap.add_argument("--save", help="also save the compiled model here (kernels only) and time it")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--meta", action="store_true", help="the model's parameters on the meta device (masks only)")
@@ -82,14 +89,21 @@ def main():
     import sparta
     t0 = time.perf_counter()
     model, cfg = llama_7b(args.layers, args.vocab, args.meta)
-    tesa = block_masks(model, args.block, args.density)
+    tesa = block_masks(model, args.block, args.density, bits=args.bits)
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     model_s, model_rss = time.perf_counter() - t0, peak_rss_gib()
     print(f"model: {args.layers} layers, built in {model_s:.1f} s, peak RSS {model_rss:.2f} GiB", file=sys.stderr)
     t0 = time.perf_counter()
     compiled = sparta.compile(model, tesa, (ids,), target=args.target)
     wall = time.perf_counter() - t0
+    compile_rss = peak_rss_gib()
+    save_s = None
+    if args.save:
+        t0 = time.perf_counter()
+        compiled.save(args.save, weights=False)
+        save_s = round(time.perf_counter() - t0, 2)
     result = {"layers": args.layers, "target": args.target, "density": args.density, "block": args.block,
+              "bits": args.bits, "save_s": save_s, "compile_peak_rss_gib": round(compile_rss, 2),
               "tokens": args.tokens, "vocab": args.vocab, "meta": args.meta, "cache": "cold" if cold else "warm",
               "compile_s": round(wall, 2), "timings_s": {k: round(v, 2) for k, v in compiled.timings.items()},
               "model_build_s": round(model_s, 2), "model_peak_rss_gib": round(model_rss, 2),

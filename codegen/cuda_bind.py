@@ -36,10 +36,12 @@ def gemm_parts(graph: Graph, op: Op, op_plan: OpPlan) -> GemmParts:
 
 
 def bind(module, graph: Graph, op: Op, view, reference: bool) -> None:
-    """Record the graph weight the module stands for (and, for quantised kernels, the weight it applies)."""
+    """Record the graph weight the module stands for (and, for quantised kernels, that the dense reference applies
+    the weight the kernel applies: rebuilt from the packed weights in the graph weight's dtype when read,
+    ``sparta.compiled_model.reference_weight``)."""
     module.weight_name, module.weight_transposed = view[1], op.op in ("addmm", "mm", "matmul")
     if reference:
-        module.reference_weight = module.graph_weight().to(graph.tensor(view[1]).dtype)
+        module.reference_dtype = graph.tensor(view[1]).dtype
 
 
 def torch_row(op: Op, bits: str, why: str) -> dict:

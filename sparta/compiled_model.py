@@ -24,9 +24,26 @@ class VerificationError(SpartaError):
     """The compiled model disagrees with its dense reference."""
 
 
+def reference_weight(module) -> torch.Tensor | None:
+    """The weight a kernel module applies, for the dense reference (None: the graph's masked weight): the one it
+    holds, or, for a module with a ``reference_dtype``, its packed weights dequantised (``graph_weight()``) in that
+    dtype, rebuilt on each read (a large quantised model's are never all held)."""
+    ref = getattr(module, "reference_weight", None)
+    if ref is not None:
+        return ref
+    dtype = getattr(module, "reference_dtype", None)
+    return None if dtype is None else module.graph_weight().to(dtype)
+
+
+def has_reference(module) -> bool:
+    """Whether the dense reference applies ``module``'s own weight (:func:`reference_weight`)."""
+    return getattr(module, "reference_weight", None) is not None or getattr(module, "reference_dtype", None) is not None
+
+
 class MaskedWeights(Mapping):
     """Weights with their pruned elements zeroed (the dense reference's weights), by name, each computed when read
-    (a large model's are never all held); ``overrides`` are given values."""
+    (a large model's are never all held); ``overrides`` are given values, or kernel modules whose
+    :func:`reference_weight` is read when asked for."""
 
     def __init__(self, graph: Graph, overrides: Mapping | None = None):
         self.graph, self.overrides = graph, dict(overrides or {})
@@ -35,7 +52,8 @@ class MaskedWeights(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.overrides:
-            return self.overrides[name]
+            given = self.overrides[name]
+            return given if isinstance(given, torch.Tensor) else reference_weight(given)
         if name not in self.names:
             raise KeyError(name)
         v = self.graph.tensor(name)
@@ -88,8 +106,7 @@ class CompiledModel(torch.nn.Module):
             self.module.to(device)
         # the reference sees what the kernels really apply: quantised weights dequantised
         self._reference_weights = MaskedWeights(self.graph, {
-            m.weight_name: m.reference_weight for m in self._replacements.values()
-            if getattr(m, "reference_weight", None) is not None})
+            m.weight_name: m for m in self._replacements.values() if has_reference(m)})
         self._quantized = any(k.get("bits", "W32A32") != "W32A32" for k in self.kernels)
         self._reference, self._inductor_fn, self._decoder = None, None, None
 

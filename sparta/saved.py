@@ -101,10 +101,10 @@ def _write(compiled, root: Path, weights: bool = True) -> None:
         if getattr(module, "weight_name", None) in restorable:
             entry["restores"] = module.weight_name
         ref = getattr(module, "reference_weight", None)
-        if ref is not None:
+        if ref is not None or getattr(module, "reference_dtype", None) is not None:
             entry["weight_name"] = module.weight_name
-            if _derivable(module, ref):                    # the packed weights give it back: not stored twice
-                entry["reference_dtype"] = str(ref.dtype).split(".")[-1]
+            if ref is None or _derivable(module, ref):     # the packed weights give it back: not stored twice
+                entry["reference_dtype"] = str(module.reference_dtype if ref is None else ref.dtype).split(".")[-1]
             else:
                 tensors[f"module/{op_name}/reference_weight"] = ref
         for key, folder in folders.items():
@@ -316,15 +316,17 @@ def _restore_weights(root: Path, op_name: str, module, entry: dict, tensors: dic
     rebuilt = module.graph_weight() if "reference_dtype" in entry or "restores" in entry else None
     if "weight_name" in entry:
         module.weight_name = entry["weight_name"]
-        if "reference_dtype" in entry:
-            module.reference_weight = rebuilt.to(dtype_of(entry["reference_dtype"]), copy=True)
-        elif graph is None or getattr(module, "reference_weight", None) is None:
-            module.reference_weight = tensors[prefix + "reference_weight"]
+        if "reference_dtype" in entry:              # rebuilt from the packed weights when read
+            module.reference_weight, module.reference_dtype = None, dtype_of(entry["reference_dtype"])
+            got = tuple(rebuilt.shape)
+        else:
+            if graph is None or getattr(module, "reference_weight", None) is None:
+                module.reference_weight = tensors[prefix + "reference_weight"]
+            got = tuple(module.reference_weight.shape)
         shape = tuple(declared[entry["weight_name"]]["shape"])
-        if tuple(module.reference_weight.shape) != shape:
+        if got != shape:
             raise SavedModelError(f"saved model {root}: kernel module {op_name!r} gives weight "
-                                  f"{entry['weight_name']!r} the shape {list(module.reference_weight.shape)}, "
-                                  f"the graph declares {list(shape)}")
+                                  f"{entry['weight_name']!r} the shape {list(got)}, the graph declares {list(shape)}")
     if "restores" in entry:                      # restored weights come back in the graph's dtype
         value = declared[entry["restores"]]
         restored = rebuilt.to(dtype_of(value["dtype"]))

@@ -79,16 +79,17 @@ def _few_row_specs(choice, spec: BsrSpec, site) -> list:
 def kernel_specs(op_plan: OpPlan, parts) -> dict:
     """The specs of every kernel :func:`build` builds for ``op_plan.kernel`` (``parts``: ``gemm_parts``): ``spec``,
     ``hopper``, ``gemv`` (or None), ``few`` [(rows, family, spec)], ``buckets`` [(rows, spec)], and ``w4`` (the
-    4-bit parameters or None); ``all`` lists (template, spec) of them all (what a build pool builds ahead)."""
+    plan's 4-bit ``WeightQuant`` or None: no weight values read); ``all`` lists (template, spec) of them all (what a
+    build pool builds ahead)."""
     choice = op_plan.kernel
     view, site, rows, bias, unit = parts.view, parts.site, parts.rows, parts.bias, parts.unit
     _, _, _, m, n, k = view
     act = site.act
     dtype, tiles = choice.dtype, dict(choice.tiles)
-    w4 = op_plan.weight_quant[4].params(site.weight) if dtype == "w4a16" else None
+    w4 = op_plan.weight_quant[4] if dtype == "w4a16" else None
     out = "bfloat16" if dtype in ("int8", "w4a16") and site.act16 == "bfloat16" else "float16"  # low bits, bf16 model
     spec = BsrSpec(rows, n // 2 if unit else n, k, bias=bias is not None, act=act, dtype=dtype, out=out,
-                   zero=w4 is not None and w4.zero is not None, gate=unit is not None, **tiles)
+                   zero=w4 is not None and not w4.symmetric, gate=unit is not None, **tiles)
     tag = {"int8": "i8_", "w4a16": "w4_", "float16": "", "bfloat16": "bf16_"}[dtype]
     tag += "bf16_" if out == "bfloat16" else ""
     spec = dataclasses.replace(spec, name=f"bsr_{rows or 'M'}x{n}x{k}_{tag}b{spec.bn}x{spec.bk}"
@@ -115,7 +116,8 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     x_name, _, _, m, n, k = view
     act, dtype = site.act, choice.dtype
     specs = kernel_specs(op_plan, parts)
-    spec, w4 = specs["spec"], specs["w4"]
+    spec = specs["spec"]
+    w4 = specs["w4"].params(site.weight) if specs["w4"] is not None else None    # the scales, fitted once
     out = spec.out
     gate_n = spec.n if spec.gate else 0
     mask = site.block_mask(spec.bn, spec.bk, gate_n)
@@ -135,8 +137,9 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
                    gemv1=(gemv1[0].path, gemv1[1]) if gemv1 else None)
     if w4 is not None:
         scale, zero = w4.expand(k)
-        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, w4_codes(w4, site.weight), scale,
-                                                zero, mask, bias, out_shape)
+        codes = w4_codes(w4, site.weight)                   # once: the tile kernel's records and the GEMVs' words
+        module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, codes, scale, zero, mask, bias,
+                                                out_shape)
     elif dtype in ("float16", "bfloat16") and act16_dtype(spec) == _DTYPES[dtype] and \
             site.fast(spec.bn, spec.bk, gate_n):          # 16-bit: the kept blocks, read in the weight's own dtype
         table, packed = build_table(mask, spec.groups, spec.gate)
@@ -151,8 +154,8 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
                                               weight_scale=scale, quant_folder=quant, **kernels)
     if few and w4 is not None:
         group = few[0][2].group
-        module.attach_w4_gemvs([(top, a.path, g) for top, a, g in few], w4_codes(w4, site.weight),
-                               scale[:, ::group], None if zero is None else zero[:, ::group].to(torch.uint8))
+        module.attach_w4_gemvs([(top, a.path, g) for top, a, g in few], codes, scale[:, ::group],
+                               None if zero is None else zero[:, ::group].to(torch.uint8))
     elif few:
         module.attach_w8_gemvs([(top, a.path, g) for top, a, g in few], module.dense_codes())
     if unit is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..w4a16_gemv.spec import ORDER
-from .packing import build_table, table_parts
+from .packing import build_table
 from .spec import KPACK, BsrSpec
 
 
@@ -56,42 +56,61 @@ def _act(spec: BsrSpec) -> torch.dtype:
     return torch.bfloat16 if spec.act16 == "bfloat16" else torch.float16
 
 
+_LOW = [ORDER.index(2 * b) for b in range(4)]        # element of each byte's low nibble (little-endian words)
+_HIGH = [ORDER.index(2 * b + 1) for b in range(4)]   # and of its high nibble
+_NIBBLES = list(ORDER)                               # nibble position of element e (bytes' low, high, ...)
+
+
+def _per32(t: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Column ``32 j`` of the element-wise ``(N, K)`` ``t``, zero-padded to ``(rows, cols)``: one value per 32 K."""
+    out = torch.zeros(rows, cols, dtype=dtype, device=t.device)
+    first = t[:, ::KPACK]
+    out[: first.shape[0], : first.shape[1]] = first.to(dtype)
+    return out
+
+
+def _constant_per32(scale: torch.Tensor) -> bool:
+    """Whether each row of the element-wise ``scale`` holds one value per 32 columns."""
+    n, k = scale.shape
+    if scale.is_meta:
+        return True
+    full = k - k % KPACK
+    head = scale[:, :full].reshape(n, -1, KPACK)
+    ok = bool((head == head[..., :1]).all())
+    return ok and bool((scale[:, full:] == scale[:, full:full + 1]).all()) if full < k else ok
+
+
 def pack_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: BsrSpec,
             block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Wp, table)``: the kept blocks as byte records (uint8 ``(nnz, 2 · rec_lanes)``; the kernel takes
     an fp16 view) and the table.
     ``codes``/``scale``/``zero`` are element-wise ``(N, K)`` (see :func:`expand_groups`); scales must be
-    constant over each 32 K of a row."""
+    constant over each 32 K of a row. Meta tensors give a meta ``Wp`` of its shape (a model compiled from the meta
+    device)."""
     n, k = spec.n, spec.k
     if tuple(codes.shape) != (n, k) or tuple(scale.shape) != (n, k) or (zero is not None) != spec.zero:
         raise ValueError(f"{spec.name}: codes/scales must be ({n}, {k}) and zero points given iff spec.zero")
+    if not _constant_per32(scale.to(_act(spec))):
+        raise ValueError(f"{spec.name}: scales vary inside a 32-column group (group must be a multiple of 32)")
     table, packed = build_table(block_mask, spec.groups)
     rb, kb, bn, bk, kw = spec.row_blocks, spec.k_blocks, spec.bn, spec.bk, spec.bk // KPACK
     dev = codes.device
-    q = torch.full((rb * bn, kb * bk), 8, dtype=torch.int64, device=dev)
-    q[:n, :k] = codes.to(torch.int64)
-    s = torch.zeros(rb * bn, kb * bk, dtype=_act(spec), device=dev)
-    s[:n, :k] = scale.to(s.dtype)
-    s32 = s[:, ::KPACK]
-    if not torch.equal(s32.repeat_interleave(KPACK, 1)[:n, :k], scale.to(s.dtype)):
-        raise ValueError(f"{spec.name}: scales vary inside a 32-column group (group must be a multiple of 32)")
-    z32 = torch.zeros(rb * bn, kb * kw, dtype=torch.uint8, device=dev)
-    if zero is not None:
-        z = torch.zeros(rb * bn, kb * bk, dtype=torch.uint8, device=dev)
-        z[:n, :k] = zero.to(torch.uint8)
-        z32 = z[:, ::KPACK]
+    q = torch.full((rb * bn, kb * bk), 8, dtype=torch.uint8, device=dev)
+    q[:n, :k] = codes.to(torch.uint8)
     rows = torch.tensor([r for r, _ in packed] or [0], device=dev)
     cols = torch.tensor([c for _, c in packed] or [0], device=dev)
-    # codes -> (blocks, n8, g, kw, h, hi, t, p) -> (blocks, n8, g, t, kw, e) with e = 4h + 2hi + p
+    # codes -> (blocks, n8, g, kw, h, hi, t, p) -> (blocks, n8, g, t, kw, e) with e = 4h + 2hi + p; byte b of a
+    # little-endian word holds nibble positions 2b (low) and 2b + 1 (high)
     qb = q.reshape(rb, bn, kb, bk).permute(0, 2, 1, 3)[rows, cols]
+    del q
     qb = qb.reshape(-1, bn // 8, 8, kw, 2, 2, 4, 2).permute(0, 1, 2, 6, 3, 4, 5, 7).reshape(-1, bn // 8, 32, kw, 8)
-    words = torch.zeros(qb.shape[:-1], dtype=torch.int64, device=dev)
-    for e, pos in enumerate(ORDER):
-        words |= qb[..., e] << (4 * pos)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    words = qb[..., _LOW] | (qb[..., _HIGH] << 4)                                   # (blocks, n8, 32, kw, 4 bytes)
+    del qb
+    s32 = _per32(scale, rb * bn, kb * kw, _act(spec))
     sb = s32.reshape(rb, bn, kb, kw).permute(0, 2, 3, 1)[rows, cols]            # (blocks, kw, bn)
-    parts = [words.reshape(len(rows), -1).view(torch.uint8), sb.reshape(len(rows), -1).view(torch.uint8)]
+    parts = [words.reshape(len(rows), -1), sb.reshape(len(rows), -1).view(torch.uint8)]
     if spec.zero:
+        z32 = _per32(zero, rb * bn, kb * kw, torch.uint8)
         parts.append(z32.reshape(rb, bn, kb, kw).permute(0, 2, 3, 1)[rows, cols].reshape(len(rows), -1))
     wp = torch.cat(parts, 1)
     if not packed:
@@ -105,17 +124,25 @@ def unpack_w4(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Ten
     bn, bk, kw = spec.bn, spec.bk, spec.bk // KPACK
     rec = wp.reshape(wp.shape[0], -1)
     nw = bn * bk // 2
-    words = rec[:, :nw].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    q = torch.stack([(words >> (4 * pos)) & 0xF for pos in ORDER], -1)           # (blocks, n8*32*kw, 8)
+    byte = rec[:, :nw].reshape(-1, bn // 8, 32, kw, 4)
+    nib = torch.stack([byte & 0xF, byte >> 4], -1).reshape(*byte.shape[:-1], 8)    # by nibble position
+    q = nib[..., _NIBBLES]                                                          # by element
     q = q.reshape(-1, bn // 8, 8, 4, kw, 2, 2, 2).permute(0, 1, 2, 4, 5, 6, 3, 7).reshape(-1, bn, bk)
     s32 = rec[:, nw:nw + 2 * kw * bn].contiguous().view(_act(spec)).reshape(-1, kw, bn)
     z32 = rec[:, nw + 2 * kw * bn:].reshape(-1, kw, bn) if spec.zero else None
-    scale = s32.permute(0, 2, 1).repeat_interleave(KPACK, 2)
-    zero = z32.permute(0, 2, 1).repeat_interleave(KPACK, 2) if z32 is not None else None
-    blocks = dequantize_w4(q, scale, zero, _act(spec))
-    head, kidx = table_parts(table, spec)
-    pad = torch.zeros(spec.row_blocks * bn, spec.k_blocks * bk, dtype=_act(spec), device=wp.device)
-    for row, first, count in head:
-        for j in range(first, first + count):
-            pad[row * bn:(row + 1) * bn, kidx[j] * bk:(kidx[j] + 1) * bk] = blocks[j]
-    return pad[: spec.n, : spec.k].contiguous()
+    scale = s32.permute(0, 2, 1).unsqueeze(3)                                       # (blocks, bn, kw, 1)
+    zero = z32.permute(0, 2, 1).unsqueeze(3) if z32 is not None else None
+    blocks = dequantize_w4(q.reshape(-1, bn, kw, KPACK), scale, zero, _act(spec)).reshape(-1, bn, bk)
+    row, first, count, kidx = _block_places(table, spec)
+    pad = torch.zeros(spec.row_blocks, spec.k_blocks, bn, bk, dtype=_act(spec), device=wp.device)
+    brow = torch.repeat_interleave(row, count)
+    slot = torch.repeat_interleave(first - (torch.cumsum(count, 0) - count), count) + torch.arange(len(brow))
+    pad[brow, kidx[slot]] = blocks[slot]
+    return pad.permute(0, 2, 1, 3).reshape(spec.row_blocks * bn, spec.k_blocks * bk)[: spec.n, : spec.k].contiguous()
+
+
+def _block_places(table: torch.Tensor, spec: BsrSpec):
+    """(row, first packed block, count) per slot and the K index per packed block of a table, as int64 tensors."""
+    t = table.cpu().to(torch.int64)
+    head = t[: spec.slot_ints * spec.row_blocks].reshape(-1, spec.slot_ints)
+    return head[:, 0], head[:, 1], head[:, 2], t[spec.table_head:]

@@ -10,6 +10,7 @@ import torch
 
 import sparta
 from sparta.target import load_target
+from sparta.compiled_model import reference_weight
 from sparta.runtime.cuda import CudaRuntimeError
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -88,7 +89,7 @@ def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, 
     fitted = _plan_scale(compiled, "linear")
     assert torch.equal(module.weight_scale, fitted.float()) and module.quant_folder
     expected = fake_quantized_weights(compiled.graph)["0.weight"]
-    torch.testing.assert_close(module.reference_weight.float(), expected.half().float(), rtol=0, atol=2e-3)
+    torch.testing.assert_close(reference_weight(module).float(), expected.half().float(), rtol=0, atol=2e-3)
     # the dense W8A8 op also carries a Hopper wgmma kernel over the same packed blocks
     dense = compiled.module_replacements()["linear_1"]
     folder, spec = dense.hopper
@@ -101,7 +102,7 @@ def test_calibrated_int8_bits_build_w8a8_kernels_that_save_and_reload(tmp_path, 
     assert torch.equal(again.wp, module.wp) and torch.equal(again.weight_scale, module.weight_scale)
     assert again.quant_folder and (Path(again.quant_folder) / "launch.json").is_file()
     # the reference weight comes back from the packed codes and scales, bit for bit, and is not stored twice
-    assert torch.equal(again.reference_weight, module.reference_weight)
+    assert torch.equal(reference_weight(again), reference_weight(module))
     from safetensors import safe_open
     with safe_open(str(tmp_path / "w8a8" / "tensors.safetensors"), "pt") as f:
         assert not any(k.endswith("reference_weight") for k in f.keys())
@@ -138,7 +139,7 @@ def test_calibrated_4bit_weights_build_w4a16_kernels_that_save_and_reload(tmp_pa
         assert "lop3.b32" in (Path(rows[op]["artifact"]) / "kernel.cu").read_text()
     expected = fake_quantized_weights(compiled.graph)
     for op, weight in (("linear", "0.weight"), ("linear_1", "2.weight")):
-        got, want = mods[op].reference_weight.float(), expected[weight].float()
+        got, want = reference_weight(mods[op]).float(), expected[weight].float()
         assert got.shape == want.shape
         # fp16 scales: each weight within one fp16 rounding of the scale (x 7.5 steps) of the fp32 one
         assert (got - want).abs().max() <= 8 * want.abs().max() * 2 ** -10
@@ -264,7 +265,7 @@ def test_decode_sized_4bit_linear_folds_group128_scales_into_the_fp32_sum(tmp_pa
     assert type(gemv).__name__ == "W4A16GemvCUDA" and gemv.spec.fold and gemv.spec.group == 128
     src = (Path(gemv.folder) / "kernel.cu").read_text()
     assert "lop3.b32" in src and "mul.f16x2" not in src
-    torch.testing.assert_close(gemv.reference_weight, dequantize(gemv.wq, gemv.scale, None, gemv.spec).half(),
+    torch.testing.assert_close(reference_weight(gemv), dequantize(gemv.wq, gemv.scale, None, gemv.spec).half(),
                                rtol=0, atol=0)
 
 
@@ -438,7 +439,7 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
     from sparta.templates.w8a8_gemv.spec import chunk_mask
     chunks = chunk_mask(torch.round(compiled.graph.tensor("0.weight").data * mask / sparse.weight_scale[:, None]))
     assert rows["linear"]["blocks"] == f"{int(chunks.sum())}x16x32" and sparse.wq.shape[0] == int(chunks.sum())
-    assert torch.equal(sparse.dense_weight() != 0, (sparse.reference_weight != 0)), "pruned chunks stay zero"
+    assert torch.equal(sparse.dense_weight() != 0, (reference_weight(sparse) != 0)), "pruned chunks stay zero"
     gemv = mods["linear_1"]
     assert type(gemv).__name__ == "W8A8GemvCUDA" and rows["linear_1"]["bits"] == "W8A8"
     assert (gemv.spec.m, gemv.spec.n, gemv.spec.k, gemv.spec.act, gemv.spec.bias) == (8, 1040, 2048, "relu", True)
@@ -450,7 +451,7 @@ def test_decode_sized_w8a8_linears_run_the_w8a8_gemv_and_save(tmp_path, monkeypa
     fitted = _plan_scale(compiled, "linear_1")
     assert torch.equal(gemv.weight_scale, fitted.float()) and gemv.wq.shape == gemv.spec.weight_shape()
     expected = fake_quantized_weights(compiled.graph)["2.weight"]
-    torch.testing.assert_close(gemv.reference_weight.float(), expected.half().float(), rtol=0, atol=2e-3)
+    torch.testing.assert_close(reference_weight(gemv).float(), expected.half().float(), rtol=0, atol=2e-3)
     loaded = sparta.load(compiled.save(tmp_path / "w8a8_gemv"))
     again = loaded.module_replacements()["linear_1"]
     assert again.spec == gemv.spec and torch.equal(again.wq, gemv.wq) and again.input_names == gemv.input_names

@@ -103,3 +103,23 @@ def test_w4a16_kernel_builds_with_lop3_dequantisation(tmp_path, monkeypatch, zer
     assert (str(0x64086408) in src) != zero          # half2(1032): the symmetric zero point is a constant
     assert sorted(art.launch["cubins"]) == ["sm_80", "sm_90"]
     assert {a["name"] for a in art.launch["args"]} == {"X", "Wp", "B", "Tab", "Y"}
+
+
+@pytest.mark.parametrize("n,k,bn,bk,group,zero,act,density,groups,seed,digests", [
+    (200, 384, 64, 128, 64, False, "float16", 0.6, 0, 1, ("6fefd3442b6893cb", "cae78c4492d099c2")),
+    (130, 256, 64, 64, 32, True, "bfloat16", 0.5, 3, 2, ("07b24a4acae5877d", "d44d7ac5cf720652")),
+    (256, 512, 128, 128, 128, False, "bfloat16", 1.0, 0, 3, ("ef7452d422fa91bb", "ca8206314ccc7e2f"))])
+def test_records_and_their_unpacking_are_pinned(n, k, bn, bk, group, zero, act, density, groups, seed, digests):
+    """The packed bytes, table and unpacked weight are those of the 64-bit element loop the vectorised packing
+    replaced (its SHA-256 prefixes): saved folders and GPU fixtures stay valid."""
+    import hashlib
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3
+    codes, scale, z = quantize_w4(w, group, zero, torch.bfloat16 if act == "bfloat16" else torch.float16)
+    spec = BsrSpec(0, n, k, bn=bn, bk=bk, dtype="w4a16", zero=zero, out=act, groups=groups)
+    mask = torch.rand(spec.row_blocks, spec.k_blocks, generator=g) < density
+    wp, table = pack_w4(codes, expand_groups(scale, group, k), None if z is None else expand_groups(z, group, k),
+                        spec, mask)
+    packed = hashlib.sha256(wp.numpy().tobytes() + table.numpy().tobytes()).hexdigest()[:16]
+    unpacked = hashlib.sha256(unpack_w4(wp, table, spec).view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+    assert (packed, unpacked) == digests
