@@ -1,0 +1,256 @@
+"""The bitmap GEMV family without a GPU: packing and unpacking at odd shapes and densities 0..1 (and a hypothesis
+property), the torch reference against the masked dense linear, an emulation of the kernel's data flow (the loads and
+bit walk it does, on the packed tensors) against the reference, spec checks, the kernel module's fake, saved form and
+op, and compile-only CUDA builds for sm_80 and sm_90."""
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from sparta.errors import SpartaError
+from sparta.runtime.cuda import CudaRuntimeError
+from sparta.templates.bitmap_gemv.spec import (BitmapGemvError, BitmapGemvSpec, BitmapPacked, bitmap_gemv_ref,
+                                               bytes_floor, pack_bitmap, unpack)
+from sparta.templates.epilogue_ref import activate
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+KNOBS = [dict(), dict(tile_rows=32, stream_cols=256), dict(tile_rows=16, stream_cols=512, warps=2),
+         dict(tile_rows=8, stream_cols=128, rows=4, inflight=2)]
+
+
+def weight_and_mask(n, k, density, dtype=torch.bfloat16, seed=0):
+    """Random weights with no zero among them (a pruned element must not pass for a kept zero) and a random mask."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w = torch.where(w.abs() < 1e-3, torch.full_like(w, 0.5), w).to(dtype)
+    return w, torch.rand(n, k, generator=g) < density
+
+
+def masked(w, mask):
+    return torch.where(mask, w, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("n, k", [(77, 200), (130, 1000), (1, 8), (33, 1031)])
+@pytest.mark.parametrize("knobs", KNOBS)
+def test_pack_unpack_round_trip(n, k, density, knobs):
+    spec = BitmapGemvSpec(n, k, **knobs)
+    w, mask = weight_and_mask(n, k, density, seed=n + k)
+    packed = pack_bitmap(w, mask, spec)
+    dense, got_mask = unpack(packed, spec)
+    assert torch.equal(got_mask, mask)
+    assert torch.equal(dense, masked(w, mask))
+    # only each stream's last piece is padded: value slots = sum over streams of ceil(kept / 8) * 8
+    assert packed.values.numel() == int(packed.offsets[-1]) * 8
+    assert packed.values.numel() - int(mask.sum()) < 8 * spec.tiles * 32
+    assert packed.values.numel() >= int(mask.sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 90), k=st.integers(1, 700), density=st.floats(0, 1), knob=st.integers(0, len(KNOBS) - 1),
+       fp16=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_pack_unpack_property(n, k, density, knob, fp16, seed):
+    knobs = KNOBS[knob]
+    spec = BitmapGemvSpec(n, k, dtype="float16" if fp16 else "bfloat16", **knobs)
+    w, mask = weight_and_mask(n, k, density, torch.float16 if fp16 else torch.bfloat16, seed)
+    dense, got_mask = unpack(pack_bitmap(w, mask, spec), spec)
+    assert torch.equal(got_mask, mask) and torch.equal(dense, masked(w, mask))
+
+
+def test_packs_a_llama_weight_in_seconds():
+    spec = BitmapGemvSpec(11008, 4096)
+    w, mask = weight_and_mask(11008, 4096, 0.5)
+    t0 = time.perf_counter()
+    packed = pack_bitmap(w, mask, spec)
+    assert time.perf_counter() - t0 < 6.0
+    floor = bytes_floor(11008, 4096, float(mask.float().mean()))
+    assert floor <= packed.nbytes() < 1.08 * floor          # last-piece padding and the tile table only
+
+
+@pytest.mark.parametrize("act", ["none", "relu", "gelu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_is_the_masked_linear(act, dtype):
+    n, k = 77, 200
+    spec = BitmapGemvSpec(n, k, rows=5, dtype="float16" if dtype == torch.float16 else "bfloat16", bias=True, act=act)
+    w, mask = weight_and_mask(n, k, 0.4, dtype)
+    bias = torch.randn(n).to(dtype)
+    x = (torch.randn(2, 3, k) / k ** 0.5).to(dtype)
+    got = bitmap_gemv_ref(x, pack_bitmap(w, mask, spec), spec, bias)
+    want = activate(x.float() @ masked(w, mask).float().t() + bias.float(), act).to(dtype)
+    assert got.shape == (2, 3, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(BitmapGemvError, match="bias"):
+        bitmap_gemv_ref(x, pack_bitmap(w, mask, spec), spec)
+
+
+def emulate(spec: BitmapGemvSpec, packed: BitmapPacked, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """The kernel's data flow in numpy (float64): per CTA its X staging (padded blocks), per warp tile the 16-byte
+    bitmap load, the ballot-ranked piece addresses, the bit walk against the loaded values, then the lane, warp and
+    split sums."""
+    R, S, CS, WS, C = spec.tile_rows, spec.lanes_per_row, spec.stream_cols, spec.words, spec.tile_cols
+    KT, NKT, W, IF = spec.range_tiles, spec.col_tiles, spec.warps, spec.inflight
+    bits = packed.bits.reshape(-1).numpy().view(np.uint32)
+    off, vals = packed.offsets.numpy(), packed.values.float().numpy().astype(np.float64)
+    xm = x.float().numpy().astype(np.float64)
+    m_rows = xm.shape[0]
+    y = np.zeros((m_rows, spec.row_tiles * R))
+    lanes = np.arange(32)
+    for rt in range(spec.row_tiles):
+        for ks in range(spec.ksplit):
+            xs = np.zeros((m_rows, spec.x_stride))
+            for b in range(KT * S):
+                for u in range(CS):
+                    col = ks * KT * C + b * CS + u
+                    if col < spec.k:
+                        xs[:, b * (CS + 8) + u] = xm[:, col]
+            part = np.zeros((W, 32, m_rows))
+            for w in range(W):
+                for i in range(-(-KT // W)):
+                    kl = w + i * W
+                    if kl >= KT or ks * KT + kl >= NKT:
+                        continue
+                    tile = rt * NKT + ks * KT + kl
+                    wd = np.array([[bits[((tile * (WS // 4) + q // 4) * 32 + lane) * 4 + q % 4] for q in range(WS)]
+                                   for lane in lanes], dtype=np.uint64)
+                    cnt = np.array([sum(bin(int(v)).count("1") for v in row) for row in wd])
+                    pieces = (cnt + 7) // 8
+                    loaded = np.zeros((32, -(-pieces.max() // IF) * IF * 8 if cnt.any() else 0))
+                    before = 0
+                    for j in range(loaded.shape[1] // 8):
+                        ballot = pieces > j
+                        rank = np.cumsum(ballot) - ballot
+                        for lane in lanes[ballot]:
+                            p = off[tile] + before + rank[lane]
+                            loaded[lane, j * 8:(j + 1) * 8] = vals[p * 8:(p + 1) * 8]
+                        before += int(ballot.sum())
+                    for lane in lanes:
+                        slot = 0
+                        for q in range(WS):
+                            word = int(wd[lane, q])
+                            while word:
+                                b = (word & -word).bit_length() - 1
+                                word &= word - 1
+                                col = (kl * S + lane % S) * (CS + 8) + q * 32 + b
+                                part[w, lane] += loaded[lane, slot] * xs[:, col]
+                                slot += 1
+                        assert slot == cnt[lane]
+            rows = part.sum(0).reshape(R, S, m_rows).sum(1)          # lanes of a row, then warps
+            y[:, rt * R:(rt + 1) * R] += rows.T
+    y = y[:, :spec.n]
+    if spec.bias:
+        y = y + bias.float().numpy()
+    return activate(torch.from_numpy(y).float(), spec.act)
+
+
+@pytest.mark.parametrize("n, k, density, knobs", [
+    (77, 200, 0.5, dict(rows=3, bias=True, act="gelu")),
+    (45, 1031, 0.3, dict(rows=2, tile_rows=32, stream_cols=256, warps=2, inflight=2)),
+    (33, 1500, 0.1, dict(rows=4, ksplit=2, warps=1, stream_cols=128)),
+    (20, 600, 1.0, dict(rows=1, tile_rows=16, stream_cols=512, inflight=4)),
+    (20, 300, 0.0, dict(rows=2, bias=True)),
+])
+def test_kernel_data_flow_gives_the_reference(n, k, density, knobs):
+    spec = BitmapGemvSpec(n, k, **knobs)
+    w, mask = weight_and_mask(n, k, density, seed=k)
+    bias = torch.randn(n).bfloat16() if spec.bias else None
+    packed = pack_bitmap(w, mask, spec)
+    x = (torch.randn(spec.rows, k) / k ** 0.5).bfloat16()
+    got = emulate(spec, packed, x, bias)
+    want = bitmap_gemv_ref(x, packed, spec, bias).float()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(rows=17), "rows=17"),
+    (dict(dtype="float32"), "dtype"),
+    (dict(act="tanh"), "activation"),
+    (dict(tile_rows=4), "tile_rows"),
+    (dict(stream_cols=64), "stream_cols"),
+    (dict(warps=3), "warps"),
+    (dict(inflight=3), "inflight"),
+    (dict(ksplit=0), "ksplit"),
+    (dict(ksplit=99), "column tiles"),
+    (dict(rows=16, k=11008), "shared memory"),
+    (dict(n=0), "positive"),
+])
+def test_bad_specs_are_refused_with_the_reason(kw, words):
+    with pytest.raises(BitmapGemvError, match=words) as info:
+        BitmapGemvSpec(**{"n": 64, "k": 4096, **kw})
+    assert isinstance(info.value, SpartaError)
+
+
+def test_pack_refuses_shapes_that_do_not_fit():
+    spec = BitmapGemvSpec(64, 256)
+    w, mask = weight_and_mask(64, 256, 0.5)
+    with pytest.raises(BitmapGemvError, match="must be \\(N, K\\)"):
+        pack_bitmap(w[:, :128], mask[:, :128], spec)
+    packed = pack_bitmap(w, mask, spec)
+    with pytest.raises(BitmapGemvError, match="do not match"):
+        unpack(BitmapPacked(packed.bits, packed.offsets, packed.values[8:]), spec)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Two kernels: bf16 with PDL, one row; fp16 bias + SiLU, 4 rows, K split over 3 CTAs, no PDL, K % 8 != 0."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    from sparta.templates.bitmap_gemv.build import build_kernel
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPARTA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    out = tmp_path_factory.mktemp("kernels")
+    specs = {"bm_one": BitmapGemvSpec(300, 1024, name="bm_one"),
+             "bm_split": BitmapGemvSpec(77, 1203, rows=4, dtype="float16", bias=True, act="silu", ksplit=3, warps=2,
+                                        pdl=False, name="bm_split")}
+    try:
+        yield {name: (spec, build_kernel(spec, out)) for name, spec in specs.items()}
+    finally:
+        mp.undo()
+
+
+@needs_nvcc
+def test_builds_for_sm80_and_sm90(built):
+    for name, (spec, folder) in built.items():
+        launch = json.loads((folder / "launch.json").read_text())
+        assert sorted(launch["cubins"]) == ["sm_80", "sm_90"] and bool(launch.get("pdl")) == spec.pdl
+        assert launch["grid"] == [spec.row_tiles, spec.ksplit, 1] and launch["block"] == [32 * spec.warps, 1, 1]
+        assert launch["shared_bytes"] == spec.shared_bytes
+        args = {a["name"] for a in launch["args"]}
+        assert args == {"X", "Bits", "Off", "Vals", "Y", "M"} | ({"B"} if spec.bias else set()) \
+            | ({"P", "Cnt"} if spec.ksplit > 1 else set())
+        src = (folder / "kernel.cu").read_text()
+        assert "__ballot_sync" in src and "__ffs" in src and "__reduce_max_sync" in src
+        assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
+
+
+@needs_nvcc
+def test_module_packs_fakes_saves_and_refuses_cpu_inputs(built):
+    from sparta.templates.bitmap_gemv.runtime import BitmapLinearCUDA
+    spec, folder = built["bm_split"]
+    w, mask = weight_and_mask(spec.n, spec.k, 0.3, torch.float16)
+    bias = torch.randn(spec.n)
+    module = BitmapLinearCUDA.from_weight(folder, w, mask, bias)
+    assert module.spec == spec and module.split_C.shape == (spec.row_tiles,) and not module.split_C.any()
+    assert torch.equal(module.dense_weight(), masked(w, mask))
+    config, tensors, folders = module.saved_state()
+    assert sorted(tensors) == ["bias", "bits", "offsets", "values"] and list(folders) == ["bm_split"]
+    loaded = BitmapLinearCUDA.from_saved(json.loads(json.dumps(config)), tensors, folders)
+    assert loaded.spec == spec and torch.equal(loaded.values, module.values)
+    x = torch.randn(2, 2, spec.k).half()
+    rows = x.view(4, spec.k)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        y, = torch.ops.sparta.bitmap_gemv(module.kernel_key, [mode.from_tensor(rows)],
+                                          [mode.from_tensor(t) for t in module.kernel_weights()])
+    assert y.shape == (4, spec.n) and y.dtype == torch.float16
+    with pytest.raises(CudaRuntimeError, match="CUDA"):
+        module(x)
+    with pytest.raises(BitmapGemvError, match="bias"):
+        BitmapLinearCUDA.from_weight(folder, w, mask, None)
+    other, _ = built["bm_one"]
+    with pytest.raises(BitmapGemvError, match="bits must be"):
+        BitmapLinearCUDA(folder, spec, pack_bitmap(*weight_and_mask(other.n, other.k, 0.5), other), bias)
