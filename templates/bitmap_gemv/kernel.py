@@ -63,7 +63,7 @@ def bitmap_gemv(spec: BitmapGemvSpec):
         return T.call_pure_extern("int32", "__ffs", T.reinterpret("int32", w))
 
     @T.macro
-    def stage_x(X, xs, M, tx, ks):
+    def stage_x(X, xs, xp, M, tx, ks):
         # X[m, the range's columns] -> xs[m, stream block b: b * (CS + 8) + u] in fp32, zero past K
         for m in T.serial(M):
             for it in T.serial((STAGE + NT - 1) // NT):
@@ -73,8 +73,10 @@ def bitmap_gemv(spec: BitmapGemvSpec):
                         col = T.meta_var(ks * KT * C + i * 8)
                         dst = T.meta_var(m * XS + (i // (CS // 8)) * (CS + 8) + i % (CS // 8) * 8)
                         if col < K:
+                            for v in T.vectorized(8):
+                                xp[v] = X[m, col + v]
                             for v in T.unroll(8):
-                                xs[dst + v] = to_f32(X[m, col + v], ACT)
+                                xs[dst + v] = to_f32(xp[v], ACT)
                         else:
                             for v in T.unroll(8):
                                 xs[dst + v] = T.float32(0)
@@ -82,6 +84,49 @@ def bitmap_gemv(spec: BitmapGemvSpec):
                         col = T.meta_var(ks * KT * C + i)
                         xs[m * XS + (i // CS) * (CS + 8) + i % CS] = T.if_then_else(
                             col < K, to_f32(X[m, T.min(col, K - 1)], ACT), T.float32(0))
+
+    @T.macro
+    def tile_head(Bits, Off, wd, st, cur, tile, lane):
+        # the lane's bitmap words of ``tile`` (16-byte loads), its kept count and pieces, the tile's first piece
+        for q4 in T.unroll(WS // 4):
+            for v in T.vectorized(4):
+                wd[q4 * 4 + v] = Bits[((tile * (WS // 4) + q4) * 32 + lane) * 4 + v]
+        st[2] = Off[tile]
+        st[0] = 0
+        for q in T.unroll(WS):
+            st[0] = st[0] + popc(wd[q])
+        st[1] = (st[0] + 7) // 8
+        st[3] = 0
+        st[4] = 0
+        st[5] = warp_max(st[1])
+        cur[0] = T.Cast("uint32", wd[0])
+
+    @T.macro
+    def load_batch(Vals, wv, st, bal, t, below):
+        # the lane's pieces t * IF .. + IF - 1, all in flight: piece j of the lanes having one lie side by side
+        for o in T.unroll(IF):
+            bal[0] = ballot(T.Cast("int32", st[1] > t * IF + o))
+            if st[1] > t * IF + o:
+                for v in T.vectorized(8):
+                    wv[o * 8 + v] = Vals[(st[2] + st[3] + popc(bal[0] & below)) * 8 + v]
+            st[3] = st[3] + popc(bal[0])
+
+    @T.macro
+    def walk_batch(M, xs, wd, wv, st, cur, acc, tot, t, x0):
+        # each loaded value against X at its column: the next set bit (the next word where one runs out)
+        for o in T.unroll(IF):
+            if st[1] > t * IF + o:
+                for e in T.unroll(8):
+                    if (t * IF + o) * 8 + e < st[0]:
+                        while cur[0] == T.uint32(0):
+                            st[4] = st[4] + 1
+                            cur[0] = T.Cast("uint32", wd[st[4]])
+                        col = T.meta_var(x0 + st[4] * 32 + ffs(cur[0]) - 1)
+                        tot[0] = to_f32(wv[o * 8 + e], ACT)
+                        for m in T.unroll(MR):
+                            if m < M:
+                                acc[m] = acc[m] + tot[0] * xs[m * XS + col]
+                        cur[0] = cur[0] & (cur[0] - T.uint32(1))
 
     @T.prim_func
     def kernel(x_h: T.handle, bits_h: T.handle, off_h: T.handle, vals_h: T.handle, b_h: T.handle, y_h: T.handle,
@@ -104,8 +149,9 @@ def bitmap_gemv(spec: BitmapGemvSpec):
         arrived = T.alloc_buffer((1,), "int32", scope="shared")
         wd = T.alloc_buffer((WS,), "int32", scope="local")
         wv = T.alloc_buffer((IF * 8,), "float16", scope="local")
+        xp = T.alloc_buffer((8,), "float16", scope="local")
         acc = T.alloc_buffer((MR,), "float32", scope="local")
-        st = T.alloc_buffer((5,), "int32", scope="local")      # kept count, pieces, value base, pieces before, word
+        st = T.alloc_buffer((6,), "int32", scope="local")  # kept, pieces, value base, pieces before, word, warp's pieces
         cur = T.alloc_buffer((1,), "uint32", scope="local")     # the unread bits of the current word
         bal = T.alloc_buffer((1,), "uint32", scope="local")
         tot = T.alloc_buffer((2,), "float32", scope="local")
@@ -113,48 +159,28 @@ def bitmap_gemv(spec: BitmapGemvSpec):
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
         s = T.meta_var(lane % S)              # the lane's stream in its row
+        kl0 = T.meta_var(warp)                # the warp's first tile in the CTA's range
         below = T.meta_var(T.shift_left(T.uint32(1), T.Cast("uint32", lane)) - T.uint32(1))
-        if PDL:
+        if kl0 < KT and ks * KT + kl0 < NKT:  # the first tile's bitmap and first pieces: weights, not X
+            tile_head(Bits, Off, wd, st, cur, rt * NKT + ks * KT + kl0, lane)
+            if st[5] > 0:
+                load_batch(Vals, wv, st, bal, 0, below)
+        if PDL:                               # X (the previous kernel's output) and every write after it
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
-        stage_x(X, xs, M, tx, ks)
+        stage_x(X, xs, xp, M, tx, ks)
         for m in T.unroll(MR):
             acc[m] = T.float32(0)
         T.tvm_storage_sync("shared")
         for i in T.serial(TPW):
             kl = T.meta_var(warp + i * W)     # the tile within the CTA's range
             if kl < KT and ks * KT + kl < NKT:
-                tile = T.meta_var(rt * NKT + ks * KT + kl)
-                for q4 in T.unroll(WS // 4):
-                    for v in T.vectorized(4):
-                        wd[q4 * 4 + v] = Bits[((tile * (WS // 4) + q4) * 32 + lane) * 4 + v]
-                st[2] = Off[tile]
-                st[0] = 0
-                for q in T.unroll(WS):
-                    st[0] = st[0] + popc(wd[q])
-                st[1] = (st[0] + 7) // 8
-                st[3] = 0
-                st[4] = 0
-                cur[0] = T.Cast("uint32", wd[0])
-                for t in T.serial((warp_max(st[1]) + IF - 1) // IF):
-                    for o in T.unroll(IF):    # the lane's next IF pieces, all in flight
-                        bal[0] = ballot(T.Cast("int32", st[1] > t * IF + o))
-                        if st[1] > t * IF + o:
-                            for v in T.vectorized(8):
-                                wv[o * 8 + v] = Vals[(st[2] + st[3] + popc(bal[0] & below)) * 8 + v]
-                        st[3] = st[3] + popc(bal[0])
-                    for o in T.unroll(IF):
-                        for e in T.unroll(8):
-                            if (t * IF + o) * 8 + e < st[0]:
-                                while cur[0] == T.uint32(0):
-                                    st[4] = st[4] + 1
-                                    cur[0] = T.Cast("uint32", wd[st[4]])
-                                col = T.meta_var((kl * S + s) * (CS + 8) + st[4] * 32 + ffs(cur[0]) - 1)
-                                tot[0] = to_f32(wv[o * 8 + e], ACT)
-                                for m in T.unroll(MR):
-                                    if m < M:
-                                        acc[m] = acc[m] + tot[0] * xs[m * XS + col]
-                                cur[0] = cur[0] & (cur[0] - T.uint32(1))
+                if i > 0:
+                    tile_head(Bits, Off, wd, st, cur, rt * NKT + ks * KT + kl, lane)
+                for t in T.serial((st[5] + IF - 1) // IF):
+                    if i > 0 or t > 0:
+                        load_batch(Vals, wv, st, bal, t, below)
+                    walk_batch(M, xs, wd, wv, st, cur, acc, tot, t, (kl * S + s) * (CS + 8))
         for m in T.unroll(MR):                # the lanes of a row, then the warps
             for b in T.unroll(STEPS):
                 T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[1], acc[m], T.uint32(1 << b), T.uint32(31), FULL))
