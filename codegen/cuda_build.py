@@ -137,9 +137,16 @@ def _build_one(template, spec) -> None:
     build_cuda(template, spec)
 
 
-def cuda_source(template, spec) -> str:
-    """The CUDA C TVM emits for ``template(spec)``, the ``kernel.cu`` that ``build_cuda`` compiles (no nvcc)."""
+def tvm_source(template, spec) -> str:
+    """The CUDA C TVM emits for ``template(spec)`` (no nvcc)."""
     return _emit(template(spec), spec.name, _archs(spec)[0])
+
+
+def cuda_source(template, spec) -> str:
+    """The ``kernel.cu`` that ``build_cuda`` compiles for ``template(spec)``: TVM's source, with
+    :func:`coherent_params` for a kernel built for programmatic dependent launch (no nvcc)."""
+    source = tvm_source(template, spec)
+    return coherent_params(source) if getattr(spec, "pdl", False) else source
 
 
 def cuda_templates() -> dict:

@@ -52,10 +52,8 @@ def _model_dtype(graph: Graph) -> str | None:
 
 
 def enabled() -> bool:
-    """Off unless ``SPARTA_DECODE_ATTENTION=1``: inside generate()'s CUDA graphs the kernel's tokens differ from the
-    same steps run eagerly, though it matches its reference eagerly and in a graph of its own (docs/notes/
-    decode-attention-in-graphs.md); until that is found, decode steps keep torch's SDPA."""
-    return os.environ.get("SPARTA_DECODE_ATTENTION", "0") == "1"
+    """On unless ``SPARTA_DECODE_ATTENTION=0`` (decode steps then keep torch's SDPA)."""
+    return os.environ.get("SPARTA_DECODE_ATTENTION", "1") != "0"
 
 
 def decode_attention(graph: Graph, chunk: int = 64, threads: int = 128):

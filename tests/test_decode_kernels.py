@@ -22,14 +22,14 @@ def compiled():
     pytest.importorskip("tvm", reason="builds CUDA kernels")
     import sparta
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPARTA_DECODE_ATTENTION", "1")
+        mp.delenv("SPARTA_DECODE_ATTENTION", raising=False)       # on by default
         return _compile(sparta)
 
 
-def test_off_by_default_no_decode_kernel_is_planned(monkeypatch):
+def test_turned_off_no_decode_kernel_is_planned(monkeypatch):
     pytest.importorskip("tvm", reason="builds CUDA kernels")
     import sparta
-    monkeypatch.delenv("SPARTA_DECODE_ATTENTION", raising=False)
+    monkeypatch.setenv("SPARTA_DECODE_ATTENTION", "0")
     plain = _compile(sparta)
     assert plain.plan.decode == {} and plain.decode_modules == {}
     assert "generate() decode steps" not in plain.plan_report()

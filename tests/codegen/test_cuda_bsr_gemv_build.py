@@ -104,3 +104,24 @@ def test_one_block_in_flight_and_one_row_build(tmp_path, monkeypatch):
     assert "kb_ptr[1] =" not in body
     loop = body[body.index("for (int t = 0;"):]
     assert loop.index("kb_ptr[0] = ") < loop.index("sparta_grid_wait();") < loop.index("X_ptr")
+
+
+@needs_nvcc
+def test_a_programmatically_dependent_kernel_reads_its_input_coherently(tmp_path, monkeypatch):
+    """Built for PDL, the GEMV's pointers lose ``__restrict__``: nvcc's PTX then reads X with ordinary loads, none of
+    them the non-coherent ``ld.global.nc`` that ptxas moved above ``griddepcontrol.wait`` (a kernel launched while its
+    predecessor still wrote X read stale X). Built without PDL, the pointers stay restrict and the loads read-only (it waits for nothing)."""
+    import subprocess
+    monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
+    ptx = {}
+    for pdl in (True, False):
+        spec = BsrGemvSpec(96, 64, rows=4, pdl=pdl, name=f"probe_gemv_pdl{int(pdl)}")
+        art = build_cuda(bsr_gemv, spec)
+        src = (art.path / "kernel.cu").read_text()
+        assert (src == cuda_source(bsr_gemv, spec)) and (("__restrict__" in src) != pdl)
+        out = tmp_path / f"{spec.name}.ptx"
+        subprocess.run(["nvcc", "-arch=sm_90", "-ptx", str(art.path / "kernel.cu"), "-o", str(out)], check=True)
+        ptx[pdl] = out.read_text()
+    wait = ptx[True].index("griddepcontrol.wait")
+    assert "ld.global.nc" not in ptx[True] and "ld.global" in ptx[True][wait:]
+    assert "ld.global.nc" in ptx[False]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fixtures.cuda_specs import fixture_specs
 
-from sparta.codegen.cuda_build import cuda_source, cuda_templates
+from sparta.codegen.cuda_build import cuda_templates, tvm_source
 
 MANIFEST = json.loads(Path(__file__).with_name("cuda_sources.json").read_text())["sources"]
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -36,7 +36,7 @@ SAMPLE = ("t_odd_gelu",                          # bsr_linear, mma.sync: fp16, t
 
 
 def digest(template, spec) -> str:
-    return hashlib.sha256(cuda_source(template, spec).encode()).hexdigest()
+    return hashlib.sha256(tvm_source(template, spec).encode()).hexdigest()
 
 
 def benchmark_specs() -> tuple[dict, dict]:
