@@ -1,0 +1,211 @@
+"""sparta's unstructured sparse GEMV (bitmap + kept values) at Llama-7B's decode shapes against cuBLAS, CSR and BSR.
+
+    python benchmarks/bench_cuda_bitmap_gemv.py --build [DIR]          # TVM + nvcc: kernels + manifest.json into DIR
+    python benchmarks/bench_cuda_bitmap_gemv.py [--dir DIR] [--out FILE] [--only NAME ...]   # the GPU (no TVM)
+
+Shapes (N×K): 4096×4096, 11008×4096 and 4096×11008, bf16, no bias; 50%, 70% and 90% of the weights pruned by a
+seeded uniform random mask, M = 1 and 16. The kernels depend only on the shape and their knobs (not the mask), so
+each variant is built once per shape and rows: for M = 1 a small sweep of ``tile_rows`` / ``stream_cols`` / ``warps``
+/ ``inflight``, for M = 16 of the tiles and K-split ranges (X of 16 rows in fp32 must fit shared memory). The build
+keeps sm_90 cubins only, no CUDA source; ``manifest.json`` lists every kernel with its spec.
+
+On the GPU each weight is made on the GPU from a seed, packed once per format (``pack_bitmap``, on the CPU), copied
+to rotate past the L2 and checked against the masked dense linear before timing; then timed kernel-only (CUDA graphs
+of 40 calls, ``common.gpu_kernel_us``) beside cuBLAS (``F.linear`` on the dense weight), torch CSR (``to_sparse_csr``
+then ``torch.sparse.mm``) and BSR (16×16 blocks) where they run. ``floor`` is the packed format's least bytes (kept
+values and one bit an element) at the measured copy bandwidth. Prints one table per shape, density and M, fastest
+first, with the ratio to cuBLAS and the fraction of the floor reached; the JSON has every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import gpu_kernel_us, save  # noqa: E402
+
+OUT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
+           ).parent / "cuda_bitmap_gemv"
+SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
+DENSITIES = (0.5, 0.3, 0.1)
+ARCHS = ("sm_90",)
+ROTATE_BYTES = 160e6
+# M = 1: (tile_rows, stream_cols, warps, inflight)
+ONE_ROW = {"t8c128w8i8": (8, 128, 8, 8), "t8c256w8i8": (8, 256, 8, 8), "t16c512w4i8": (16, 512, 4, 8),
+           "t32c512w4i16": (32, 512, 4, 16), "t8c128w4i4": (8, 128, 4, 4)}
+# M = 16: (tile_rows, stream_cols, tiles per CTA range (= warps), inflight)
+SIXTEEN_ROWS = {"t8c128r1i8": (8, 128, 1, 8), "t8c128r2i4": (8, 128, 2, 4), "t32c256r2i8": (32, 256, 2, 8),
+                "t16c256r1i8": (16, 256, 1, 8)}
+
+
+def kernels() -> dict:
+    """Kernel name (its folder) -> spec."""
+    from sparta.templates.bitmap_gemv.spec import BitmapGemvSpec
+    specs = {}
+    for shape, (n, k) in SHAPES.items():
+        for variant, (tr, cs, w, inflight) in ONE_ROW.items():
+            name = f"bm_{shape}_r1_{variant}"
+            specs[name] = BitmapGemvSpec(n, k, rows=1, tile_rows=tr, stream_cols=cs, warps=w, inflight=inflight,
+                                         name=name)
+        for variant, (tr, cs, per_cta, inflight) in SIXTEEN_ROWS.items():
+            col_tiles = -(-k // (32 // tr * cs))
+            name = f"bm_{shape}_r16_{variant}"
+            specs[name] = BitmapGemvSpec(n, k, rows=16, tile_rows=tr, stream_cols=cs, warps=per_cta,
+                                         inflight=inflight, ksplit=-(-col_tiles // per_cta), name=name)
+    return specs
+
+
+def build(folder: Path, jobs: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    from sparta.codegen.cuda_build import build_cuda, save_dir
+    from sparta.templates.bitmap_gemv.kernel import bitmap_gemv
+    specs = kernels()
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    def one(item):
+        name, spec = item
+        art = build_cuda(bitmap_gemv, spec, archs=ARCHS)
+        dest = folder / name
+        shutil.rmtree(dest, ignore_errors=True)
+        save_dir(art, dest)
+        (dest / "kernel.cu").unlink(missing_ok=True)
+        return name, spec, art
+
+    manifest = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for name, spec, art in pool.map(one, specs.items()):
+            print(f"{name}: grid {art.launch['grid']} block {art.launch['block']} smem {spec.shared_bytes}"
+                  f"{' (cached)' if art.cached else ''}", flush=True)
+            manifest.append({"name": name, "spec": spec.key()})
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    print(f"{len(specs)} kernels ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f} s into {folder}")
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 256 MiB device-to-device copy, bytes read plus written."""
+    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10) / 1e3
+
+
+def weight_and_mask(n: int, k: int, density: float, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    return w, torch.rand(n, k, device="cuda", generator=g) < density
+
+
+def peers(w_masked: torch.Tensor, xs: list, sets: int) -> dict:
+    """µs of cuBLAS, CSR and BSR on the masked weight (None where torch cannot run one)."""
+    dense = [w_masked] + [w_masked.clone() for _ in range(sets - 1)]
+    out = {"cublas": gpu_kernel_us(lambda i: F.linear(xs[i], dense[i]), sets)}
+    for name, make in (("csr", lambda: w_masked.to_sparse_csr()), ("bsr16", lambda: w_masked.to_sparse_bsr((16, 16)))):
+        try:
+            sp = make()
+            xt = [x.t().contiguous() for x in xs]
+            torch.sparse.mm(sp, xt[0])
+            out[name] = gpu_kernel_us(lambda i, sp=sp: torch.sparse.mm(sp, xt[i]), len(xt))
+        except Exception as exc:  # noqa: BLE001 - a peer torch cannot run here is reported, not fatal
+            out[name] = None
+            print(f"  {name}: not run ({str(exc).splitlines()[0][:90]})", flush=True)
+    return out
+
+
+def bench_case(shape: str, density: float, manifest: list, root: Path, bw: float, only) -> list[dict]:
+    from sparta.templates.bitmap_gemv.runtime import BitmapGemvOp
+    from sparta.templates.bitmap_gemv.spec import BitmapGemvSpec, bytes_floor, pack_bitmap
+    n, k = SHAPES[shape]
+    w, mask = weight_and_mask(n, k, density, seed=n * 7 + k + int(density * 100))
+    w_masked = torch.where(mask, w, torch.zeros_like(w))
+    floor = bytes_floor(n, k, float(mask.float().mean()))
+    w_cpu, mask_cpu = w.cpu(), mask.cpu()
+    packs, rows = {}, []
+    for m in (1, 16):
+        sets = max(2, math.ceil(ROTATE_BYTES / floor))
+        g = torch.Generator(device="cuda").manual_seed(m)
+        xs = [torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(sets)]
+        want = (xs[0].float() @ w_masked.float().t()).bfloat16().float()
+        us = {f"{key}": t for key, t in peers(w_masked, xs, min(sets, max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))))
+              .items()}
+        for entry in manifest:
+            spec = BitmapGemvSpec(**entry["spec"])
+            if (spec.n, spec.k) != (n, k) or spec.rows != m or (only and entry["name"] not in only):
+                continue
+            fmt = (spec.tile_rows, spec.stream_cols)
+            if fmt not in packs:
+                t0 = time.perf_counter()
+                packs[fmt] = pack_bitmap(w_cpu, mask_cpu, spec).to("cuda")
+                print(f"  packed {shape} density {density} as {fmt} in {time.perf_counter() - t0:.2f} s "
+                      f"({packs[fmt].nbytes() / floor:.3f} of the floor's bytes)", flush=True)
+            packed = packs[fmt]
+            copies = [packed] + [type(packed)(packed.bits.clone(), packed.offsets.clone(), packed.values.clone())
+                                 for _ in range(max(2, math.ceil(ROTATE_BYTES / packed.nbytes())) - 1)]
+            ops = [BitmapGemvOp(root / entry["name"], spec, p, None) for p in copies]
+            got = ops[0](xs[0]).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            if not err < 2e-2:
+                raise SystemExit(f"{entry['name']} is wrong at density {density}, M={m}: relative error {err:.3g}")
+            us[entry["name"]] = gpu_kernel_us(lambda i: ops[i % len(ops)](xs[i % len(xs)]), len(ops))
+        floor_us = floor / bw / 1e3
+        for name, t in us.items():
+            rows.append({"shape": shape, "n": n, "k": k, "density": density, "m": m, "kernel": name,
+                         "us": None if t is None else round(t, 3),
+                         "over_cublas": None if t is None else round(us["cublas"] / t, 3),
+                         "of_floor": None if t is None else round(floor_us / t, 3), "floor_us": round(floor_us, 3)})
+        table = sorted((r for r in rows if r["m"] == m and r["us"] is not None), key=lambda r: r["us"])
+        print(f"{shape} kept {density:.0%} M={m}: floor {floor_us:.2f} µs ({floor / 1e6:.1f} MB)", flush=True)
+        for r in table:
+            print(f"  {r['kernel']:<34} {r['us']:8.2f} µs  {r['over_cublas']:5.2f}x cuBLAS  {r['of_floor']:5.2f} of "
+                  "floor", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", nargs="?", const=str(OUT), metavar="DIR",
+                    help=f"build the kernels (TVM + nvcc) into DIR (default {OUT}) instead of timing them")
+    ap.add_argument("--dir", default=str(OUT), help="the built kernels' folder, when timing")
+    ap.add_argument("--out", metavar="FILE", help="also write the results JSON to FILE")
+    ap.add_argument("--only", nargs="*", help="kernel names to time (default: all in the manifest)")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    if args.build:
+        build(Path(args.build), args.jobs)
+        return
+    root = Path(args.dir)
+    manifest = json.loads((root / "manifest.json").read_text())
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
+    rows = []
+    for shape in SHAPES:
+        for density in DENSITIES:
+            rows += bench_case(shape, density, manifest, root, bw, set(args.only or ()))
+    best = {}
+    for r in rows:
+        if r["kernel"].startswith("bm_") and r["us"] is not None:
+            key = f"{r['shape']} kept {r['density']:.0%} M={r['m']}"
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = {"kernel": r["kernel"], "us": r["us"], "over_cublas": r["over_cublas"],
+                             "of_floor": r["of_floor"]}
+    print("best sparta variant per case:")
+    for key, b in best.items():
+        print(f"  {key:<28} {b['kernel']:<34} {b['over_cublas']:5.2f}x cuBLAS  {b['of_floor']:5.2f} of floor")
+    payload = {"device": torch.cuda.get_device_name(), "copy_GBps": bw, "rows": rows, "best": best}
+    print(f"wrote {save('bitmap_gemv', payload)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(payload, indent=1))
+
+
+if __name__ == "__main__":
+    main()
