@@ -2,15 +2,16 @@
 
 Grid: (row tiles, ``ksplit``). A CTA stages the X columns of its range in shared memory as fp32 (8 pad words after
 each stream's columns, so the lanes of a row read different banks), then its warps take the range's column tiles
-round robin. Per tile a lane loads its stream's bitmap words (16-byte loads, the warp's 512 contiguous bytes) and
-keeps them in shared memory (word ``q`` of lane ``l`` at ``[q][l]``: any word a lane asks for is in its own bank),
-counts its kept values, and loads its value pieces ``inflight`` at a time, all in flight before the first product:
-piece ``j`` of the lanes that have one lie side by side, a lane's place among them the popcount of a ballot. Then it
-walks its set bits in order (``__ffs``, clear the lowest; the next word when one runs out) against its values and
-the staged X: one fp32 FMA per kept value and row. The lanes of a row add by shuffles, the warps through shared
-memory; bias and activation in the epilogue. ``ksplit > 1``: each CTA leaves its fp32 partials in ``P`` and counts
-itself in ``C`` after a fence; the last of a row tile's CTAs sums them in split order (deterministic), writes ``Y``
-and resets its counter. ``pdl``: built for programmatic dependent launch; it waits before its first read.
+round robin. Per tile a lane loads its stream's bitmap words (16-byte loads, the warp's 512 contiguous bytes),
+counts its kept values (``__popc``) and loads its value pieces ``inflight`` at a time, all in flight before the
+first product: piece ``j`` of the lanes that have one lie side by side, a lane's place among them the popcount of a
+ballot. Then it walks its set bits, highest first (``__clz``; the next word when one runs out), the order the values
+are stored in, against its values and the staged X: one fp32 FMA per kept value and row; whole pieces unguarded,
+the last one value by value. The lanes of a row add by shuffles, the warps through shared memory; bias and
+activation in the epilogue. ``ksplit > 1``: each CTA leaves its fp32 partials in ``P`` and counts itself in ``C``
+after a fence; the last of a row tile's CTAs sums them in split order (deterministic), writes ``Y`` and resets its
+counter. ``pdl``: the first tile's bitmap and value pieces (weights) load before ``griddepcontrol.wait``; X and every
+write after it.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def bitmap_gemv(spec: BitmapGemvSpec):
     def popc(w):
         return T.call_pure_extern("int32", "__popc", T.Cast("uint32", w))
 
-    def ffs(w):
-        return T.call_pure_extern("int32", "__ffs", T.reinterpret("int32", w))
+    def clz(w):
+        return T.call_pure_extern("int32", "__clz", T.reinterpret("int32", w))
 
     @T.macro
     def stage_x(X, xs, xp, M, tx, ks):
@@ -112,21 +113,30 @@ def bitmap_gemv(spec: BitmapGemvSpec):
             st[3] = st[3] + popc(bal[0])
 
     @T.macro
+    def walk_step(M, xs, wd, wv, st, cur, acc, tot, slot, x0):
+        # value ``slot`` of the loaded pieces against X at its column: the current word's highest set bit (the next
+        # word where one runs out), then that bit cleared
+        while cur[0] == T.uint32(0):
+            st[4] = st[4] + 1
+            cur[0] = T.Cast("uint32", wd[st[4]])
+        st[6] = clz(cur[0])
+        tot[0] = to_f32(wv[slot], ACT)
+        for m in T.unroll(MR):
+            if m < M:
+                acc[m] = acc[m] + tot[0] * xs[m * XS + x0 + st[4] * 32 + 31 - st[6]]
+        cur[0] = cur[0] ^ (T.uint32(0x80000000) >> T.Cast("uint32", st[6]))
+
+    @T.macro
     def walk_batch(M, xs, wd, wv, st, cur, acc, tot, t, x0):
-        # each loaded value against X at its column: the next set bit (the next word where one runs out)
+        # each loaded value against X: whole pieces unguarded, a lane's last piece value by value
         for o in T.unroll(IF):
-            if st[1] > t * IF + o:
+            if (t * IF + o + 1) * 8 <= st[0]:
+                for e in T.unroll(8):
+                    walk_step(M, xs, wd, wv, st, cur, acc, tot, o * 8 + e, x0)
+            elif t * IF + o < st[1]:
                 for e in T.unroll(8):
                     if (t * IF + o) * 8 + e < st[0]:
-                        while cur[0] == T.uint32(0):
-                            st[4] = st[4] + 1
-                            cur[0] = T.Cast("uint32", wd[st[4]])
-                        col = T.meta_var(x0 + st[4] * 32 + ffs(cur[0]) - 1)
-                        tot[0] = to_f32(wv[o * 8 + e], ACT)
-                        for m in T.unroll(MR):
-                            if m < M:
-                                acc[m] = acc[m] + tot[0] * xs[m * XS + col]
-                        cur[0] = cur[0] & (cur[0] - T.uint32(1))
+                        walk_step(M, xs, wd, wv, st, cur, acc, tot, o * 8 + e, x0)
 
     @T.prim_func
     def kernel(x_h: T.handle, bits_h: T.handle, off_h: T.handle, vals_h: T.handle, b_h: T.handle, y_h: T.handle,
@@ -151,7 +161,8 @@ def bitmap_gemv(spec: BitmapGemvSpec):
         wv = T.alloc_buffer((IF * 8,), "float16", scope="local")
         xp = T.alloc_buffer((8,), "float16", scope="local")
         acc = T.alloc_buffer((MR,), "float32", scope="local")
-        st = T.alloc_buffer((6,), "int32", scope="local")  # kept, pieces, value base, pieces before, word, warp's pieces
+        st = T.alloc_buffer((7,), "int32", scope="local")  # kept, pieces, value base, pieces before, word, warp's
+        #                                                     pieces, the bit's clz
         cur = T.alloc_buffer((1,), "uint32", scope="local")     # the unread bits of the current word
         bal = T.alloc_buffer((1,), "uint32", scope="local")
         tot = T.alloc_buffer((2,), "float32", scope="local")

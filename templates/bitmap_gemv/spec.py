@@ -10,8 +10,8 @@ of them). Per tile:
 
 * ``bits`` (int32, ``(tiles, stream_cols / 128, 32, 4)``): lane ``l``'s bitmap words, four per 16-byte piece, so a
   warp's bitmap load is 512 contiguous bytes; bit ``b`` of word ``q`` is column ``32q + b`` of the stream;
-* ``values`` (16-bit, pieces of 8): each stream's kept values in column order, cut into pieces of 8 (the last one
-  zero-padded). A tile stores piece 0 of every lane that has one (lanes in order), then piece 1 of every lane that
+* ``values`` (16-bit, pieces of 8): each stream's kept values in the kernel's walk order (word by word, within a
+  word from its highest column down: one ``clz`` finds the next), cut into pieces of 8 (the last one zero-padded). A tile stores piece 0 of every lane that has one (lanes in order), then piece 1 of every lane that
   has one, ...: the lanes loading their ``j``-th piece read consecutive 16-byte pieces (a lane's place among them is
   the popcount of a ballot), and nothing but a stream's last piece is padded;
 * ``offsets`` (int32, ``tiles + 1``): the first piece of each tile (the last entry: all pieces).
@@ -20,7 +20,7 @@ Tiles are numbered ``rt · col_tiles + kt``. Rows past N and columns past K are 
 
 The kernel (``kernel.py``): a CTA owns a row tile and a range of column tiles (all of them, or a ``ksplit``-th),
 stages its X columns in shared memory as fp32, and its warps take the range's tiles round robin; each lane walks
-its set bits (``__ffs``) against its values. ``M`` is a kernel argument: one build serves every row count up to
+its set bits (``__clz``, highest first) against its values. ``M`` is a kernel argument: one build serves every row count up to
 ``rows``.
 """
 
@@ -172,6 +172,12 @@ def _unstreams(s: torch.Tensor, spec: BitmapGemvSpec) -> torch.Tensor:
     return full.reshape(spec.row_tiles * R, spec.col_tiles * spec.tile_cols)[:spec.n, :spec.k]
 
 
+def _walk_order(a: np.ndarray, spec: BitmapGemvSpec) -> np.ndarray:
+    """Streams (rows of ``a``) in the kernel's walk order: word by word, within a word from its highest column down
+    (a copy)."""
+    return np.ascontiguousarray(a.reshape(-1, spec.words, 32)[:, :, ::-1]).reshape(a.shape)
+
+
 def _piece_slots(counts: torch.Tensor, spec: BitmapGemvSpec) -> tuple[torch.Tensor, torch.Tensor, int]:
     """For stream counts (tiles, 32): the (tiles, pmax, 32) bool of the pieces stored (lane has a j-th piece), in
     storage order, the offsets (tiles + 1,) and pmax."""
@@ -202,7 +208,7 @@ def pack_bitmap(weight: torch.Tensor, mask: torch.Tensor, spec: BitmapGemvSpec) 
     counts = m.sum(1, dtype=torch.int32)                                   # kept values per stream
     stored, offsets, pmax = _piece_slots(counts.view(T, 32), spec)
     # each stream's kept values first, in column order (numpy: boolean indexing of 16-bit words, row-major)
-    kept = w.view(torch.int16).numpy()[m.numpy()]
+    kept = _walk_order(w.view(torch.int16).numpy(), spec)[_walk_order(m.numpy(), spec)]
     first = np.arange(pmax * 8)[None, :] < counts.numpy()[:, None]
     compact = np.zeros((T * 32, pmax * 8), dtype=np.int16)
     compact[first] = kept
@@ -232,7 +238,8 @@ def unpack(packed: BitmapPacked, spec: BitmapGemvSpec) -> tuple[torch.Tensor, to
     compact = compact.permute(0, 2, 1, 3).reshape(spec.tiles * 32, pmax * 8)
     first = np.arange(pmax * 8)[None, :] < counts.numpy()[:, None]
     dense = np.zeros(tuple(m.shape), dtype=np.int16)
-    dense[m.numpy()] = compact.view(torch.int16).numpy()[first]
+    dense[_walk_order(m.numpy(), spec)] = compact.view(torch.int16).numpy()[first]
+    dense = _walk_order(dense, spec)                                       # the order is its own inverse
     return _unstreams(torch.from_numpy(dense).view(values.dtype), spec), mask
 
 

@@ -132,9 +132,9 @@ def emulate(spec: BitmapGemvSpec, packed: BitmapPacked, x: torch.Tensor, bias=No
                         slot = 0
                         for q in range(WS):
                             word = int(wd[lane, q])
-                            while word:
-                                b = (word & -word).bit_length() - 1
-                                word &= word - 1
+                            while word:                      # highest set bit first
+                                b = word.bit_length() - 1
+                                word ^= 1 << b
                                 col = (kl * S + lane % S) * (CS + 8) + q * 32 + b
                                 part[w, lane] += loaded[lane, slot] * xs[:, col]
                                 slot += 1
@@ -223,7 +223,7 @@ def test_builds_for_sm80_and_sm90(built):
         assert args == {"X", "Bits", "Off", "Vals", "Y", "M"} | ({"B"} if spec.bias else set()) \
             | ({"P", "Cnt"} if spec.ksplit > 1 else set())
         src = (folder / "kernel.cu").read_text()
-        assert "__ballot_sync" in src and "__ffs" in src and "__reduce_max_sync" in src
+        assert "__ballot_sync" in src and "__clz" in src and "__reduce_max_sync" in src
         assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
 
 
