@@ -29,6 +29,7 @@ from ..templates.w4a16_gemv.spec import gemv_group
 from .bucket_costs import bucket_estimates, dense_widths
 from .kept_blocks import KeepGrid, keep_grid, kept_block_mask
 from .select_attention import select_attention
+from .select_conv import select_convolutions
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul")
 ROW_BUCKETS = (8, 12, 16)         # the low-bit few-row GEMVs' buckets of rows in a graph of any rows
@@ -173,7 +174,7 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
     ``select_attention`` takes, in place; returns the plan."""
     from ..templates.bsr_linear.select import gates
     for op_plan in plan.ops.values():
-        if op_plan.kind != "sparse":
+        if op_plan.kind != "sparse" or op_plan.kernel is not None and op_plan.kernel.kernel == "conv2d":
             continue
         op = graph.op(op_plan.op)
         site = gemm_site(graph, op, op_plan, plan)
@@ -196,6 +197,7 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
             for o in unit.ops:
                 plan.ops[o.name].est_us = 0.0
                 plan.ops[o.name].note = f"computed by {op.name}'s epilogue ({op_plan.epilogue[-1]})"
+    select_convolutions(graph, plan, target)      # the pruned convolutions the conv2d kernel takes
     fuse(graph, plan, target)
     return select_attention(graph, plan)
 

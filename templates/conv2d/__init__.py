@@ -9,4 +9,4 @@ FAMILY = register(KernelFamily(
     "loaded; bias, ReLU/SiLU and a residual add in the epilogue",
     module=".runtime:Conv2dCUDA",
     templates={".spec:Conv2dSpec": ".kernel:conv2d_kernel"},
-    build=".build:build_conv2d", epilogue=("bias", "relu", "silu")), __name__)
+    build=".build:build", epilogue=("bias", "relu")), __name__)
