@@ -12,7 +12,7 @@ keeps sm_90 cubins only, no CUDA source; ``manifest.json`` lists every kernel wi
 On the GPU each weight is made on the GPU from a seed, packed once per format (``pack_bitmap``, on the CPU), copied
 to rotate past the L2 and checked against the masked dense linear before timing; then timed kernel-only (CUDA graphs
 of 40 calls, ``common.gpu_kernel_us``) beside cuBLAS (``F.linear`` on the dense weight), torch CSR (``to_sparse_csr``
-then ``torch.sparse.mm``) and BSR (16×16 blocks) where they run. ``floor`` is the packed format's least bytes (kept
+then ``torch.sparse.mm``) and, at M = 16, BSR (16×16 blocks, ``bsr_dense_mm``) where they run. ``floor`` is the packed format's least bytes (kept
 values and one bit an element) at the measured copy bandwidth. Prints one table per shape, density and M, fastest
 first, with the ratio to cuBLAS and the fraction of the floor reached; the JSON has every row.
 """
@@ -44,8 +44,8 @@ ROTATE_BYTES = 160e6
 ONE_ROW = {"t8c128w8i8": (8, 128, 8, 8), "t8c256w8i8": (8, 256, 8, 8), "t16c512w4i8": (16, 512, 4, 8),
            "t32c512w4i16": (32, 512, 4, 16), "t8c128w4i4": (8, 128, 4, 4)}
 # M = 16: (tile_rows, stream_cols, tiles per CTA range (= warps), inflight)
-SIXTEEN_ROWS = {"t8c128r1i8": (8, 128, 1, 8), "t8c128r2i4": (8, 128, 2, 4), "t32c256r2i8": (32, 256, 2, 8),
-                "t16c256r1i8": (16, 256, 1, 8)}
+SIXTEEN_ROWS = {"t8c128r1i8": (8, 128, 1, 8), "t8c128r2i4": (8, 128, 2, 4), "t32c512r1i8": (32, 512, 1, 8),
+                "t16c512r1i8": (16, 512, 1, 8)}
 
 
 def kernels() -> dict:
@@ -110,15 +110,22 @@ def peers(w_masked: torch.Tensor, xs: list, sets: int) -> dict:
     """µs of cuBLAS, CSR and BSR on the masked weight (None where torch cannot run one)."""
     dense = [w_masked] + [w_masked.clone() for _ in range(sets - 1)]
     out = {"cublas": gpu_kernel_us(lambda i: F.linear(xs[i], dense[i]), sets)}
-    for name, make in (("csr", lambda: w_masked.to_sparse_csr()), ("bsr16", lambda: w_masked.to_sparse_bsr((16, 16)))):
+    xt = [x.t().contiguous() for x in xs[:sets]]
+    for name in ("csr", "bsr16") if xs[0].shape[0] > 1 else ("csr",):    # torch's BSR kernel: 16 rows
         try:
-            sp = make()
-            xt = [x.t().contiguous() for x in xs]
-            torch.sparse.mm(sp, xt[0])
-            out[name] = gpu_kernel_us(lambda i, sp=sp: torch.sparse.mm(sp, xt[i]), len(xt))
+            if name == "csr":
+                sp = w_masked.to_sparse_csr()
+                fn = (lambda sp: lambda i: torch.sparse.mm(sp, xt[i]))(sp)
+            else:
+                from torch.sparse._triton_ops import bsr_dense_mm
+                sp = w_masked.to_sparse_bsr((16, 16))
+                fn = (lambda sp: lambda i: bsr_dense_mm(sp, xt[i]))(sp)
+            fn(0)
+            out[name] = gpu_kernel_us(fn, len(xt))
         except Exception as exc:  # noqa: BLE001 - a peer torch cannot run here is reported, not fatal
             out[name] = None
-            print(f"  {name}: not run ({str(exc).splitlines()[0][:90]})", flush=True)
+            print(f"  {name}: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:90] if str(exc) else ''})",
+                  flush=True)
     return out
 
 
