@@ -179,9 +179,9 @@ def test_a_kernels_only_save_generates_with_the_checkpoints_weights_and_refuses_
                                                   ("gpt2", False, "recorded")])
 def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stops(kind, inductor, path, monkeypatch):
     """The GPU loop's steps (mask slot, positions, argmax, padding after the end of sequence, stop once every row
-    ended) run here one by one, without graphs (and, prefill included, through torch.compile as on a GPU): the
-    tokens equal Hugging Face's greedy loop's with a static cache, for rows that end early, rows that do not, and a
-    left-padded row — as a session runs them (its own prefill and cache) and as the recorded-step loop does (Hugging Face's first step)."""
+    ended) run here one by one, without graphs (and through torch.compile, as on a GPU): the tokens equal Hugging
+    Face's greedy loop's with a static cache, for rows that end early, rows that do not, and a left-padded row — as a
+    session runs them (its own prefill and cache) and as the recorded-step loop does (Hugging Face's first step)."""
     from sparta.runtime import decode_loop
     if path == "recorded":
         monkeypatch.setattr(decode_loop, "supports_session", lambda *a: False)
@@ -204,8 +204,6 @@ def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stop
             assert torch.equal(got, want), (end, got, want)
             assert model.__dict__.pop("get_compiled_call") is hook
     assert ("sparta_decode_sessions" in model.__dict__) == (path == "session")
-    if path == "session":                                 # the prefill went through torch.compile too (no fallback)
-        assert [p.inductor for p in model.sparta_decode_sessions[3].prefills.values()] == [inductor]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])

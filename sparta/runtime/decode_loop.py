@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from .decode_graphs import _cache_state, full_mask, max_cache_length
-from .decode_session import compiled_step, session_for, supports_session
+from .decode_session import session_for, supports_session
 
 #: generate() arguments the loop honours itself; any other argument runs Hugging Face's loop
 SUPPORTED = {"attention_mask", "max_new_tokens", "do_sample", "pad_token_id", "eos_token_id", "num_beams",
@@ -86,7 +86,7 @@ def _eos_and_pad(model, kwargs: dict, device) -> tuple[torch.Tensor, int]:
 def _session_generate(model, ids, mask, new: int, eos, pad: int, chunk: int, graphs: bool, inductor: bool):
     batch, length = ids.shape
     session = session_for(model, batch, length + new, ids.device, graphs)
-    first, positions = session.prefill(ids, mask, inductor)
+    first, positions = session.prefill(ids, mask)
     first = first.clone()
     key = (tuple(eos.tolist()), pad, inductor)
     loop = session.loops.get(key)
@@ -158,6 +158,16 @@ def _recorded_generate(model, ids, max_new_tokens: int, eos, pad: int, chunk: in
     positions = static["position_ids"] + 1 if "position_ids" in static else None
     loop.arm(head[:, -1:], positions, prompt + 1, mask, prompt + 1, done)
     return _finish(ids, head[:, prompt:], loop.run(max_new_tokens - 2, chunk, graphs), eos, loop)
+
+
+def compiled_step(model):
+    """The model's forward through ``torch.compile`` (Inductor's default mode: the CUDA graph is the loop's), kept on
+    the model: its decode steps compile once."""
+    forward = getattr(model, "sparta_compiled_step", None)
+    if forward is None:
+        forward = torch.compile(model, dynamic=False)
+        object.__setattr__(model, "sparta_compiled_step", forward)    # not a submodule: no second copy in state
+    return forward
 
 
 class StepLoop:

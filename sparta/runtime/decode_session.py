@@ -14,23 +14,12 @@ masks of their own (sliding windows), run the recorded-step loop instead (:func:
 from __future__ import annotations
 
 import inspect
-import warnings
 
 import torch
 
 from .decode_graphs import _cache_state, attention_mask
 
 CAPACITY_STEP = 64          # the static cache's length is a multiple of this (one step graph serves nearby lengths)
-
-
-def compiled_step(model):
-    """The model's forward through ``torch.compile`` (Inductor's default mode: the CUDA graph is the loop's), kept on
-    the model: its decode steps and each prefill length compile once."""
-    forward = getattr(model, "sparta_compiled_step", None)
-    if forward is None:
-        forward = torch.compile(model, dynamic=False)
-        object.__setattr__(model, "sparta_compiled_step", forward)    # not a submodule: no second copy in state
-    return forward
 
 
 def prompt_bucket(length: int) -> int:
@@ -75,11 +64,9 @@ def step_mask(model, keep: torch.Tensor, rows: int) -> torch.Tensor:
 class _Prefill:
     """Static inputs of one prefill length and, on a GPU, its graph: the forward and the next token."""
 
-    def __init__(self, session: "DecodeSession", rows: int, inductor: bool):
+    def __init__(self, session: "DecodeSession", rows: int):
         s, dev, batch = session, session.device, session.batch
         self.session, self.rows = s, rows
-        self.wanted = self.inductor = inductor        # asked for; compiled (False after a failed compile)
-        self.call = compiled_step(s.model) if inductor else s.model
         self.ids = torch.zeros(batch, rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, rows, dtype=torch.long, device=dev)
         self.mask = step_mask(s.model, torch.ones(batch, s.capacity, dtype=torch.bool, device=dev), rows)
@@ -112,40 +99,23 @@ class _Prefill:
             kw["cache_position"] = torch.arange(self.rows, device=self.ids.device)
         if s.names["logits_to_keep"]:
             kw["logits_to_keep"] = self.last
-            logits = self.call(**kw).logits[:, -1]
+            logits = s.model(**kw).logits[:, -1]
         else:
-            logits = self.call(**kw).logits.index_select(1, self.last)[:, 0]
+            logits = s.model(**kw).logits.index_select(1, self.last)[:, 0]
         self.next.copy_(logits.argmax(-1))
 
     def run(self, graphs: bool) -> None:
         if self.graph is not None:
             self.graph.replay()
             return
-        state = [(t, t.clone()) for t in _cache_state(self.session.cache)]
-        if self.inductor:           # compiled on a first call; a second sees the cache as initialised (no recompile)
-            try:
-                self.forward()
-            except Exception as exc:  # noqa: BLE001 - Dynamo and Inductor fail in many ways: prefill eagerly
-                warnings.warn(f"sparta generate: the prefill runs without torch.compile ({type(exc).__name__}: "
-                              f"{str(exc)[:200]})", stacklevel=3)
-                self.call, self.inductor = self.session.model, False
-            _restore(self.session.cache, state)
         self.forward()                                         # eager the first time: lazy allocations happen here
         if graphs:
             state = [(t, t.clone()) for t in _cache_state(self.session.cache)]
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):                 # recorded, not run: the cache stays as it is
                 self.forward()
-            _restore(self.session.cache, state)
-
-
-def _restore(cache, state: list) -> None:
-    """The cache's counters back to ``state`` (those a forward created lazily back to zero)."""
-    now = _cache_state(cache)
-    if len(now) != len(state):
-        state = [(t, torch.zeros_like(t)) for t in now if not t.dtype.is_floating_point and t.dtype != torch.bool]
-    for t, before in state:
-        t.copy_(before)
+            for t, before in state:
+                t.copy_(before)
 
 
 class DecodeSession:
@@ -159,20 +129,16 @@ class DecodeSession:
         self.names = forward_names(model)
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
         self.prefills: dict[int, _Prefill] = {}
-        self.inductor = False             # whether the last prefill went through torch.compile
         self.loops: dict = {}             # (end-of-sequence ids, pad id, through Inductor) -> StepLoop
 
-    def prefill(self, ids: torch.Tensor, keep: torch.Tensor | None,
-                inductor: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs the prompt into the cache (through ``torch.compile`` with ``inductor``; None: as the last call did);
-        returns (the first new token per row, each row's next position)."""
+    def prefill(self, ids: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the prompt into the cache; returns (the first new token per row, each row's next position)."""
         length = ids.shape[1]
         rows = prompt_bucket(length) if self.buckets else length
         rows = min(max(rows, length), self.capacity)
-        self.inductor = self.inductor if inductor is None else bool(inductor)
         entry = self.prefills.get(rows)
-        if entry is None or entry.wanted != self.inductor:
-            entry = self.prefills[rows] = _Prefill(self, rows, self.inductor)
+        if entry is None:
+            entry = self.prefills[rows] = _Prefill(self, rows)
         self.cache.reset()
         before = [t.clone() for t in _cache_state(self.cache)]
         entry.fill(ids, keep)
