@@ -2,12 +2,13 @@
 
 A 1×1 convolution with ``groups=1`` and no padding is a GEMM over channels: on a channels-last activation,
 ``conv(x, W, b)`` is ``linear(x.permute(0, 2, 3, 1)[:, ::sh, ::sw], W.reshape(Cout, Cin), b).permute(0, 3, 1, 2)``.
-The rewrite puts exactly that in the graph before propagation: one permute (and, for a stride, one slice per
-spatial dim) per input that such convolutions share, the linear under the convolution's name over the weight as a
+The rewrite puts exactly that in the graph before propagation: a permute (and, for a stride, one slice per spatial
+dim) of the convolution's own, the linear under the convolution's name over the weight as a
 ``(Cout, Cin)`` matrix (``<weight>_matrix``, its TeSA the convolution weight's, reshaped), and a permute back to
 the convolution's output. Where the convolution's output is read by one activation the CUDA epilogue computes
 (ReLU, GELU), the activation moves before the permute back, so the kernel applies it. The permutes are views of a
-channels-last tensor: Inductor fuses what is left of them.
+channels-last tensor: Inductor fuses what is left of them. (Two convolutions reading one input keep a permute each:
+sibling stacking, ``fuse_sibling_linears``, would otherwise stack their matrices, which the weights' names alias.)
 
 Only weights that are pruned *inside* channels (or stored at fewer bits than the model's) are rewritten: a weight
 pruned by whole rows and columns alone is left to channel shrinking (``passes/transform/shrink.py``), which runs it
@@ -94,7 +95,6 @@ class _Rewrite:
 
     def __init__(self, graph: Graph, out: Graph):
         self.graph, self.out, self.taken = graph, out, set()
-        self.nhwc: dict[tuple, str] = {}          # (input, stride) -> its channels-last (subsampled) view
         self.derived: dict[str, str] = {}         # matrix -> what it was computed from
         self.matrices: dict[str, str] = {}        # convolution weight -> its matrix
 
@@ -104,18 +104,11 @@ class _Rewrite:
         return name
 
     def channels_last(self, x: str, stride: tuple[int, int], source: str) -> str:
-        """``x`` permuted to (N, H, W, C) (one permute per input), then subsampled by ``stride`` (one slice per
-        strided dim, per input and stride)."""
-        key = (x, stride)
-        if key in self.nhwc:
-            return self.nhwc[key]
-        if stride != (1, 1):
-            t = self.channels_last(x, (1, 1), source)
-        else:
-            v = self.graph.tensor(x)
-            n, c, h, w = v.shape
-            t = self.tensor(f"{x}_nhwc", (n, h, w, c), v, _permuted(v.tesa, TO_NHWC))
-            self.out.add_op(_op(t, "permute", torch.ops.aten.permute.default, (TensorRef(x), TO_NHWC), [t], source))
+        """``x`` permuted to (N, H, W, C), then subsampled by ``stride`` (one slice per strided dim)."""
+        v = self.graph.tensor(x)
+        n, c, h, w = v.shape
+        t = self.tensor(f"{x}_nhwc", (n, h, w, c), v, _permuted(v.tesa, TO_NHWC))
+        self.out.add_op(_op(t, "permute", torch.ops.aten.permute.default, (TensorRef(x), TO_NHWC), [t], source))
         for dim, s in zip((1, 2), stride):
             if s == 1:
                 continue
@@ -129,7 +122,6 @@ class _Rewrite:
             self.out.add_op(_op(sub, "slice", torch.ops.aten.slice.Tensor, (TensorRef(t), dim, 0, sys.maxsize, s),
                                 [sub], source))
             t = sub
-        self.nhwc[key] = t
         return t
 
     def convolution(self, conv: Op) -> set[str]:

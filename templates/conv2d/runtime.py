@@ -75,6 +75,7 @@ class Conv2dCUDA(KernelModule):
         if nnz < 0 or table.numel() != spec.row_blocks + 1 + nnz or wp.shape[0] < max(nnz, 1):
             raise CudaRuntimeError(f"op {op_name!r}: the table must hold {spec.row_blocks + 1} offsets and one K "
                                    "block per packed block, the packed blocks at least one block")
+        self.input_names = None          # in a compiled graph: the activation it reads (not the op's weight and bias)
         self.register_buffer("wp", wp.to(dtype).contiguous())
         self.register_buffer("table", table.to(torch.int32).contiguous())
         self.register_buffer("bias", (bias if bias is not None else torch.zeros(spec.cout)).to(dtype).contiguous())
@@ -120,7 +121,8 @@ class Conv2dCUDA(KernelModule):
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
-        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "kernel": folder.name}
+        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "kernel": folder.name,
+                  "input_names": list(self.input_names) if self.input_names is not None else None}
         return config, {"wp": self.wp, "table": self.table, "bias": self.bias}, {folder.name: folder}
 
     @classmethod
@@ -128,7 +130,9 @@ class Conv2dCUDA(KernelModule):
         spec = Conv2dSpec(**config["spec"])
         folder = folders[config["kernel"]]
         check_saved_spec(config["op_name"], folder, spec)
-        return cls(config["op_name"], folder, spec, tensors["wp"], tensors["table"], tensors["bias"])
+        module = cls(config["op_name"], folder, spec, tensors["wp"], tensors["table"], tensors["bias"])
+        module.input_names = config.get("input_names")
+        return module
 
     def extra_repr(self) -> str:
         s = self.spec

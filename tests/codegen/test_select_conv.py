@@ -92,3 +92,18 @@ def test_the_cpu_target_leaves_convolutions_to_torch():
             if name in masks:
                 p.mul_(masks[name])
         torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_saved_model_loads_its_conv2d_modules(tmp_path):
+    torch.manual_seed(2)
+    model = randomize(BasicBlock(256, 256)).half()
+    compiled = _compile(model, conv_masks(model, 0.2, seed=3), torch.randn(4, 256, 14, 14).half())
+    built = {n: m for n, m in compiled.module_replacements().items() if isinstance(m, Conv2dCUDA)}
+    assert len(built) == 2
+    loaded = sparta.load(compiled.save(tmp_path / "m"), inductor=False)
+    again = {n: m for n, m in loaded.module_replacements().items() if isinstance(m, Conv2dCUDA)}
+    assert sorted(again) == sorted(built)
+    for name, m in again.items():
+        assert m.spec == built[name].spec and m.input_names == built[name].input_names == [
+            compiled.graph.op(name).input_of("input")]
+        assert torch.equal(m.wp, built[name].wp) and torch.equal(m.table, built[name].table)

@@ -89,3 +89,31 @@ def test_against_cudnn_on_a_resnet_convolution():
     x = torch.randn(4, spec.cin, spec.h, spec.w, device="cuda").to(dtype).to(memory_format=torch.channels_last)
     want = F.relu(F.conv2d(x, w.cuda(), b.cuda(), spec.stride, spec.padding, spec.dilation))
     torch.testing.assert_close(module(x).float(), want.float(), **TOL[dtype])
+
+
+SAVED = ROOT / "saved_conv_bottleneck"
+
+
+def test_a_saved_block_sparse_bottleneck_runs_its_kernels_and_equals_the_masked_model():
+    """``conv_model`` compiled for CUDA where TVM is (its 3x3 on conv2d, its 1x1s as linears on bsr_linear), loaded
+    here without TVM: verified, and equal to the eager model with the masked weights."""
+    if not (SAVED / "sparta.json").is_file():
+        pytest.skip(MISSING + f"no saved model in {SAVED} (python tests/fixtures/cuda_specs_conv2d.py)")
+    import sparta
+    from fixtures.cuda_specs_conv2d import conv_model
+    loaded = sparta.load(SAVED, inductor=False).to("cuda")
+    kinds = sorted(type(m).__name__ for m in loaded.module_replacements().values())
+    assert kinds.count("Conv2dCUDA") == 1 and kinds.count("SparseLinearCUDA") == 3, kinds
+    assert max(loaded.verify(trials=2).values()) < 2e-2
+    model, masks = conv_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in masks:
+                p.mul_(masks[name].to(p.dtype))
+    model = model.cuda()
+    for nb in (1, 8, 11):
+        x = torch.randn(nb, 512, 28, 28, device="cuda").half().to(memory_format=torch.channels_last)
+        with torch.no_grad():
+            want = model(x).float()
+        got = loaded(x).float()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
