@@ -8,7 +8,7 @@ first product: piece ``j`` of the lanes that have one lie side by side, a lane's
 ballot. Then it walks its set bits, highest first (``__clz``; the next word when one runs out), the order the values
 are stored in, against its values and the staged X: one fp32 FMA per kept value and row; whole pieces unguarded,
 the last one value by value. The lanes of a row add by shuffles, the warps through shared memory; bias and
-activation in the epilogue. ``ksplit > 1``: each CTA leaves its fp32 partials in ``P`` and counts itself in ``C``
+activation in the epilogue. ``ksplit > 1``: each CTA leaves its fp32 partials in ``P`` and counts itself in ``Cnt``
 after a fence; the last of a row tile's CTAs sums them in split order (deterministic), writes ``Y`` and resets its
 counter. ``pdl``: the first tile's bitmap and value pieces (weights) load before ``griddepcontrol.wait``; X and every
 write after it.

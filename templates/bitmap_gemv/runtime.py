@@ -120,7 +120,7 @@ class BitmapLinearCUDA(KernelModule):
                                    "(module.to('cuda'))")
         if self._op is None or self._op.packed.values.data_ptr() != self.values.data_ptr() \
                 or self._op.packed.bits.data_ptr() != self.bits.data_ptr():
-            split = {"P": self.split_P, "C": self.split_C} if self.spec.ksplit > 1 else {}
+            split = {"P": self.split_P, "Cnt": self.split_Cnt} if self.spec.ksplit > 1 else {}
             self._op = BitmapGemvOp(self.folder, self.spec, self.packed, self.bias, split)
         return [self._op(x)]
 

@@ -135,8 +135,8 @@ class BitmapGemvSpec:
 
     @property
     def shared_total(self) -> int:
-        """Dynamic plus static shared memory (bitmap words per warp, per-warp partial sums)."""
-        return self.shared_bytes + self.warps * (self.words * 32 + self.tile_rows * self.rows) * 4 + 16
+        """Dynamic plus static shared memory (the warps' partial sums, the split-K arrival flag)."""
+        return self.shared_bytes + self.warps * self.tile_rows * self.rows * 4 + 16
 
     def key(self) -> dict:
         return asdict(self)
@@ -256,13 +256,13 @@ def bitmap_gemv_ref(x: torch.Tensor, packed: BitmapPacked, spec: BitmapGemvSpec,
 
 
 def split_buffers(spec: BitmapGemvSpec, device) -> dict[str, torch.Tensor]:
-    """The workspace of a ``ksplit > 1`` kernel: fp32 partials ``P`` and the zeroed arrival counters ``C`` (the
-    kernel leaves them zero again); empty for ``ksplit == 1``."""
+    """The workspace of a ``ksplit > 1`` kernel, by its argument names: fp32 partials ``P`` and the zeroed arrival
+    counters ``Cnt`` (the kernel leaves them zero again); empty for ``ksplit == 1``."""
     if spec.ksplit == 1:
         return {}
     return {"P": torch.empty(spec.ksplit, spec.rows, spec.row_tiles * spec.tile_rows, dtype=torch.float32,
                              device=device),
-            "C": torch.zeros(spec.row_tiles, dtype=torch.int32, device=device)}
+            "Cnt": torch.zeros(spec.row_tiles, dtype=torch.int32, device=device)}
 
 
 def bytes_floor(n: int, k: int, density: float, dtype_bytes: int = 2) -> float:

@@ -87,7 +87,7 @@ def test_split_k_counters_reset_between_calls(name):
     for seed, m in ((1, 16), (2, 5), (3, 16), (4, 1)):
         x = _x(module, m, seed)
         _check(module, x, module(x), f"{name} call {seed}")
-    assert not module.split_C.any()
+    assert not module.split_Cnt.any()
 
 
 def test_pdl_chain_reads_each_output_after_it_is_written():

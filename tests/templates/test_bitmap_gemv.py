@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from sparta.errors import SpartaError
 from sparta.runtime.cuda import CudaRuntimeError
 from sparta.templates.bitmap_gemv.spec import (BitmapGemvError, BitmapGemvSpec, BitmapPacked, bitmap_gemv_ref,
-                                               bytes_floor, pack_bitmap, unpack)
+                                               bytes_floor, pack_bitmap, split_buffers, unpack)
 from sparta.templates.epilogue_ref import activate
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -49,6 +49,21 @@ def test_pack_unpack_round_trip(n, k, density, knobs):
     assert packed.values.numel() == int(packed.offsets[-1]) * 8
     assert packed.values.numel() - int(mask.sum()) < 8 * spec.tiles * 32
     assert packed.values.numel() >= int(mask.sum())
+
+
+def test_a_two_of_four_mask_packs_without_padding():
+    """2:4 sparsity is a 50% bitmap whose streams all hold stream_cols / 2 values: whole pieces, no padding, every lane
+    the same count (1.125 bytes an element, as the 2:4 format with 2-bit indices)."""
+    n, k = 64, 1024
+    spec = BitmapGemvSpec(n, k)
+    w, _ = weight_and_mask(n, k, 1.0)
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(n, k // 4, 4, generator=g).argsort(-1)[..., :2]
+    mask = torch.zeros(n, k // 4, 4, dtype=torch.bool).scatter_(-1, keep, True).view(n, k)
+    packed = pack_bitmap(w, mask, spec)
+    assert packed.values.numel() == n * k // 2 and packed.nbytes() == n * k * 9 // 8 + 4 * (spec.tiles + 1)
+    dense, got_mask = unpack(packed, spec)
+    assert torch.equal(got_mask, mask) and torch.equal(dense, masked(w, mask))
 
 
 @settings(max_examples=40, deadline=None)
@@ -220,8 +235,9 @@ def test_builds_for_sm80_and_sm90(built):
         assert launch["grid"] == [spec.row_tiles, spec.ksplit, 1] and launch["block"] == [32 * spec.warps, 1, 1]
         assert launch["shared_bytes"] == spec.shared_bytes
         args = {a["name"] for a in launch["args"]}
-        assert args == {"X", "Bits", "Off", "Vals", "Y", "M"} | ({"B"} if spec.bias else set()) \
-            | ({"P", "Cnt"} if spec.ksplit > 1 else set())
+        passed = {"X", "Bits", "Off", "Vals", "Y"} | ({"B"} if spec.bias else set()) | set(split_buffers(spec, "cpu"))
+        assert args == passed | {"M"}                          # what BitmapGemvOp passes, by name
+        assert ({"P", "Cnt"} <= args) == (spec.ksplit > 1)
         src = (folder / "kernel.cu").read_text()
         assert "__ballot_sync" in src and "__clz" in src and "__reduce_max_sync" in src
         assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
@@ -234,7 +250,7 @@ def test_module_packs_fakes_saves_and_refuses_cpu_inputs(built):
     w, mask = weight_and_mask(spec.n, spec.k, 0.3, torch.float16)
     bias = torch.randn(spec.n)
     module = BitmapLinearCUDA.from_weight(folder, w, mask, bias)
-    assert module.spec == spec and module.split_C.shape == (spec.row_tiles,) and not module.split_C.any()
+    assert module.spec == spec and module.split_Cnt.shape == (spec.row_tiles,) and not module.split_Cnt.any()
     assert torch.equal(module.dense_weight(), masked(w, mask))
     config, tensors, folders = module.saved_state()
     assert sorted(tensors) == ["bias", "bits", "offsets", "values"] and list(folders) == ["bm_split"]
