@@ -268,8 +268,8 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
         self.out_dtype = None       # set when the input arrives quantised (use_quantized_input)
         self.output_names, self.out_scale = None, None     # set by requantize_output
-        self._op = self._gemv_op = self._gemv1_op = None
-        self._bucket_ops = {}
+        self._op = None
+        self._ops = {}              # the GEMVs' and bucket tiles' launchers, by kernel folder
         self.register_kernel(op_name)
 
     @property
@@ -358,22 +358,24 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
             return out
         if len(inputs) == 2:
             return [self._op.int8(x.contiguous(), inputs[1])]
-        if self.gemv1 is not None and x.shape[0] == 1:
-            if self._gemv1_op is None or self._gemv1_op.wp.data_ptr() != self.wp.data_ptr():
-                self._gemv1_op = BsrGemvOp(*self.gemv1, self.wp, self.table, self.bias)
-            return [self._gemv1_op(x.contiguous())]
-        if self.gemv is not None and x.shape[0] <= self.gemv[1].rows:
-            if self._gemv_op is None or self._gemv_op.wp.data_ptr() != self.wp.data_ptr():
-                self._gemv_op = BsrGemvOp(*self.gemv, self.wp, self.table, self.bias)
-            return [self._gemv_op(x.contiguous())]
-        bucket = next((b for b in self.buckets if x.shape[0] <= b[0]), None)
+        rows = x.shape[0]
+        gemv = self.gemv1 if self.gemv1 is not None and rows == 1 else \
+            self.gemv if self.gemv is not None and rows <= self.gemv[1].rows else None
+        if gemv is not None:
+            return [self._packed_op(gemv[0], lambda: BsrGemvOp(*gemv, self.wp, self.table, self.bias))(x.contiguous())]
+        bucket = next((b for b in self.buckets if rows <= b[0]), None)
         if bucket is not None:
-            top, folder, spec = bucket
-            op = self._bucket_ops.get(top)
-            if op is None or op.wp.data_ptr() != self.wp.data_ptr():
-                op = self._bucket_ops[top] = BsrLinearOp.packed(folder, spec, self.wp, self.table, self.bias)
+            _, folder, spec = bucket
+            op = self._packed_op(str(folder), lambda: BsrLinearOp.packed(folder, spec, self.wp, self.table, self.bias))
             return [op(x.contiguous())]
         return [self._op(x.contiguous())]
+
+    def _packed_op(self, key: str, make):
+        """The launcher ``make()`` builds for kernel ``key`` over the packed weights (built again once they moved)."""
+        op = self._ops.get(key)
+        if op is None or op.wp.data_ptr() != self.wp.data_ptr():
+            op = self._ops[key] = make()
+        return op
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` 16-bit weight the kernel applies (pruned blocks zero; W8A8: dequantised; gated: ``(2N, K)``,
@@ -420,7 +422,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
                 fresh.attach_w8_gemvs(list(self.few_rows), fresh.dense_codes())
         for name in self.weight_names:
             self._buffers[name] = fresh._buffers.get(name)
-        self._op, self._gemv_op, self._gemv1_op, self._bucket_ops, self._few_ops = None, None, None, {}, {}
+        self._op, self._ops, self._few_ops = None, {}, {}
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
