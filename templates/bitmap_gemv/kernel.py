@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ..epilogue import tir_activate
 from ..ptx import from_f32, grid_dependency, to_f32
+from .mma import mma_parts
 from .spec import BitmapGemvSpec
 
 
@@ -113,13 +114,17 @@ def bitmap_gemv(spec: BitmapGemvSpec):
             st[3] = st[3] + popc(bal[0])
 
     @T.macro
-    def walk_step(M, xs, wd, wv, st, cur, acc, tot, slot, x0):
-        # value ``slot`` of the loaded pieces against X at its column: the current word's highest set bit (the next
-        # word where one runs out), then that bit cleared
+    def walk_next(wd, st, cur):
+        # the next set bit: the current word's highest (the next word where one runs out); its clz into st[6]
         while cur[0] == T.uint32(0):
             st[4] = st[4] + 1
             cur[0] = T.Cast("uint32", wd[st[4]])
         st[6] = clz(cur[0])
+
+    @T.macro
+    def walk_step(M, xs, wd, wv, st, cur, acc, tot, slot, x0):
+        # value ``slot`` of the loaded pieces against X at its column, then its bit cleared
+        walk_next(wd, st, cur)
         tot[0] = to_f32(wv[slot], ACT)
         for m in T.unroll(MR):
             if m < M:
@@ -138,6 +143,13 @@ def bitmap_gemv(spec: BitmapGemvSpec):
                     if (t * IF + o) * 8 + e < st[0]:
                         walk_step(M, xs, wd, wv, st, cur, acc, tot, o * 8 + e, x0)
 
+    MMA = spec.mma
+    if MMA:
+        parts = mma_parts(spec, walk_next)
+        stage_x16, zero_tile, walk_batch_mma = parts["stage_x16"], parts["zero_tile"], parts["walk_batch_mma"]
+        mma_tile, acc_to_red, XOFF, WT = parts["mma_tile"], parts["acc_to_red"], parts["XOFF"], parts["WT"]
+    NACC = 4 * (spec.mma_rows // 8) if MMA else MR
+
     @T.prim_func
     def kernel(x_h: T.handle, bits_h: T.handle, off_h: T.handle, vals_h: T.handle, b_h: T.handle, y_h: T.handle,
                p_h: T.handle, c_h: T.handle):
@@ -154,13 +166,16 @@ def bitmap_gemv(spec: BitmapGemvSpec):
         rt = T.launch_thread("blockIdx.x", NRT)
         ks = T.launch_thread("blockIdx.y", KS)
         tx = T.launch_thread("threadIdx.x", NT)
-        xs = T.decl_buffer((MR * XS,), "float32", scope="shared.dyn")
+        xs = T.decl_buffer((spec.shared_bytes // 4,), "float32", scope="shared.dyn")
+        sm = T.decl_buffer((spec.shared_bytes // 2,), "float16", data=xs.data, scope="shared.dyn")
         red = T.alloc_buffer((W * R * MR,), "float32", scope="shared")
         arrived = T.alloc_buffer((1,), "int32", scope="shared")
         wd = T.alloc_buffer((WS,), "int32", scope="local")
         wv = T.alloc_buffer((IF * 8,), "float16", scope="local")
         xp = T.alloc_buffer((8,), "float16", scope="local")
-        acc = T.alloc_buffer((MR,), "float32", scope="local")
+        acc = T.alloc_buffer((NACC,), "float32", scope="local")
+        af = T.alloc_buffer((4,), "uint32", scope="local")
+        bf = T.alloc_buffer((2,), "uint32", scope="local")
         st = T.alloc_buffer((7,), "int32", scope="local")  # kept, pieces, value base, pieces before, word, warp's
         #                                                     pieces, the bit's clz
         cur = T.alloc_buffer((1,), "uint32", scope="local")     # the unread bits of the current word
@@ -179,25 +194,38 @@ def bitmap_gemv(spec: BitmapGemvSpec):
         if PDL:                               # X (the previous kernel's output) and every write after it
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
-        stage_x(X, xs, xp, M, tx, ks)
-        for m in T.unroll(MR):
-            acc[m] = T.float32(0)
+        if MMA:
+            stage_x16(X, sm, M, tx, ks)
+        else:
+            stage_x(X, xs, xp, M, tx, ks)
+        for a in T.unroll(NACC):
+            acc[a] = T.float32(0)
         T.tvm_storage_sync("shared")
         for i in T.serial(TPW):
             kl = T.meta_var(warp + i * W)     # the tile within the CTA's range
             if kl < KT and ks * KT + kl < NKT:
                 if i > 0:
                     tile_head(Bits, Off, wd, st, cur, rt * NKT + ks * KT + kl, lane)
+                if MMA:
+                    zero_tile(sm, warp, lane)
                 for t in T.serial((st[5] + IF - 1) // IF):
                     if i > 0 or t > 0:
                         load_batch(Vals, wv, st, bal, t, below)
-                    walk_batch(M, xs, wd, wv, st, cur, acc, tot, t, (kl * S + s) * (CS + 8))
-        for m in T.unroll(MR):                # the lanes of a row, then the warps
-            for b in T.unroll(STEPS):
-                T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[1], acc[m], T.uint32(1 << b), T.uint32(31), FULL))
-                acc[m] = acc[m] + tot[1]
-            if s == 0:
-                red[(warp * R + lane // S) * MR + m] = acc[m]
+                    if MMA:
+                        walk_batch_mma(sm, wd, wv, st, cur, t, XOFF + (warp * 16 + lane // S) * WT + s * CS)
+                    else:
+                        walk_batch(M, xs, wd, wv, st, cur, acc, tot, t, (kl * S + s) * (CS + 8))
+                if MMA:
+                    mma_tile(sm, acc, af, bf, warp, lane, kl)
+        if MMA:                               # the warps' sums
+            acc_to_red(red, acc, warp, lane)
+        else:                                 # the lanes of a row, then the warps
+            for m in T.unroll(MR):
+                for b in T.unroll(STEPS):
+                    T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[1], acc[m], T.uint32(1 << b), T.uint32(31), FULL))
+                    acc[m] = acc[m] + tot[1]
+                if s == 0:
+                    red[(warp * R + lane // S) * MR + m] = acc[m]
         T.tvm_storage_sync("shared")
         if KS == 1:
             for it in T.unroll(OUT_ITERS):

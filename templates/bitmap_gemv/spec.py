@@ -19,9 +19,10 @@ of them). Per tile:
 Tiles are numbered ``rt · col_tiles + kt``. Rows past N and columns past K are pruned (no bits).
 
 The kernel (``kernel.py``): a CTA owns a row tile and a range of column tiles (all of them, or a ``ksplit``-th),
-stages its X columns in shared memory as fp32, and its warps take the range's tiles round robin; each lane walks
-its set bits (``__clz``, highest first) against its values. ``M`` is a kernel argument: one build serves every row count up to
-``rows``.
+stages its X columns in shared memory, and its warps take the range's tiles round robin; each lane walks its set bits
+(``__clz``, highest first) against its values: an FMA per kept value and row of X, or (``mma``) a store into the
+warp's dense 16-row tile, multiplied by X on ``mma.sync`` (``mma.py``). ``M`` is a kernel argument: one build serves
+every row count up to ``rows``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class BitmapGemvSpec:
     ksplit: int = 1            # CTAs splitting K per row tile (partials summed by the last to arrive)
     pdl: bool = True           # programmatic dependent launch (sm_90)
     name: str = "bitmap_gemv"
+    mma: bool = False          # tensor cores: values stored into a dense tile per warp, then mma.sync (tile_rows 16)
 
     def __post_init__(self):
         bad = []
@@ -77,6 +79,8 @@ class BitmapGemvSpec:
             bad.append(f"warps={self.warps} must be 1, 2, 4, 8 or 16")
         if self.inflight not in (2, 4, 8, 16):
             bad.append(f"inflight={self.inflight} must be 2, 4, 8 or 16")
+        if self.mma and self.tile_rows != 16:
+            bad.append(f"mma: a warp's tile is the MMA's 16 rows (tile_rows=16, got {self.tile_rows})")
         if self.ksplit < 1:
             bad.append(f"ksplit={self.ksplit} must be >= 1")
         if not bad and self.ksplit > self.col_tiles:
@@ -124,13 +128,22 @@ class BitmapGemvSpec:
 
     @property
     def x_stride(self) -> int:
-        """fp32 words of one X row in shared memory: 8 pad words after each stream's columns (so the lanes of one
-        row, ``stream_cols`` apart, read different banks)."""
+        """Elements of one X row in shared memory: fp32 with 8 pad words after each stream's columns (so the lanes of
+        one row, ``stream_cols`` apart, read different banks); ``mma``: 16-bit, the range's columns and 8 pad."""
+        if self.mma:
+            return self.range_cols + 8
         return self.range_tiles * self.lanes_per_row * (self.stream_cols + 8)
 
     @property
+    def mma_rows(self) -> int:
+        """``mma``: the rows of X the MMAs cover (8 or 16: the B operand's N)."""
+        return 8 if self.rows <= 8 else 16
+
+    @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: the CTA's X columns in fp32."""
+        """Dynamic shared memory: the CTA's X columns (``mma``: then each warp's 16-bit dense tile)."""
+        if self.mma:
+            return 2 * (self.mma_rows * self.x_stride + self.warps * 16 * (self.tile_cols + 8))
         return self.rows * self.x_stride * 4
 
     @property

@@ -1,6 +1,6 @@
 """The bitmap GEMV on the GPU against its torch reference and the masked dense linear: fp16 and bf16, odd N and K, 0
 to 16 rows, densities 0 to 1, bias and activations, every tiling knob, split K (its counters reset after each call),
-PDL on and off (a chain of launches each reading the last one's output), leading dimensions, ``torch.compile`` and a
+PDL on and off (a chain of launches each reading the last one's output), tensor cores, leading dimensions, ``torch.compile`` and a
 CUDA graph replayed on new inputs. Kernels are built beforehand where TVM is (``tests/fixtures/build_cuda.py``: the
 ``bm_*`` fixtures)."""
 
@@ -15,7 +15,8 @@ from fixtures.artifacts import MISSING, ROOT
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CASES = ["bm_r1_bf16", "bm_r1_fp16_nopdl", "bm_r3_bias_gelu", "bm_r4_t32_c256_relu", "bm_r2_kodd_fp16",
-         "bm_r1_t16_c512_if16", "bm_r16_ks3_silu_fp16", "bm_r16_ks4_bf16", "bm_r4_square_chain"]
+         "bm_r1_t16_c512_if16", "bm_r16_ks3_silu_fp16", "bm_r16_ks4_bf16", "bm_r4_square_chain",
+         "bm_mma_r16_ks2_bf16", "bm_mma_r5_fp16_silu", "bm_mma_r1_kodd"]
 DENSITIES = [0.0, 0.1, 0.3, 0.5, 1.0]
 TOL = {torch.float16: dict(rtol=4e-3, atol=4e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -81,7 +82,7 @@ def test_no_rows_too_many_rows_and_leading_dims(name):
         module(_x(module, module.spec.rows + 1, seed=3))
 
 
-@pytest.mark.parametrize("name", ["bm_r16_ks3_silu_fp16", "bm_r16_ks4_bf16"])
+@pytest.mark.parametrize("name", ["bm_r16_ks3_silu_fp16", "bm_r16_ks4_bf16", "bm_mma_r16_ks2_bf16"])
 def test_split_k_counters_reset_between_calls(name):
     module = _module(name, 0.3)
     for seed, m in ((1, 16), (2, 5), (3, 16), (4, 1)):
@@ -128,7 +129,7 @@ def test_runs_inside_torch_compile():
         torch.testing.assert_close(compiled(x).cpu(), want, **TOL[x.dtype])
 
 
-@pytest.mark.parametrize("name", ["bm_r1_bf16", "bm_r1_fp16_nopdl", "bm_r16_ks4_bf16"])
+@pytest.mark.parametrize("name", ["bm_r1_bf16", "bm_r1_fp16_nopdl", "bm_r16_ks4_bf16", "bm_mma_r16_ks2_bf16"])
 def test_a_cuda_graph_replays_on_new_inputs(name):
     module = _module(name, 0.3)
     m = module.spec.rows

@@ -180,6 +180,87 @@ def test_kernel_data_flow_gives_the_reference(n, k, density, knobs):
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
+def emulate_mma(spec: BitmapGemvSpec, packed: BitmapPacked, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """The ``mma`` variant's data flow: each warp's dense tile filled by the bit walk, the fragments the kernel loads
+    (``mma.py``) placed where PTX's m16n8k16 layout says they go, the product, D handed back to lanes by that layout
+    and into the warps' sums as ``acc_to_red`` does."""
+    C, KT, NKT, W = spec.tile_cols, spec.range_tiles, spec.col_tiles, spec.warps
+    S, CS, WS, MRP = 2, spec.stream_cols, spec.words, spec.mma_rows
+    dense, _ = unpack(packed, spec)
+    bits = packed.bits.reshape(-1).numpy().view(np.uint32)
+    xm = np.zeros((MRP, spec.k))
+    xm[:x.shape[0]] = x.float().numpy()
+    wp = np.zeros((spec.row_tiles * 16, NKT * C))
+    wp[:spec.n, :spec.k] = dense.float().numpy()
+    y = np.zeros((x.shape[0], spec.row_tiles * 16))
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    for rt in range(spec.row_tiles):
+        for ks in range(spec.ksplit):
+            xs = np.zeros((MRP, spec.x_stride))
+            cols = min(KT * C, max(0, spec.k - ks * KT * C))
+            xs[:, :cols] = xm[:, ks * KT * C: ks * KT * C + cols]
+            red = np.zeros((W, 16, spec.rows))
+            for w in range(W):
+                acc = np.zeros((32, MRP // 8, 4))
+                for kl in range(w, KT, W):
+                    if ks * KT + kl >= NKT:
+                        continue
+                    tile = np.zeros((16, C))            # the walk: each lane's set bits, in its row and stream
+                    for lane in range(32):
+                        for q in range(WS):
+                            word = int(bits[(((rt * NKT + ks * KT + kl) * (WS // 4) + q // 4) * 32 + lane) * 4 + q % 4])
+                            for b in range(32):
+                                if word >> b & 1:
+                                    col = lane % S * CS + q * 32 + b
+                                    tile[lane // S, col] = wp[rt * 16 + lane // S, (ks * KT + kl) * C + col]
+                    for kk in range(C // 16):
+                        a_regs = [(tile[g, kk * 16 + 2 * t], tile[g, kk * 16 + 2 * t + 1]),
+                                  (tile[g + 8, kk * 16 + 2 * t], tile[g + 8, kk * 16 + 2 * t + 1]),
+                                  (tile[g, kk * 16 + 2 * t + 8], tile[g, kk * 16 + 2 * t + 9]),
+                                  (tile[g + 8, kk * 16 + 2 * t + 8], tile[g + 8, kk * 16 + 2 * t + 9])]
+                        a = np.zeros((16, 16))                 # PTX: reg i of lane (g, t) -> A rows / columns
+                        for i, (rows, c0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
+                                                        (g + 8, 2 * t + 8))):
+                            a[rows, c0], a[rows, c0 + 1] = a_regs[i]
+                        for mh in range(MRP // 8):
+                            xb = kl * C + kk * 16 + 2 * t
+                            b_regs = [(xs[mh * 8 + g, xb], xs[mh * 8 + g, xb + 1]),
+                                      (xs[mh * 8 + g, xb + 8], xs[mh * 8 + g, xb + 9])]
+                            bm = np.zeros((16, 8))             # PTX: B reg 0 -> k 2t, 2t+1; reg 1 -> k + 8; n = g
+                            bm[2 * t, g], bm[2 * t + 1, g] = b_regs[0]
+                            bm[2 * t + 8, g], bm[2 * t + 9, g] = b_regs[1]
+                            d = a @ bm                          # PTX: D regs -> (g, 2t), (g, 2t+1), (g+8, ...)
+                            acc[:, mh] += np.stack([d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t],
+                                                    d[g + 8, 2 * t + 1]], 1)
+                for lane in range(32):                          # acc_to_red
+                    for mh in range(MRP // 8):
+                        for r in range(4):
+                            m = mh * 8 + t[lane] * 2 + r % 2
+                            if m < spec.rows:
+                                red[w, g[lane] + r // 2 * 8, m] = acc[lane, mh, r]
+            y[:, rt * 16:(rt + 1) * 16] += red.sum(0).T[:x.shape[0]]
+    y = y[:, :spec.n]
+    if spec.bias:
+        y = y + bias.float().numpy()
+    return activate(torch.from_numpy(y).float(), spec.act)
+
+
+@pytest.mark.parametrize("n, k, density, knobs", [
+    (40, 600, 0.5, dict(rows=3, bias=True, act="relu", stream_cols=128)),
+    (20, 1031, 0.3, dict(rows=16, ksplit=2, warps=2, stream_cols=256, dtype="float16")),
+    (17, 300, 1.0, dict(rows=9, warps=1, stream_cols=128)),
+])
+def test_mma_data_flow_gives_the_reference(n, k, density, knobs):
+    spec = BitmapGemvSpec(n, k, tile_rows=16, mma=True, **knobs)
+    dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
+    w, mask = weight_and_mask(n, k, density, dtype, seed=k)
+    bias = torch.randn(n).to(dtype) if spec.bias else None
+    packed = pack_bitmap(w, mask, spec)
+    x = (torch.randn(spec.rows - 1 or 1, k) / k ** 0.5).to(dtype)
+    torch.testing.assert_close(emulate_mma(spec, packed, x, bias), bitmap_gemv_ref(x, packed, spec, bias).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(rows=17), "rows=17"),
     (dict(dtype="float32"), "dtype"),
@@ -192,6 +273,7 @@ def test_kernel_data_flow_gives_the_reference(n, k, density, knobs):
     (dict(ksplit=99), "column tiles"),
     (dict(rows=16, k=11008), "shared memory"),
     (dict(n=0), "positive"),
+    (dict(mma=True), "tile_rows=16"),
 ])
 def test_bad_specs_are_refused_with_the_reason(kw, words):
     with pytest.raises(BitmapGemvError, match=words) as info:
@@ -211,7 +293,8 @@ def test_pack_refuses_shapes_that_do_not_fit():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Two kernels: bf16 with PDL, one row; fp16 bias + SiLU, 4 rows, K split over 3 CTAs, no PDL, K % 8 != 0."""
+    """Three kernels: bf16 with PDL, one row; fp16 bias + SiLU, 4 rows, K split over 3 CTAs, no PDL, K % 8 != 0;
+    tensor cores for 9 rows (two MMAs per 16 columns), K split over 2 CTAs."""
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
     from sparta.templates.bitmap_gemv.build import build_kernel
@@ -220,7 +303,8 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernels")
     specs = {"bm_one": BitmapGemvSpec(300, 1024, name="bm_one"),
              "bm_split": BitmapGemvSpec(77, 1203, rows=4, dtype="float16", bias=True, act="silu", ksplit=3, warps=2,
-                                        pdl=False, name="bm_split")}
+                                        pdl=False, name="bm_split"),
+             "bm_mma": BitmapGemvSpec(77, 1024, rows=9, tile_rows=16, warps=2, ksplit=2, mma=True, name="bm_mma")}
     try:
         yield {name: (spec, build_kernel(spec, out)) for name, spec in specs.items()}
     finally:
@@ -241,6 +325,8 @@ def test_builds_for_sm80_and_sm90(built):
         src = (folder / "kernel.cu").read_text()
         assert "__ballot_sync" in src and "__clz" in src and "__reduce_max_sync" in src
         assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
+        mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+        assert src.count(mma + " ") == (1 if spec.mma else 0) and ("sparta_bm_sts16" in src) == spec.mma
 
 
 @needs_nvcc
