@@ -133,6 +133,7 @@ def peers(w_masked: torch.Tensor, xs: list, sets: int) -> dict:
 
 
 def bench_case(shape: str, density: float, manifest: list, root: Path, bw: float, only) -> list[dict]:
+    from sparta.runtime.cuda import CudaKernel
     from sparta.templates.bitmap_gemv.runtime import BitmapGemvOp
     from sparta.templates.bitmap_gemv.spec import BitmapGemvSpec, bytes_floor, pack_bitmap
     n, k = SHAPES[shape]
@@ -161,7 +162,8 @@ def bench_case(shape: str, density: float, manifest: list, root: Path, bw: float
             packed = packs[fmt]
             copies = [packed] + [type(packed)(packed.bits.clone(), packed.offsets.clone(), packed.values.clone())
                                  for _ in range(max(2, math.ceil(ROTATE_BYTES / packed.nbytes())) - 1)]
-            ops = [BitmapGemvOp(root / entry["name"], spec, p, None) for p in copies]
+            kernel = CudaKernel(root / entry["name"])
+            ops = [BitmapGemvOp(root / entry["name"], spec, p, None, kernel=kernel) for p in copies]
             got = ops[0](xs[0]).float()
             err = float((got - want).abs().max() / want.abs().max())
             if not err < 2e-2:

@@ -43,12 +43,14 @@ def check_packed(spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor 
 
 class BitmapGemvOp:
     """The kernel of ``folder`` on device tensors: ``op(x)`` for a contiguous ``(M, K)`` x of the spec's dtype,
-    ``M <= spec.rows``; ``split``: the ``ksplit > 1`` workspace (``split_buffers``; made here if not given)."""
+    ``M <= spec.rows``; ``split``: the ``ksplit > 1`` workspace (``split_buffers``; made here if not given);
+    ``kernel``: the folder's loaded :class:`CudaKernel`, to share one between ops of several weights."""
 
     def __init__(self, folder, spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor | None,
-                 split: dict | None = None):
+                 split: dict | None = None, kernel: CudaKernel | None = None):
         check_packed(spec, packed, bias)
-        self.kernel, self.spec, self.packed, self.bias = CudaKernel(folder), spec, packed, bias
+        self.kernel = CudaKernel(folder) if kernel is None else kernel
+        self.spec, self.packed, self.bias = spec, packed, bias
         self.split = split_buffers(spec, packed.values.device) if split is None else split
         self._prepared = None
 
