@@ -10,7 +10,7 @@ each variant is built once per shape and rows: for M = 1 a small sweep of ``tile
 (``mma``). The build
 keeps sm_90 cubins only, no CUDA source; ``manifest.json`` lists every kernel with its spec.
 
-On the GPU each weight is made on the GPU from a seed, packed once per format (``pack_bitmap``, on the CPU), copied
+On the GPU each weight is made on the GPU from a seed, packed there once per format (``pack_bitmap``), copied
 to rotate past the L2 and checked against the masked dense linear before timing; then timed kernel-only (CUDA graphs
 of 40 calls, ``common.gpu_kernel_us``) beside cuBLAS (``F.linear`` on the dense weight), torch CSR (``to_sparse_csr``
 then ``torch.sparse.mm``) and, at M = 16, BSR (16×16 blocks, ``bsr_dense_mm``) where they run. ``floor`` is the packed format's least bytes (kept
@@ -140,7 +140,6 @@ def bench_case(shape: str, density: float, manifest: list, root: Path, bw: float
     w, mask = weight_and_mask(n, k, density, seed=n * 7 + k + int(density * 100))
     w_masked = torch.where(mask, w, torch.zeros_like(w))
     floor = bytes_floor(n, k, float(mask.float().mean()))
-    w_cpu, mask_cpu = w.cpu(), mask.cpu()
     packs, rows = {}, []
     for m in (1, 16):
         sets = max(2, math.ceil(ROTATE_BYTES / floor))
@@ -156,7 +155,7 @@ def bench_case(shape: str, density: float, manifest: list, root: Path, bw: float
             fmt = (spec.tile_rows, spec.stream_cols)
             if fmt not in packs:
                 t0 = time.perf_counter()
-                packs[fmt] = pack_bitmap(w_cpu, mask_cpu, spec).to("cuda")
+                packs[fmt] = pack_bitmap(w, mask, spec)                          # on the GPU
                 print(f"  packed {shape} density {density} as {fmt} in {time.perf_counter() - t0:.2f} s "
                       f"({packs[fmt].nbytes() / floor:.3f} of the floor's bytes)", flush=True)
             packed = packs[fmt]

@@ -77,6 +77,18 @@ def test_pack_unpack_property(n, k, density, knob, fp16, seed):
     assert torch.equal(got_mask, mask) and torch.equal(dense, masked(w, mask))
 
 
+@pytest.mark.parametrize("knobs", KNOBS)
+def test_the_torch_packing_path_packs_as_the_numpy_one(knobs):
+    """What a GPU weight packs with (torch ops on its device), run here on the CPU: the same tensors."""
+    from sparta.templates.bitmap_gemv.spec import _pack
+    spec = BitmapGemvSpec(77, 1000, **knobs)
+    for density in (0.0, 0.3, 1.0):
+        w, mask = weight_and_mask(77, 1000, density, seed=int(density * 10))
+        a, b = _pack(w, mask, spec, on_cpu=True), _pack(w, mask, spec, on_cpu=False)
+        for name in ("bits", "offsets", "values"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (name, density)
+
+
 def test_packs_a_llama_weight_in_seconds():
     spec = BitmapGemvSpec(11008, 4096)
     w, mask = weight_and_mask(11008, 4096, 0.5)
