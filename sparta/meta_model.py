@@ -3,8 +3,10 @@
 Block-sparse kernels depend on the masks (block positions), the bits and the shapes, never on weight values, so a model
 created under ``torch.device("meta")`` compiles: capture, propagation, planning, selection and kernel builds run.
 What needs values is refused with a :class:`MetaModelError` that says what to do: verification, calibration,
-measurement, the exact-zero and ``torch.nn.utils.prune`` mask discovery, weights the plan quantises (their scales are
-fitted to the values), and running or fully saving the result. Such a model is saved kernels-only
+measurement, the exact-zero and ``torch.nn.utils.prune`` mask discovery, and running or fully saving the result. A
+weight whose kept elements are all at 4 bits needs no values to pick its kernels: its plan records the scale scheme
+without clip ratios, and the load fits them to the checkpoint by the rule a compile with the weights uses
+(``WeightQuant.params``); other widths below 16 bits are refused. Such a model is saved kernels-only
 (``save(dir, weights=False)``) and loaded with ``sparta.load(dir, weights=checkpoint)``.
 
 Buffers are values the folder keeps (rotary frequencies, ...): a meta buffer of a module that rebuilds itself from its
@@ -86,17 +88,33 @@ def fill_buffers(graph, values: dict[str, torch.Tensor]) -> None:
         value.data = values[value.name]
 
 
+LOAD_BITS = 4        # the width whose scales a load fits to the checkpoint (no calibration)
+
+
 def check_bits(graph) -> None:
-    """Refuse a meta weight whose TeSA keeps elements at fewer than 16 bits: quantised weights' scales are fitted to
-    their values."""
+    """Refuse a meta weight whose TeSA keeps elements at fewer than 16 bits, unless it keeps every one at 4 bits
+    (its scales are fitted at load): other quantised weights' scales or widths are chosen from their values."""
     for value in graph.tensors("weight"):
         if value.has_data and value.data.is_meta and value.is_parameter:
             bits = value.tesa.bits
-            low = bits[(bits > 0) & (bits < 16)]
-            if low.numel():
+            kept = bits[bits > 0]
+            low = kept[kept < 16]
+            if low.numel() and not (low.numel() == kept.numel() and bool((kept == LOAD_BITS).all())):
                 raise MetaModelError(f"{value.name!r} keeps elements at {int(low.min())} bits: a quantised weight's "
-                                     "scales are fitted to its values, so it needs real weights; compile the meta "
-                                     "model at 16 bits or more, or compile the model with its checkpoint loaded")
+                                     "scales are fitted to its values, so it needs real weights unless every kept "
+                                     f"element is at {LOAD_BITS} bits (fitted at load); compile the meta model at "
+                                     f"{LOAD_BITS} or 16 bits and more, or compile the model with its checkpoint loaded")
+
+
+def meta_weight(graph, op) -> torch.Tensor | None:
+    """A meta ``(N, K)`` stand-in for a GEMM's weight on the meta device (None where it has values): what a low-bit
+    build packs into placeholders of the right shapes (a kernels-only save stores none of them)."""
+    from .passes.gemm import gemm_view
+    view = gemm_view(graph, op)
+    value = graph.tensor(view[1])
+    parts = getattr(value, "parts", None)
+    meta = parts[0].is_meta if parts else value.has_data and value.data.is_meta
+    return torch.empty(view[4], view[5], device="meta") if meta else None
 
 
 def refuse(what: str) -> None:
@@ -123,4 +141,4 @@ def devices_to_cpu(graph) -> None:
 
 
 __all__ = ["MetaModelError", "is_meta_model", "check_options", "prepare", "fill_buffers", "devices_to_cpu",
-           "check_bits", "refuse"]
+           "check_bits", "meta_weight", "refuse", "LOAD_BITS"]

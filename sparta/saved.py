@@ -181,8 +181,10 @@ def _restorable_weights(compiled) -> set[str]:
 
 
 def _derivable(module, ref: torch.Tensor) -> bool:
-    """Whether a kernel module's reference weight is exactly its own ``graph_weight()`` in ``ref``'s dtype."""
-    return hasattr(module, "graph_weight") and torch.equal(module.graph_weight().to(ref.dtype), ref.cpu())
+    """Whether a kernel module's reference weight is exactly its own ``graph_weight()`` in ``ref``'s dtype (a meta one,
+    of a model compiled from the meta device: whether it has one)."""
+    return hasattr(module, "graph_weight") and (ref.is_meta or torch.equal(module.graph_weight().to(ref.dtype),
+                                                                           ref.cpu()))
 
 
 def _copy_kernel(src: Path, dest: Path) -> None:
@@ -230,14 +232,15 @@ def _build(root: Path, manifest: dict, trust_kernels: bool, build, weights=None)
         raise SavedModelError(f"saved model {root} holds kernels only, no weights: load it with "
                               "sparta.load(path, weights=<your checkpoint>)")
     if weights is not None:
-        saved_weights.fill(manifest, tensors, weights, root)
+        fit_on = saved_weights.fill(manifest, tensors, weights, root)
     replacements = _load_modules(root, manifest, tensors, trust_kernels, repacking=weights is not None)
     graph = graph_from_json(manifest["graph"], tensors)
     plan = Plan.from_json(manifest["plan"]) if manifest.get("plan") is not None else None
     if weights is not None:
         saved_weights.repack(graph, plan, replacements, manifest, root, tensors,
                              lambda op_name, module, entry: _restore_weights(
-                                 root, op_name, module, entry, tensors, declared_values(manifest, root), graph))
+                                 root, op_name, module, entry, tensors, declared_values(manifest, root), graph),
+                             fit_on=fit_on)
     source = None
     if "source" in manifest:    # weights a kernel restored stand in for the originals it does not keep
         shared = {"source/" + n: tensors.get("graph/" + n) for n in manifest["source"]["shared"]}

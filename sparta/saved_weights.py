@@ -108,7 +108,7 @@ class Checkpoint:
     ``*.safetensors`` or a list of safetensors files (a sharded checkpoint)."""
 
     def __init__(self, weights):
-        self._dict, self._files = None, {}
+        self._dict, self._files, self.device = None, {}, None
         if isinstance(weights, torch.nn.Module):
             self._dict = dict(weights.state_dict())
         elif isinstance(weights, Mapping):
@@ -122,6 +122,7 @@ class Checkpoint:
             bad = [k for k, v in self._dict.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
             if bad:
                 raise SavedModelError(f"weights: entry {bad[0]!r} is not a tensor named by a string")
+            self.device = next((v.device for v in self._dict.values() if v.is_cuda), None)   # a checkpoint on a GPU
 
     def _open(self, weights) -> None:
         from safetensors import SafetensorError, safe_open
@@ -155,9 +156,10 @@ class Checkpoint:
             return f.get_tensor(name).clone()
 
 
-def fill(manifest: dict, tensors: dict, weights, root: Path) -> None:
+def fill(manifest: dict, tensors: dict, weights, root: Path):
     """Put the checkpoint's weights into ``tensors`` (``graph/``, ``source/``) after checking them, and shaped
-    placeholders for the module tensors a kernels-only save left out (packed again by :func:`repack`)."""
+    placeholders for the module tensors a kernels-only save left out (packed again by :func:`repack`). Returns the GPU
+    the checkpoint's tensors are on (None: the CPU, or files), where :func:`repack` fits scales left to the load."""
     from .tesa import TeSA
     rec = manifest.get("weights")
     if not isinstance(rec, dict):
@@ -185,6 +187,7 @@ def fill(manifest: dict, tensors: dict, weights, root: Path) -> None:
     for op_name, omitted in rec.get("omitted", {}).items():
         for name, (shape, dtype) in omitted.items():
             tensors[f"module/{op_name}/{name}"] = torch.zeros(shape, dtype=getattr(torch, dtype))
+    return ckpt.device
 
 
 def _read(ckpt: Checkpoint, names: list[str], tesa, value: dict, rows: int | None, root: Path) -> torch.Tensor:
@@ -224,9 +227,17 @@ def _read(ckpt: Checkpoint, names: list[str], tesa, value: dict, rows: int | Non
     return t
 
 
-def repack(graph, plan, replacements: dict, manifest: dict, root: Path, tensors: dict, restore) -> None:
+def repack(graph, plan, replacements: dict, manifest: dict, root: Path, tensors: dict, restore,
+           fit_on=None) -> None:
     """Pack each kernel module's weights from the graph's (the checkpoint's) by its own packing code; the index
-    tensors a kernels-only save kept must come out the same (else the mask differs from the compiled one)."""
+    tensors a kernels-only save kept must come out the same (else the mask differs from the compiled one). Scales a
+    plan leaves to the load (a meta-device compile's 4-bit weights) are fitted on ``fit_on`` (None: the CPU)."""
+    from .passes.quant.scheme import fit_device
+    with fit_device(fit_on):
+        _repack(graph, plan, replacements, manifest, root, restore)
+
+
+def _repack(graph, plan, replacements: dict, manifest: dict, root: Path, restore) -> None:
     for op_name, module in replacements.items():
         entry = manifest["modules"][op_name]
         if not entry["tensors"]:

@@ -72,10 +72,11 @@ def _kernel_parts(folder: Path) -> dict:
 
 
 def _scrub(x):
-    """Without build times, the names of the graph tensors a module reads and the kernels' notes (which name the torch
+    """Without build times and cache hits, the names of the graph tensors a module reads and the kernels' notes (which name the torch
     ops fused into them)."""
     if isinstance(x, dict):
-        return {k: _scrub(v) for k, v in x.items() if k not in ("build_s", "input_name", "input_names", "x_name", "gated_output", "note")}
+        return {k: _scrub(v) for k, v in x.items() if k not in ("build_s", "cached", "input_name", "input_names", "x_name", "gated_output",
+                                                                 "note")}
     return [_scrub(v) for v in x] if isinstance(x, list) else x
 
 
@@ -149,3 +150,94 @@ def test_meta_compile_writes_the_real_compiles_plan_and_kernels_cuda(tmp_path): 
         parts.append(_kernel_parts(tmp_path / which))
     assert parts[0]["kernels"], "the plan gives the linears kernels"
     _same(*parts)
+
+
+# ---- 4-bit weights: kernels from the meta model, scales fitted at load ------------------------------------------
+W4_SHAPE = {"hidden": 512, "inter": 1408}        # the plans give these linears 4-bit kernels (CPU at one row)
+
+
+def _w4_tesas(masked: bool = False, block: int = 16) -> dict:
+    masks = _masks(_meta(**W4_SHAPE), block)
+    return {n: sparta.TeSA.from_mask(m, bits=4) if masked else sparta.TeSA.dense(tuple(m.shape), 4)
+            for n, m in masks.items()}
+
+
+def _dense_real(dtype):
+    torch.manual_seed(0)
+    return _llama(**W4_SHAPE).to(dtype)
+
+
+def _without_clips(parts: dict) -> dict:
+    """The kernel parts with each plan's 4-bit clip ratios left out (a meta compile records none: fitted at load)."""
+    for op in parts["plan"].values():
+        for q in (op.get("weight_quant") or {}).values():
+            q.pop("clip")
+    return parts
+
+
+def _w4_pair(tmp_path, target: str, dtype, ids, masked: bool = False, **kw):
+    """(meta folder, real folder, the real model): both compiles of the 4-bit model saved kernels-only."""
+    block = 16 if target == "cpu" else 32
+    real_model = _real(dtype, block, **W4_SHAPE) if masked else _dense_real(dtype)
+    for which, model in (("meta", _meta(dtype, **W4_SHAPE)), ("real", real_model)):
+        compiled = sparta.compile(model, _w4_tesas(masked, block), (ids,), target=target, **kw)
+        assert {k["bits"] for k in compiled.kernels} == {"W4A32" if target == "cpu" else "W4A16"}
+        compiled.save(tmp_path / which, weights=False)
+    return tmp_path / "meta", tmp_path / "real", real_model
+
+
+def _check_w4_pair(meta: Path, real: Path, model, ids=None) -> None:
+    a, b = _kernel_parts(meta), _kernel_parts(real)
+    clips = [q["clip"] for op in a["plan"].values() for q in (op.get("weight_quant") or {}).values()]
+    assert clips and all(c == [] or c == "eJwDAAAAAAE=" for c in clips), "the meta plan records no clip ratios"
+    _same(_without_clips(a), _without_clips(b))
+    la, lb = sparta.load(meta, weights=model.state_dict()), sparta.load(real, weights=model.state_dict())
+    ma, mb = la.module_replacements(), lb.module_replacements()
+    assert sorted(ma) == sorted(mb) and any(dict(m.named_buffers()) for m in ma.values())
+    for op, module in ma.items():          # the load fits the scales by the compile's rule: the same packed tensors
+        want = dict(mb[op].named_buffers())
+        for name, t in module.named_buffers():
+            assert torch.equal(t, want[name]), (op, name)
+    if ids is not None:
+        with torch.no_grad():
+            torch.testing.assert_close(la(ids).logits, lb(ids).logits, rtol=0, atol=0)
+        la.verify()
+
+
+def test_4bit_meta_compile_loads_as_the_real_compile_cpu(tmp_path):
+    ids = torch.randint(0, 200, (1, 1), generator=torch.Generator().manual_seed(4))
+    meta, real, model = _w4_pair(tmp_path, "cpu", torch.float32, ids, dynamic=False)
+    _check_w4_pair(meta, real, model, ids)
+    torch.manual_seed(1)
+    other = _llama(**W4_SHAPE)                             # another checkpoint: scales fitted to it, kernels verified
+    sparta.load(meta, weights=other.state_dict()).verify()
+    bad = {k: (v[:, :-16] if k.endswith("up_proj.weight") else v) for k, v in model.state_dict().items()}
+    with pytest.raises(sparta.SavedModelError, match="up_proj"):
+        sparta.load(meta, weights=bad)
+
+
+def test_masked_4bit_meta_compile_refuses_nonzero_pruned_weights_cpu(tmp_path):
+    ids = torch.randint(0, 200, (1, 1), generator=torch.Generator().manual_seed(4))
+    meta, real, model = _w4_pair(tmp_path, "cpu", torch.float32, ids, masked=True, dynamic=False)
+    _check_w4_pair(meta, real, model, ids)
+    with pytest.raises(sparta.SavedModelError, match="non-zero"):
+        sparta.load(meta, weights=_dense_real(torch.float32).state_dict())
+
+
+def test_meta_weights_of_mixed_low_bits_are_refused():
+    tesas = _w4_tesas()
+    name = next(iter(tesas))
+    bits = tesas[name].bits.clone()
+    bits[:8] = 16
+    tesas[name] = sparta.TeSA.from_bits(bits)
+    with pytest.raises(MetaModelError, match="4 bits"):
+        sparta.compile(_meta(**W4_SHAPE), tesas, (IDS,))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_4bit_meta_compile_loads_as_the_real_compile_cuda(tmp_path):       # W4A16 kernels build; none run
+    meta, real, model = _w4_pair(tmp_path, "cuda", torch.float16, IDS)
+    _check_w4_pair(meta, real, model)
+    bad = {k: (v.float() if k.endswith("o_proj.weight") else v) for k, v in model.state_dict().items()}
+    with pytest.raises(sparta.SavedModelError, match="o_proj"):
+        sparta.load(meta, weights=bad)

@@ -9,8 +9,10 @@ Weights are handled as an ``(N, K)`` matrix: ``N`` output channels (a linear's r
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -113,7 +115,7 @@ def _ranges(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Tensor,
 def _clipped(ranges: tuple[torch.Tensor, ...], bits: int, group: int, clip) -> QuantParams:
     """The params of group ranges (:func:`_ranges`) clipped by ``clip`` (a ratio per channel, or one)."""
     n = ranges[0].shape[0]
-    clip = torch.as_tensor(clip, dtype=torch.float32).reshape(-1, 1).expand(n, 1)
+    clip = torch.as_tensor(clip, dtype=torch.float32, device=ranges[0].device).reshape(-1, 1).expand(n, 1)
     if len(ranges) == 1:
         scale = (ranges[0] * clip).clamp_min(1e-12) / (2 ** (bits - 1) - 1)
         return QuantParams(bits, scale, None, group, clip[:, 0].clone())
@@ -166,9 +168,13 @@ def fit_to_weight(w: torch.Tensor, bits: int, *, symmetric: bool = True, granula
                   group: int = 128) -> QuantParams:
     """Scales fitted to the weight alone (no calibration data): per channel, the clip ratio that minimises
     the weight's own squared rounding error ‖w − Q(w)‖². The search of :func:`fit_weight` with that error, run
-    ``FIT_ROWS`` channels at a time (each channel's error is its own): the same ratios."""
+    ``FIT_ROWS`` channels at a time (each channel's error is its own): the same ratios, on ``w``'s device. A meta
+    ``w`` (a model compiled from the meta device) gives meta scales of the right shapes and no clip ratios."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if w.is_meta:
+        group = {"channel": None, "tensor": w.shape[1]}.get(granularity, group)
+        return replace(weight_params(w, bits, symmetric=symmetric, group=group), clip=None)
     if granularity == "tensor" or not w.shape[0]:
         w = w.detach().float()
         return fit_weight(w, bits, lambda dq: (dq - w).pow(2).sum(1), symmetric=symmetric, granularity=granularity,
@@ -180,15 +186,15 @@ def fit_to_weight(w: torch.Tensor, bits: int, *, symmetric: bool = True, granula
         rows = w[start:start + FIT_ROWS].detach().float()
         ranges = _ranges(rows, group, symmetric)
         best = _clip_errors(rows, ranges, bits, group).argmin(0)
-        parts.append(_clipped(ranges, bits, group, torch.tensor([CLIPS[i] for i in best.tolist()])))
+        parts.append(_clipped(ranges, bits, group, torch.tensor(CLIPS, dtype=torch.float32, device=w.device)[best]))
     zero = None if symmetric else torch.cat([p.zero for p in parts])
     return QuantParams(bits, torch.cat([p.scale for p in parts]), zero, group, torch.cat([p.clip for p in parts]))
 
 
 def _clip_errors(w: torch.Tensor, ranges: tuple[torch.Tensor, ...], bits: int, group: int) -> torch.Tensor:
     """``(len(CLIPS), N)`` float64: each channel's ‖w − Q(w)‖² at each clip ratio (as ``dequantize`` gives Q)."""
-    errs = torch.empty(len(CLIPS), w.shape[0], dtype=torch.float64)
-    q = torch.empty(w.shape, dtype=torch.float32)
+    errs = torch.empty(len(CLIPS), w.shape[0], dtype=torch.float64, device=w.device)
+    q = torch.empty(w.shape, dtype=torch.float32, device=w.device)
     for i, c in enumerate(CLIPS):
         p = _clipped(ranges, bits, group, c)
         _codes_into(q, w, p.scale, p.zero, group, p.code_range())
@@ -224,11 +230,27 @@ GRANULARITIES = ("tensor", "channel", "group")
 QUANT_SOURCES = ("calibration", "weight")
 
 
+_FIT_DEVICE: contextvars.ContextVar = contextvars.ContextVar("sparta_fit_device", default=None)
+
+
+@contextlib.contextmanager
+def fit_device(device):
+    """Scales :class:`WeightQuant` fits at load (no clip ratios recorded) are searched on ``device`` (None: the
+    weight's own), e.g. the GPU a checkpoint is on; the params come back on the weight's device."""
+    token = _FIT_DEVICE.set(None if device is None else torch.device(device))
+    try:
+        yield
+    finally:
+        _FIT_DEVICE.reset(token)
+
+
 @dataclass
 class WeightQuant:
     """How an op's integer weight is quantised, fitted by calibration or, without calibration data, to
     the weight alone: scales (and zero points) per ``group`` columns of the (N, K) weight, from its range
-    clipped by ``clip`` (one ratio per output channel; one in all for ``granularity="tensor"``)."""
+    clipped by ``clip`` (one ratio per output channel; one in all for ``granularity="tensor"``). No clip
+    ratios (a plan compiled from the meta device, ``source="weight"``): the ratios are fitted to the weight when
+    its params are asked for (:func:`fit_to_weight`, the rule that gave the recorded ones)."""
 
     bits: int
     granularity: str
@@ -243,18 +265,37 @@ class WeightQuant:
                             f"not in {GRANULARITIES} / {QUANT_SOURCES}")
         self.clip = [float(c) for c in self.clip]
 
+    @property
+    def deferred(self) -> bool:
+        """Whether the clip ratios are fitted to the weight when its params are asked for (none recorded)."""
+        return not self.clip
+
     def params(self, w):
         """The :class:`~sparta.passes.quant.QuantParams` of the (N, K) weight ``w`` (masked as the kernel holds it)."""
+        if self.deferred:
+            return self._fitted(w)
         if self.granularity == "tensor":
             return per_tensor(w, self.bits, symmetric=self.symmetric, clip=self.clip[0])
         group = self.group if self.granularity == "group" else None
         return weight_params(w, self.bits, symmetric=self.symmetric, group=group,
                              clip=torch.tensor(self.clip, dtype=torch.float32))
 
+    def _fitted(self, w):
+        if self.source != "weight":
+            raise PlanError(f"weight quantisation from {self.source!r} records no clip ratios")
+        device = _FIT_DEVICE.get()
+        src = w if device is None or w.is_meta else w.to(device)
+        p = fit_to_weight(src, self.bits, symmetric=self.symmetric, granularity=self.granularity, group=self.group)
+        if src is w:
+            return p
+        return QuantParams(p.bits, p.scale.to(w.device), None if p.zero is None else p.zero.to(w.device), p.group,
+                           None if p.clip is None else p.clip.to(w.device))
+
     @classmethod
     def of(cls, params, granularity: str, source: str) -> WeightQuant:
-        """The plan's record of fitted :class:`QuantParams` (which its clip ratios reproduce exactly)."""
-        clip = params.clip.tolist() if params.clip is not None else [1.0]
+        """The plan's record of fitted :class:`QuantParams` (which its clip ratios reproduce exactly); meta params
+        (a model compiled from the meta device) record none: they are fitted when asked for (:meth:`params`)."""
+        clip = [] if params.scale.is_meta else params.clip.tolist() if params.clip is not None else [1.0]
         return cls(params.bits, granularity, int(params.group), params.zero is None,
                    clip[:1] if granularity == "tensor" else clip, source)
 

@@ -227,7 +227,8 @@ def masked_weight(graph: Graph, op: Op, plan: OpPlan, dtype: torch.dtype | None 
     if computes_every_element(plan):
         return weight_matrix(graph, op, dtype)
     _, _, _, _, n, k = gemm_view(graph, op)
-    return torch.where(plan.kept(n, k), weight_matrix(graph, op), 0.0)
+    w = weight_matrix(graph, op)
+    return w if w.is_meta else torch.where(plan.kept(n, k), w, 0.0)      # meta: no values (fitted at load)
 
 
 __all__ = ["transform_gemm", "row_points", "gemm_view", "GEMM_OPS", "weight_matrix", "in_weight_layout", "gemm_bias",

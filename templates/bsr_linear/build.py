@@ -14,6 +14,7 @@ from ...codegen.cuda_build import build_cuda
 from ...codegen.kept_blocks import packed_blocks
 from ...runtime.cuda import act16_dtype
 from ...graph import Graph, Op
+from ...meta_model import meta_weight
 from ...passes.transform.plan import OpPlan
 from ..quant.build import row_quantizer
 from ..w4a16_gemv.build import w4_codes, w4a16_gemv_spec
@@ -117,7 +118,9 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     act, dtype = site.act, choice.dtype
     specs = kernel_specs(op_plan, parts)
     spec = specs["spec"]
-    w4 = specs["w4"].params(site.weight) if specs["w4"] is not None else None    # the scales, fitted once
+    weight = meta_weight(graph, op) if specs["w4"] is not None else None   # meta: placeholders of the shapes
+    weight = site.weight if weight is None else weight
+    w4 = specs["w4"].params(weight) if specs["w4"] is not None else None    # the scales, fitted once
     out = spec.out
     gate_n = spec.n if spec.gate else 0
     mask = site.block_mask(spec.bn, spec.bk, gate_n)
@@ -137,7 +140,7 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
                    gemv1=(gemv1[0].path, gemv1[1]) if gemv1 else None)
     if w4 is not None:
         scale, zero = w4.expand(k)
-        codes = w4_codes(w4, site.weight)                   # once: the tile kernel's records and the GEMVs' words
+        codes = w4_codes(w4, weight)                        # once: the tile kernel's records and the GEMVs' words
         module = SparseLinearCUDA.from_w4_codes(op.name, x_name, art.path, spec, codes, scale, zero, mask, bias,
                                                 out_shape)
     elif dtype in ("float16", "bfloat16") and act16_dtype(spec) == _DTYPES[dtype] and \

@@ -115,7 +115,7 @@ def pack_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     wp = torch.cat(parts, 1)
     if not packed:
         wp = torch.zeros_like(wp)
-    return wp.contiguous(), table.to(dev)
+    return wp.contiguous(), table if dev.type == "meta" else table.to(dev)
 
 
 def unpack_w4(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Tensor:

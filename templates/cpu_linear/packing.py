@@ -47,13 +47,13 @@ def fitted_scales(op_plan, weight: torch.Tensor, bits: int, padded: tuple[int, i
         raise CodegenError(f"op {op_plan.op!r}: the plan runs {bits}-bit weights but holds no scales for them "
                            "(OpPlan.weight_quant; transform fills it)")
     k = weight.shape[1]
-    params = quant.params(torch.where(op_plan.kept(*weight.shape), weight, 0.0))
+    params = quant.params(weight if weight.is_meta else torch.where(op_plan.kept(*weight.shape), weight, 0.0))
 
     def pad(t):  # padded columns repeat the last one (per-channel scales stay per channel); rows get ones
         if t is None:
             return None
         t = torch.cat([t, t[:, -1:].expand(-1, padded[1] - k)], 1)
-        return torch.cat([t, torch.ones(padded[0] - t.shape[0], padded[1])], 0)
+        return torch.cat([t, torch.ones(padded[0] - t.shape[0], padded[1], device=t.device)], 0)
 
     scale, zero = params.expand(k)
     group = math.gcd(params.group, block_width) if params.group < k else block_width
@@ -64,6 +64,8 @@ def effective_weight(graph, op, subs, n: int, k: int) -> torch.Tensor | None:
     """The weight the kernels really apply (quantised sub-ops dequantised), in the graph's layout (None: fp32)."""
     if all(getattr(s.spec, "weight_bits", 32) == 32 for s in subs):
         return None
+    if any(t.is_meta for s in subs for t in s.packed.values()):     # a meta-device model: the shape only
+        return in_weight_layout(graph, op, torch.empty(n, k, device="meta"))
     total = torch.zeros(n, k)
     for s in subs:
         if s.template is block_spec:

@@ -8,6 +8,7 @@ import torch
 from ...codegen.cuda_bind import bind, gemm_parts, report_row
 from ...codegen.cuda_build import build_cuda
 from ...graph import Graph, Op
+from ...meta_model import meta_weight
 from ...passes.transform.plan import OpPlan
 from .kernel import w4a16_gemv
 from .runtime import W4A16GemvCUDA
@@ -31,7 +32,9 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     """A dense few-row 4-bit linear on the W4A16 GEMV (bias fused; the activation stays a torch op): (module,
     report rows, None)."""
     parts = gemm_parts(graph, op, op_plan)
-    view, weight, bias = parts.view, parts.site.weight, parts.bias
+    view, bias = parts.view, parts.bias
+    weight = meta_weight(graph, op)                  # meta: placeholders of the shapes (a kernels-only save)
+    weight = parts.site.weight if weight is None else weight
     params = op_plan.weight_quant[4].params(weight)
     x_name, _, _, m, n, k = view
     sym = params.zero is None

@@ -69,3 +69,28 @@ def test_codes_and_dequantize_equal_element_wise_formulas(k, group, symmetric):
     assert torch.equal(p.dequantize(w), _dequantize_whole(p, w))
     t = w.float().t().contiguous().t()                       # a non-contiguous weight reads the same
     assert torch.equal(p.codes(t), _codes_whole(p, w))
+
+
+@pytest.mark.parametrize("symmetric, granularity, group", [(True, "group", 128), (False, "channel", 128),
+                                                            (True, "tensor", 128)])
+def test_a_plan_without_clip_ratios_fits_them_when_asked_as_the_plan_would_have(symmetric, granularity, group):
+    """A meta-device compile records the scheme with no clip ratios; the load fits them to the checkpoint: the params
+    equal those of the plan a compile with the weight records (``WeightQuant.of`` of ``fit_to_weight``)."""
+    from sparta.errors import PlanError
+    from sparta.passes.quant.scheme import WeightQuant, fit_device
+    w = _weight(96, 256, 3)
+    meta = WeightQuant.of(fit_to_weight(w.to("meta"), 4, symmetric=symmetric, granularity=granularity, group=group),
+                          granularity, "weight")
+    assert meta.deferred and meta.clip == []
+    real = WeightQuant.of(fit_to_weight(w, 4, symmetric=symmetric, granularity=granularity, group=group),
+                          granularity, "weight")
+    assert (meta.bits, meta.group, meta.symmetric) == (real.bits, real.group, real.symmetric)
+    with fit_device("cpu"):
+        on_cpu = meta.params(w)
+    for got in (meta.params(w), on_cpu):
+        want = real.params(w)
+        assert torch.equal(got.scale, want.scale) and (got.zero is None) == (want.zero is None)
+        assert got.zero is None or torch.equal(got.zero, want.zero)
+    assert meta.params(w.to("meta")).scale.shape == want.scale.shape
+    with pytest.raises(PlanError, match="no clip ratios"):
+        WeightQuant(4, granularity, meta.group, symmetric, [], "calibration").params(w)
