@@ -6,9 +6,9 @@
 Shapes (N×K): 4096×4096, 11008×4096 and 4096×11008, bf16, no bias; 50%, 70% and 90% of the weights pruned by a
 seeded uniform random mask, M = 1 and 16. The kernels depend only on the shape and their knobs (not the mask), so
 each variant is built once per shape and rows: for M = 1 a small sweep of ``tile_rows`` / ``stream_cols`` / ``warps``
-/ ``inflight``, for M = 16 of the tiles and K-split ranges (X of 16 rows must fit shared memory), on CUDA cores and on
-tensor cores (``mma``). The build keeps sm_90 cubins only, no CUDA source; ``manifest.json`` lists every kernel with
-its spec.
+/ ``inflight`` (and one tensor-core build), for M = 16 of the tiles and K-split ranges (X of 16 rows must fit shared
+memory), on CUDA cores and on tensor cores (``mma``). The build keeps sm_90 cubins only, no CUDA source;
+``manifest.json`` lists every kernel with its spec.
 
 On the GPU each weight is made on the GPU from a seed, packed there once per format (``pack_bitmap``), copied to
 rotate past the L2 and checked against the masked dense linear before timing (a wrong one is reported, not timed);
@@ -42,14 +42,15 @@ SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": 
 DENSITIES = (0.5, 0.3, 0.1)
 ARCHS = ("sm_90",)
 ROTATE_BYTES = 160e6
-# M = 1: (tile_rows, stream_cols, warps, inflight)
-ONE_ROW = {"t8c128w8i8": (8, 128, 8, 8), "t8c256w8i8": (8, 256, 8, 8), "t16c512w4i8": (16, 512, 4, 8),
-           "t32c512w4i16": (32, 512, 4, 16), "t8c128w4i4": (8, 128, 4, 4)}
-# M = 16: (tile_rows, stream_cols, tiles per CTA range (= warps), inflight, tensor cores)
-SIXTEEN_ROWS = {"t8c128r1i8": (8, 128, 1, 8, False), "t8c128r2i4": (8, 128, 2, 4, False),
-                "t32c512r1i8": (32, 512, 1, 8, False), "t16c512r1i8": (16, 512, 1, 8, False),
-                "t16c128r4i8mma": (16, 128, 4, 8, True), "t16c256r2i8mma": (16, 256, 2, 8, True),
-                "t16c128r2i4mma": (16, 128, 2, 4, True)}
+# M = 1: (tile_rows, stream_cols, warps, inflight), one CTA per row tile over all of K
+ONE_ROW = {"t8c128w8i8": (8, 128, 8, 8), "t8c256w8i8": (8, 256, 8, 8), "t8c256w8i16": (8, 256, 8, 16),
+           "t16c512w4i8": (16, 512, 4, 8), "t32c512w4i16": (32, 512, 4, 16), "t8c128w4i4": (8, 128, 4, 4)}
+# split K: (tile_rows, stream_cols, tiles per CTA range (= warps), inflight, tensor cores), by the rows of the build
+SPLIT = {1: {"t16c128r4i8mma": (16, 128, 4, 8, True)},
+         16: {"t8c128r1i8": (8, 128, 1, 8, False), "t8c128r2i4": (8, 128, 2, 4, False),
+              "t32c512r1i8": (32, 512, 1, 8, False), "t16c512r1i8": (16, 512, 1, 8, False),
+              "t16c128r4i8mma": (16, 128, 4, 8, True), "t16c256r2i8mma": (16, 256, 2, 8, True),
+              "t16c128r2i4mma": (16, 128, 2, 4, True)}}
 
 
 def kernels() -> dict:
@@ -61,11 +62,12 @@ def kernels() -> dict:
             name = f"bm_{shape}_r1_{variant}"
             specs[name] = BitmapGemvSpec(n, k, rows=1, tile_rows=tr, stream_cols=cs, warps=w, inflight=inflight,
                                          name=name)
-        for variant, (tr, cs, per_cta, inflight, mma) in SIXTEEN_ROWS.items():
-            col_tiles = -(-k // (32 // tr * cs))
-            name = f"bm_{shape}_r16_{variant}"
-            specs[name] = BitmapGemvSpec(n, k, rows=16, tile_rows=tr, stream_cols=cs, warps=per_cta,
-                                         inflight=inflight, ksplit=-(-col_tiles // per_cta), mma=mma, name=name)
+        for rows, variants in SPLIT.items():
+            for variant, (tr, cs, per_cta, inflight, mma) in variants.items():
+                col_tiles = -(-k // (32 // tr * cs))
+                name = f"bm_{shape}_r{rows}_{variant}"
+                specs[name] = BitmapGemvSpec(n, k, rows=rows, tile_rows=tr, stream_cols=cs, warps=per_cta,
+                                             inflight=inflight, ksplit=-(-col_tiles // per_cta), mma=mma, name=name)
     return specs
 
 
