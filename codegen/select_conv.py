@@ -79,6 +79,8 @@ def conv_site(graph: Graph, op: Op, op_plan: OpPlan) -> ConvSite | None:
     if wv.kind != "weight" or not wv.has_data or len(wv.shape) != 4:
         return None
     a = op.attrs
+    if any(isinstance(a.get(k), str) for k in ("stride", "padding", "dilation")):   # padding="same": not read here
+        return None
     groups = int(a.get("groups", 1))
     _, cin, h, width = graph.tensor(x).shape
     bias = "none" if b is None else \

@@ -57,6 +57,8 @@ def one_by_one(graph: Graph, op: Op) -> bool:
         return False
     wv = graph.tensor(w)
     a = op.attrs
+    if any(isinstance(a.get(k), str) for k in ("stride", "padding", "dilation")):   # padding="same" / "valid"
+        return False
     return (wv.kind == "weight" and wv.has_data and wv.dtype.is_floating_point and len(wv.shape) == 4
             and tuple(wv.shape[2:]) == (1, 1) and int(a.get("groups", 1)) == 1
             and _ints(a.get("padding", 0)) == (0, 0) and graph.consumers(w) == [op.name]
