@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ from .build import _source_digest
 from .tvm_env import tvm, versions
 
 ARCHS = ("sm_80", "sm_90")
+# TVMScript parses a template's source with ``ast.parse``; CPython 3.11 fails ("AST constructor recursion depth
+# mismatch") when threads parse at once, so builds run their templates one at a time (nvcc still in parallel)
+_PARSE = threading.Lock()
 NVCC_FLAGS = ("-O3", "-diag-suppress", "177,550", "--expt-relaxed-constexpr")
 
 
@@ -63,7 +67,8 @@ def build_cuda(template, spec, archs=ARCHS) -> CudaArtifact:
             _write_spec(path.parent, spec)
             return CudaArtifact(path.parent, launch, True, time.perf_counter() - t0)
         cache.invalidate(key)
-    mod = template(spec)
+    with _PARSE:
+        mod = template(spec)
     source, launch = _lower(mod, spec.name, archs[0])
     if hasattr(spec, "shared_bytes"):     # dynamic shared memory the template sized itself
         launch["shared_bytes"] = int(spec.shared_bytes)
@@ -139,7 +144,9 @@ def _build_one(template, spec) -> None:
 
 def tvm_source(template, spec) -> str:
     """The CUDA C TVM emits for ``template(spec)`` (no nvcc)."""
-    return _emit(template(spec), spec.name, _archs(spec)[0])
+    with _PARSE:
+        mod = template(spec)
+    return _emit(mod, spec.name, _archs(spec)[0])
 
 
 def cuda_source(template, spec) -> str:
