@@ -96,11 +96,10 @@ def check_bits(graph) -> None:
     (its scales are fitted at load): other quantised weights' scales or widths are chosen from their values."""
     for value in graph.tensors("weight"):
         if value.has_data and value.data.is_meta and value.is_parameter:
-            bits = value.tesa.bits
-            kept = bits[bits > 0]
-            low = kept[kept < 16]
-            if low.numel() and not (low.numel() == kept.numel() and bool((kept == LOAD_BITS).all())):
-                raise MetaModelError(f"{value.name!r} keeps elements at {int(low.min())} bits: a quantised weight's "
+            kept = {b for b in value.tesa.bit_histogram() if b}         # (per block or one value where held so)
+            low = sorted(b for b in kept if b < 16)
+            if low and kept != {LOAD_BITS}:
+                raise MetaModelError(f"{value.name!r} keeps elements at {low[0]} bits: a quantised weight's "
                                      "scales are fitted to its values, so it needs real weights unless every kept "
                                      f"element is at {LOAD_BITS} bits (fitted at load); compile the meta model at "
                                      f"{LOAD_BITS} or 16 bits and more, or compile the model with its checkpoint loaded")
