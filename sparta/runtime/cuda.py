@@ -255,8 +255,8 @@ class PreparedLaunch:
         self.kernel, self.fn = kernel, fn
         names = [a["name"] for a in kernel.tensor_args]
         self.index = {n: i for i, n in enumerate(names)}
-        self.meta = {n: ([e if isinstance(e, str) else d for e, d in zip(a["shape"], t.shape)], t.dtype)
-                     for n, t, a in zip(names, tensors, kernel.tensor_args)}   # sizes (M) free, other dims pinned
+        self.meta = {n: ([e if e is None or isinstance(e, str) else d for e, d in zip(a["shape"], t.shape)], t.dtype)
+                     for n, t, a in zip(names, tensors, kernel.tensor_args)}   # sizes (M) and free dims stay free
         self.shapes = [t.shape for t in tensors]
         self.keep = tensors     # keeps the fixed tensors (weights, tables) alive; per-call ones go at the next launch
         self.device = tensors[0].device.index
