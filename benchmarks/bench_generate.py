@@ -5,10 +5,13 @@ weights from a checkpoint built there, against dense ``generate()`` peers in one
     python benchmarks/bench_generate.py --build artifacts/gen7b --layers 32 --density 0.1
     # GPU: build the checkpoint from the config and seed, load with it, generate, measure
     python benchmarks/bench_generate.py --dir artifacts/gen7b --prompt 512 --new 128 --batch 1 --out gen.json
+    # every linear 4-bit (W4A16), compiled from the meta device: no checkpoint here
+    python benchmarks/bench_generate.py --build artifacts/gen7b-w4 --layers 32 --meta --bits 4 --density 1
 
 The model is Llama-2-7B's shape (width 4096, FFN 11008, 32 heads, vocabulary 32000; ``--layers`` of its 32 layers),
 bf16, random weights from ``--seed``; every decoder linear keeps ``--density`` of its ``--block`` blocks, chosen by a
-seeded generator that gives the same masks on every machine (``--bits 4``: and its weights are 4-bit, W4A16).
+seeded generator that gives the same masks on every machine (``--bits 4``: and its weights are 4-bit, W4A16; with
+``--meta`` the scales are fitted at load to the checkpoint built on the GPU, there).
 Peers, each on the same masked weights: sparta's default greedy call (its loop: one CUDA graph per token,
 ``sparta.runtime.decode_loop``) and the same through Hugging Face's loop (graphs per step); the dense model in
 sparta's loop (gpt-fast's: the fairest dense peer), in Hugging Face's loop with graphs per step, with its static cache
@@ -257,8 +260,9 @@ def run(args) -> dict:
         results["same_tokens_as_dense"] = results["sparta"]["tokens"] == results[best]["tokens"]
     kept = sum(g.sum().item() * meta["block"] ** 2 if meta["density"] < 1 else g.numel() * meta["block"] ** 2
                for g in grids_for(dense, meta["density"], meta["block"]).values())
-    weights = sum(p.numel() for n, p in dense.named_parameters() if not n.endswith("proj.weight")) + kept
-    results["bytes_floor_tok_s"] = {"bytes_per_step": 2 * weights, "at_3.0TBps": args.batch * 3.0e12 / (2 * weights)}
+    per_kept = 2 if meta.get("bits", 16) >= 16 else meta["bits"] / 8 + 2 / 128   # 4 bits: + an fp16 scale per 128
+    step = 2 * sum(p.numel() for n, p in dense.named_parameters() if not n.endswith("proj.weight")) + per_kept * kept
+    results["bytes_floor_tok_s"] = {"bytes_per_step": step, "at_3.0TBps": args.batch * 3.0e12 / step}
     return results
 
 
