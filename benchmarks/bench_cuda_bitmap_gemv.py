@@ -21,7 +21,6 @@ and the fraction of the floor reached; the JSON has every row.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_kernel_us, save  # noqa: E402
+from common import build_or_time, gpu_kernel_us, save  # noqa: E402
 
 OUT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
            ).parent / "cuda_bitmap_gemv"
@@ -188,16 +187,9 @@ def bench_case(shape: str, density: float, manifest: list, root: Path, bw: float
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--build", nargs="?", const=str(OUT), metavar="DIR",
-                    help=f"build the kernels (TVM + nvcc) into DIR (default {OUT}) instead of timing them")
-    ap.add_argument("--dir", default=str(OUT), help="the built kernels' folder, when timing")
-    ap.add_argument("--out", metavar="FILE", help="also write the results JSON to FILE")
-    ap.add_argument("--only", nargs="*", help="kernel names to time (default: all in the manifest)")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    if args.build:
-        build(Path(args.build), args.jobs)
+    args = build_or_time(__doc__, OUT, build, lambda ap: ap.add_argument(
+        "--only", nargs="*", help="kernel names to time (default: all in the manifest)"))
+    if args is None:
         return
     root = Path(args.dir)
     manifest = json.loads((root / "manifest.json").read_text())

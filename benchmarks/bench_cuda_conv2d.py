@@ -14,7 +14,6 @@ masked weight first, then timed kernel-only: CUDA graphs of 40 calls rotating in
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import bench_mask, gpu_kernel_us, save  # noqa: E402  (benchmarks/ is the script's folder)
+from common import build_or_time, bench_mask, gpu_kernel_us, save  # noqa: E402  (benchmarks/ is the script's folder)
 
 OUT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
            ).parent / "cuda_conv2d"
@@ -86,15 +85,8 @@ def bench(c: int, hw: int, b: int, density: float, root: Path) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--build", nargs="?", const=str(OUT), metavar="DIR",
-                    help=f"build the kernels (TVM + nvcc) into DIR (default {OUT}) instead of timing them")
-    ap.add_argument("--dir", default=str(OUT), help="the built kernels' folder, when timing")
-    ap.add_argument("--out", metavar="FILE", help="also write the results JSON to FILE")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    if args.build:
-        build(Path(args.build), args.jobs)
+    args = build_or_time(__doc__, OUT, build)
+    if args is None:
         return
     torch.backends.cudnn.benchmark = True
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}",

@@ -14,7 +14,6 @@ kernel-only: CUDA graphs of 40 calls rotating input sets beyond the L2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import gpu_kernel_us, save  # noqa: E402  (benchmarks/ is the script's folder)
+from common import build_or_time, gpu_kernel_us, save  # noqa: E402  (benchmarks/ is the script's folder)
 
 OUT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
            ).parent / "cuda_da"
@@ -95,15 +94,8 @@ def bench(heads, b: int, s: int, kept: int, root: Path, bw: float) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--build", nargs="?", const=str(OUT), metavar="DIR",
-                    help=f"build the kernels (TVM + nvcc) into DIR (default {OUT}) instead of timing them")
-    ap.add_argument("--dir", default=str(OUT), help="the built kernels' folder, when timing")
-    ap.add_argument("--out", metavar="FILE", help="also write the results JSON to FILE")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    if args.build:
-        build(Path(args.build), args.jobs)
+    args = build_or_time(__doc__, OUT, build)
+    if args is None:
         return
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; torch {torch.__version__}", flush=True)

@@ -14,7 +14,6 @@ floor the fusion can save at most 5/4.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import gpu_kernel_us, save  # noqa: E402  (benchmarks/ is the script's folder)
+from common import build_or_time, gpu_kernel_us, save  # noqa: E402  (benchmarks/ is the script's folder)
 
 OUT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
            ).parent / "rmsnorm"
@@ -96,15 +95,8 @@ def bench(tag: str, root: Path) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--build", nargs="?", const=str(OUT), metavar="DIR",
-                    help=f"build the kernels (TVM + nvcc) into DIR (default {OUT}) instead of timing them")
-    ap.add_argument("--dir", default=str(OUT), help="the built kernels' folder, when timing")
-    ap.add_argument("--out", metavar="FILE", help="also write the results JSON to FILE")
-    ap.add_argument("--jobs", type=int, default=2)
-    args = ap.parse_args()
-    if args.build:
-        build(Path(args.build), args.jobs)
+    args = build_or_time(__doc__, OUT, build)
+    if args is None:
         return
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     rows = [bench(tag, Path(args.dir)) for tag in DTYPES]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -16,6 +17,25 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(os.environ.get("SPARTA_RESULTS", Path(__file__).parent / "results"))
+
+
+def build_or_time(doc: str, default_dir, build, extend=None) -> argparse.Namespace | None:
+    """The arguments of a kernel benchmark built where TVM is (``--build [DIR] [--jobs N]``) and timed on the GPU
+    (``--dir DIR [--out FILE]``); ``extend(parser)`` adds the script's own. With ``--build`` it runs
+    ``build(Path(DIR), jobs)`` and returns None."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--build", nargs="?", const=str(default_dir), metavar="DIR",
+                    help=f"build the kernels (TVM + nvcc) into DIR (default {default_dir}) instead of timing them")
+    ap.add_argument("--dir", default=str(default_dir), help="the built kernels' folder, when timing")
+    ap.add_argument("--out", metavar="FILE", help="also write the results JSON to FILE")
+    ap.add_argument("--jobs", type=int, default=2)
+    if extend is not None:
+        extend(ap)
+    args = ap.parse_args()
+    if args.build:
+        build(Path(args.build), args.jobs)
+        return None
+    return args
 
 
 def interleaved(fns: dict, reps: int) -> dict:
