@@ -72,14 +72,6 @@ def candidates(graph: Graph) -> list[Op]:
                                        bits_of_dtype(graph.tensor(op.input_of("weight")).dtype))]
 
 
-def _unique(graph: Graph, taken: set, name: str) -> str:
-    out, i = name, 1
-    while graph.has_tensor(out) or out in taken:
-        out, i = f"{name}{i}", i + 1
-    taken.add(out)
-    return out
-
-
 def _permuted(tesa: TeSA, perm: list[int]) -> TeSA:
     shape = tuple(tesa.shape[p] for p in perm)
     if tesa.uniform is not None:
@@ -101,7 +93,7 @@ class _Rewrite:
         self.matrices: dict[str, str] = {}        # convolution weight -> its matrix
 
     def tensor(self, base: str, shape, like: Value, tesa: TeSA) -> str:
-        name = _unique(self.graph, self.taken, base)
+        name = self.graph.unused_name(base, self.taken)
         self.out.add_tensor(Value(name, tuple(shape), like.dtype, "activation", tesa))
         return name
 
@@ -132,7 +124,7 @@ class _Rewrite:
         x, w, b = conv.input_of("input"), conv.input_of("weight"), conv.input_of("bias")
         wv, yv = g.tensor(w), g.tensor(conv.outputs[0])
         cout, cin = wv.shape[:2]
-        matrix = _unique(g, self.taken, f"{w}_matrix")
+        matrix = g.unused_name(f"{w}_matrix", self.taken)
         self.out.add_tensor(Value(matrix, (cout, cin), wv.dtype, "weight",
                                   TeSA(wv.tesa.view().reshape(cout, cin), _trusted=True),
                                   wv.data.reshape(cout, cin).contiguous()))

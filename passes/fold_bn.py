@@ -54,14 +54,6 @@ def _value(graph: Graph, name: str | None, default: float, n: int) -> torch.Tens
     return v.tesa.apply(v.data).to(torch.float32).reshape(-1)
 
 
-def _unique(graph: Graph, taken: set, name: str) -> str:
-    out, i = name, 1
-    while graph.has_tensor(out) or out in taken:
-        out, i = f"{name}{i}", i + 1
-    taken.add(out)
-    return out
-
-
 def fold_batch_norms(graph: Graph) -> tuple[Graph, dict[str, str]]:
     """``graph`` with every foldable BatchNorm folded into its convolution (or ``graph`` itself if none), and
     ``{folded tensor: what it was folded from}``."""
@@ -93,9 +85,9 @@ def fold_batch_norms(graph: Graph) -> tuple[Graph, dict[str, str]]:
         if gamma_kept is not None and not bool(gamma_kept.all()):
             rows = gamma_kept.reshape(-1, *[1] * (len(wv.shape) - 1)).expand(wv.shape)
             wtesa = wtesa.meet(TeSA.from_mask(rows, max(wtesa.max_bits(), 1)))
-        wname = _unique(graph, taken, f"{w}_folded")
-        bname = _unique(graph, taken, f"{b}_folded" if b else f"{w.rsplit('.', 1)[0]}.bias_folded" if "." in w
-                        else f"{w}_bias_folded")
+        wname = graph.unused_name(f"{w}_folded", taken)
+        bname = graph.unused_name(f"{b}_folded" if b else f"{w.rsplit('.', 1)[0]}.bias_folded" if "." in w
+                                  else f"{w}_bias_folded", taken)
         bias_dtype = graph.tensor(b).dtype if b else wv.dtype
         new_values += [Value(wname, wv.shape, wv.dtype, "weight", wtesa, weight.to(wv.dtype)),
                        Value(bname, (n,), bias_dtype, "weight", TeSA.dense((n,), bits_of_dtype(bias_dtype)),

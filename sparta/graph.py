@@ -275,6 +275,15 @@ class Graph:
     def has_tensor(self, name: str) -> bool:
         return self._g.has_node(_t(name))
 
+    def unused_name(self, name: str, taken: set) -> str:
+        """``name``, or ``name1``, ``name2``, ...: the first no tensor of the graph and nothing in ``taken`` holds
+        (added to ``taken``)."""
+        out, i = name, 1
+        while self.has_tensor(out) or out in taken:
+            out, i = f"{name}{i}", i + 1
+        taken.add(out)
+        return out
+
     def tensor_names(self) -> list[str]:
         return [k[1] for k in self._g.nodes if k[0] == "t"]
 
