@@ -28,7 +28,8 @@ def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_
     out, low, blocks = [], 0, {}
     for top, label, what, tiles in runs:
         rows = top if top is not None else max(last_rows, low + 1)
-        est = kernel_us(site, picked, what, tiles, rows, profile, blocks)
+        est = profile.dense_us(rows, site.n, site.k, *dense_bits) if what == "dense" else \
+            kernel_us(site, picked, what, tiles, rows, profile, blocks)
         out.append([top, label, rows, None if est is None else round(est, 3),
                      round(profile.dense_us(rows, site.n, site.k, *dense_bits), 3)])
         low = rows
@@ -59,6 +60,30 @@ def kernel_us(site, picked: KernelChoice, what: str, tiles: dict, rows: int, pro
     if what == "bsr_gemv":
         return profile.gemv_us(n_blocks, shape, rows, wb, ab, site.k)
     return profile.tile_us(n_blocks, shape, rows, tiles.get("tm", main.get("tm", 128)), wb, ab, site.k)
+
+
+def dense_switch_rows(site, picked: KernelChoice, profile: HardwareProfile, end: int,
+                      dense_bits: tuple[int, int]) -> int | None:
+    """From how many rows calls run the dense GEMM (``KernelChoice.dense_from``) where the plan switches to it: the
+    fewest rows from which, up to the planned range's ``end``, the kernel that would run costs more than dense at
+    every row tried (every row to 256, then steps of 1/64 of the rows), by the costs :func:`bucket_estimates`
+    reports; None where the kernels win at ``end`` or have no cost."""
+    runs, blocks = picked.runs_by_rows(), {}
+
+    def loses(rows: int) -> bool:
+        _, _, what, tiles = next(r for r in runs if r[0] is None or rows <= r[0])
+        est = kernel_us(site, picked, what, tiles, rows, profile, blocks)
+        return est is not None and est > profile.dense_us(rows, site.n, site.k, *dense_bits)
+
+    if not loses(end):
+        return None
+    rows = end
+    while rows > 1:
+        step = 1 if rows <= 256 else rows // 64
+        if not loses(rows - step):
+            break
+        rows -= step
+    return rows
 
 
 def dense_widths(graph, op, profile: HardwareProfile) -> tuple[int, int]:

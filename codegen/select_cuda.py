@@ -26,7 +26,7 @@ from ..passes.transform.transform_op import computes_every_element, gemm_bias, g
 from ..target import Target
 from ..templates.registry import epilogue_of, rule, rules
 from ..templates.w4a16_gemv.spec import gemv_group
-from .bucket_costs import bucket_estimates, dense_widths
+from .bucket_costs import bucket_estimates, dense_switch_rows, dense_widths
 from .kept_blocks import KeepGrid, keep_grid, kept_block_mask
 from .select_attention import select_attention
 from .select_conv import select_convolutions
@@ -169,6 +169,13 @@ def select_gemm(site: GemmSite, target: Target) -> KernelChoice:
     raise AssertionError("the last rule always answers")
 
 
+def switches_to_dense(site: GemmSite, picked: KernelChoice) -> bool:
+    """Whether ``picked`` can hand its many-row calls to the dense GEMM (``KernelChoice.dense_from``): a 16-bit
+    block-sparse kernel writing 16-bit outputs."""
+    return picked.kernel == "bsr_linear" and picked.dtype in ("float16", "bfloat16") and not picked.dense_grid \
+        and not site.requantized
+
+
 def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
     """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``) and of the attention ops
     ``select_attention`` takes, in place; returns the plan."""
@@ -182,8 +189,17 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
             if site is None else select_gemm(site, target)
         if site is not None:           # each bucket of rows priced by the kernel that runs there
             last = max([r for r, _, _ in op_plan.rows_us], default=site.m)
-            op_plan.kernel.bucket_us = bucket_estimates(site, op_plan.kernel, target.profile, last,
-                                                        dense_widths(graph, op, target.profile))
+            widths = dense_widths(graph, op, target.profile)
+            if op_plan.dense_from and switches_to_dense(site, op_plan.kernel):
+                picked = op_plan.kernel
+                picked.dense_from = dense_switch_rows(site, picked, target.profile, last, widths)
+                if picked.dense_from and picked.buckets:     # no tile kernel for rows the dense GEMM takes
+                    low = [0] + [top for top, _ in picked.buckets]
+                    picked.buckets = [b for b, lo in zip(picked.buckets, low) if lo + 1 < picked.dense_from] or None
+            elif op_plan.dense_from:
+                op_plan.kernel.note = "; ".join(n for n in (op_plan.kernel.note, "the plan's dense GEMM for many rows "
+                                                "does not run: this kernel takes every call") if n)
+            op_plan.kernel.bucket_us = bucket_estimates(site, op_plan.kernel, target.profile, last, widths)
         fuses = epilogue_of(op_plan.kernel.kernel)
         for _, family, _ in op_plan.kernel.few_rows or ():    # every kernel of the op computes the fused epilogue
             less = epilogue_of(family)

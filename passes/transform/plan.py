@@ -80,6 +80,7 @@ class KernelChoice:
     dense_grid: bool = False       # a dense tile: every block computed, zeros included (no empty block skipped)
     bucket_us: list | None = None  # [[max rows, kernel, rows costed at, est µs, dense µs], ...] per entry of by_rows(),
     #                                from the cost of the kernel that runs there (est None: the profile has no cost)
+    dense_from: int | None = None  # calls of at least this many rows run the vendor dense GEMM over a dense copy
 
     def describe(self, epilogue: str = "") -> str:
         """The kernel (``epilogue``: what it fuses, e.g. `` +bias+relu``), per bucket of rows with its estimate."""
@@ -87,12 +88,13 @@ class KernelChoice:
             return f"torch ({self.reason})"
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
         main = f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}{' +wgmma' if self.hopper else ''}]{epilogue}"
-        if not (self.gemv or self.buckets or self.few_rows):
+        if not (self.gemv or self.buckets or self.few_rows or self.dense_from):
             return main
         rows = self.by_rows()               # the kernel per bucket of rows, per call, and its estimate
         costs = self.bucket_us if self.bucket_us and len(self.bucket_us) == len(rows) else [None] * len(rows)
+        last = "cuBLAS[dense copy]" if self.dense_from else main
         return "; ".join([f"M<={top}: {kernel}{_cost(c)}" for (top, kernel), c in zip(rows[:-1], costs)]
-                         + [f"else {main}{_cost(costs[-1], True)}"])
+                         + [f"else {last}{_cost(costs[-1], True)}"])
 
     def by_rows(self) -> list[tuple[int | None, str]]:
         """[(max rows, kernel), ...]: the kernel a call of up to that many rows runs, in increasing rows (None: the
@@ -113,7 +115,13 @@ class KernelChoice:
         low = max([t for t, *_ in out], default=0)
         out += [(top, f"tm {t['tm']}", "tile", t) for top, t in self.buckets or () if top > low]
         tile = "x".join(str(self.tiles[k]) for k in ("tm", "bn", "bk") if k in self.tiles)
-        return out + [(None, f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}]", self.kernel, self.tiles)]
+        main = (None, f"{self.kernel}[{self.dtype}{' ' + tile if tile else ''}]", self.kernel, self.tiles)
+        if self.dense_from is None:
+            return out + [main]
+        below = [r for r in out if r[0] < self.dense_from]         # what runs just below dense_from: the next one
+        if not below or below[-1][0] < self.dense_from - 1:
+            below.append((self.dense_from - 1, *(out[len(below):] + [main])[0][1:]))
+        return below + [(None, "cuBLAS[dense copy]", "dense", {})]
 
     def estimate_note(self) -> str:
         """Which kernels of the buckets of rows have no estimate, and why."""
@@ -154,6 +162,7 @@ class OpPlan:
     note: str = ""                                 # what the plan could not honour, and why
     kernel: KernelChoice | None = None             # the kernel selection chose (sparse ops; see codegen/select_*)
     rows_us: list = field(default_factory=list)    # [[rows, est µs, dense µs], ...] over the token range planned for
+    dense_from: tuple | None = None                # (rows the kernels win at, rows the dense GEMM wins from on)
     shrink: dict = field(default_factory=dict)     # kind "shrink": the channels kept ("out"/"in": [before, after],
     #                                                packed "out_keep"/"in_keep", "gather", "groups"; see shrink.py)
 

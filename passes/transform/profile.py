@@ -144,11 +144,31 @@ class HardwareProfile:
             per_block = ns * self.k_factor(kern, shape, k) * m
         return max(n_blocks * per_block / 1e3, self.weight_stream_us(n_blocks * shape[0] * shape[1], weight_bits))
 
+    def cover_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int,
+                 k: int = 0) -> float:
+        """One sub-operator of ``n_blocks`` blocks at ``m`` rows: its kernel call and blocks (:meth:`block_us`), or
+        where the GEMV takes ``m`` rows (a 16-bit block cover, ``low_bit_gemv["bsr_gemv"]``) the GEMV's bytes model
+        if cheaper (per-block latency measured on a small weight overprices a large one)."""
+        us = self.sub_op_us + self.block_us(n_blocks, shape, m, weight_bits, act_bits, k)
+        gemv = self.gemv_bytes_us(n_blocks, shape, m, weight_bits)
+        return us if gemv is None else min(us, gemv)
+
+    def gemv_bytes_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int) -> float | None:
+        """The 16-bit block-sparse GEMV streaming ``n_blocks`` blocks at ``m`` rows by its fitted fixed cost and
+        rate (``low_bit_gemv["bsr_gemv"]``), None above its rows or without a fit."""
+        fit = self.low_bit_gemv.get("bsr_gemv")
+        if not fit or weight_bits != 16 or m > max(int(r) for r in fit):
+            return None
+        return self.low_bit_gemv_us("bsr_gemv", m, n_blocks * shape[0] * shape[1] * 2)
+
     # ---- one kernel's cost (µs; None: the profile has no cost for it) ----------------------
     def gemv_us(self, n_blocks: int, shape: tuple[int, int], m: int, weight_bits: int, act_bits: int,
                 k: int = 0) -> float | None:
-        """The few-row block-sparse GEMV over ``n_blocks`` blocks at ``m`` rows: its cost per block measured at one
-        row (``blocks_one_row``) and the per-row cost above it, one kernel call."""
+        """The few-row block-sparse GEMV over ``n_blocks`` blocks at ``m`` rows: by its bytes where the profile
+        fits them (:meth:`gemv_bytes_us`), else its cost per block measured at one row (``blocks_one_row``) and the
+        per-row cost above it, one kernel call."""
+        if (fit := self.gemv_bytes_us(n_blocks, shape, m, weight_bits)) is not None:
+            return fit
         kern = self.kernel(weight_bits, act_bits)
         if tuple(shape) not in kern.blocks_one_row or tuple(shape) not in kern.blocks or self.rows <= 1:
             return None

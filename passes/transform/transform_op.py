@@ -96,7 +96,7 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
     widths = profile.weight_widths(act_bits)
     candidates = [dense_candidate]
     seen = set()
-    options = [(score(dense_at), None, dense_at)]
+    options = [(score(dense_at), None, dense_at, None)]
     for grouping in groupings(wtesa, widths):
         per_group = []
         for group in grouping:
@@ -108,9 +108,14 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
                 continue
             seen.add(name)
             candidates.append(Candidate(name, costs[0]))
-            options.append((score(costs), [s for _, subs, _ in combo for s in subs], costs))
+            subs = [s for _, subs, _ in combo for s in subs]
+            switch = None
+            if profile.target == "cuda" and all((s.template, s.weight_bits, s.act_bits) == (
+                    "block_sparse", model_bits, act_model_bits) for s in subs):
+                costs, switch = dense_switch(rows, costs, dense_at)
+            options.append((score(costs), subs, costs, switch))
     base["note"] = _rounding_note(wtesa, widths, act_bits, profile.target)
-    _, subops, costs = choose(options)
+    _, subops, costs, base["dense_from"] = choose(options)
     if len(rows) > 1:
         base["rows_us"] = [[r, round(c, 3), round(d, 3)] for r, c, d in zip(rows[1:], costs[1:], dense_at[1:])]
     if subops is None:
@@ -127,6 +132,22 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
     small = blocks <= profile.full_max_blocks and nnz <= FULL_DISMANTLE_MAX_NNZ
     dismantle = "full" if small else profile.large_dismantle
     return OpPlan(kind="sparse", est_us=costs[0], subops=subops, candidates=candidates, dismantle=dismantle, **base)
+
+
+def dense_switch(rows: list[int], costs: list[float], dense_at: list[float]) -> tuple[list[float], tuple | None]:
+    """(costs, (below, from)): a 16-bit block-sparse plan over a token range (CUDA) runs the vendor dense GEMM where
+    that is cheaper at every row point from some point on (a 50% mask: the GEMV wins at decode, cuBLAS at prefill),
+    switching between the last point it wins (``below``) and the first dense wins for good (``from``; selection
+    places the switch between them by its kernels' costs); those points cost dense's. (costs, None) where it
+    wins at the last point or at none."""
+    points = list(zip(rows[1:], costs[1:], dense_at[1:]))
+    i = len(points)
+    while i and points[i - 1][1] > points[i - 1][2]:
+        i -= 1
+    if i in (0, len(points)):
+        return costs, None
+    start = points[i][0]
+    return [d if r >= start else c for r, c, d in zip(rows, costs, dense_at)], (points[i - 1][0], start)
 
 
 def _rounding_note(wtesa: TeSA, widths: list[int], act_bits: int, target: str) -> str:
@@ -177,7 +198,7 @@ def _group_options(group, profile: HardwareProfile, act_bits: int, rows: list[in
         seen.add(key)
         subs, costs = [], [0.0] * len(rows)
         for c in cover:
-            us = [profile.sub_op_us + profile.block_us(c.n_blocks, c.shape, m, group.bits, act_bits, k) for m in rows]
+            us = [profile.cover_us(c.n_blocks, c.shape, m, group.bits, act_bits, k) for m in rows]
             fine = c.shape == (1, 1)
             subs.append(SubOp("fine_sparse" if fine else "block_sparse", group.bits, act_bits, c.shape,
                               c.n_blocks, c.nnz, us[0],

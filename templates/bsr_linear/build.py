@@ -137,7 +137,7 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     out_shape = graph.tensor((unit.mul if unit else op).outputs[0]).shape
     kernels = dict(hopper=(hopper[0].path, hopper[1]) if hopper else None, gemv=(gemv[0].path, gemv[1]) if gemv
                    else None, buckets=[(top, a.path, b) for top, a, b in buckets],
-                   gemv1=(gemv1[0].path, gemv1[1]) if gemv1 else None)
+                   gemv1=(gemv1[0].path, gemv1[1]) if gemv1 else None, dense_from=choice.dense_from)
     if w4 is not None:
         scale, zero = w4.expand(k)
         codes = w4_codes(w4, weight)                        # once: the tile kernel's records and the GEMVs' words
@@ -175,7 +175,9 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
              if hopper else []) + ([f"one row runs the GEMV {gemv1[0].path.name}"] if gemv1 else []) \
         + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
         + [f"up to {top} rows run the {'W4A16' if w4 is not None else 'W8A8'} GEMV {a.path.name}" for top, a, _ in few] \
-        + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] + ([choice.note] if choice.note else []) \
+        + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] \
+        + ([f"from {choice.dense_from} rows cuBLAS over a dense copy"] if choice.dense_from else []) \
+        + ([choice.note] if choice.note else []) \
         + ([f"writes {unit.activation}(gate) * up ({', '.join(o.name for o in unit.ops)} fused)"] if unit else [])
     if notes:
         row["note"] = "; ".join(notes)

@@ -114,13 +114,32 @@ def pack_weight(w: torch.Tensor, spec: BsrSpec, block_mask: torch.Tensor) -> tup
 
 def unpack_weight(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Tensor:
     """Inverse of :func:`pack_weight`: the dense ``(N, K)`` (gated: ``(2N, K)``) weight, zero where no block is
-    kept."""
-    head, kidx = table_parts(table, spec)
-    pad = torch.zeros(spec.weight_row_blocks * spec.bn, spec.k_blocks * spec.bk, dtype=wp.dtype, device=wp.device)
-    for row, first, count, *gate in head:
-        for j in range(first, first + count):
-            kb, r = kidx[j], row + (spec.row_blocks if gate and j - first >= gate[0] else 0)
-            pad[r * spec.bn:(r + 1) * spec.bn, kb * spec.bk:(kb + 1) * spec.bk] = wp[j]
+    kept, on ``wp``'s device (one scatter of every block: a 7B model's ops unpack in milliseconds)."""
+    rows, cols = packed_positions(table, spec)
+    pad = torch.zeros(spec.weight_row_blocks, spec.k_blocks, spec.bn, spec.bk, dtype=wp.dtype, device=wp.device)
+    if rows.numel():
+        pad[rows.to(wp.device), cols.to(wp.device)] = wp[: rows.numel()]
+    pad = pad.permute(0, 2, 1, 3).reshape(spec.weight_row_blocks * spec.bn, spec.k_blocks * spec.bk)
     if spec.gate:
         return gate_unpadded(pad, spec.n, spec.bn)[:, : spec.k].contiguous()
     return pad[: spec.n, : spec.k].contiguous()
+
+
+def packed_positions(table: torch.Tensor, spec: BsrSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block row, K block) of each packed block a table lists, in packed order (gated: the up's rows after the
+    gate's, as :func:`block_mask_for`), as int64 tensors on the CPU."""
+    table = table.cpu().long()
+    head = table[: spec.slot_ints * spec.row_blocks].reshape(-1, spec.slot_ints)
+    kidx = table[spec.table_head:]
+    row, first, count = head[:, 0], head[:, 1], head[:, 2]
+    total = int(count.sum())
+    rows = torch.zeros(kidx.numel(), dtype=torch.long)
+    if total:
+        slot = torch.repeat_interleave(torch.arange(head.shape[0]), count)
+        at = torch.repeat_interleave(first, count) + torch.arange(total) - torch.repeat_interleave(
+            torch.cumsum(count, 0) - count, count)
+        r = row[slot]
+        if spec.gate:               # a slot's blocks past the gate's count are the up's rows
+            r = r + spec.row_blocks * ((at - first[slot]) >= head[slot, 3]).long()
+        rows[at] = r
+    return rows, kidx

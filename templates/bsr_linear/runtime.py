@@ -1,205 +1,29 @@
-"""A block-sparse linear layer running sparta's CUDA ``bsr_linear`` kernel (no TVM needed).
-
-``BsrLinearOp(folder, spec, weight, block_mask, bias)`` packs the kept blocks once
-(``sparta.templates.bsr_linear.packing.pack_weight``; ``BsrLinearOp.packed`` takes them packed) and
-then ``op(x)`` computes ``act(x · (W ⊙ mask)ᵀ + b)`` in fp16 on the current stream. For an
-int8 (W8A8) kernel the weight is quantised per channel at construction and ``op(x)``
-quantises ``x`` per row; ``op.int8(xq, xs)`` takes activations already quantised. A kernel built with
-``out="int8"`` returns int8 codes of the static ``out_scale`` instead of fp16. A W4A16 kernel
-(``dtype="w4a16"``) holds int4 block records (``templates/bsr_linear/int4_records.py``) and takes fp16 ``x``.
-:class:`SparseLinearCUDA` is the graph module ``compile(target="cuda")`` puts in place of
-a sparse linear; it holds the packed weights and saves/loads without TVM.
+"""The graph module of a block-sparse linear on sparta's CUDA ``bsr_linear`` kernels (no TVM needed):
+:class:`SparseLinearCUDA`, what ``compile(target="cuda")`` puts in place of a sparse linear; it holds the packed
+weights, picks the kernel per call by its rows, and saves/loads without TVM. The launchers are in ``launchers.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
-from .int4_records import expand_groups, pack_w4, quantize_w4, unpack_w4
-from .packing import block_mask_for, pack_weight, table_block_mask, unpack_weight
-from .gemv_spec import BsrGemvSpec
+from .int4_records import pack_w4, unpack_w4
+from .launchers import (BsrGemvOp, BsrLinearOp, _expanded_w4, _saved_gemv, gemv_fits, load_spec, spec_from_json,
+                        spec_to_json)
+from .packing import pack_weight, table_block_mask, unpack_weight
 from .spec import BsrSpec
-from ..quant.runtime import output_scale_arg
 from ..quant.spec import quantize_rows
-from ...runtime.cuda import (CudaKernel, CudaRuntimeError, GraphWeightLayout, act16_dtype, check_fp16_input, check_saved_spec,
-                   device_arch, lanes16)
+from ...runtime.cuda import CudaRuntimeError, GraphWeightLayout, act16_dtype, check_saved_spec, device_arch
+from .dense_rows import DenseRows
 from .few_rows import GEMV_BUFFERS, FewRowGemvs
 from ...runtime.ops import KernelModule
 from ..quant.runtime import QuantizedLinear, RowQuantizer
 
 
-def spec_to_json(spec: BsrSpec) -> dict:
-    return {**dataclasses.asdict(spec), "pattern": [list(p) for p in spec.pattern]}
-
-
-def spec_from_json(d: dict) -> BsrSpec:
-    return BsrSpec(**{**d, "pattern": tuple(tuple(p) for p in d.get("pattern", ()))})
-
-
-def load_spec(folder) -> BsrSpec:
-    """The spec a kernel folder was built from (``spec.json`` beside ``launch.json``)."""
-    return spec_from_json(json.loads((Path(folder) / "spec.json").read_text()))
-
-
-class BsrLinearOp:
-    """One sparse linear: packed weights + table on the GPU, the kernel loaded from ``folder``."""
-
-    def __init__(self, folder, spec: BsrSpec, weight: torch.Tensor, block_mask: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, quantizer=None, group: int = 128, out_scale: float | None = None):
-        self.kernel, self.spec = CudaKernel(folder), spec
-        self.quantizer = quantizer          # int8: x -> (codes, scales); default: torch ops
-        if tuple(weight.shape) != (spec.weight_rows, spec.k):
-            raise CudaRuntimeError(f"{spec.name}: weight is {tuple(weight.shape)}, the kernel wants "
-                                   f"{(spec.weight_rows, spec.k)}")
-        if block_mask is None:
-            block_mask = block_mask_for(weight, spec)
-        block_mask = block_mask.bool().cpu()
-        if spec.table == "const":
-            if not torch.equal(spec.pattern_mask(), block_mask):
-                raise CudaRuntimeError(f"{spec.name}: the block mask differs from the pattern baked into the kernel")
-        scale = None
-        if spec.dtype == "w4a16":          # round to nearest, one scale per ``group`` columns
-            wp, table = pack_w4(*_expanded_w4(weight, group, spec), spec, block_mask)
-        else:
-            if spec.dtype == "int8":
-                weight, scale = quantize_rows(weight)
-            wp, table = pack_weight(weight if scale is not None else weight.to(act16_dtype(spec)), spec, block_mask)
-        self._setup(wp, table, bias, scale, out_scale)
-
-    @classmethod
-    def packed(cls, folder, spec: BsrSpec, wp: torch.Tensor, table: torch.Tensor,
-               bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-               out_scale: float | None = None) -> BsrLinearOp:
-        """An op from weights already packed by ``pack_weight`` (what a saved model holds)."""
-        op = cls.__new__(cls)
-        op.kernel, op.spec, op.quantizer = CudaKernel(folder), spec, None
-        heads = spec.table_head
-        block = (2 * spec.w_lanes,) if spec.dtype == "w4a16" else (spec.bn, spec.bk)
-        if wp.dim() != len(block) + 1 or tuple(wp.shape[1:]) != block or table.dtype != torch.int32 \
-                or table.numel() < heads or table.numel() - heads > wp.shape[0]:
-            raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
-                                   f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.weight_row_blocks} "
-                                   "rows")
-        op._setup(wp, table, bias, weight_scale, out_scale)
-        return op
-
-    def _setup(self, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None,
-               weight_scale: torch.Tensor | None = None, out_scale: float | None = None) -> None:
-        if self.spec.bias and bias is None:
-            raise CudaRuntimeError(f"{self.spec.name}: the kernel adds a bias; pass one")
-        if (self.spec.out == "int8") != (out_scale is not None):
-            why = "the kernel requantises its output; pass out_scale" if out_scale is None else \
-                "out_scale is for out='int8' kernels"
-            raise CudaRuntimeError(f"{self.spec.name}: {why}")
-        int8 = self.spec.dtype == "int8"
-        if int8 and (wp.dtype != torch.int8 or weight_scale is None or weight_scale.numel() != self.spec.n):
-            raise CudaRuntimeError(f"{self.spec.name}: the W8A8 kernel takes int8 blocks and {self.spec.n} "
-                                   "per-channel weight scales")
-        w4 = self.spec.dtype == "w4a16"
-        if w4 and (wp.dtype != torch.uint8 or weight_scale is not None):
-            raise CudaRuntimeError(f"{self.spec.name}: the W4A16 kernel takes packed int4 block records "
-                                   "(int4_records.pack_w4, scales inside), no separate scales")
-        dev = wp.device
-        act = act16_dtype(self.spec)
-        self.wp, self.table = (wp if int8 or w4 else wp.to(act)).contiguous(), table.to(dev).contiguous()
-        self.weight_scale = weight_scale.float().contiguous().to(dev) if int8 else None
-        self.bias = bias.to(act).contiguous().to(dev) if bias is not None else \
-            torch.zeros(self.spec.weight_rows, dtype=act, device=dev)
-        self.out_scale = None if out_scale is None else output_scale_arg(out_scale, dev)
-        self._prepared = None
-        nnz = self.table.numel() - self.spec.table_head
-        self.density = nnz / max(self.spec.weight_row_blocks * self.spec.k_blocks, 1)
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        s = self.spec
-        check_fp16_input(s.name, x, s.m, s.k, act16_dtype(s))
-        if s.dtype == "int8":
-            return self.int8(*(self.quantizer or quantize_rows)(x), out=out)
-        y = self._output(x) if out is None else out
-        x16, y16 = lanes16(x), lanes16(y)                              # bf16 moves as 16-bit lanes; int8 Y as is
-        if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "Y"), X=x16, Wp=self.wp.view(-1).view(torch.float16),
-                                                 B=lanes16(self.bias), Tab=self.table, Y=y16, **self._os())
-        else:
-            self._prepared.launch(X=x16, Y=y16)
-        return y
-
-    def int8(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The W8A8 kernel on activations already quantised per row: int8 ``(M, K)`` codes and fp32 scales."""
-        s = self.spec
-        if s.dtype != "int8" or xq.dim() != 2 or xq.shape[1] != s.k or (s.m and xq.shape[0] != s.m) \
-                or xq.dtype != torch.int8 or not xq.is_contiguous():
-            raise CudaRuntimeError(f"{s.name}: int8() takes contiguous int8 ({s.m or 'M'}, {s.k}) codes for a W8A8 "
-                                   "kernel")
-        y = self._output(xq) if out is None else out
-        x16, xs = xq.view(torch.float16), xs.float().contiguous()
-        if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "XS", "Y"), X=x16, XS=xs, Wp=self.wp.view(-1).view(torch.float16),
-                                                 WS=self.weight_scale, B=lanes16(self.bias), Tab=self.table,
-                                                 Y=lanes16(y), **self._os())
-        else:
-            self._prepared.launch(X=x16, XS=xs, Y=lanes16(y))
-        return y
-
-    def _output(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.int8 if self.spec.out == "int8" else act16_dtype(self.spec)
-        return torch.empty(x.shape[0], self.spec.n, dtype=dtype, device=x.device)
-
-    def _os(self) -> dict:
-        return {} if self.out_scale is None else {"OS": self.out_scale}
-
-
-class BsrGemvOp:
-    """The few-row GEMV (``templates/bsr_linear/gemv.py``) over a tile kernel's packed fp16 blocks and table."""
-
-    def __init__(self, folder, spec: BsrGemvSpec, wp: torch.Tensor, table: torch.Tensor, bias: torch.Tensor):
-        self.kernel, self.spec = CudaKernel(folder), spec
-        self.wp, self.table, self.bias = wp.reshape(-1), table, bias
-        self._prepared = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.spec
-        check_fp16_input(s.name, x, 0, s.k, act16_dtype(s))
-        if x.shape[0] > s.rows:
-            raise CudaRuntimeError(f"{s.name}: the GEMV takes at most {s.rows} rows, got {x.shape[0]}")
-        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
-        x16, y16 = lanes16(x), lanes16(y)
-        if self._prepared is None:
-            self._prepared = self.kernel.prepare(("X", "Y"), X=x16, Wp=lanes16(self.wp), B=lanes16(self.bias),
-                                                 Tab=self.table, Y=y16)
-        else:
-            self._prepared.launch(X=x16, Y=y16)
-        return y
-
-
-def gemv_fits(spec: BsrSpec, gemv: BsrGemvSpec) -> bool:
-    """Whether ``gemv`` reads the packed weights, table and bias of ``spec``'s kernel and computes its epilogue."""
-    return (spec.dtype in ("float16", "bfloat16") and spec.out == "float16" and spec.table == "arg"
-            and (gemv.n, gemv.k, gemv.bn, gemv.bk, gemv.bias, gemv.act, gemv.groups, gemv.dtype, gemv.gate)
-            == (spec.n, spec.k, spec.bn, spec.bk, spec.bias, spec.act, spec.groups, spec.dtype, spec.gate))
-
-
-def _saved_gemv(config: dict, key: str, folders: dict) -> tuple | None:
-    """(folder, spec) of the GEMV a saved op's ``config[key]`` names, its spec checked against the folder's."""
-    entry = config.get(key)
-    if entry is None:
-        return None
-    gemv = (folders[entry["kernel"]], BsrGemvSpec(**entry["spec"]))
-    check_saved_spec(config["op_name"], *gemv)
-    return gemv
-
-
-def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
-    codes, scale, zero = quantize_w4(weight, group, spec.zero, act16_dtype(spec))
-    k = weight.shape[1]
-    return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)
-
-
-class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelModule):
+class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelModule):
     """One graph op run by its ``bsr_linear`` kernel: packed blocks, table and bias as buffers.
 
     Called with the op's input (any float dtype, on a GPU); returns the op's output in the
@@ -210,7 +34,8 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
     ``gemv`` = (folder, spec): the few-row GEMV over the same blocks, run instead for inputs of up to ``spec.rows``
     rows (16-bit kernels); ``gemv1`` likewise, built for one row, run for one-row inputs. ``buckets`` = [(max rows, folder, spec), ...] in increasing rows: tile kernels over the same
     blocks with smaller M tiles, each run for inputs of up to its rows that the GEMV does not take (kernels of any M).
-    A W4A16 or W8A8 kernel of any M may carry low-bit GEMVs for its few-row calls (:class:`FewRowGemvs`).
+    A W4A16 or W8A8 kernel of any M may carry low-bit GEMVs for its few-row calls (:class:`FewRowGemvs`); a 16-bit
+    one may run calls of ``dense_from`` rows or more on cuBLAS over a dense copy (:class:`DenseRows`).
     A W4A16 kernel holds int4 block records (scales and zero points inside ``wp``). After
     :meth:`requantize_output` it returns the int8 codes of its output at one static scale and that scale
     per row (what the W8A8 linears reading it take), as the graph tensors ``output_names``. The kernel runs as the
@@ -223,10 +48,12 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
                  weight_scale: torch.Tensor | None = None, quant_folder: str | None = None,
-                 hopper: tuple | None = None, gemv: tuple | None = None, buckets=(), gemv1: tuple | None = None):
+                 hopper: tuple | None = None, gemv: tuple | None = None, buckets=(), gemv1: tuple | None = None,
+                 dense_from: int | None = None):
         super().__init__()
         self.op_name, self.input_names, self.folder, self.spec = op_name, [x_name], str(folder), spec
         self.init_few_rows()
+        self.init_dense_rows(dense_from)
         self.hopper = None
         if hopper is not None:
             h_folder, h_spec = hopper
@@ -290,6 +117,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         if any(s.out != "int8" for s in specs):
             raise CudaRuntimeError(f"op {self.op_name!r}: requantising needs kernels built with out='int8'")
         self.gemv, self.gemv1, self.buckets = None, None, []   # the GEMVs and bucket kernels write 16-bit outputs
+        self.dense_from = None                                  # and so does the dense GEMM
         if few_rows is not None or any(g.out != "int8" for _, _, g in self.few_rows):
             self.requantize_few_rows(few_rows)
         self._requantized(names, scale, self.spec.m, self.wp.device)
@@ -305,7 +133,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
     def from_weight(cls, op_name: str, x_name: str, folder, spec: BsrSpec, weight: torch.Tensor,
                     block_mask: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
                     weight_scale: torch.Tensor | None = None, quant_folder=None, hopper=None,
-                    gemv=None, buckets=(), gemv1=None) -> SparseLinearCUDA:
+                    gemv=None, buckets=(), gemv1=None, dense_from=None) -> SparseLinearCUDA:
         """Pack ``weight`` (N, K); W8A8 kernels quantise it per channel (``weight_scale``: fitted
         scales, e.g. by calibration; default: each channel's absolute maximum / 127). W4A16 kernels
         round it to nearest in groups of 128 (fitted codes and scales: :meth:`from_w4_codes`)."""
@@ -323,7 +151,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         else:
             wp, table = pack_weight(weight.to(act16_dtype(spec)), spec, block_mask)
         return cls(op_name, x_name, folder, spec, wp, table, bias, out_shape, weight_scale, quant_folder, hopper, gemv,
-                   buckets, gemv1)
+                   buckets, gemv1, dense_from)
 
     @classmethod
     def from_w4_codes(cls, op_name: str, x_name: str, folder, spec: BsrSpec, codes: torch.Tensor,
@@ -358,6 +186,8 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
             return out
         if len(inputs) == 2:
             return [self._op.int8(x.contiguous(), inputs[1])]
+        if (y := self.dense_rows_call(x)) is not None:
+            return [y]
         rows = x.shape[0]
         gemv = self.gemv1 if self.gemv1 is not None and rows == 1 else \
             self.gemv if self.gemv is not None and rows <= self.gemv[1].rows else None
@@ -422,7 +252,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
                 fresh.attach_w8_gemvs(list(self.few_rows), fresh.dense_codes())
         for name in self.weight_names:
             self._buffers[name] = fresh._buffers.get(name)
-        self._op, self._ops, self._few_ops = None, {}, {}
+        self._op, self._ops, self._few_ops, self.dense_w = None, {}, {}, None
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
@@ -455,6 +285,8 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         tensors.update(self.few_rows_tensors())
         if self.spec.gate:
             config["gated_output"] = self.output_names[0]
+        if self.dense_from is not None:
+            config["dense_from"] = self.dense_from
         return config, tensors, folders
 
     @classmethod
@@ -471,7 +303,8 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
         module = cls(config["op_name"], config["x_name"], folders[config["kernel"]], spec, tensors["wp"],
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
                      folders[config["quantizer"]] if config.get("quantizer") else None,
-                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets, gemv1)
+                     (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets, gemv1,
+                     config.get("dense_from"))
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_few_rows(config, tensors, folders)
@@ -487,7 +320,7 @@ class SparseLinearCUDA(FewRowGemvs, QuantizedLinear, GraphWeightLayout, KernelMo
                 f"{', wgmma on sm_90' if self.hopper else ''}"
                 f"{', one-row GEMV' if self.gemv1 else ''}"
                 f"{f', GEMV up to {self.gemv[1].rows} rows' if self.gemv else ''}{self.few_rows_repr()}"
-                f"{''.join(f', tm {b.tm} up to {t} rows' for t, _, b in self.buckets)}"
+                f"{''.join(f', tm {b.tm} up to {t} rows' for t, _, b in self.buckets)}{self.dense_rows_repr()}"
                 f"{f', int8 codes out (scale {self.out_scale:.3g})' if self.out_scale is not None else ''}")
 
 

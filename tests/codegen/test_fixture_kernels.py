@@ -17,6 +17,7 @@ CASES = {
     "postln_fp16": (saved_models.postln_fp16, kernel_choices.check_postln),
     "tesa_w4a16": (saved_models.tesa_w4a16, kernel_choices.check_tesa_w4a16),
     "llama_generate": (saved_models.llama_generate, kernel_choices.check_llama_generate),
+    "dense_rows": (saved_models.dense_rows_mlp, kernel_choices.check_dense_rows),
 }
 STATIC = {"tesa_w4a16"}     # one row: a batch of one stays fixed
 
