@@ -239,11 +239,11 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
         if spec.dtype == "w4a16":
             w4 = op_plan.weight_quant[4].params(weight)
             scale, zero = w4.expand(k)
-            fresh = SparseLinearCUDA.from_w4_codes(*args, w4_codes(w4, weight), scale, zero, mask, bias,
-                                                   self.out_shape)
+            codes = w4_codes(w4, weight)                  # once: the tile kernel's records and the GEMVs' words
+            fresh = SparseLinearCUDA.from_w4_codes(*args, codes, scale, zero, mask, bias, self.out_shape)
             if self.few_rows:
                 group = self.few_rows[0][2].group
-                fresh.attach_w4_gemvs(list(self.few_rows), w4_codes(w4, weight), scale[:, ::group],
+                fresh.attach_w4_gemvs(list(self.few_rows), codes, scale[:, ::group],
                                       None if zero is None else zero[:, ::group].to(torch.uint8))
         else:
             scale = int8_weight_scale(op_plan, weight, k) if spec.dtype == "int8" else None
