@@ -1,0 +1,208 @@
+"""The 2:4 sparse linear (``spec.NmLinearSpec``) in TVMScript, on ``mma.sp`` m16n8k32.
+
+Grid: (row tiles, ``ksplit``). A CTA owns 16 output channels and a K range; its warps take the range's batches of
+``inflight`` K tiles round robin. Per batch a lane loads its A fragments (one 16-byte load a K tile: the warp's
+512 contiguous bytes) and the metadata words of the batch's groups of 4 K tiles (one 16-byte load a group), all in
+flight before the first MMA; then per K tile one ``mma.sp::ordered_metadata`` (selector 0) per 8 rows of X, the B
+fragment one 16-byte shared load: X is staged in shared memory with each 32-column block permuted so lane ``t``'s
+eight values (columns ``8j + 2t``, ``8j + 2t + 1``, j = 0..3) lie together. fp32 accumulation; the warps' partial
+tiles are summed through shared memory (reusing X's), then bias and activation (``templates/epilogue.py``).
+``ksplit > 1``: each CTA leaves fp32 partials in ``P`` and counts itself in ``Cnt`` after a fence; the last of a row
+tile's CTAs sums them in split order, writes ``Y`` and resets its counter. ``pdl``: the first batch's weights load
+before ``griddepcontrol.wait``; X and every write after it.
+"""
+
+from __future__ import annotations
+
+from ..epilogue import tir_activate
+from ..ptx import from_f32, grid_dependency, to_f32
+from .spec import NmLinearSpec
+
+
+def nm_linear(spec: NmLinearSpec):
+    """The kernel as an IRModule with one PrimFunc named ``spec.name``."""
+    import tvm
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    M = tirx.Var("M", "int32")
+    N, K, MR, W, IF = spec.n, spec.k, spec.rows, spec.warps, spec.inflight
+    RT, G, KTP, RG, KS = spec.row_tiles, spec.groups, spec.k_tiles, spec.range_groups, spec.ksplit
+    RK, XS, NB, NT = spec.range_k, spec.x_stride, spec.mmas, 32 * W
+    GB = IF // 4                              # groups of 4 K tiles a batch
+    NBT = spec.batches
+    ITER = -(-NBT // W)                       # batches a warp takes (at most)
+    OUTS = 16 * MR
+    OUT_ITERS = -(-OUTS // NT)
+    ACT, PDL = spec.dtype, spec.pdl
+    VEC = K % 8 == 0                          # X rows in 16-byte pieces
+    STAGE = RK // 8 if VEC else RK            # X pieces (or values) of one row to stage
+    RED = spec.x_rows                         # columns of a warp's partial tile in ``red``
+    op16 = "bf16" if ACT == "bfloat16" else "f16"
+    MMA = f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{op16}.{op16}.f32"
+    # no __restrict__ under PDL: nvcc may move a restrict (ld.global.nc) load above griddepcontrol.wait
+    ATTRS = {"global_symbol": spec.name} if PDL else {"global_symbol": spec.name, "tirx.noalias": True}
+
+    @T.macro
+    def load_batch(Vw, Mw, af, mf, rt, ks, b, lane, ml):
+        # the batch's A fragments (16 bytes a K tile) and metadata (16 bytes a group): all in flight
+        for gi in T.unroll(GB):
+            if b * GB + gi < RG and ks * RG + b * GB + gi < G:
+                for v in T.vectorized(4):
+                    mf[gi * 4 + v] = Mw[((rt * G + ks * RG + b * GB + gi) * 16 + ml) * 4 + v]
+                for q in T.unroll(4):
+                    for v in T.vectorized(4):
+                        af[(gi * 4 + q) * 4 + v] = Vw[((rt * KTP + (ks * RG + b * GB + gi) * 4 + q) * 32
+                                                         + lane) * 4 + v]
+
+    @T.macro
+    def mma_batch(smw, af, mf, bq, acc, M, ks, b, g, t):
+        # per K tile: the B fragment of each 8 rows of X (one 16-byte shared load), one mma.sp each
+        for gi in T.unroll(GB):
+            if b * GB + gi < RG and ks * RG + b * GB + gi < G:
+                for q in T.unroll(4):
+                    for nb in T.unroll(NB):
+                        if nb * 8 < M:
+                            for v in T.vectorized(4):
+                                bq[v] = smw[((nb * 8 + g) * XS + ((b * GB + gi) * 4 + q) * 32 + t * 8) // 2 + v]
+                            T.evaluate(T.ptx[MMA](
+                                acc[nb * 4], acc[nb * 4 + 1], acc[nb * 4 + 2], acc[nb * 4 + 3],
+                                af[(gi * 4 + q) * 4], af[(gi * 4 + q) * 4 + 1], af[(gi * 4 + q) * 4 + 2],
+                                af[(gi * 4 + q) * 4 + 3], bq[0], bq[1], bq[2], bq[3],
+                                acc[nb * 4], acc[nb * 4 + 1], acc[nb * 4 + 2], acc[nb * 4 + 3],
+                                mf[gi * 4 + q], 0))
+
+    @T.macro
+    def stage_x(X, Xw, sm, smw, xw, M, tx, ks):
+        # X[m, the range's columns] -> shared row m, each 32-column block permuted: column 8j + 2t + e at 8t + 2j + e
+        for m in T.serial(M):
+            for it in T.serial((STAGE + NT - 1) // NT):
+                i = T.meta_var(tx + it * NT)
+                if i < STAGE:
+                    if VEC:
+                        col = T.meta_var(ks * RK + i * 8)
+                        if col < K:
+                            for v in T.vectorized(4):
+                                xw[v] = Xw[(m * K + col) // 2 + v]
+                        else:
+                            for v in T.unroll(4):
+                                xw[v] = T.uint32(0)
+                        for w in T.unroll(4):     # word w holds columns 2w, 2w + 1 of the piece: lane t = w
+                            smw[(m * XS + i // 4 * 32 + w * 8 + i % 4 * 2) // 2] = xw[w]
+                    else:
+                        col = T.meta_var(ks * RK + i)
+                        sm[m * XS + i // 32 * 32 + i % 8 // 2 * 8 + i % 32 // 8 * 2 + i % 2] = T.if_then_else(
+                            col < K, X[m, T.min(col, K - 1)], T.float16(0))
+
+    @T.macro
+    def epilogue_value(B, Y, tot, o, n):
+        if spec.bias:
+            tot[0] = tot[0] + to_f32(B[n], ACT)
+        tot[1] = tir_activate(tot[0], None, spec.act)
+        Y[o // 16, n] = from_f32(tot[1], ACT)
+
+    @T.prim_func
+    def kernel(x_h: T.handle, vals_h: T.handle, meta_h: T.handle, b_h: T.handle, y_h: T.handle, p_h: T.handle,
+               c_h: T.handle):
+        T.func_attr(ATTRS)
+        X = T.match_buffer(x_h, (M, K), "float16")
+        Vals = T.match_buffer(vals_h, (RT * KTP * 32 * 4,), "int32")
+        Meta = T.match_buffer(meta_h, (RT * G * 16 * 4,), "int32")
+        B = T.match_buffer(b_h, (N,), "float16")
+        Y = T.match_buffer(y_h, (M, N), "float16")
+        P = T.match_buffer(p_h, (KS, MR, RT * 16), "float32")
+        Cnt = T.match_buffer(c_h, (RT,), "int32")
+        rt = T.launch_thread("blockIdx.x", RT)
+        ks = T.launch_thread("blockIdx.y", KS)
+        tx = T.launch_thread("threadIdx.x", NT)
+        Xw = T.decl_buffer(((M * K + 1) // 2,), "uint32", data=X.data)
+        Vw = T.decl_buffer((RT * KTP * 32 * 4,), "uint32", data=Vals.data)
+        Mw = T.decl_buffer((RT * G * 16 * 4,), "uint32", data=Meta.data)
+        smw = T.decl_buffer((spec.shared_bytes // 4,), "uint32", scope="shared.dyn")
+        sm = T.decl_buffer((spec.shared_bytes // 2,), "float16", data=smw.data, scope="shared.dyn")
+        red = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smw.data, scope="shared.dyn")
+        arrived = T.alloc_buffer((1,), "int32", scope="shared")
+        af = T.alloc_buffer((IF * 4,), "uint32", scope="local")
+        mf = T.alloc_buffer((GB * 4,), "uint32", scope="local")
+        bq = T.alloc_buffer((4,), "uint32", scope="local")
+        xw = T.alloc_buffer((4,), "uint32", scope="local")
+        acc = T.alloc_buffer((NB * 4,), "float32", scope="local")
+        tot = T.alloc_buffer((2,), "float32", scope="local")
+        last = T.alloc_buffer((1,), "bool", scope="local")
+        lane = T.meta_var(tx % 32)
+        warp = T.meta_var(tx // 32)
+        g = T.meta_var(lane // 4)
+        t = T.meta_var(lane % 4)
+        ml = T.meta_var(lane // 4 * 2 + lane % 2)   # the metadata lane: lanes t and t + 2 read the same word
+        if warp < NBT:                              # the first batch: weights, not X
+            load_batch(Vw, Mw, af, mf, rt, ks, warp, lane, ml)
+        if PDL:                                     # X (the previous kernel's output) and every write after it
+            T.evaluate(grid_dependency("wait"))
+            T.evaluate(grid_dependency("launch_dependents"))
+        stage_x(X, Xw, sm, smw, xw, M, tx, ks)
+        for a in T.unroll(NB * 4):
+            acc[a] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        for i in T.serial(ITER):
+            if warp + i * W < NBT:
+                if i > 0:
+                    load_batch(Vw, Mw, af, mf, rt, ks, warp + i * W, lane, ml)
+                mma_batch(smw, af, mf, bq, acc, M, ks, warp + i * W, g, t)
+        T.tvm_storage_sync("shared")                # X is read; its memory holds the warps' partial tiles
+        for nb in T.unroll(NB):                     # D element r: channel g (+ 8 for r >= 2), row 2t + r % 2
+            if nb * 8 < M:
+                for r in T.unroll(4):
+                    red[(warp * 16 + g + r // 2 * 8) * RED + nb * 8 + t * 2 + r % 2] = acc[nb * 4 + r]
+        T.tvm_storage_sync("shared")
+        if KS == 1:
+            for it in T.unroll(OUT_ITERS):
+                o = T.meta_var(tx + it * NT)
+                if OUTS % NT == 0 or o < OUTS:
+                    if o // 16 < M and rt * 16 + o % 16 < N:
+                        tot[0] = red[o % 16 * RED + o // 16]
+                        for w in T.unroll(1, W):
+                            tot[0] = tot[0] + red[(w * 16 + o % 16) * RED + o // 16]
+                        epilogue_value(B, Y, tot, o, rt * 16 + o % 16)
+        else:
+            for it in T.unroll(OUT_ITERS):
+                o = T.meta_var(tx + it * NT)
+                if OUTS % NT == 0 or o < OUTS:
+                    if o // 16 < M:
+                        tot[0] = red[o % 16 * RED + o // 16]
+                        for w in T.unroll(1, W):
+                            tot[0] = tot[0] + red[(w * 16 + o % 16) * RED + o // 16]
+                        P[ks, o // 16, rt * 16 + o % 16] = tot[0]
+            T.cuda.thread_fence()
+            T.tvm_storage_sync("shared")
+            if tx == 0:
+                arrived[0] = T.cuda.atomic_add(Cnt.ptr_to([rt]), 1)
+            T.tvm_storage_sync("shared")
+            last[0] = arrived[0] == KS - 1
+            if last[0]:
+                T.cuda.thread_fence()
+                for it in T.unroll(OUT_ITERS):
+                    o = T.meta_var(tx + it * NT)
+                    if OUTS % NT == 0 or o < OUTS:
+                        if o // 16 < M and rt * 16 + o % 16 < N:
+                            tot[0] = P[0, o // 16, rt * 16 + o % 16]
+                            for k2 in T.unroll(1, KS):
+                                tot[0] = tot[0] + P[k2, o // 16, rt * 16 + o % 16]
+                            epilogue_value(B, Y, tot, o, rt * 16 + o % 16)
+                if tx == 0:
+                    Cnt[rt] = 0
+
+    return tvm.IRModule({spec.name: _drop_unused(kernel, spec)})
+
+
+def _drop_unused(func, spec: NmLinearSpec):
+    """The PrimFunc without the buffers this spec's kernel never reads (no bias, no split-K workspace)."""
+    drop = set()
+    if not spec.bias:
+        drop.add("B")
+    if spec.ksplit == 1:
+        drop.update(("P", "Cnt"))
+    from tvm import tirx
+    return tirx.PrimFunc([p for p in func.params if p.name not in drop], func.body, func.ret_type, func.attrs)
+
+
+__all__ = ["nm_linear"]

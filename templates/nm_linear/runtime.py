@@ -1,0 +1,164 @@
+"""sparta's 2:4 sparse linear (``templates/nm_linear/``) from torch, without TVM.
+
+:class:`NmLinearOp` runs the kernel on device tensors; :class:`NmLinearCUDA` is the kernel module (a linear of the
+packed weight for up to ``spec.rows`` rows, any leading dimensions): its op ``sparta::nm_linear`` (defined for every
+registered family in ``sparta/runtime/ops.py``) takes ``[x (M, K)]`` and the packed tensors, and has a fake
+implementation, so it runs inside ``torch.compile`` graphs and CUDA graph captures. A ``ksplit > 1`` kernel's
+workspace (fp32 partials, arrival counters the kernel leaves at zero) is a module buffer: one call at a time per
+module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .spec import DTYPES, NmLinearError, NmLinearSpec, NmPacked, pack_nm, split_buffers, unpack
+from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
+from ...runtime.ops import KernelModule
+
+
+def folder_spec(folder) -> NmLinearSpec:
+    """The spec a kernel folder was built from (its ``spec.json``)."""
+    return NmLinearSpec(**json.loads(kernel_file(folder, "spec.json")))
+
+
+def check_packed(spec: NmLinearSpec, packed: NmPacked, bias: torch.Tensor | None) -> None:
+    """Refuse packed tensors (or a bias) that do not fit ``spec``."""
+    where = f"2:4 sparse linear {spec.name}"
+    want = (spec.row_tiles, spec.k_tiles, 32, 8)
+    if tuple(packed.values.shape) != want or packed.values.dtype != DTYPES[spec.dtype]:
+        raise NmLinearError(f"{where}: values must be {spec.dtype} {want}, got {packed.values.dtype} "
+                            f"{tuple(packed.values.shape)} (packed for another spec?)")
+    want = (spec.row_tiles, spec.groups, 16, 4)
+    if tuple(packed.meta.shape) != want or packed.meta.dtype != torch.int32:
+        raise NmLinearError(f"{where}: meta must be int32 {want}, got {packed.meta.dtype} {tuple(packed.meta.shape)}")
+    if spec.bias and (bias is None or tuple(bias.shape) != (spec.n,)):
+        raise NmLinearError(f"{where}: the kernel adds a bias of shape ({spec.n},); pass one")
+    if not spec.bias and bias is not None:
+        raise NmLinearError(f"{where}: the kernel was built without a bias")
+
+
+class NmLinearOp:
+    """The kernel of ``folder`` on device tensors: ``op(x)`` for a contiguous ``(M, K)`` x of the spec's dtype,
+    ``M <= spec.rows``; ``split``: the ``ksplit > 1`` workspace (made here if not given); ``kernel``: the folder's
+    loaded :class:`CudaKernel`, to share one between ops of several weights."""
+
+    def __init__(self, folder, spec: NmLinearSpec, packed: NmPacked, bias: torch.Tensor | None,
+                 split: dict | None = None, kernel: CudaKernel | None = None):
+        check_packed(spec, packed, bias)
+        self.kernel = CudaKernel(folder) if kernel is None else kernel
+        self.spec, self.packed, self.bias = spec, packed, bias
+        self.split = split_buffers(spec, packed.values.device) if split is None else split
+        self._prepared = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if x.dim() != 2 or x.shape[1] != s.k or x.dtype != DTYPES[s.dtype] or not x.is_contiguous():
+            raise NmLinearError(f"2:4 sparse linear {s.name}: x must be a contiguous {s.dtype} (M, {s.k}) tensor, "
+                                f"got {x.dtype} {tuple(x.shape)}")
+        if x.shape[0] > s.rows:
+            raise NmLinearError(f"2:4 sparse linear {s.name}: at most {s.rows} rows a call, got {x.shape[0]}")
+        if not x.is_cuda:
+            raise CudaRuntimeError(f"2:4 sparse linear {s.name} runs on a CUDA GPU; x is on {x.device}")
+        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
+        if x.shape[0] == 0:                    # no rows: nothing to launch
+            return y
+        if s.k % 8 == 0 and x.data_ptr() % 16:
+            x = x.clone()                      # the kernel reads X rows in 16-byte pieces
+        if self._prepared is None:
+            p = self.packed
+            self._prepared = self.kernel.prepare(
+                ("X", "Y"), X=lanes16(x), Vals=p.values.view(torch.int32).view(-1), Meta=p.meta.view(-1),
+                Y=lanes16(y), **({"B": lanes16(self.bias)} if s.bias else {}), **self.split)
+        else:
+            self._prepared.launch(X=lanes16(x), Y=lanes16(y))
+        return y
+
+
+class NmLinearCUDA(KernelModule):
+    """``y = act(x · (W ⊙ mask)ᵀ + b)`` on the 2:4 sparse tensor cores (the op ``sparta::nm_linear``) for ``x``
+    (..., K) with at most ``spec.rows`` rows in all; ``y`` in ``x``'s dtype."""
+
+    kernel_family = "nm_linear"
+    weight_names = ("values", "meta", "bias")
+
+    def __init__(self, folder, spec: NmLinearSpec, packed: NmPacked, bias: torch.Tensor | None = None,
+                 op_name: str = "nm_linear"):
+        super().__init__()
+        bias = bias.detach().to(DTYPES[spec.dtype]).contiguous() if bias is not None else None
+        check_packed(spec, packed, bias)
+        self.folder, self.spec, self.op_name = str(folder), spec, op_name
+        self.register_buffer("values", packed.values)
+        self.register_buffer("meta", packed.meta)
+        self.register_buffer("bias", bias)
+        for key, buf in split_buffers(spec, packed.values.device).items():    # split-K workspace: not saved
+            self.register_buffer(f"split_{key}", buf, persistent=False)
+        self._op = None
+        self.register_kernel(op_name)
+
+    @classmethod
+    def from_weight(cls, folder, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None,
+                    mask: torch.Tensor | None = None, spec: NmLinearSpec | None = None,
+                    op_name: str = "nm_linear") -> NmLinearCUDA:
+        """Pack ``weight`` where ``mask`` (default: its nonzeros; it must be 2:4). ``spec``: the folder's
+        ``spec.json`` if not given; ``rows``: refused if the kernel serves fewer rows."""
+        spec = folder_spec(folder) if spec is None else spec
+        check_saved_spec(op_name, folder, spec)
+        if rows is not None and rows > spec.rows:
+            raise NmLinearError(f"2:4 sparse linear {spec.name}: built for {spec.rows} rows, asked for {rows}")
+        return cls(folder, spec, pack_nm(weight, spec, mask), bias, op_name)
+
+    @property
+    def packed(self) -> NmPacked:
+        return NmPacked(self.values, self.meta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(DTYPES[self.spec.dtype]).contiguous())
+        return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
+
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        x = inputs[0]
+        if not x.is_cuda or not self.values.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
+                                   "(module.to('cuda'))")
+        if self._op is None or self._op.packed.values.data_ptr() != self.values.data_ptr() \
+                or self._op.packed.meta.data_ptr() != self.meta.data_ptr():
+            split = {"P": self.split_P, "Cnt": self.split_Cnt} if self.spec.ksplit > 1 else {}
+            self._op = NmLinearOp(self.folder, self.spec, self.packed, self.bias, split)
+        return [self._op(x)]
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        x = inputs[0]
+        return [x.new_empty((x.shape[0], self.spec.n), dtype=DTYPES[self.spec.dtype])]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (N, K) weight the kernel applies (zeros where pruned), on the CPU."""
+        return unpack(NmPacked(self.values.cpu(), self.meta.cpu()), self.spec)[0]
+
+    def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
+        folder = Path(self.folder)
+        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name}
+        tensors = {"values": self.values, "meta": self.meta}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return config, tensors, {folder.name: folder}
+
+    @classmethod
+    def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> NmLinearCUDA:
+        spec = NmLinearSpec(**config["spec"])
+        folder = folders[config["folder"]]
+        check_saved_spec(config["op_name"], folder, spec)
+        return cls(folder, spec, NmPacked(tensors["values"], tensors["meta"]), tensors.get("bias"),
+                   config["op_name"])
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"{self.op_name}: N={s.n}, K={s.k}, up to {s.rows} rows, {s.dtype}, 2:4 ({self.values.numel()} "
+                f"value slots), act={s.act}, bias={s.bias}")
+
+
+__all__ = ["NmLinearCUDA", "NmLinearOp", "check_packed", "folder_spec"]
