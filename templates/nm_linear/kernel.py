@@ -73,7 +73,7 @@ def nm_linear(spec: NmLinearSpec):
                                 mf[gi * 4 + q], 0))
 
     @T.macro
-    def stage_x(X, Xw, sm, smw, xw, M, tx, ks):
+    def stage_x(Xh, Xw, sm, smw, xw, M, tx, ks):
         # X[m, the range's columns] -> shared row m, each 32-column block permuted: column 8j + 2t + e at 8t + 2j + e
         for m in T.serial(M):
             for it in T.serial((STAGE + NT - 1) // NT):
@@ -92,7 +92,7 @@ def nm_linear(spec: NmLinearSpec):
                     else:
                         col = T.meta_var(ks * RK + i)
                         sm[m * XS + i // 32 * 32 + i % 8 // 2 * 8 + i % 32 // 8 * 2 + i % 2] = T.if_then_else(
-                            col < K, X[m, T.min(col, K - 1)], T.float16(0))
+                            col < K, Xh[m * K + T.min(col, K - 1)], T.float16(0))
 
     @T.macro
     def epilogue_value(B, Y, tot, o, n):
@@ -116,6 +116,7 @@ def nm_linear(spec: NmLinearSpec):
         ks = T.launch_thread("blockIdx.y", KS)
         tx = T.launch_thread("threadIdx.x", NT)
         Xw = T.decl_buffer(((M * K + 1) // 2,), "uint32", data=X.data)
+        Xh = T.decl_buffer((M * K,), "float16", data=X.data)
         Vw = T.decl_buffer((RT * KTP * 32 * 4,), "uint32", data=Vals.data)
         Mw = T.decl_buffer((RT * G * 16 * 4,), "uint32", data=Meta.data)
         smw = T.decl_buffer((spec.shared_bytes // 4,), "uint32", scope="shared.dyn")
@@ -139,7 +140,7 @@ def nm_linear(spec: NmLinearSpec):
         if PDL:                                     # X (the previous kernel's output) and every write after it
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
-        stage_x(X, Xw, sm, smw, xw, M, tx, ks)
+        stage_x(Xh, Xw, sm, smw, xw, M, tx, ks)
         for a in T.unroll(NB * 4):
             acc[a] = T.float32(0)
         T.tvm_storage_sync("shared")
