@@ -37,7 +37,8 @@ def nm_linear(spec: NmLinearSpec):
     ACT, PDL = spec.dtype, spec.pdl
     VEC = K % 8 == 0                          # X rows in 16-byte pieces
     STAGE = RK // 8 if VEC else RK            # X pieces (or values) of one row to stage
-    RED = spec.x_rows                         # columns of a warp's partial tile in ``red``
+    SU = max(1, min(8, -(-MR * STAGE // NT)))  # pieces a thread loads before it stores them
+    RED = 8 * NB                              # columns of a warp's partial tile in ``red``
     op16 = "bf16" if ACT == "bfloat16" else "f16"
     MMA = f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{op16}.{op16}.f32"
     # no __restrict__ under PDL: nvcc may move a restrict (ld.global.nc) load above griddepcontrol.wait
@@ -64,7 +65,8 @@ def nm_linear(spec: NmLinearSpec):
                     for nb in T.unroll(NB):
                         if nb * 8 < M:
                             for v in T.vectorized(4):
-                                bq[v] = smw[((nb * 8 + g) * XS + ((b * GB + gi) * 4 + q) * 32 + t * 8) // 2 + v]
+                                bq[v] = smw[(T.min(nb * 8 + g, MR - 1) * XS + ((b * GB + gi) * 4 + q) * 32 + t * 8) // 2
+                                             + v]
                             T.evaluate(T.ptx[MMA](
                                 acc[nb * 4], acc[nb * 4 + 1], acc[nb * 4 + 2], acc[nb * 4 + 3],
                                 af[(gi * 4 + q) * 4], af[(gi * 4 + q) * 4 + 1], af[(gi * 4 + q) * 4 + 2],
@@ -73,26 +75,38 @@ def nm_linear(spec: NmLinearSpec):
                                 mf[gi * 4 + q], 0))
 
     @T.macro
-    def stage_x(Xh, Xw, sm, smw, xw, M, tx, ks):
-        # X[m, the range's columns] -> shared row m, each 32-column block permuted: column 8j + 2t + e at 8t + 2j + e
-        for m in T.serial(M):
-            for it in T.serial((STAGE + NT - 1) // NT):
-                i = T.meta_var(tx + it * NT)
-                if i < STAGE:
-                    if VEC:
-                        col = T.meta_var(ks * RK + i * 8)
-                        if col < K:
-                            for v in T.vectorized(4):
-                                xw[v] = Xw[(m * K + col) // 2 + v]
-                        else:
-                            for v in T.unroll(4):
-                                xw[v] = T.uint32(0)
-                        for w in T.unroll(4):     # word w holds columns 2w, 2w + 1 of the piece: lane t = w
-                            smw[(m * XS + i // 4 * 32 + w * 8 + i % 4 * 2) // 2] = xw[w]
+    def stage_pieces(Xh, Xw, sm, smw, xw, xh, lim, tx, ks, it):
+        # round ``it`` of the staging: SU pieces a thread, all loaded before any is stored
+        for u in T.unroll(SU):
+            p = T.meta_var((it * SU + u) * NT + tx)
+            if p < lim[0]:
+                if VEC:
+                    if ks * RK + p % STAGE * 8 < K:
+                        for v in T.vectorized(4):
+                            xw[u * 4 + v] = Xw[(p // STAGE * K + ks * RK + p % STAGE * 8) // 2 + v]
                     else:
-                        col = T.meta_var(ks * RK + i)
-                        sm[m * XS + i // 32 * 32 + i % 8 // 2 * 8 + i % 32 // 8 * 2 + i % 2] = T.if_then_else(
-                            col < K, Xh[m * K + T.min(col, K - 1)], T.float16(0))
+                        for v in T.unroll(4):
+                            xw[u * 4 + v] = T.uint32(0)
+                else:
+                    xh[u] = T.if_then_else(ks * RK + p % STAGE < K,
+                                           Xh[p // STAGE * K + T.min(ks * RK + p % STAGE, K - 1)], T.float16(0))
+        for u in T.unroll(SU):
+            p = T.meta_var((it * SU + u) * NT + tx)
+            if p < lim[0]:
+                if VEC:   # word w of piece i holds columns 8 (i % 4) + 2w, + 1 of block i // 4: lane t = w
+                    for w in T.unroll(4):
+                        smw[(p // STAGE * XS + p % STAGE // 4 * 32 + w * 8 + p % 4 * 2) // 2] = xw[u * 4 + w]
+                else:
+                    sm[p // STAGE * XS + p % STAGE // 32 * 32 + p % 8 // 2 * 8 + p % 32 // 8 * 2 + p % 2] = xh[u]
+
+    @T.macro
+    def stage_x(Xh, Xw, sm, smw, xw, xh, lim, tx, ks):
+        # X[m, the range's columns] -> shared row m, each 32-column block permuted: column 8j + 2t + e at 8t + 2j + e;
+        # the (row, piece) pairs (``lim[0]`` = M · STAGE of them, kept in a register: TVM would compute it on the
+        # host) spread over the CTA
+        for it in T.serial((MR * STAGE + NT * SU - 1) // (NT * SU)):
+            if it * NT * SU < lim[0]:
+                stage_pieces(Xh, Xw, sm, smw, xw, xh, lim, tx, ks, it)
 
     @T.macro
     def epilogue_value(B, Y, tot, o, n):
@@ -115,8 +129,8 @@ def nm_linear(spec: NmLinearSpec):
         rt = T.launch_thread("blockIdx.x", RT)
         ks = T.launch_thread("blockIdx.y", KS)
         tx = T.launch_thread("threadIdx.x", NT)
-        Xw = T.decl_buffer(((M * K + 1) // 2,), "uint32", data=X.data)
-        Xh = T.decl_buffer((M * K,), "float16", data=X.data)
+        Xw = T.decl_buffer(((MR * K + 1) // 2,), "uint32", data=X.data)   # extents: the most rows
+        Xh = T.decl_buffer((MR * K,), "float16", data=X.data)
         Vw = T.decl_buffer((RT * KTP * 32 * 4,), "uint32", data=Vals.data)
         Mw = T.decl_buffer((RT * G * 16 * 4,), "uint32", data=Meta.data)
         smw = T.decl_buffer((spec.shared_bytes // 4,), "uint32", scope="shared.dyn")
@@ -126,7 +140,9 @@ def nm_linear(spec: NmLinearSpec):
         af = T.alloc_buffer((IF * 4,), "uint32", scope="local")
         mf = T.alloc_buffer((GB * 4,), "uint32", scope="local")
         bq = T.alloc_buffer((4,), "uint32", scope="local")
-        xw = T.alloc_buffer((4,), "uint32", scope="local")
+        xw = T.alloc_buffer((SU * 4,), "uint32", scope="local")
+        xh = T.alloc_buffer((SU,), "float16", scope="local")
+        lim = T.alloc_buffer((1,), "int32", scope="local")
         acc = T.alloc_buffer((NB * 4,), "float32", scope="local")
         tot = T.alloc_buffer((2,), "float32", scope="local")
         last = T.alloc_buffer((1,), "bool", scope="local")
@@ -140,7 +156,9 @@ def nm_linear(spec: NmLinearSpec):
         if PDL:                                     # X (the previous kernel's output) and every write after it
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
-        stage_x(Xh, Xw, sm, smw, xw, M, tx, ks)
+        lim[0] = M
+        lim[0] = lim[0] * STAGE                     # not M * STAGE: TVM may share that with the host's checks
+        stage_x(Xh, Xw, sm, smw, xw, xh, lim, tx, ks)
         for a in T.unroll(NB * 4):
             acc[a] = T.float32(0)
         T.tvm_storage_sync("shared")

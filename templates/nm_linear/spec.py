@@ -112,7 +112,8 @@ class NmLinearSpec:
 
     @property
     def x_rows(self) -> int:
-        return 8 * self.mmas
+        """Rows of X staged in shared memory (a lane of an MMA past them reads the last: its D column is unused)."""
+        return self.rows
 
     @property
     def x_stride(self) -> int:
@@ -128,7 +129,7 @@ class NmLinearSpec:
     @property
     def red_floats(self) -> int:
         """The warps' partial sums (fp32), in the shared memory X used."""
-        return self.warps * 16 * self.x_rows
+        return self.warps * 16 * 8 * self.mmas
 
     @property
     def shared_bytes(self) -> int:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from fixtures.cuda_specs_nm_linear import fixture_specs
+
 from sparta.errors import SpartaError
 from sparta.runtime.cuda import CudaRuntimeError
 from sparta.templates.epilogue_ref import activate
@@ -92,16 +94,17 @@ def staged_x(x: torch.Tensor, spec: NmLinearSpec) -> torch.Tensor:
 def emulate(spec: NmLinearSpec, packed: NmPacked, x: torch.Tensor) -> torch.Tensor:
     """Y (M, N) in float64 of the kernel's data flow: per row tile and K tile, each lane's 16-byte A fragment, its
     metadata word (metadata lane 2·groupID + tig % 2 of the tile's group), its 16-byte B fragment from the staged X at
-    row 8·nb + groupID, column 32·kt + 8·tig, into :func:`mma_sp`; D summed over K tiles and scattered to Y."""
+    row min(8·nb + groupID, rows - 1), column 32·kt + 8·tig, into :func:`mma_sp`; D summed over K tiles and
+    scattered to Y."""
     RT, KT, G = spec.row_tiles, spec.k_tiles, spec.groups
     a = packed.values.reshape(RT * KT, 32, 8)
     meta = packed.meta.view(RT, G, 16, 4).permute(0, 1, 3, 2).reshape(RT * KT, 16)
     e = meta[:, GID * 2 + TIG % 2]
     xs = staged_x(x, spec)
-    y = torch.zeros(spec.x_rows, RT * 16, dtype=torch.float64)
+    y = torch.zeros(8 * spec.mmas, RT * 16, dtype=torch.float64)
     for nb in range(spec.mmas):
         cols = (torch.arange(KT)[:, None, None] * 32 + TIG[None, :, None] * 8 + torch.arange(8)[None, None, :])
-        b = xs[nb * 8 + GID[None, :, None], cols]                              # (KT, 32, 8)
+        b = xs[(nb * 8 + GID[None, :, None]).clamp(max=spec.x_rows - 1), cols]  # (KT, 32, 8); past the rows: the last
         b = b[None].expand(RT, KT, 32, 8).reshape(RT * KT, 32, 8)
         d = mma_sp(a, b, e).view(RT, KT, 32, 4).sum(1)                         # (RT, 32, 4)
         for i in range(4):
@@ -127,7 +130,7 @@ def test_pack_unpack_round_trip(n, k, dtype):
 
 @pytest.mark.parametrize("keep", [(1,), (0,), (0, 1), (2,)])
 def test_one_four_zero_four_and_full_two_four_groups(keep):
-    spec = NmLinearSpec(48, 384)
+    spec = NmLinearSpec(48, 384, rows=5)
     w, mask = two_four(48, 384, seed=sum(keep) + len(keep), keep=keep)
     assert int(mask.view(48, -1, 4).sum(-1).max()) == max(keep)
     packed = pack_nm(w, spec, mask)
@@ -139,7 +142,7 @@ def test_one_four_zero_four_and_full_two_four_groups(keep):
 
 
 def test_all_zero_weight_packs_to_zero_values_and_valid_metadata():
-    spec = NmLinearSpec(20, 96)
+    spec = NmLinearSpec(20, 96, rows=3)
     packed = pack_nm(torch.zeros(20, 96, dtype=torch.bfloat16), spec)
     assert not packed.values.any()
     assert (packed.meta == 0x44444444).all()           # indices 0 and 1 in every group
@@ -275,18 +278,28 @@ def test_geometry_and_bytes():
 
 
 # ---- TVM and nvcc ----------------------------------------------------------------------------------------------
-def test_the_tir_lowers_to_cuda_source():
+FIXTURES = {**fixture_specs(),                          # the GPU fixtures, and a few more
+            "nm_kodd_r9_w1": NmLinearSpec(65, 203, rows=9, act="silu", inflight=16, warps=1),
+            "nm_7b_r1": NmLinearSpec(4096, 11008, rows=1, warps=8, inflight=16),
+            "nm_7b_r64_ks16": NmLinearSpec(4096, 11008, rows=64, warps=2, inflight=16, ksplit=16)}
+
+
+@pytest.mark.parametrize("name", list(FIXTURES))
+def test_the_tir_lowers_to_cuda_source_and_a_launch_spec(name):
+    """TVM's CUDA source and launch spec (no nvcc): the sparse MMA, PDL and split K where asked, and exactly the
+    arguments the runtime passes (no size computed on the host)."""
     pytest.importorskip("tvm")
-    from sparta.codegen.cuda_build import cuda_source
+    from sparta.codegen.cuda_build import _lower, coherent_params
     from sparta.templates.nm_linear.kernel import nm_linear
-    for spec in (NmLinearSpec(77, 200, rows=3, bias=True, act="gelu"),
-                 NmLinearSpec(130, 1000, rows=16, dtype="float16", ksplit=3, inflight=4, warps=2, pdl=False),
-                 NmLinearSpec(65, 203, rows=9, act="silu", inflight=16, warps=1)):
-        src = cuda_source(nm_linear, spec)
-        op = "bf16" if spec.dtype == "bfloat16" else "f16"
-        assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{op}.{op}.f32" in src
-        assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
-        assert ("__restrict__" in src) != spec.pdl
+    spec = FIXTURES[name]
+    src, launch = _lower(nm_linear(spec), spec.name)
+    src = coherent_params(src) if spec.pdl else src
+    op = "bf16" if spec.dtype == "bfloat16" else "f16"
+    assert src.count(f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{op}.{op}.f32 ") == 1
+    assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
+    assert ("__restrict__" in src) != spec.pdl
+    passed = {"X", "Vals", "Meta", "Y"} | ({"B"} if spec.bias else set()) | set(split_buffers(spec, "cpu"))
+    assert {a["name"] for a in launch["args"]} == passed | {"M"}
 
 
 @pytest.fixture(scope="module")
