@@ -5,7 +5,7 @@ torch._scaled_mm.
     python benchmarks/bench_cuda_fp8_gemv.py [--dir DIR] [--out FILE] [--only NAME ...]   # the GPU (no TVM)
 
 Shapes (N×K): 4096×4096, 11008×4096 and 4096×11008, bf16 activations, no bias, M = 1, 4 and 16 (a kernel per M);
-per-channel E4M3 scales. Dense: a few (warps, inflight, K split) variants; block-sparse: 90% of the 32×32 blocks
+per-channel E4M3 scales. Dense: a few (warps, inflight, K split, PDL trigger) variants; block-sparse: 90% of the 32×32 blocks
 pruned by a seeded uniform random block mask, a few variants. The kernels depend only on the shape, rows and knobs
 (the block table is an input), so each is built once. The build keeps sm_90 / sm_89 cubins, no CUDA source.
 
@@ -41,9 +41,11 @@ ROWS = (1, 4, 16)
 KEPT = 0.1                      # block-sparse: 90% of the blocks pruned
 SMS = 132                       # H100 / H200 SXM: sizes the K split of the "auto" variants
 ROTATE_BYTES = 160e6
-# (warps, inflight, ksplit: an int, or "auto" = suggest_ksplit)
-DENSE = {"w4i4a": (4, 4, "auto"), "w4i8a": (4, 8, "auto"), "w8i4a": (8, 4, "auto"), "w4i4k1": (4, 4, 1)}
-SPARSE = {"w2i4k1": (2, 4, 1), "w4i2k1": (4, 2, 1), "w4i4k1": (4, 4, 1), "w2i2k2": (2, 2, 2)}
+# (warps, inflight, ksplit: an int, or "auto" = suggest_ksplit, PDL trigger)
+DENSE = {"w4i4a": (4, 4, "auto", "late"), "w4i8a": (4, 8, "auto", "late"), "w8i4a": (8, 4, "auto", "late"),
+         "w4i4k1": (4, 4, 1, "late"), "w4i4ae": (4, 4, "auto", "early"), "w4i8ae": (4, 8, "auto", "early")}
+SPARSE = {"w2i4k1": (2, 4, 1, "late"), "w4i2k1": (4, 2, 1, "late"), "w4i4k1": (4, 4, 1, "late"),
+          "w2i2k2": (2, 2, 2, "late"), "w4i4k1e": (4, 4, 1, "early"), "w2i2k2e": (2, 2, 2, "early")}
 
 
 def kernels() -> dict:
@@ -53,12 +55,12 @@ def kernels() -> dict:
     for shape, (n, k) in SHAPES.items():
         for m in ROWS:
             for layout, variants in (("dense", DENSE), ("sparse", SPARSE)):
-                for variant, (w, inflight, ks) in variants.items():
+                for variant, (w, inflight, ks, trigger) in variants.items():
                     kept = KEPT if layout == "sparse" else 1.0
                     ks = suggest_ksplit(n, k, SMS, w, inflight, kept) if ks == "auto" else ks
                     name = f"f8_{shape}_m{m}_{layout}_{variant}"
                     specs[name] = Fp8GemvSpec(n, k, rows=m, sparse=layout == "sparse", warps=w, inflight=inflight,
-                                              ksplit=ks, name=name)
+                                              ksplit=ks, trigger=trigger, name=name)
     return specs
 
 

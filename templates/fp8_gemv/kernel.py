@@ -11,7 +11,8 @@ added; ``"channel"``: the row's scale multiplies the sum in the epilogue. The tw
 the warps through shared memory, then scale, bias and activation (``templates/epilogue.py``). ``ksplit > 1``: fp32
 partials in ``P``, the last CTA of a block row to arrive (counted in ``Cnt`` after a fence) sums them in split order
 and resets its counter. ``pdl``: the first round's weights load before ``griddepcontrol.wait``; X and every write
-after it.
+after it; ``griddepcontrol.launch_dependents`` after the last weights (``trigger="late"``) or at the start
+(``"early"``: the next kernel's weight loads overlap this one).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def fp8_gemv(spec: Fp8GemvSpec):
     CHUNK = -(-KB // KS)                      # dense: blocks of one split
     OUTS = BLOCK * MR
     OUT_ITERS = -(-OUTS // NT)
-    ACT, PDL = spec.dtype, spec.pdl
+    ACT, PDL, EARLY = spec.dtype, spec.pdl, spec.trigger == "early"
     VEC = K % 8 == 0                          # X rows in 16-byte pieces
     FULL = T.uint32(0xFFFFFFFF)
     SSHAPE = spec.scale_shape
@@ -168,6 +169,8 @@ def fp8_gemv(spec: Fp8GemvSpec):
             st[2] = T.min(ks * CHUNK, KB)
             st[0] = rb * KB + st[2]
             st[1] = T.min(CHUNK, KB - st[2])
+        if PDL and EARLY:                     # the next kernel may launch now: its weights load while this one runs
+            T.evaluate(grid_dependency("launch_dependents"))
         for a in T.unroll(2 * MR):
             acc[a] = T.float32(0)
         for t in T.serial((st[1] - warp + IF * W - 1) // (IF * W)):
@@ -182,7 +185,8 @@ def fp8_gemv(spec: Fp8GemvSpec):
                     multiply(X, S, M, wf, xv, xf, acc, pb, kb, o, rb, h)
         if PDL:                               # every write after the previous kernel completed
             T.evaluate(grid_dependency("wait"))
-            T.evaluate(grid_dependency("launch_dependents"))
+            if not EARLY:
+                T.evaluate(grid_dependency("launch_dependents"))
         for i in T.unroll(2):                 # the two lanes of a row, then the warps
             for m in T.unroll(MR):
                 T.evaluate(T.ptx["shfl_sync.bfly.b32"](tot[0], acc[i * MR + m], T.uint32(1), T.uint32(31), FULL))

@@ -53,6 +53,8 @@ class Fp8GemvSpec:
     ksplit: int = 1            # CTAs splitting a block row's blocks (partials summed by the last to arrive)
     pdl: bool = True           # programmatic dependent launch (sm_90)
     name: str = "fp8_gemv"
+    trigger: str = "late"      # pdl: let the next kernel launch at the start ("early") or after the last weights
+
 
     def __post_init__(self):
         bad = []
@@ -70,6 +72,8 @@ class Fp8GemvSpec:
             bad.append(f"warps={self.warps} must be 1, 2, 4, 8 or 16")
         if self.inflight not in (1, 2, 4, 8):
             bad.append(f"inflight={self.inflight} must be 1, 2, 4 or 8")
+        if self.trigger not in ("early", "late"):
+            bad.append(f"trigger {self.trigger!r} must be 'early' or 'late'")
         if self.ksplit < 1 or (self.n > 0 and self.k > 0 and self.ksplit > self.col_blocks):
             bad.append(f"ksplit={self.ksplit} must be 1..{max(1, self.col_blocks)} (the block columns)")
         if bad:

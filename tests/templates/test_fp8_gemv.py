@@ -197,7 +197,7 @@ def test_kernel_arithmetic_gives_the_reference(n, k, density, knobs):
     (dict(n=0, k=8), "positive"), (dict(n=8, k=8, rows=17), "rows=17"), (dict(n=8, k=8, dtype="float32"), "dtype"),
     (dict(n=8, k=8, act="tanh"), "activation"), (dict(n=8, k=8, scale="tensor"), "scale"),
     (dict(n=8, k=8, warps=3), "warps=3"), (dict(n=8, k=8, inflight=3), "inflight=3"),
-    (dict(n=8, k=64, ksplit=3), "ksplit=3"),
+    (dict(n=8, k=64, ksplit=3), "ksplit=3"), (dict(n=8, k=8, trigger="now"), "trigger"),
 ])
 def test_bad_specs_are_refused_with_the_reason(kw, words):
     with pytest.raises(Fp8GemvError, match=words) as info:
@@ -254,7 +254,7 @@ def test_split_workspace_ksplit_suggestion_and_bytes():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Kernels built through TVM + nvcc: dense bf16 with PDL, one row; block-sparse fp16 bias + SiLU, 4 rows, K split
+    """Kernels built through TVM + nvcc: dense bf16 with PDL (the early trigger), one row; block-sparse fp16 bias + SiLU, 4 rows, K split
     over 3 CTAs, no PDL, K % 8 != 0; block scales, 16 rows."""
     pytest.importorskip("tvm")
     if shutil.which("nvcc") is None:
@@ -263,7 +263,7 @@ def built(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("SPARTA_CACHE", str(tmp_path_factory.mktemp("cache")))
     out = tmp_path_factory.mktemp("kernels")
-    specs = {"f8_one": Fp8GemvSpec(300, 1024, name="f8_one"),
+    specs = {"f8_one": Fp8GemvSpec(300, 1024, trigger="early", name="f8_one"),
              "f8_split": Fp8GemvSpec(77, 1203, rows=4, dtype="float16", bias=True, act="silu", ksplit=3, warps=2,
                                      sparse=True, pdl=False, name="f8_split"),
              "f8_block": Fp8GemvSpec(130, 512, rows=16, scale="block", inflight=2, name="f8_block")}
@@ -287,6 +287,10 @@ def test_builds_for_sm89_and_sm90(built):
         assert "cvt.rn.f16x2.e4m3x2" in src and "int4" in src      # the decode and 16-byte weight loads
         assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
         assert (" __restrict__ " in src) != spec.pdl               # no non-coherent loads under PDL
+        if spec.pdl:                                               # the trigger before or after the first wait
+            body = src[src.index(f"void __launch_bounds__({32 * spec.warps}) {spec.name}_kernel("):]
+            early = body.index("sparta_grid_launch_dependents();") < body.index("sparta_grid_wait();")
+            assert early == (spec.trigger == "early")
         assert json.loads((folder / "spec.json").read_text())["name"] == name
 
 
