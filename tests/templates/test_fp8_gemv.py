@@ -336,3 +336,19 @@ def test_module_packs_fakes_saves_and_refuses_cpu_inputs(built):
         op(torch.randn(2, other.k).bfloat16())
     with pytest.raises(CudaRuntimeError, match="CUDA GPU"):
         op(torch.randn(1, other.k).bfloat16())
+
+
+@needs_build
+def test_build_fp8_gemv_quantises_packs_and_picks_the_split(built, tmp_path):
+    pytest.importorskip("tvm")
+    from sparta.templates.fp8_gemv.build import build_fp8_gemv
+    n, k = 64, 4096
+    w, mask = weight(n, k, torch.float16), block_mask(n, k, 0.5)
+    module = build_fp8_gemv(w, torch.randn(n), rows=2, block_mask=mask, out=tmp_path, sms=132, inflight=2)
+    s = module.spec
+    assert s.sparse and s.bias and s.rows == 2 and s.dtype == "float16" and s.ksplit == suggest_ksplit(
+        n, k, 132, 4, 2, float(mask.float().mean())) > 1
+    assert (tmp_path / s.name / "launch.json").is_file()
+    assert torch.equal(module.dense_weight(), dequantize(pack_weight(w, s, mask), s))
+    dense = build_fp8_gemv(w, rows=1, block_mask=torch.ones_like(mask), out=tmp_path, name="f8_dense")
+    assert not dense.spec.sparse and dense.table is None and dense.spec.ksplit == 1
