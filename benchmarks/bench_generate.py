@@ -10,8 +10,9 @@ weights from a checkpoint built there, against dense ``generate()`` peers in one
 
 The model is Llama-2-7B's shape (width 4096, FFN 11008, 32 heads, vocabulary 32000; ``--layers`` of its 32 layers),
 bf16, random weights from ``--seed``; every decoder linear keeps ``--density`` of its ``--block`` blocks, chosen by a
-seeded generator that gives the same masks on every machine (``--bits 4``: and its weights are 4-bit, W4A16; with
-``--meta`` the scales are fitted at load to the checkpoint built on the GPU, there).
+seeded generator that gives the same masks on every machine (``--pattern 2:4``: 2 of every 4 along K instead;
+``--bits 4``: and its weights are 4-bit, W4A16; with ``--meta`` the scales are fitted at load to the checkpoint built
+on the GPU, there).
 Peers, each on the same masked weights: sparta's default greedy call (its loop: one CUDA graph per token,
 ``sparta.runtime.decode_loop``) and the same through Hugging Face's loop (graphs per step); the dense model in
 sparta's loop (gpt-fast's: the fairest dense peer), in Hugging Face's loop with graphs per step, with its static cache
@@ -28,6 +29,7 @@ import copy
 import json
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -50,6 +52,18 @@ def grids_for(model, density: float, block: int) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters() if name.endswith("proj.weight")}
 
 
+def nm_masks(model) -> dict[str, torch.Tensor]:
+    """Seeded 2:4 masks (2 kept of every 4 along K, at random) of every decoder linear, the same on every machine."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("proj.weight"):
+            g = torch.Generator().manual_seed(zlib.crc32(f"gen-nm-{name}".encode()))
+            scores = torch.rand(p.shape[0], p.shape[1] // 4, 4, generator=g)
+            keep = torch.zeros(scores.shape, dtype=torch.bool).scatter_(-1, scores.topk(2, dim=-1).indices, True)
+            out[name] = keep.reshape(p.shape[0], p.shape[1])
+    return out
+
+
 def expand(grid: torch.Tensor, block: int) -> torch.Tensor:
     return grid.repeat_interleave(block, 0).repeat_interleave(block, 1)
 
@@ -60,9 +74,12 @@ def build(args) -> None:
     cfg = config(args.layers)
     with torch.device("meta"):
         shapes = transformers.LlamaForCausalLM(cfg)
-    grids = grids_for(shapes, args.density, args.block)
-    masks = {n: sparta.TeSA.dense(tuple(shapes.get_parameter(n).shape), args.bits) if args.density >= 1 else
-             sparta.TeSA.from_blocks(g, (args.block, args.block), args.bits) for n, g in grids.items()}
+    if args.pattern == "2:4":
+        masks = {n: sparta.TeSA.from_mask(m, args.bits) for n, m in nm_masks(shapes).items()}
+    else:
+        grids = grids_for(shapes, args.density, args.block)
+        masks = {n: sparta.TeSA.dense(tuple(shapes.get_parameter(n).shape), args.bits) if args.density >= 1 else
+                 sparta.TeSA.from_blocks(g, (args.block, args.block), args.bits) for n, g in grids.items()}
     del shapes
     torch.manual_seed(args.seed)
     model = bf16_model(cfg, "meta" if args.meta else "cpu")     # meta: no checkpoint at compile time
@@ -73,7 +90,8 @@ def build(args) -> None:
     print(f"compiled in {compile_s:.0f} s, peak RSS {peak_rss_gib():.1f} GiB", flush=True)
     compiled.save(args.build, weights=False)
     print(f"saved, peak RSS {peak_rss_gib():.1f} GiB", flush=True)
-    meta = {"layers": args.layers, "density": args.density, "block": args.block, "seed": args.seed, "bits": args.bits,
+    meta = {"layers": args.layers, "density": 0.5 if args.pattern == "2:4" else args.density, "block": args.block,
+            "pattern": args.pattern, "seed": args.seed, "bits": args.bits,
             "compile_s": compile_s, "timings": compiled.timings, "meta_device": args.meta,
             "peak_rss_gib": peak_rss_gib()}
     meta_path(args.build).write_text(json.dumps(meta, indent=1))
@@ -109,7 +127,11 @@ def checkpoint(meta: dict, device: str):
     torch.manual_seed(meta["seed"])
     model = bf16_model(config(meta["layers"]), device)
     with torch.no_grad():
-        for name, grid in grids_for(model, meta["density"], meta["block"]).items() if meta["density"] < 1 else ():
+        if meta.get("pattern") == "2:4":
+            for name, mask in nm_masks(model).items():
+                model.get_parameter(name).mul_(mask.to(device))
+        for name, grid in grids_for(model, meta["density"], meta["block"]).items() \
+                if meta["density"] < 1 and meta.get("pattern", "blocks") == "blocks" else ():
             model.get_parameter(name).mul_(expand(grid, meta["block"]).to(device))
     return model
 
@@ -261,6 +283,8 @@ def run(args) -> dict:
     kept = sum(g.sum().item() * meta["block"] ** 2 if meta["density"] < 1 else g.numel() * meta["block"] ** 2
                for g in grids_for(dense, meta["density"], meta["block"]).values())
     per_kept = 2 if meta.get("bits", 16) >= 16 else meta["bits"] / 8 + 2 / 128   # 4 bits: + an fp16 scale per 128
+    if meta.get("pattern") == "2:4":                                             # + a 2-bit index per kept value
+        per_kept = 2.25
     step = 2 * sum(p.numel() for n, p in dense.named_parameters() if not n.endswith("proj.weight")) + per_kept * kept
     results["bytes_floor_tok_s"] = {"bytes_per_step": step, "at_3.0TBps": args.batch * 3.0e12 / step}
     return results
@@ -273,6 +297,8 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--pattern", choices=("blocks", "2:4"), default="blocks",
+                    help="--build: blocks of --block kept at --density, or 2 of every 4 along K (2:4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bits", type=int, default=16, help="--build: the decoder linears' weight bits (4: W4A16)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="--build: the largest prefill planned for")

@@ -89,9 +89,10 @@ class GemmSite:
 
 def choice(kernel: str, rule: str, reason: str, dtype: str = "float16", tiles: dict | None = None,
            hopper: dict | None = None, note: str = "", gemv: dict | None = None,
-           buckets: list | None = None, few_rows: list | None = None, dense_grid: bool = False) -> KernelChoice:
+           buckets: list | None = None, few_rows: list | None = None, dense_grid: bool = False,
+           dense_from: int | None = None) -> KernelChoice:
     return KernelChoice(kernel, rule, reason, dtype, dict(tiles or {}), hopper, note, gemv, buckets, few_rows,
-                        dense_grid)
+                        dense_grid, dense_from=dense_from)
 
 
 # ---- the guards, first in the table ----------------------------------------------------------------------------

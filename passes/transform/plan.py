@@ -21,7 +21,7 @@ from ...formats import default_format, get_format
 from ...tesa import TeSA
 from ..quant.scheme import GRANULARITIES, QUANT_SOURCES, WeightQuant  # noqa: F401  (part of the plan)
 
-TEMPLATES = ("dense", "block_sparse", "fine_sparse")
+TEMPLATES = ("dense", "block_sparse", "fine_sparse", "nm_sparse")   # nm_sparse: 2 of every 4 along K (CUDA)
 KINDS = ("torch", "dense", "sparse", "shrink")
 DISMANTLE = ("none", "full", "tile")
 
@@ -53,7 +53,8 @@ class SubOp:
     def describe(self) -> str:
         """``32x32x32@W8A8``, ``dense@W16A16``, the formats in brackets where not the default of the bits
         (``[fp8_e4m3]``, ``[int4×bf16]``)."""
-        where = f"{self.n_blocks}x{self.block[0]}x{self.block[1]}" if self.block else "dense"
+        where = "2:4" if self.template == "nm_sparse" else \
+            f"{self.n_blocks}x{self.block[0]}x{self.block[1]}" if self.block else "dense"
         text = f"{where}@W{self.weight_bits}A{self.act_bits}"
         if (self.weight_format, self.act_format) == (default_format(self.weight_bits), default_format(self.act_bits)):
             return text

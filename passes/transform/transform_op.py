@@ -27,6 +27,7 @@ from .cover import block_cover, block_cover_by_blocks
 from ..fusion import epilogue
 from ..gemm import gemm_bias, gemm_view, in_weight_layout, weight_matrix
 from .plan import Candidate, OpPlan, SubOp, WeightQuant
+from .nm import nm_option
 from .profile import HardwareProfile
 
 GEMM_OPS = ("linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d")
@@ -114,6 +115,10 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
                     "block_sparse", model_bits, act_model_bits) for s in subs):
                 costs, switch = dense_switch(rows, costs, dense_at)
             options.append((score(costs), subs, costs, switch))
+    if act_bits == act_model_bits and (nm := nm_option(wtesa, profile, kept_rows, dense_at,
+                                                       (model_bits, act_model_bits))) is not None:
+        candidates.append(Candidate(nm[2], nm[0][0]))
+        options.append((score(nm[0]), nm[1], nm[0], None))
     base["note"] = _rounding_note(wtesa, widths, act_bits, profile.target)
     _, subops, costs, base["dense_from"] = choose(options)
     if len(rows) > 1:

@@ -12,16 +12,19 @@ import torch
 
 from ..epilogue_ref import activate, gated
 from ...runtime.cuda import CudaRuntimeError
-from .packing import unpack_weight
 
 
 class DenseRows:
-    """Mixin of :class:`~.runtime.SparseLinearCUDA`: ``dense_from`` and the dense copy (a buffer, not saved)."""
+    """Mixin of a 16-bit kernel module (:class:`~.runtime.SparseLinearCUDA`, the 2:4 ``NmLinearCUDA``):
+    ``dense_from`` and the dense copy (a buffer, not saved). The module gives :meth:`packed_source` (the packed
+    tensor a copy is made from: a new one makes a new copy) and :meth:`unpacked` (the dense (N, K) weight, gated:
+    (2N, K), on that tensor's device); its ``spec`` has ``dtype``, ``act``, ``bias`` and maybe ``gate`` / ``out``."""
 
     def init_dense_rows(self, dense_from: int | None) -> None:
-        if dense_from is not None and (self.spec.dtype not in ("float16", "bfloat16") or self.spec.out == "int8"):
+        if dense_from is not None and (self.spec.dtype not in ("float16", "bfloat16")
+                                       or getattr(self.spec, "out", "") == "int8"):
             raise CudaRuntimeError(f"op {self.op_name!r}: only a 16-bit kernel writing 16-bit outputs runs its many-row "
-                                   f"calls on the dense GEMM (dtype {self.spec.dtype}, out {self.spec.out})")
+                                   f"calls on the dense GEMM (dtype {self.spec.dtype})")
         self.dense_from = None if dense_from is None else int(dense_from)
         self.register_buffer("dense_w", None, persistent=False)
         self._dense_of = None
@@ -32,17 +35,18 @@ class DenseRows:
             return None
         w = self._dense_weight()
         y = torch.nn.functional.linear(x, w, self.bias if self.spec.bias else None)
-        if self.spec.gate:
+        if getattr(self.spec, "gate", False):
             return gated(y.float(), self.spec.act).to(x.dtype)
         return y if self.spec.act == "none" else activate(y.float(), self.spec.act).to(x.dtype)
 
     def _dense_weight(self) -> torch.Tensor:
-        key = (self.wp.data_ptr(), self.wp.device)
+        source = self.packed_source()
+        key = (source.data_ptr(), source.device)
         if self.dense_w is None or self._dense_of != key:
-            if self.wp.is_cuda and torch.cuda.is_current_stream_capturing():
+            if source.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise CudaRuntimeError(f"op {self.op_name!r}: its dense copy is built at the first call of "
                                        f"{self.dense_from}+ rows; run such a call once before capturing a CUDA graph")
-            self.dense_w = unpack_weight(self.wp, self.table, self.spec)
+            self.dense_w = self.unpacked()
             self._dense_of = key
         return self.dense_w
 

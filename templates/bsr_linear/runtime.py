@@ -207,6 +207,13 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
             op = self._ops[key] = make()
         return op
 
+    def packed_source(self) -> torch.Tensor:
+        return self.wp
+
+    def unpacked(self) -> torch.Tensor:
+        """The 16-bit kept blocks as the dense (N, K) weight (gated: (2N, K)) on their device (:class:`DenseRows`)."""
+        return unpack_weight(self.wp, self.table, self.spec)
+
     def dense_weight(self) -> torch.Tensor:
         """The ``(N, K)`` 16-bit weight the kernel applies (pruned blocks zero; W8A8: dequantised; gated: ``(2N, K)``,
         the gate's rows then the up's), on the CPU."""
