@@ -5,8 +5,8 @@ torch._scaled_mm.
     python benchmarks/bench_cuda_fp8_gemv.py [--dir DIR] [--out FILE] [--only NAME ...]   # the GPU (no TVM)
 
 Shapes (N×K): 4096×4096, 11008×4096 and 4096×11008, bf16 activations, no bias, M = 1, 4 and 16 (a kernel per M);
-per-channel E4M3 scales. Dense: a few (warps, inflight, K split, PDL trigger) variants; block-sparse: 90% of the 32×32 blocks
-pruned by a seeded uniform random block mask, a few variants. The kernels depend only on the shape, rows and knobs
+per-channel E4M3 scales. Dense: a few (warps, inflight, K split, PDL trigger, tensor cores) variants; block-sparse: 90% of
+the 32×32 blocks pruned by a seeded uniform random block mask, a few variants. The kernels depend only on the shape, rows and knobs
 (the block table is an input), so each is built once. The build keeps sm_90 / sm_89 cubins, no CUDA source.
 
 On the GPU each weight is made from a seed, quantised and packed there once per layout, copied to rotate past the L2
@@ -41,26 +41,42 @@ ROWS = (1, 4, 16)
 KEPT = 0.1                      # block-sparse: 90% of the blocks pruned
 SMS = 132                       # H100 / H200 SXM: sizes the K split of the "auto" variants
 ROTATE_BYTES = 160e6
-# (warps, inflight, ksplit: an int, or "auto" = suggest_ksplit, PDL trigger)
-DENSE = {"w4i4a": (4, 4, "auto", "late"), "w4i8a": (4, 8, "auto", "late"), "w8i4a": (8, 4, "auto", "late"),
-         "w4i4k1": (4, 4, 1, "late"), "w4i4ae": (4, 4, "auto", "early"), "w4i8ae": (4, 8, "auto", "early")}
-SPARSE = {"w2i4k1": (2, 4, 1, "late"), "w4i2k1": (4, 2, 1, "late"), "w4i4k1": (4, 4, 1, "late"),
-          "w2i2k2": (2, 2, 2, "late"), "w4i4k1e": (4, 4, 1, "early"), "w2i2k2e": (2, 2, 2, "early")}
+# (warps, inflight, ksplit: an int, or "aC" = about C CTAs per SM (suggest_ksplit's rule with C for 2), PDL trigger,
+# tensor cores). "m..." variants: the mma.sync kernel (codes decoded by bit operations into the MMA's A fragment);
+# the others the CUDA-core FMA kernel of the first H200 run (its best variant of each case, for the comparison).
+DENSE = {"w8i4a2": (8, 4, "a2", "late", False),
+         "mw4i4a2": (4, 4, "a2", "late", True), "mw8i4a2": (8, 4, "a2", "late", True),
+         "mw4i8a2": (4, 8, "a2", "late", True), "mw8i2a4": (8, 2, "a4", "late", True),
+         "mw4i4a4": (4, 4, "a4", "late", True), "mw8i4a4": (8, 4, "a4", "late", True),
+         "mw8i4a2e": (8, 4, "a2", "early", True)}
+SPARSE = {"w4i4k1e": (4, 4, 1, "early", False),
+          "mw4i4k1e": (4, 4, 1, "early", True), "mw8i2k1e": (8, 2, 1, "early", True),
+          "mw16i1k1e": (16, 1, 1, "early", True), "mw8i1k1e": (8, 1, 1, "early", True),
+          "mw4i2k1e": (4, 2, 1, "early", True), "mw4i4k1": (4, 4, 1, "late", True),
+          "mw8i2k2e": (8, 2, 2, "early", True)}
+
+
+def ksplit_for(n: int, k: int, warps: int, inflight: int, kept: float, ctas_per_sm: int) -> int:
+    """``suggest_ksplit``'s rule for about ``ctas_per_sm`` CTAs per SM."""
+    nbr, kb = -(-n // 32), -(-k // 32)
+    per_row = max(1, round(kb * kept))
+    return max(1, min(-(-ctas_per_sm * SMS // nbr), per_row // (warps * inflight), kb))
 
 
 def kernels() -> dict:
     """Kernel name (its folder) -> spec."""
-    from sparta.templates.fp8_gemv.spec import Fp8GemvSpec, suggest_ksplit
+    from sparta.templates.fp8_gemv.spec import Fp8GemvSpec
     specs = {}
     for shape, (n, k) in SHAPES.items():
         for m in ROWS:
             for layout, variants in (("dense", DENSE), ("sparse", SPARSE)):
-                for variant, (w, inflight, ks, trigger) in variants.items():
+                for variant, (w, inflight, ks, trigger, mma) in variants.items():
                     kept = KEPT if layout == "sparse" else 1.0
-                    ks = suggest_ksplit(n, k, SMS, w, inflight, kept) if ks == "auto" else ks
+                    if isinstance(ks, str):
+                        ks = ksplit_for(n, k, w, inflight, kept, int(ks[1:]))
                     name = f"f8_{shape}_m{m}_{layout}_{variant}"
                     specs[name] = Fp8GemvSpec(n, k, rows=m, sparse=layout == "sparse", warps=w, inflight=inflight,
-                                              ksplit=ks, trigger=trigger, name=name)
+                                              ksplit=ks, trigger=trigger, mma=mma, name=name)
     return specs
 
 

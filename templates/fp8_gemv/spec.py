@@ -54,7 +54,7 @@ class Fp8GemvSpec:
     pdl: bool = True           # programmatic dependent launch (sm_90)
     name: str = "fp8_gemv"
     trigger: str = "late"      # pdl: let the next kernel launch at the start ("early") or after the last weights
-
+    mma: bool = False          # tensor cores: codes decoded by bit operations into mma.sync m16n8k16's A (see kernel)
 
     def __post_init__(self):
         bad = []

@@ -12,11 +12,14 @@ from sparta.templates.fp8_gemv.runtime import Fp8GemvOp, Fp8LinearCUDA, folder_s
 from sparta.templates.fp8_gemv.spec import BLOCK, Fp8GemvError, fp8_gemv_ref, quantize
 
 from fixtures.artifacts import MISSING, ROOT
+from fixtures.cuda_specs_fp8_gemv import fixture_specs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+SPECS = fixture_specs()                       # the fixtures' specs (TVM-free): dense ones are run at density 1 only
 CASES = ["f8_r1_bf16", "f8_r1_fp16_nopdl", "f8_r3_sparse_bias_gelu", "f8_r2_kodd_fp16_relu", "f8_r16_ks3_silu_fp16",
          "f8_r16_sparse_ks4_bf16", "f8_r4_sparse_block_tanh", "f8_r1_block_ks2_if8", "f8_r5_sparse_kodd_w1",
-         "f8_r4_square_chain"]
+         "f8_r4_square_chain", "f8_mma_r1_bf16", "f8_mma_r1_fp16_ks3", "f8_mma_r3_sparse_bias_gelu_fp16",
+         "f8_mma_r16_sparse_ks4_bf16", "f8_mma_r9_kodd_block_relu_fp16", "f8_mma_r4_sparse_block_w1_bf16"]
 DENSITIES = [0.0, 0.1, 0.5, 1.0]
 TOL = {torch.float16: dict(rtol=4e-3, atol=4e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -40,7 +43,8 @@ def _module(name, density=1.0, seed=0) -> Fp8LinearCUDA:
     mask = torch.rand(spec.row_blocks, spec.col_blocks, device="cuda", generator=g) < density
     bias = (torch.randn(spec.n, device="cuda", generator=g) * 0.1).to(dtype) if spec.bias else None
     module = Fp8LinearCUDA.from_weight(folder, w, bias, block_mask=mask if spec.sparse else None)
-    keep = mask.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:spec.n, :spec.k] if spec.sparse else True
+    keep = (mask.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:spec.n, :spec.k] if spec.sparse
+            else torch.ones(spec.n, spec.k, dtype=torch.bool, device="cuda"))
     module.exact = torch.where(keep, w, torch.zeros_like(w))               # the unquantised (masked) weight
     return module
 
@@ -66,18 +70,17 @@ def _check(module, x, y, what):
     assert err < 0.06 or not module.exact.any(), f"{what}: {err:.3g} from the unquantised linear"
 
 
-@pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name, density", [(name, d) for name in CASES
+                                           for d in (DENSITIES if SPECS[name].sparse else [1.0])])
 def test_matches_the_reference(name, density):
-    if density < 1.0 and not folder_spec(_folder(name)).sparse:
-        pytest.skip("a dense kernel keeps every block")
     module = _module(name, density, seed=int(density * 100))
     for m in sorted({m for m in (1, 3, module.spec.rows) if m <= module.spec.rows}):
         x = _x(module, m, seed=m)
         _check(module, x, module(x), f"{name} density {density} M={m}")
 
 
-@pytest.mark.parametrize("name", ["f8_r1_bf16", "f8_r16_ks3_silu_fp16", "f8_r16_sparse_ks4_bf16"])
+@pytest.mark.parametrize("name", ["f8_r1_bf16", "f8_r16_ks3_silu_fp16", "f8_r16_sparse_ks4_bf16",
+                                  "f8_mma_r16_sparse_ks4_bf16"])
 def test_no_rows_too_many_rows_and_leading_dims(name):
     module = _module(name, 0.5)
     assert module(_x(module, 0, seed=1)).shape == (0, module.spec.n)
@@ -90,7 +93,8 @@ def test_no_rows_too_many_rows_and_leading_dims(name):
         module(_x(module, rows + 1, seed=3))
 
 
-@pytest.mark.parametrize("name", ["f8_r16_ks3_silu_fp16", "f8_r16_sparse_ks4_bf16", "f8_r1_block_ks2_if8"])
+@pytest.mark.parametrize("name", ["f8_r16_ks3_silu_fp16", "f8_r16_sparse_ks4_bf16", "f8_r1_block_ks2_if8",
+                                  "f8_mma_r1_fp16_ks3", "f8_mma_r9_kodd_block_relu_fp16"])
 def test_split_k_counters_reset_between_calls(name):
     module = _module(name, 0.3)
     for seed, m in ((1, module.spec.rows), (2, 1), (3, module.spec.rows), (4, 1)):
@@ -99,9 +103,10 @@ def test_split_k_counters_reset_between_calls(name):
     assert not module.split_Cnt.any()
 
 
-def test_pdl_chain_reads_each_output_after_it_is_written():
+@pytest.mark.parametrize("name", ["f8_r4_square_chain", "f8_mma_r4_square_chain"])
+def test_pdl_chain_reads_each_output_after_it_is_written(name):
     """Launches back to back, each reading the last one's output (PDL lets each start early; X waits)."""
-    module = _module("f8_r4_square_chain")
+    module = _module(name)
     x = _x(module, 4, seed=7) / 4
     y = x
     for _ in range(4):
@@ -143,7 +148,7 @@ def test_runs_inside_torch_compile():
         torch.testing.assert_close(compiled(x).cpu(), want, **TOL[x.dtype])
 
 
-@pytest.mark.parametrize("name", ["f8_r1_bf16", "f8_r1_fp16_nopdl", "f8_r16_sparse_ks4_bf16"])
+@pytest.mark.parametrize("name", ["f8_r1_bf16", "f8_r1_fp16_nopdl", "f8_r16_sparse_ks4_bf16", "f8_mma_r1_bf16"])
 def test_a_cuda_graph_replays_on_new_inputs(name):
     module = _module(name, 0.3)
     m = module.spec.rows

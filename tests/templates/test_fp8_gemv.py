@@ -266,7 +266,10 @@ def built(tmp_path_factory):
     specs = {"f8_one": Fp8GemvSpec(300, 1024, trigger="early", name="f8_one"),
              "f8_split": Fp8GemvSpec(77, 1203, rows=4, dtype="float16", bias=True, act="silu", ksplit=3, warps=2,
                                      sparse=True, pdl=False, name="f8_split"),
-             "f8_block": Fp8GemvSpec(130, 512, rows=16, scale="block", inflight=2, name="f8_block")}
+             "f8_block": Fp8GemvSpec(130, 512, rows=16, scale="block", inflight=2, name="f8_block"),
+             "f8_mma": Fp8GemvSpec(77, 1203, rows=16, dtype="float16", scale="block", bias=True, act="silu",
+                                   ksplit=3, warps=2, sparse=True, pdl=False, mma=True, name="f8_mma"),
+             "f8_mma_bf16": Fp8GemvSpec(300, 1024, rows=4, trigger="early", mma=True, name="f8_mma_bf16")}
     try:
         yield {name: (spec, build_kernel(spec, out)) for name, spec in specs.items()}
     finally:
@@ -284,7 +287,11 @@ def test_builds_for_sm89_and_sm90(built):
             | set(split_buffers(spec, "cpu"))
         assert args == passed | {"M"}                          # what Fp8GemvOp passes, by name
         src = (folder / "kernel.cu").read_text()
-        assert "cvt.rn.f16x2.e4m3x2" in src and "int4" in src      # the decode and 16-byte weight loads
+        if spec.mma:                                               # bit-operation decode, MMAs, 8-byte loads
+            assert "mma.sync.aligned.m16n8k16" in src and "int2" in src and "cvt.rn.f16x2.e4m3x2" not in src
+            assert ("fma.rn.bf16x2" in src) == (spec.dtype == "bfloat16")
+        else:
+            assert "cvt.rn.f16x2.e4m3x2" in src and "int4" in src  # the decode and 16-byte weight loads
         assert ("griddepcontrol.wait" in src) == spec.pdl and ("atomicAdd" in src) == (spec.ksplit > 1)
         assert (" __restrict__ " in src) != spec.pdl               # no non-coherent loads under PDL
         if spec.pdl:                                               # the trigger before or after the first wait
@@ -352,3 +359,96 @@ def test_build_fp8_gemv_quantises_packs_and_picks_the_split(built, tmp_path):
     assert torch.equal(module.dense_weight(), dequantize(pack_weight(w, s, mask), s))
     dense = build_fp8_gemv(w, rows=1, block_mask=torch.ones_like(mask), out=tmp_path, name="f8_dense")
     assert not dense.spec.sparse and dense.table is None and dense.spec.ksplit == 1
+
+
+# The tensor-core kernel (spec.mma): its bit-operation decode and its MMA fragments, emulated lane by lane.
+def f8x2_emulated(v: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernel.F8_DECODE`` on int64 words ``v`` (bits 8..15 and 24..31 hold two codes): the fp32 values of the low and
+    high 16-bit halves, the fp16 decode times 2^8 (folded into the scale) and the bf16 one after its fma by 2^120."""
+    shift = 1 if act == "float16" else 4
+    r = (v & 0x80008000) | ((v & 0x7F007F00) >> shift)
+    halves = [(r & 0xFFFF), (r >> 16) & 0xFFFF]
+    if act == "float16":
+        return tuple(h.to(torch.int16).view(torch.float16).float() * 256.0 for h in halves)
+    return tuple((h << 16).to(torch.int32).view(torch.float32).double() * 2.0 ** 120 for h in halves)
+
+
+@pytest.mark.parametrize("act", ["float16", "bfloat16"])
+def test_mma_decode_is_exact_for_every_code(act):
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F])       # every E4M3 value but NaN
+    want = codes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    for pos in (0, 1, 2, 3):                                                 # the code at each byte of a word
+        q = codes.long() << (8 * pos)
+        lo_a, hi_a = f8x2_emulated(q << 8 & 0xFFFFFFFF, act)                  # (c0, c2)
+        lo_b, hi_b = f8x2_emulated(q, act)                                    # (c1, c3)
+        got = [lo_a, lo_b, hi_a, hi_b][pos]
+        assert torch.equal(got.double(), want), f"{act} byte {pos}"
+        for i, other in enumerate([lo_a, lo_b, hi_a, hi_b]):
+            if i != pos:
+                assert not other.any()
+
+
+def emulate_mma(spec: Fp8GemvSpec, packed: Fp8Packed, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """The MMA kernel's fragments: lane (g, t) loads words 2t, 2t+1 of block rows g, g+8, 16+g, 24+g; A of row half
+    mt and step s = the decoded pairs at k slots (2t, 2t+1) and (2t+8, 2t+9); B = X's columns 8t .. 8t+8 regrouped by
+    prmt; C = A B in fp32 (rows g, g+8; X rows 2t, 2t+1); then the fp32 epilogue as the kernel."""
+    m = x.shape[0]
+    nbr, kb = spec.row_blocks, spec.col_blocks
+    xp = torch.zeros(m, kb * BLOCK)
+    xp[:, :spec.k] = x.float()
+    words = packed.codes.long() & 0xFFFFFFFF
+    table = packed.table
+    y = torch.zeros(m, nbr * BLOCK, dtype=torch.float64)
+    for rb in range(nbr):
+        if spec.sparse:
+            lo, hi = int(table[rb]), int(table[rb + 1])
+            blocks = [(j, int(table[nbr + 1 + j])) for j in range(lo, hi)]
+        else:
+            blocks = [(rb * kb + c, c) for c in range(kb)]
+        for j, c in blocks:
+            wb = words[j * 256:(j + 1) * 256].view(BLOCK, 8)                 # row r, word q: columns 4q .. 4q+3
+            part = torch.zeros(BLOCK, m, dtype=torch.float64)
+            for mt in range(2):
+                for s in range(2):
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    b = torch.zeros(16, m, dtype=torch.float64)
+                    for g in range(8):
+                        for t in range(4):
+                            for off in (0, 8):
+                                q = wb[mt * 16 + g + off, 2 * t + s]
+                                a[g + off, 2 * t], a[g + off, 2 * t + 1] = (v.double() for v in f8x2_emulated(
+                                    (q << 8) & 0xFFFFFFFF, spec.dtype))
+                                a[g + off, 2 * t + 8], a[g + off, 2 * t + 9] = (v.double() for v in f8x2_emulated(
+                                    q, spec.dtype))
+                            h = xp[:, c * BLOCK + 8 * t + 4 * s:c * BLOCK + 8 * t + 4 * s + 4].double()  # (m, 4)
+                            b[2 * t], b[2 * t + 1], b[2 * t + 8], b[2 * t + 9] = h[:, 0], h[:, 2], h[:, 1], h[:, 3]
+                    part[mt * 16:(mt + 1) * 16] += a @ b
+            if spec.scale == "block":
+                part = part * float(packed.scales[rb * BLOCK // 128, c * BLOCK // 128])
+            y[:, rb * BLOCK:(rb + 1) * BLOCK] += part.t()
+    y = y[:, :spec.n].float()
+    if spec.scale == "channel":
+        y = y * packed.scales
+    if spec.bias:
+        y = y + bias.float()
+    return activate(y, spec.act).to(x.dtype)
+
+
+@pytest.mark.parametrize("n, k, density, knobs", [
+    (77, 200, 1.0, dict(rows=3, bias=True, act="gelu")),
+    (40, 203, 0.5, dict(rows=16, dtype="float16", scale="block", bias=True, act="silu")),
+    (33, 520, 0.3, dict(rows=9, scale="block")),
+    (64, 96, 1.0, dict(rows=1, dtype="float16")),
+])
+def test_mma_fragments_give_the_reference(n, k, density, knobs):
+    spec = spec_for(n, k, density, mma=True, **knobs)
+    dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
+    w, mask = weight(n, k, seed=k), block_mask(n, k, density, seed=k)
+    w[0, :9] = torch.tensor([0.0, 1e-9, -1e-9, 3e-8, 0.0, -0.0, 5e-7, 0.0, 1.0]).to(dtype)  # zeros, E4M3 subnormals
+    bias = (torch.randn(n) * 0.1).to(dtype) if spec.bias else None
+    packed = pack_weight(w, spec, mask if spec.sparse else None)
+    x = torch.randn(spec.rows, k).to(dtype)
+    got = emulate_mma(spec, packed, x, bias).float()
+    want = fp8_gemv_ref(x, packed, spec, bias).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
