@@ -9,4 +9,4 @@ FAMILY = register(KernelFamily(
     "sparse A fragments, X^T as B (split K optional), bias and activation fused",
     module=".runtime:NmLinearCUDA",
     templates={".spec:NmLinearSpec": ".kernel:nm_linear"},
-    build=".build:build_nm_linear", epilogue=("bias", "act")), __name__)
+    build=".graph_build:build", epilogue=("bias", "act")), __name__)

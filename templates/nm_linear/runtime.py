@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .spec import DTYPES, NmLinearError, NmLinearSpec, NmPacked, pack_nm, split_buffers, unpack
-from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
+from ..bsr_linear.dense_rows import DenseRows
+from ...runtime.cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_saved_spec, kernel_file, lanes16
 from ...runtime.ops import KernelModule
 
 
@@ -79,15 +80,19 @@ class NmLinearOp:
         return y
 
 
-class NmLinearCUDA(KernelModule):
+class NmLinearCUDA(DenseRows, GraphWeightLayout, KernelModule):
     """``y = act(x · (W ⊙ mask)ᵀ + b)`` on the 2:4 sparse tensor cores (the op ``sparta::nm_linear``) for ``x``
-    (..., K) with at most ``spec.rows`` rows in all; ``y`` in ``x``'s dtype."""
+    (..., K) with at most ``spec.rows`` rows in all, or more from ``dense_from`` rows on, which run cuBLAS over a
+    dense copy (:class:`DenseRows`); ``y`` in ``x``'s dtype. In a compiled graph it stands for op ``op_name`` reading
+    the graph tensor ``x_name`` (``out_shape``: the op's output shape at the example)."""
 
     kernel_family = "nm_linear"
     weight_names = ("values", "meta", "bias")
+    plan_tensors = ("meta",)        # what a kernels-only save keeps: the 2-bit indices (the mask), not the values
 
     def __init__(self, folder, spec: NmLinearSpec, packed: NmPacked, bias: torch.Tensor | None = None,
-                 op_name: str = "nm_linear"):
+                 op_name: str = "nm_linear", x_name: str | None = None, out_shape: tuple | None = None,
+                 dense_from: int | None = None):
         super().__init__()
         bias = bias.detach().to(DTYPES[spec.dtype]).contiguous() if bias is not None else None
         check_packed(spec, packed, bias)
@@ -98,6 +103,10 @@ class NmLinearCUDA(KernelModule):
         for key, buf in split_buffers(spec, packed.values.device).items():    # split-K workspace: not saved
             self.register_buffer(f"split_{key}", buf, persistent=False)
         self._op = None
+        self.input_names = None if x_name is None else [x_name]
+        self.output_names, self.out_shape = None, None if out_shape is None else tuple(out_shape)
+        self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
+        self.init_dense_rows(dense_from)
         self.register_kernel(op_name)
 
     @classmethod
@@ -125,6 +134,8 @@ class NmLinearCUDA(KernelModule):
         if not x.is_cuda or not self.values.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
                                    "(module.to('cuda'))")
+        if (y := self.dense_rows_call(x)) is not None:
+            return [y]
         if self._op is None or self._op.packed.values.data_ptr() != self.values.data_ptr() \
                 or self._op.packed.meta.data_ptr() != self.meta.data_ptr():
             split = {"P": self.split_P, "Cnt": self.split_Cnt} if self.spec.ksplit > 1 else {}
@@ -139,9 +150,30 @@ class NmLinearCUDA(KernelModule):
         """The (N, K) weight the kernel applies (zeros where pruned), on the CPU."""
         return unpack(NmPacked(self.values.cpu(), self.meta.cpu()), self.spec)[0]
 
+    def packed_source(self) -> torch.Tensor:
+        return self.values
+
+    def unpacked(self) -> torch.Tensor:
+        """The dense (N, K) weight on the packed values' device (:class:`DenseRows`)."""
+        return unpack(self.packed, self.spec, self.values.device)[0]
+
+    def repack(self, graph, op_plan) -> None:
+        """Pack the graph's weight (a checkpoint's) again over the plan's mask, as the build does."""
+        from ...codegen.cuda_bind import gemm_parts
+        parts = gemm_parts(graph, graph.op(self.op_name), op_plan)
+        keep = op_plan.kept(self.spec.n, self.spec.k)
+        packed = pack_nm(parts.site.weight.to(DTYPES[self.spec.dtype]), self.spec, keep)
+        self._buffers["values"], self._buffers["meta"] = packed.values, packed.meta
+        if parts.bias is not None:
+            self._buffers["bias"] = parts.bias.to(DTYPES[self.spec.dtype]).contiguous()
+        self._op, self.dense_w = None, None
+
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name}
+        if self.input_names is not None:              # a graph module
+            config.update(x_name=self.input_names[0], out_shape=list(self.out_shape), dense_from=self.dense_from,
+                          weight_name=self.weight_name, weight_transposed=self.weight_transposed)
         tensors = {"values": self.values, "meta": self.meta}
         if self.bias is not None:
             tensors["bias"] = self.bias
@@ -152,13 +184,16 @@ class NmLinearCUDA(KernelModule):
         spec = NmLinearSpec(**config["spec"])
         folder = folders[config["folder"]]
         check_saved_spec(config["op_name"], folder, spec)
-        return cls(folder, spec, NmPacked(tensors["values"], tensors["meta"]), tensors.get("bias"),
-                   config["op_name"])
+        module = cls(folder, spec, NmPacked(tensors["values"], tensors["meta"]), tensors.get("bias"),
+                     config["op_name"], config.get("x_name"), config.get("out_shape"), config.get("dense_from"))
+        module.weight_name = config.get("weight_name")
+        module.weight_transposed = bool(config.get("weight_transposed", False))
+        return module
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"{self.op_name}: N={s.n}, K={s.k}, up to {s.rows} rows, {s.dtype}, 2:4 ({self.values.numel()} "
-                f"value slots), act={s.act}, bias={s.bias}")
+                f"value slots), act={s.act}, bias={s.bias}{self.dense_rows_repr()}")
 
 
 __all__ = ["NmLinearCUDA", "NmLinearOp", "check_packed", "folder_spec"]

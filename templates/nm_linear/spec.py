@@ -205,11 +205,11 @@ def pack_nm(weight: torch.Tensor, spec: NmLinearSpec, mask: torch.Tensor | None 
     return NmPacked(vals.contiguous(), meta.contiguous())
 
 
-def unpack(packed: NmPacked, spec: NmLinearSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dense (N, K) weight (zeros where pruned) and the kept mask (nonzero stored values), on the CPU."""
+def unpack(packed: NmPacked, spec: NmLinearSpec, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense (N, K) weight (zeros where pruned) and the kept mask (nonzero stored values), on ``device``."""
     RT, G = spec.row_tiles, spec.groups
     NP, KP = 16 * RT, spec.k_pad
-    vals, meta = packed.values.cpu(), packed.meta.cpu()
+    vals, meta = packed.values.to(device), packed.meta.to(device)
     if tuple(vals.shape) != (RT, 4 * G, 32, 8) or tuple(meta.shape) != (RT, G, 16, 4):
         raise NmLinearError(f"2:4 sparse linear {spec.name}: packed tensors of shapes {tuple(vals.shape)} and "
                             f"{tuple(meta.shape)} are not the spec's {(RT, 4 * G, 32, 8)} and {(RT, G, 16, 4)}")
@@ -217,11 +217,11 @@ def unpack(packed: NmPacked, spec: NmLinearSpec) -> tuple[torch.Tensor, torch.Te
     word = meta.to(torch.int64) & 0xFFFFFFFF                                # (RT, G, g * 2 + t, q)
     word = word.view(RT, G, 8, 2, 4).permute(0, 2, 1, 4, 3)                 # (RT, g, G, q, t)
     half = torch.stack([word & 0xFFFF, word >> 16], 1).reshape(NP, 4 * G, 2, 1)
-    nib = ((half >> (4 * torch.arange(4))) & 0xF).reshape(NP, KP // 4)
+    nib = ((half >> (4 * torch.arange(4, device=vals.device))) & 0xF).reshape(NP, KP // 4)
     idx = torch.stack([nib & 3, nib >> 2], -1)                             # (NP, KP/4, 2)
     if (idx[..., 0] >= idx[..., 1]).any():
         raise NmLinearError(f"2:4 sparse linear {spec.name}: metadata with indices not increasing in a group")
-    dense = torch.zeros(NP, KP // 4, 4, dtype=vals.dtype)
+    dense = torch.zeros(NP, KP // 4, 4, dtype=vals.dtype, device=vals.device)
     dense.scatter_(-1, idx, comp.view(NP, KP // 4, 2))
     dense = dense.view(NP, KP)
     if dense[spec.n:].any() or dense[:, spec.k:].any():

@@ -1,0 +1,49 @@
+"""Codegen of a planned 2:4 linear (a ``nm_sparse`` sub-operator, ``passes/transform/nm.py``): the kernel for the
+calls of up to ``NM_MAX_ROWS`` rows with selection's tiling, the packed weight, and the dense GEMM above them
+(``KernelChoice.dense_from``)."""
+
+from __future__ import annotations
+
+
+from ...codegen.cuda_bind import bind, gemm_parts, report_row
+from ...codegen.cuda_build import build_cuda
+from ...graph import Graph, Op
+from ...meta_model import meta_weight
+from ...passes.transform.nm import NM_MAX_ROWS
+from ...passes.transform.plan import OpPlan
+from .kernel import nm_linear
+from .runtime import NmLinearCUDA
+from .spec import DTYPES, NmLinearSpec, pack_nm
+
+
+def nm_spec(n: int, k: int, act16: str, bias: bool, act: str, tiles: dict) -> NmLinearSpec:
+    """The 2:4 kernel of a planned linear, named for what it is."""
+    t = {"rows": NM_MAX_ROWS, **tiles}
+    return NmLinearSpec(n, k, dtype=act16, bias=bias, act=act, **t,
+                        name=f"nm_Mr{t['rows']}x{n}x{k}_{act}{'_bias' if bias else ''}_w{t.get('warps', 4)}"
+                             f"i{t.get('inflight', 8)}k{t.get('ksplit', 1)}{'_bf16' if act16 == 'bfloat16' else ''}")
+
+
+def build(graph: Graph, op: Op, op_plan: OpPlan):
+    """(module, report rows, the fused activation op or None) of a 2:4 linear."""
+    choice = op_plan.kernel
+    parts = gemm_parts(graph, op, op_plan)
+    view, site, bias = parts.view, parts.site, parts.bias
+    x_name, _, _, _, n, k = view
+    act = site.act if parts.fused is not None and not site.gate else "none"
+    spec = nm_spec(n, k, site.act16, bias is not None, act, choice.tiles)
+    art = build_cuda(nm_linear, spec)
+    keep = op_plan.kept(n, k)
+    weight = meta_weight(graph, op)              # meta: zeros of the shape (a kernels-only save packs at load)
+    weight = keep.to(DTYPES[spec.dtype]) if weight is not None else site.weight.to(DTYPES[spec.dtype])
+    module = NmLinearCUDA(art.path, spec, pack_nm(weight, spec, keep), None if bias is None else bias, op.name,
+                          x_name=x_name, out_shape=graph.tensor((parts.fused or op).outputs[0]).shape
+                          if act != "none" else graph.tensor(op.outputs[0]).shape, dense_from=choice.dense_from)
+    bind(module, graph, op, view, reference=False)
+    row = report_row(op, "nm_linear", "2:4", "W16A16 (bf16)" if spec.dtype == "bfloat16" else "W16A16", "-", [art])
+    row["note"] = f"up to {spec.rows} rows on mma.sp" + (f"; from {choice.dense_from} rows cuBLAS over a dense copy"
+                                                          if choice.dense_from else "")
+    return module, [row], parts.fused if act != "none" else None
+
+
+__all__ = ["build", "nm_spec"]
