@@ -35,9 +35,9 @@ class DenseRows:
             return None
         w = self._dense_weight()
         y = torch.nn.functional.linear(x, w, self.bias if self.spec.bias else None)
-        if getattr(self.spec, "gate", False):
-            return gated(y.float(), self.spec.act).to(x.dtype)
-        return y if self.spec.act == "none" else activate(y.float(), self.spec.act).to(x.dtype)
+        if getattr(self.spec, "gate", False):          # in the input's dtype, as the model's own MLP computes it
+            return gated(y, self.spec.act)
+        return y if self.spec.act == "none" else activate(y, self.spec.act)
 
     def _dense_weight(self) -> torch.Tensor:
         source = self.packed_source()
