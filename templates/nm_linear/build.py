@@ -1,6 +1,6 @@
 """Codegen of the 2:4 sparse linear: one kernel built (TVM + nvcc, cached) and wrapped with its packed weight.
 
-No plan rule selects it yet: :func:`build_nm_linear` builds it for a weight given directly.
+:func:`build_nm_linear` builds it for a weight given directly; a planned op's build is ``graph_build.py``.
 """
 
 from __future__ import annotations
