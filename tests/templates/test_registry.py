@@ -42,7 +42,7 @@ def test_every_kernel_decision_has_its_table():
     guards = [fn for fn in registry.rules("gemm_cuda") if fn.__module__ == "sparta.codegen.select_cuda"]
     assert [fn.__name__ for fn in guards] == ["not_a_gemm", "k_alignment", "bias_shape", "not_a_format_we_run"]
     assert {fn.__module__.split(".")[2] for fn in registry.rules("gemm_cuda")[len(guards):]} == {
-        "bsr_linear", "w4a16_gemv", "w8a8_gemv"}
+        "bsr_linear", "nm_linear", "w4a16_gemv", "w8a8_gemv"}
 
 
 def test_an_unknown_family_is_named_in_the_error():
