@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_mask, gpu_kernel_us, gpu_wall_us, save  # noqa: E402
+from common import bench_mask, copy_bandwidth, gpu_kernel_us, gpu_wall_us, save  # noqa: E402
 
 from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec  # noqa: E402
 from sparta.templates.bsr_linear.spec import reference  # noqa: E402
@@ -29,12 +29,6 @@ ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().par
 SHAPES = {"ffn1": (4096, 3072, 768), "ffn2": (4096, 768, 3072)}
 SETS = 4        # rotating input sets: 4 × (X + Y) ≥ 125 MB for FFN1, beyond the 50-60 MB L2
 
-
-def copy_bandwidth() -> float:
-    """GB/s of a 256 MiB device copy, counting read + write."""
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10) / 1e3
 
 
 def ceilings() -> tuple[float, float]:

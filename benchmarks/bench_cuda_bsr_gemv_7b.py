@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_mask, gpu_kernel_us, save  # noqa: E402
+from common import bench_mask, copy_bandwidth, gpu_kernel_us, save  # noqa: E402
 
 ROOT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda"))
 PREFIX = "g7_"
@@ -159,12 +159,6 @@ def build(jobs: int = 2) -> None:
                   f"{' (cached)' if art.cached else ''}", flush=True)
     print(f"{len(specs)} kernels in {time.perf_counter() - t0:.0f} s into {ROOT}/{PREFIX}*")
 
-
-def copy_bandwidth() -> float:
-    """GB/s of a 256 MiB device-to-device copy, bytes read plus written."""
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10) / 1e3
 
 
 def bench_shape(shape: str, bw: float) -> dict:

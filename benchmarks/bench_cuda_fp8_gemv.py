@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import build_or_time, gpu_kernel_us, save  # noqa: E402
+from common import build_folders, build_or_time, copy_bandwidth, gpu_kernel_us, save  # noqa: E402
 
 OUT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
            ).parent / "cuda_fp8_gemv"
@@ -81,38 +80,9 @@ def kernels() -> dict:
 
 
 def build(folder: Path, jobs: int) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-    from sparta.codegen.cuda_build import build_cuda, save_dir
     from sparta.templates.fp8_gemv.kernel import fp8_gemv
-    specs = kernels()
-    folder.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    build_folders(fp8_gemv, kernels(), folder, jobs)
 
-    def one(item):
-        name, spec = item
-        art = build_cuda(fp8_gemv, spec)
-        dest = folder / name
-        shutil.rmtree(dest, ignore_errors=True)
-        save_dir(art, dest)
-        (dest / "kernel.cu").unlink(missing_ok=True)
-        return name, spec, art
-
-    manifest = []
-    with ThreadPoolExecutor(jobs) as pool:
-        for name, spec, art in pool.map(one, specs.items()):
-            print(f"{name}: grid {art.launch['grid']} block {art.launch['block']}{' (cached)' if art.cached else ''}",
-                  flush=True)
-            manifest.append({"name": name, "spec": spec.key()})
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    print(f"{len(specs)} kernels ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f} s into {folder}")
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 256 MiB device-to-device copy, bytes read plus written."""
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10) / 1e3
 
 
 def scaled_mm_us(w16: torch.Tensor, xs: list, sets: int) -> float | None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_kernel_us, save  # noqa: E402
+from common import copy_bandwidth, gpu_kernel_us, save  # noqa: E402
 
 from sparta.runtime.cuda import CudaKernel  # noqa: E402
 from sparta.templates.w4a16_gemv.spec import (W4A16Spec, codes_of, pack_codes, quantize, reference,  # noqa: E402
@@ -34,12 +34,6 @@ W4 = ROOT / "w4a16"
 SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
 GROUP, ROTATE_BYTES = 128, 120e6
 
-
-def copy_bandwidth() -> float:
-    """GB/s of a 256 MiB device-to-device copy, counting bytes read plus written."""
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10) / 1e3
 
 
 def sqnr_db(y, ref) -> float:

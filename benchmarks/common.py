@@ -38,6 +38,43 @@ def build_or_time(doc: str, default_dir, build, extend=None) -> argparse.Namespa
     return args
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a 256 MiB device-to-device copy, bytes read plus written (the benchmarks' bytes floor)."""
+    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / gpu_kernel_us(lambda i: b.copy_(a), 1, per_graph=10) / 1e3
+
+
+def build_folders(template, specs: dict, folder: Path, jobs: int, archs=None) -> None:
+    """Build each named spec's kernel of ``template`` (TVM + nvcc, cached) into ``folder/<name>`` (cubins and
+    launch.json; no CUDA source), with ``manifest.json`` of the names and ``spec.key()``, on ``jobs`` threads."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+    from sparta.codegen.cuda_build import build_cuda, save_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    def one(item):
+        name, spec = item
+        art = build_cuda(template, spec, **({"archs": archs} if archs else {}))
+        dest = folder / name
+        shutil.rmtree(dest, ignore_errors=True)
+        save_dir(art, dest)
+        (dest / "kernel.cu").unlink(missing_ok=True)
+        return name, spec, art
+
+    manifest = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for name, spec, art in pool.map(one, specs.items()):
+            smem = f" smem {spec.shared_bytes}" if hasattr(spec, "shared_bytes") else ""
+            print(f"{name}: grid {art.launch['grid']} block {art.launch['block']}{smem}"
+                  f"{' (cached)' if art.cached else ''}", flush=True)
+            manifest.append({"name": name, "spec": spec.key()})
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    print(f"{len(specs)} kernels ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f} s into {folder}")
+
+
 def interleaved(fns: dict, reps: int) -> dict:
     """Median ms of each function, calls interleaved so machine drift hits all alike."""
     for fn in fns.values():
