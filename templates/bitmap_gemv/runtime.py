@@ -18,6 +18,7 @@ import torch
 from .spec import DTYPES, BitmapGemvError, BitmapGemvSpec, BitmapPacked, pack_bitmap, split_buffers, unpack
 from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
 from ...runtime.ops import KernelModule
+from ..packed_gemv import PackedGemvModule
 
 
 def folder_spec(folder) -> BitmapGemvSpec:
@@ -76,11 +77,12 @@ class BitmapGemvOp:
         return y
 
 
-class BitmapLinearCUDA(KernelModule):
+class BitmapLinearCUDA(PackedGemvModule, KernelModule):
     """``y = act(x · (W ⊙ mask)ᵀ + b)`` on the bitmap GEMV (the op ``sparta::bitmap_gemv``) for ``x`` (..., K) with
     at most ``spec.rows`` rows in all; ``y`` in ``x``'s dtype."""
 
     kernel_family = "bitmap_gemv"
+    op_class, packed_names = BitmapGemvOp, ("bits", "values")
     weight_names = ("bits", "offsets", "values", "bias")
 
     def __init__(self, folder, spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor | None = None,
@@ -110,25 +112,6 @@ class BitmapLinearCUDA(KernelModule):
     @property
     def packed(self) -> BitmapPacked:
         return BitmapPacked(self.bits, self.offsets, self.values)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(DTYPES[self.spec.dtype]).contiguous())
-        return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
-
-    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        x = inputs[0]
-        if not x.is_cuda or not self.values.is_cuda:
-            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
-                                   "(module.to('cuda'))")
-        if self._op is None or self._op.packed.values.data_ptr() != self.values.data_ptr() \
-                or self._op.packed.bits.data_ptr() != self.bits.data_ptr():
-            split = {"P": self.split_P, "Cnt": self.split_Cnt} if self.spec.ksplit > 1 else {}
-            self._op = BitmapGemvOp(self.folder, self.spec, self.packed, self.bias, split)
-        return [self._op(x)]
-
-    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        x = inputs[0]
-        return [x.new_empty((x.shape[0], self.spec.n), dtype=DTYPES[self.spec.dtype])]
 
     def dense_weight(self) -> torch.Tensor:
         """The (N, K) weight the kernel applies (zeros where pruned), on the CPU."""

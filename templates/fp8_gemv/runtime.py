@@ -19,6 +19,7 @@ from .spec import (DTYPES, Fp8GemvError, Fp8GemvSpec, Fp8Packed, check_packed, d
                    split_buffers)
 from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
 from ...runtime.ops import KernelModule
+from ..packed_gemv import PackedGemvModule
 
 
 def folder_spec(folder) -> Fp8GemvSpec:
@@ -62,11 +63,12 @@ class Fp8GemvOp:
         return y
 
 
-class Fp8LinearCUDA(KernelModule):
+class Fp8LinearCUDA(PackedGemvModule, KernelModule):
     """``y = act(x · (s ⊙ W8)ᵀ + b)`` on the FP8 GEMV (the op ``sparta::fp8_gemv``) for ``x`` (..., K) with at most
     ``spec.rows`` rows in all; ``y`` in ``x``'s dtype."""
 
     kernel_family = "fp8_gemv"
+    op_class, packed_names = Fp8GemvOp, ("codes", "scales")
     weight_names = ("codes", "scales", "table", "bias")
 
     def __init__(self, folder, spec: Fp8GemvSpec, packed: Fp8Packed, bias: torch.Tensor | None = None,
@@ -107,25 +109,6 @@ class Fp8LinearCUDA(KernelModule):
     @property
     def packed(self) -> Fp8Packed:
         return Fp8Packed(self.codes, self.scales, self.table)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(DTYPES[self.spec.dtype]).contiguous())
-        return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
-
-    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        x = inputs[0]
-        if not x.is_cuda or not self.codes.is_cuda:
-            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
-                                   "(module.to('cuda'))")
-        if self._op is None or self._op.packed.codes.data_ptr() != self.codes.data_ptr() \
-                or self._op.packed.scales.data_ptr() != self.scales.data_ptr():
-            split = {"P": self.split_P, "Cnt": self.split_Cnt} if self.spec.ksplit > 1 else {}
-            self._op = Fp8GemvOp(self.folder, self.spec, self.packed, self.bias, split)
-        return [self._op(x)]
-
-    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        x = inputs[0]
-        return [x.new_empty((x.shape[0], self.spec.n), dtype=DTYPES[self.spec.dtype])]
 
     def dense_weight(self) -> torch.Tensor:
         """The (N, K) fp32 weight the kernel applies (code × scale, zeros where pruned), on the CPU."""

@@ -20,6 +20,7 @@ from .spec import DTYPES, NmLinearError, NmLinearSpec, NmPacked, pack_nm, split_
 from ..bsr_linear.dense_rows import DenseRows
 from ...runtime.cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_saved_spec, kernel_file, lanes16
 from ...runtime.ops import KernelModule
+from ..packed_gemv import PackedGemvModule
 
 
 def folder_spec(folder) -> NmLinearSpec:
@@ -80,13 +81,14 @@ class NmLinearOp:
         return y
 
 
-class NmLinearCUDA(DenseRows, GraphWeightLayout, KernelModule):
+class NmLinearCUDA(DenseRows, PackedGemvModule, GraphWeightLayout, KernelModule):
     """``y = act(x · (W ⊙ mask)ᵀ + b)`` on the 2:4 sparse tensor cores (the op ``sparta::nm_linear``) for ``x``
     (..., K) with at most ``spec.rows`` rows in all, or more from ``dense_from`` rows on, which run cuBLAS over a
     dense copy (:class:`DenseRows`); ``y`` in ``x``'s dtype. In a compiled graph it stands for op ``op_name`` reading
     the graph tensor ``x_name`` (``out_shape``: the op's output shape at the example)."""
 
     kernel_family = "nm_linear"
+    op_class, packed_names = NmLinearOp, ("values", "meta")
     weight_names = ("values", "meta", "bias")
     plan_tensors = ("meta",)        # what a kernels-only save keeps: the 2-bit indices (the mask), not the values
 
@@ -125,26 +127,10 @@ class NmLinearCUDA(DenseRows, GraphWeightLayout, KernelModule):
     def packed(self) -> NmPacked:
         return NmPacked(self.values, self.meta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (y,) = self.call_kernel(x.reshape(-1, self.spec.k).to(DTYPES[self.spec.dtype]).contiguous())
-        return y.reshape(*x.shape[:-1], self.spec.n).to(x.dtype)
-
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        x = inputs[0]
-        if not x.is_cuda or not self.values.is_cuda:
-            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
-                                   "(module.to('cuda'))")
-        if (y := self.dense_rows_call(x)) is not None:
+        if inputs[0].is_cuda and self.values.is_cuda and (y := self.dense_rows_call(inputs[0])) is not None:
             return [y]
-        if self._op is None or self._op.packed.values.data_ptr() != self.values.data_ptr() \
-                or self._op.packed.meta.data_ptr() != self.meta.data_ptr():
-            split = {"P": self.split_P, "Cnt": self.split_Cnt} if self.spec.ksplit > 1 else {}
-            self._op = NmLinearOp(self.folder, self.spec, self.packed, self.bias, split)
-        return [self._op(x)]
-
-    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        x = inputs[0]
-        return [x.new_empty((x.shape[0], self.spec.n), dtype=DTYPES[self.spec.dtype])]
+        return PackedGemvModule.launch(self, inputs)
 
     def dense_weight(self) -> torch.Tensor:
         """The (N, K) weight the kernel applies (zeros where pruned), on the CPU."""
