@@ -28,10 +28,9 @@ def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_
     out, low, blocks = [], 0, {}
     for top, label, what, tiles in runs:
         rows = top if top is not None else max(last_rows, low + 1)
-        est = profile.dense_us(rows, site.n, site.k, *dense_bits) if what == "dense" else \
-            kernel_us(site, picked, what, tiles, rows, profile, blocks)
-        out.append([top, label, rows, None if est is None else round(est, 3),
-                     round(profile.dense_us(rows, site.n, site.k, *dense_bits), 3)])
+        dense = profile.dense_us(rows, site.n, site.k, *dense_bits)
+        est = dense if what == "dense" else kernel_us(site, picked, what, tiles, rows, profile, blocks)
+        out.append([top, label, rows, None if est is None else round(est, 3), round(dense, 3)])
         low = rows
     return out
 

@@ -1,13 +1,58 @@
-"""What the few-row GEMV families' kernel modules share (``bitmap_gemv``, ``fp8_gemv``, ``nm_linear``): a module over
-one packed weight whose op takes ``[x (M, K)]``; ``forward`` flattens the leading dimensions into M and back,
-``launch`` makes the family's launcher again whenever the packed buffers moved (``.to``, a repack), with the split-K
-workspace buffers (``split_P``, ``split_Cnt``) where ``spec.ksplit > 1``, and ``fake`` gives the output's shape."""
+"""What the few-row GEMV families share (``bitmap_gemv``, ``fp8_gemv``, ``nm_linear``): the launcher of one kernel over
+one packed weight (:class:`PackedGemvOp`: x checked, Y made, the launch prepared once and then rebound to new X/Y),
+and the kernel module over it (:class:`PackedGemvModule`: ``forward`` flattens the leading dimensions into M and
+back, ``launch`` makes the launcher again whenever the packed buffers moved (``.to``, a repack), with the split-K
+workspace buffers (``split_P``, ``split_Cnt``) where ``spec.ksplit > 1``, and ``fake`` gives the output's shape)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..runtime.cuda import CudaRuntimeError
+from ..runtime.cuda import CudaKernel, CudaRuntimeError, lanes16
+
+
+class PackedGemvOp:
+    """The kernel of ``folder`` on device tensors: ``op(x)`` for a contiguous ``(M, K)`` x of the spec's dtype,
+    ``M <= spec.rows``; ``split``: the ``ksplit > 1`` workspace (made here if not given); ``kernel``: the folder's
+    loaded :class:`CudaKernel`, to share one between ops of several weights. A family sets ``label`` (its name in
+    errors), ``error`` (its error class), ``check`` and ``split_buffers`` (its spec module's), ``align_x`` (X rows
+    read in 16-byte pieces: an unaligned X is copied) and :meth:`weights` (the packed weight's launch arguments)."""
+
+    label, error, align_x = "", CudaRuntimeError, False
+    check = split_buffers = None
+
+    def __init__(self, folder, spec, packed, bias: torch.Tensor | None, split: dict | None = None,
+                 kernel: CudaKernel | None = None):
+        type(self).check(spec, packed, bias)
+        self.kernel = CudaKernel(folder) if kernel is None else kernel
+        self.spec, self.packed, self.bias = spec, packed, bias
+        device = next(t for t in vars(packed).values() if isinstance(t, torch.Tensor)).device
+        self.split = type(self).split_buffers(spec, device) if split is None else split
+        self._prepared = None
+
+    def weights(self) -> dict:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s, what = self.spec, f"{self.label} {self.spec.name}"
+        if x.dim() != 2 or x.shape[1] != s.k or x.dtype != getattr(torch, s.dtype) or not x.is_contiguous():
+            raise self.error(f"{what}: x must be a contiguous {s.dtype} (M, {s.k}) tensor, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if x.shape[0] > s.rows:
+            raise self.error(f"{what}: at most {s.rows} rows a call, got {x.shape[0]}")
+        if not x.is_cuda:
+            raise CudaRuntimeError(f"{what} runs on a CUDA GPU; x is on {x.device}")
+        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
+        if x.shape[0] == 0:                    # no rows: nothing to launch
+            return y
+        if self.align_x and s.k % 8 == 0 and x.data_ptr() % 16:
+            x = x.clone()                      # the kernel reads X rows in 16-byte pieces
+        if self._prepared is None:
+            self._prepared = self.kernel.prepare(("X", "Y"), X=lanes16(x), Y=lanes16(y), **self.weights(),
+                                                 **({"B": lanes16(self.bias)} if s.bias else {}), **self.split)
+        else:
+            self._prepared.launch(X=lanes16(x), Y=lanes16(y))
+        return y
 
 
 class PackedGemvModule:
@@ -40,4 +85,4 @@ class PackedGemvModule:
         return [x.new_empty((x.shape[0], self.spec.n), dtype=getattr(torch, self.spec.dtype))]
 
 
-__all__ = ["PackedGemvModule"]
+__all__ = ["PackedGemvModule", "PackedGemvOp"]

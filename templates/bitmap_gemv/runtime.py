@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from .spec import DTYPES, BitmapGemvError, BitmapGemvSpec, BitmapPacked, pack_bitmap, split_buffers, unpack
-from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
+from ...runtime.cuda import check_saved_spec, kernel_file, lanes16
 from ...runtime.ops import KernelModule
-from ..packed_gemv import PackedGemvModule
+from ..packed_gemv import PackedGemvModule, PackedGemvOp
 
 
 def folder_spec(folder) -> BitmapGemvSpec:
@@ -42,39 +42,15 @@ def check_packed(spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor 
         raise BitmapGemvError(f"{where}: the kernel was built without a bias")
 
 
-class BitmapGemvOp:
-    """The kernel of ``folder`` on device tensors: ``op(x)`` for a contiguous ``(M, K)`` x of the spec's dtype,
-    ``M <= spec.rows``; ``split``: the ``ksplit > 1`` workspace (``split_buffers``; made here if not given);
-    ``kernel``: the folder's loaded :class:`CudaKernel`, to share one between ops of several weights."""
+class BitmapGemvOp(PackedGemvOp):
+    """The bitmap GEMV on device tensors (:class:`~..packed_gemv.PackedGemvOp`)."""
 
-    def __init__(self, folder, spec: BitmapGemvSpec, packed: BitmapPacked, bias: torch.Tensor | None,
-                 split: dict | None = None, kernel: CudaKernel | None = None):
-        check_packed(spec, packed, bias)
-        self.kernel = CudaKernel(folder) if kernel is None else kernel
-        self.spec, self.packed, self.bias = spec, packed, bias
-        self.split = split_buffers(spec, packed.values.device) if split is None else split
-        self._prepared = None
+    label, error = "bitmap GEMV", BitmapGemvError
+    check, split_buffers = staticmethod(check_packed), staticmethod(split_buffers)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.spec
-        if x.dim() != 2 or x.shape[1] != s.k or x.dtype != DTYPES[s.dtype] or not x.is_contiguous():
-            raise BitmapGemvError(f"bitmap GEMV {s.name}: x must be a contiguous {s.dtype} (M, {s.k}) tensor, got "
-                                  f"{x.dtype} {tuple(x.shape)}")
-        if x.shape[0] > s.rows:
-            raise BitmapGemvError(f"bitmap GEMV {s.name}: at most {s.rows} rows a call, got {x.shape[0]}")
-        if not x.is_cuda:
-            raise CudaRuntimeError(f"bitmap GEMV {s.name} runs on a CUDA GPU; x is on {x.device}")
-        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
-        if x.shape[0] == 0:                    # no rows: nothing to launch
-            return y
-        if self._prepared is None:
-            p = self.packed
-            self._prepared = self.kernel.prepare(
-                ("X", "Y"), X=lanes16(x), Bits=p.bits.view(-1), Off=p.offsets, Vals=lanes16(p.values), Y=lanes16(y),
-                **({"B": lanes16(self.bias)} if s.bias else {}), **self.split)
-        else:
-            self._prepared.launch(X=lanes16(x), Y=lanes16(y))
-        return y
+    def weights(self) -> dict:
+        p = self.packed
+        return dict(Bits=p.bits.view(-1), Off=p.offsets, Vals=lanes16(p.values))
 
 
 class BitmapLinearCUDA(PackedGemvModule, KernelModule):

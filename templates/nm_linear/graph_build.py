@@ -34,11 +34,11 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     spec = nm_spec(n, k, site.act16, bias is not None, act, choice.tiles)
     art = build_cuda(nm_linear, spec)
     keep = op_plan.kept(n, k)
-    weight = meta_weight(graph, op)              # meta: zeros of the shape (a kernels-only save packs at load)
-    weight = keep.to(DTYPES[spec.dtype]) if weight is not None else site.weight.to(DTYPES[spec.dtype])
-    module = NmLinearCUDA(art.path, spec, pack_nm(weight, spec, keep), None if bias is None else bias, op.name,
-                          x_name=x_name, out_shape=graph.tensor((parts.fused or op).outputs[0]).shape
-                          if act != "none" else graph.tensor(op.outputs[0]).shape, dense_from=choice.dense_from)
+    meta = meta_weight(graph, op) is not None    # a meta-device model: ones where kept (repacked at load)
+    weight = (keep if meta else site.weight).to(DTYPES[spec.dtype])
+    out = (parts.fused if act != "none" else op).outputs[0]
+    module = NmLinearCUDA(art.path, spec, pack_nm(weight, spec, keep), bias, op.name, x_name=x_name,
+                          out_shape=graph.tensor(out).shape, dense_from=choice.dense_from)
     bind(module, graph, op, view, reference=False)
     row = report_row(op, "nm_linear", "2:4", "W16A16 (bf16)" if spec.dtype == "bfloat16" else "W16A16", "-", [art])
     row["note"] = f"up to {spec.rows} rows on mma.sp" + (f"; from {choice.dense_from} rows cuBLAS over a dense copy"

@@ -18,9 +18,9 @@ import torch
 
 from .spec import DTYPES, NmLinearError, NmLinearSpec, NmPacked, pack_nm, split_buffers, unpack
 from ..bsr_linear.dense_rows import DenseRows
-from ...runtime.cuda import CudaKernel, CudaRuntimeError, GraphWeightLayout, check_saved_spec, kernel_file, lanes16
+from ...runtime.cuda import GraphWeightLayout, check_saved_spec, kernel_file
 from ...runtime.ops import KernelModule
-from ..packed_gemv import PackedGemvModule
+from ..packed_gemv import PackedGemvModule, PackedGemvOp
 
 
 def folder_spec(folder) -> NmLinearSpec:
@@ -44,41 +44,15 @@ def check_packed(spec: NmLinearSpec, packed: NmPacked, bias: torch.Tensor | None
         raise NmLinearError(f"{where}: the kernel was built without a bias")
 
 
-class NmLinearOp:
-    """The kernel of ``folder`` on device tensors: ``op(x)`` for a contiguous ``(M, K)`` x of the spec's dtype,
-    ``M <= spec.rows``; ``split``: the ``ksplit > 1`` workspace (made here if not given); ``kernel``: the folder's
-    loaded :class:`CudaKernel`, to share one between ops of several weights."""
+class NmLinearOp(PackedGemvOp):
+    """The 2:4 kernel on device tensors (:class:`~..packed_gemv.PackedGemvOp`; X rows read in 16-byte pieces)."""
 
-    def __init__(self, folder, spec: NmLinearSpec, packed: NmPacked, bias: torch.Tensor | None,
-                 split: dict | None = None, kernel: CudaKernel | None = None):
-        check_packed(spec, packed, bias)
-        self.kernel = CudaKernel(folder) if kernel is None else kernel
-        self.spec, self.packed, self.bias = spec, packed, bias
-        self.split = split_buffers(spec, packed.values.device) if split is None else split
-        self._prepared = None
+    label, error, align_x = "2:4 sparse linear", NmLinearError, True
+    check, split_buffers = staticmethod(check_packed), staticmethod(split_buffers)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.spec
-        if x.dim() != 2 or x.shape[1] != s.k or x.dtype != DTYPES[s.dtype] or not x.is_contiguous():
-            raise NmLinearError(f"2:4 sparse linear {s.name}: x must be a contiguous {s.dtype} (M, {s.k}) tensor, "
-                                f"got {x.dtype} {tuple(x.shape)}")
-        if x.shape[0] > s.rows:
-            raise NmLinearError(f"2:4 sparse linear {s.name}: at most {s.rows} rows a call, got {x.shape[0]}")
-        if not x.is_cuda:
-            raise CudaRuntimeError(f"2:4 sparse linear {s.name} runs on a CUDA GPU; x is on {x.device}")
-        y = torch.empty(x.shape[0], s.n, dtype=x.dtype, device=x.device)
-        if x.shape[0] == 0:                    # no rows: nothing to launch
-            return y
-        if s.k % 8 == 0 and x.data_ptr() % 16:
-            x = x.clone()                      # the kernel reads X rows in 16-byte pieces
-        if self._prepared is None:
-            p = self.packed
-            self._prepared = self.kernel.prepare(
-                ("X", "Y"), X=lanes16(x), Vals=p.values.view(torch.int32).view(-1), Meta=p.meta.view(-1),
-                Y=lanes16(y), **({"B": lanes16(self.bias)} if s.bias else {}), **self.split)
-        else:
-            self._prepared.launch(X=lanes16(x), Y=lanes16(y))
-        return y
+    def weights(self) -> dict:
+        p = self.packed
+        return dict(Vals=p.values.view(torch.int32).view(-1), Meta=p.meta.view(-1))
 
 
 class NmLinearCUDA(DenseRows, PackedGemvModule, GraphWeightLayout, KernelModule):
