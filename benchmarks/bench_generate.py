@@ -11,8 +11,9 @@ weights from a checkpoint built there, against dense ``generate()`` peers in one
 The model is Llama-2-7B's shape (width 4096, FFN 11008, 32 heads, vocabulary 32000; ``--layers`` of its 32 layers),
 bf16, random weights from ``--seed``; every decoder linear keeps ``--density`` of its ``--block`` blocks, chosen by a
 seeded generator that gives the same masks on every machine (``--pattern 2:4``: 2 of every 4 along K instead;
-``--bits 4``: and its weights are 4-bit, W4A16; with ``--meta`` the scales are fitted at load to the checkpoint built
-on the GPU, there).
+``--bits 4``: and its weights are 4-bit, W4A16; ``--bits 8``: 8-bit beside bf16 activations, which the plan runs as
+FP8 (E4M3) weights where that is cheaper; with ``--meta`` the scales are fitted at load to the checkpoint built on the
+GPU, there; ``--formats fp8_e4m3``: FP8 wherever it can run).
 Peers, each on the same masked weights: sparta's default greedy call (its loop: one CUDA graph per token,
 ``sparta.runtime.decode_loop``) and the same through Hugging Face's loop (graphs per step); the dense model in
 sparta's loop (gpt-fast's: the fairest dense peer), in Hugging Face's loop with graphs per step, with its static cache
@@ -85,13 +86,14 @@ def build(args) -> None:
     model = bf16_model(cfg, "meta" if args.meta else "cpu")     # meta: no checkpoint at compile time
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
-    compiled = sparta.compile(model, masks, (ids,), target="cuda", tokens=(1, args.prompt_tokens))
+    compiled = sparta.compile(model, masks, (ids,), target="cuda", tokens=(1, args.prompt_tokens),
+                              formats=args.formats)
     compile_s = time.perf_counter() - t0
     print(f"compiled in {compile_s:.0f} s, peak RSS {peak_rss_gib():.1f} GiB", flush=True)
     compiled.save(args.build, weights=False)
     print(f"saved, peak RSS {peak_rss_gib():.1f} GiB", flush=True)
     meta = {"layers": args.layers, "density": 0.5 if args.pattern == "2:4" else args.density, "block": args.block,
-            "pattern": args.pattern, "seed": args.seed, "bits": args.bits,
+            "pattern": args.pattern, "seed": args.seed, "bits": args.bits, "formats": args.formats,
             "compile_s": compile_s, "timings": compiled.timings, "meta_device": args.meta,
             "peak_rss_gib": peak_rss_gib()}
     meta_path(args.build).write_text(json.dumps(meta, indent=1))
@@ -282,7 +284,8 @@ def run(args) -> dict:
         results["same_tokens_as_dense"] = results["sparta"]["tokens"] == results[best]["tokens"]
     kept = sum(g.sum().item() * meta["block"] ** 2 if meta["density"] < 1 else g.numel() * meta["block"] ** 2
                for g in grids_for(dense, meta["density"], meta["block"]).values())
-    per_kept = 2 if meta.get("bits", 16) >= 16 else meta["bits"] / 8 + 2 / 128   # 4 bits: + an fp16 scale per 128
+    bits = meta.get("bits", 16)          # 4 bits: + an fp16 scale per 128; 8 (E4M3): + an fp32 scale per channel
+    per_kept = 2 if bits >= 16 else 1 + 4 / 4096 if bits == 8 else bits / 8 + 2 / 128
     if meta.get("pattern") == "2:4":                                             # + a 2-bit index per kept value
         per_kept = 2.25
     step = 2 * sum(p.numel() for n, p in dense.named_parameters() if not n.endswith("proj.weight")) + per_kept * kept
@@ -300,7 +303,9 @@ def main():
     ap.add_argument("--pattern", choices=("blocks", "2:4"), default="blocks",
                     help="--build: blocks of --block kept at --density, or 2 of every 4 along K (2:4)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--bits", type=int, default=16, help="--build: the decoder linears' weight bits (4: W4A16)")
+    ap.add_argument("--bits", type=int, default=16,
+                    help="--build: the decoder linears' weight bits (4: W4A16; 8: FP8 weights where cheaper)")
+    ap.add_argument("--formats", help="--build: compile(formats=...), e.g. fp8_e4m3: FP8 weights wherever they can")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="--build: the largest prefill planned for")
     ap.add_argument("--meta", action="store_true", help="--build: compile the model created on the meta device")
     ap.add_argument("--prompt", type=int, default=512)

@@ -23,7 +23,7 @@ def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_
     ``GemmSite``; ``last_rows``: the rows the last bucket is priced at, the planned range's end; ``dense_bits``: the
     dense GEMM's widths), or None for a choice of one kernel or not the block-sparse family."""
     runs = picked.runs_by_rows()
-    if picked.kernel not in ("bsr_linear", "nm_linear") or len(runs) < 2:
+    if picked.kernel not in ("bsr_linear", "nm_linear", "fp8_gemv") or len(runs) < 2:
         return None
     out, low, blocks = [], 0, {}
     for top, label, what, tiles in runs:
@@ -47,6 +47,10 @@ def kernel_us(site, picked: KernelChoice, what: str, tiles: dict, rows: int, pro
     if what == "nm_linear":                               # 2:4: half the values and their 2-bit indices
         from ..passes.transform.nm import nm_bytes
         return profile.low_bit_gemv_us("nm_linear", rows, nm_bytes(site.n, site.k))
+    if what == "fp8_gemv":                                # E4M3 codes of the kept 32x32 blocks, a scale a channel
+        from ..passes.transform.fp8 import fp8_bytes
+        n_blocks = sum(s.n_blocks for s in site.plan.subops)
+        return profile.low_bit_gemv_us("fp8_gemv", rows, fp8_bytes(n_blocks, site.n))
     if what not in ("bsr_gemv", "tile", "bsr_linear"):
         return None
     wb, ab = BITS.get(picked.dtype, (16, 16))

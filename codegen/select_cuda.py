@@ -117,7 +117,7 @@ def bias_shape(site: GemmSite, target: Target):
     return None
 
 
-@rule("gemm_cuda", 3)
+@rule("gemm_cuda", 5)
 def not_a_format_we_run(site: GemmSite, target: Target):
     """fp8, nf4, or bf16 in a float16 model (...): no sparta CUDA kernel runs it; never another format instead."""
     runs = ("int4", "int8", "bf16" if site.act16 == "bfloat16" else "fp16", "fp32")

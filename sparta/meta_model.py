@@ -88,21 +88,23 @@ def fill_buffers(graph, values: dict[str, torch.Tensor]) -> None:
         value.data = values[value.name]
 
 
-LOAD_BITS = 4        # the width whose scales a load fits to the checkpoint (no calibration)
+LOAD_BITS = (4, 8)   # the widths whose scales a load fits to the checkpoint (no calibration): int4, FP8 / int8
 
 
 def check_bits(graph) -> None:
-    """Refuse a meta weight whose TeSA keeps elements at fewer than 16 bits, unless it keeps every one at 4 bits
-    (its scales are fitted at load): other quantised weights' scales or widths are chosen from their values."""
+    """Refuse a meta weight whose TeSA keeps elements at fewer than 16 bits, unless it keeps every one at 4 or every
+    one at 8 bits (its scales are fitted at load): other quantised weights' scales or widths are chosen from their
+    values."""
     for value in graph.tensors("weight"):
         if value.has_data and value.data.is_meta and value.is_parameter:
             kept = {b for b in value.tesa.bit_histogram() if b}         # (per block or one value where held so)
             low = sorted(b for b in kept if b < 16)
-            if low and kept != {LOAD_BITS}:
+            if low and not any(kept == {b} for b in LOAD_BITS):
                 raise MetaModelError(f"{value.name!r} keeps elements at {low[0]} bits: a quantised weight's "
                                      "scales are fitted to its values, so it needs real weights unless every kept "
-                                     f"element is at {LOAD_BITS} bits (fitted at load); compile the meta model at "
-                                     f"{LOAD_BITS} or 16 bits and more, or compile the model with its checkpoint loaded")
+                                     "element is at 4 bits, or every one at 8 (fitted at load); compile the meta "
+                                     "model at 4, 8 or 16 bits and more, or compile the model with its checkpoint "
+                                     "loaded")
 
 
 def meta_weight(graph, op) -> torch.Tensor | None:

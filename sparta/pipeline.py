@@ -202,7 +202,8 @@ def propagate_and_plan(ctx: CompileContext) -> None:
     # calibration reads weight values and data, which the key does not hash: it bypasses the cache
     options = {"propagate": o.propagate, "profile": target.profile.to_json(),
                "dynamic": sorted(graph.meta.get("dynamic_dims", {})),    # (and the weights it keeps)
-               "tokens": None if graph.token_range is None else graph.token_range.__dict__}
+               "tokens": None if graph.token_range is None else graph.token_range.__dict__,
+               "formats": o.formats if isinstance(o.formats, (str, type(None))) else dict(o.formats)}
     key = pipeline_cache.pipeline_key(graph, target.name, options) if o.quantize is None else None
     hit = pipeline_cache.load(key) if key is not None else None
     if hit is not None:
@@ -224,7 +225,7 @@ def propagate_and_plan(ctx: CompileContext) -> None:
         o.quantize(graph)
         ctx.timings["calibrate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ctx.plan = transform(graph, target)
+    ctx.plan = transform(graph, target, formats=o.formats)
     ctx.timings["transform"] = time.perf_counter() - t0
     if key is not None:
         report = graph.propagation

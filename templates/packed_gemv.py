@@ -2,13 +2,16 @@
 one packed weight (:class:`PackedGemvOp`: x checked, Y made, the launch prepared once and then rebound to new X/Y),
 and the kernel module over it (:class:`PackedGemvModule`: ``forward`` flattens the leading dimensions into M and
 back, ``launch`` makes the launcher again whenever the packed buffers moved (``.to``, a repack), with the split-K
-workspace buffers (``split_P``, ``split_Cnt``) where ``spec.ksplit > 1``, and ``fake`` gives the output's shape)."""
+workspace buffers (``split_P``, ``split_Cnt``) where ``spec.ksplit > 1``, and ``fake`` gives the output's shape), and
+for one standing for an op of a compiled graph :class:`GraphGemv` (its input, output shape, the weight it stands for,
+and its many-row calls on the dense GEMM)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..runtime.cuda import CudaKernel, CudaRuntimeError, lanes16
+from .bsr_linear.dense_rows import DenseRows
 
 
 class PackedGemvOp:
@@ -85,4 +88,40 @@ class PackedGemvModule:
         return [x.new_empty((x.shape[0], self.spec.n), dtype=getattr(torch, self.spec.dtype))]
 
 
-__all__ = ["PackedGemvModule", "PackedGemvOp"]
+class GraphGemv(DenseRows):
+    """Mixin before :class:`PackedGemvModule` of a module standing for op ``op_name`` of a compiled graph: it reads the
+    graph tensor ``x_name``, its output has ``out_shape`` at the example, it stands for the graph weight
+    ``weight_name`` (``codegen.cuda_bind.bind``), and calls of ``dense_from`` rows or more run cuBLAS over a dense
+    copy (:class:`DenseRows`; the module gives ``packed_source`` and ``unpacked``)."""
+
+    def init_graph(self, x_name: str | None, out_shape, dense_from: int | None) -> None:
+        self.input_names = None if x_name is None else [x_name]
+        self.output_names, self.out_shape = None, None if out_shape is None else tuple(out_shape)
+        self.weight_name, self.weight_transposed = None, False
+        self.init_dense_rows(dense_from)
+
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if inputs[0].is_cuda and self.packed_source().is_cuda and (y := self.dense_rows_call(inputs[0])) is not None:
+            return [y]
+        return PackedGemvModule.launch(self, inputs)
+
+    def graph_config(self) -> dict:
+        """What a save keeps of the graph fields (nothing for a module built outside a graph)."""
+        if self.input_names is None:
+            return {}
+        return dict(x_name=self.input_names[0], out_shape=list(self.out_shape), dense_from=self.dense_from,
+                    weight_name=self.weight_name, weight_transposed=self.weight_transposed)
+
+    @staticmethod
+    def graph_args(config: dict) -> dict:
+        """The constructor's graph arguments from a saved ``config``."""
+        return dict(x_name=config.get("x_name"), out_shape=config.get("out_shape"), dense_from=config.get("dense_from"))
+
+    def restore_graph(self, config: dict):
+        """The weight a loaded module stands for, from its saved ``config``; returns the module."""
+        self.weight_name = config.get("weight_name")
+        self.weight_transposed = bool(config.get("weight_transposed", False))
+        return self
+
+
+__all__ = ["GraphGemv", "PackedGemvModule", "PackedGemvOp"]

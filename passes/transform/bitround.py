@@ -17,6 +17,7 @@ import torch
 
 from ...errors import ArgumentTypeError, GraphError, PlanError
 from ...formats import default_format, get_format
+from .fp8 import FP8_FORMAT
 from ...tesa import TeSA, bits_of_dtype
 from ..gemm import gemm_view
 
@@ -93,16 +94,28 @@ def choose_formats(graph, plan, target, formats=None):
         if fmt is not None:         # the widths its TeSA rounds to (as transform_gemm rounds them)
             act_bits = prof.round_up(int(graph.tesa(x).max_bits()) or bits_of_dtype(xdtype), prof.act_widths())
             widths = prof.weight_widths(act_bits)
-            present = sorted(b for b in round_bits(wtesa, widths).bit_histogram() if b)
+            present = sorted({b for b in round_bits(wtesa, widths).bit_histogram() if b}
+                             | {s.weight_bits for s in p.subops if (s.weight_bits, s.act_bits) == (8, 16)})
         if fmt is not None and fmt.bits not in present:
+            if names and fmt.bits in wtesa.bit_histogram():
+                raise PlanError(f"formats[{names[0]!r}]: {w}'s {fmt.bits}-bit elements run at "
+                                f"W{'/'.join(map(str, present))} on {target.name}: it has no {fmt.name} kernel beside "
+                                f"A{act_bits} activations" + ("; ask for fp8_e4m3" if fmt.bits == 8 and act_bits == 16
+                                                              and "fp8_gemv" in prof.low_bit_gemv else ""))
             if names:
                 raise PlanError(f"formats[{names[0]!r}]: {fmt.name} is {fmt.bits}-bit, but {w}'s TeSA bits round to "
                                 f"{'/'.join(map(str, present)) or 'none (all pruned)'} on {target.name} (weights "
                                 f"W{', W'.join(map(str, widths))} with A{act_bits} activations): give its TeSA "
                                 f"{fmt.bits}-bit elements or ask for a format of its widths")
             fmt = None              # formats="...": only the weights of its width
-        for s in p.subops:
-            wf = fmt.name if fmt is not None and s.weight_bits == fmt.bits else default_format(s.weight_bits, wdtype)
+        for s in p.subops:          # 8-bit weights beside 16-bit activations: planned as FP8 (transform/fp8.py)
+            planned = FP8_FORMAT if (s.weight_bits, s.act_bits) == (8, 16) else None
+            if planned and fmt is not None and s.weight_bits == fmt.bits and fmt.kind != "float" and names:
+                raise PlanError(f"formats[{names[0]!r}]: {w}'s {s.weight_bits}-bit weights run beside A{s.act_bits} "
+                                f"activations on {target.name} as {planned}; it has no {fmt.name} kernel there: ask "
+                                f"for {planned} or give the activations {fmt.bits} bits")
+            wf = planned if planned and (fmt is None or s.weight_bits != fmt.bits or not names) else \
+                fmt.name if fmt is not None and s.weight_bits == fmt.bits else default_format(s.weight_bits, wdtype)
             s.weight_format, s.act_format = wf, _act_format(s.act_bits, wf, xdtype, target)
         if fmt is not None and not any(s.weight_format == fmt.name for s in p.subops):
             why = f"{fmt.name} asked for {w}: the plan runs it at " + \
@@ -111,6 +124,14 @@ def choose_formats(graph, plan, target, formats=None):
         ints = {s.weight_bits for s in p.subops if get_format(s.weight_format).kind == "int"}
         p.weight_quant = {b: q for b, q in p.weight_quant.items() if b in ints}
     return plan
+
+
+def asked_fp8(graph, target, formats) -> set[str]:
+    """The weight tensors ``formats`` asks to be FP8 (E4M3): a weight of every width or by name."""
+    every, asked = _asked(graph, target, formats)
+    if every is not None:
+        return {v.name for v in graph.tensors("weight")} if every.name == "fp8_e4m3" else set()
+    return {w for w, by in asked.items() if any(f.name == "fp8_e4m3" for f in by.values())}
 
 
 def check_formats(formats) -> None:

@@ -27,6 +27,7 @@ from .cover import block_cover, block_cover_by_blocks
 from ..fusion import epilogue
 from ..gemm import gemm_bias, gemm_view, in_weight_layout, weight_matrix
 from .plan import Candidate, OpPlan, SubOp, WeightQuant
+from .fp8 import fp8_option
 from .nm import nm_option
 from .profile import HardwareProfile
 
@@ -64,7 +65,8 @@ def row_points(graph: Graph, m: int) -> list[int]:
     return [m] + sorted({max(1, round(m * t / example)) for t in tokens})
 
 
-def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=None) -> OpPlan | None:
+def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=None, fp8: bool = False) -> OpPlan | None:
+    """The op's plan (None: not a GEMM); ``fp8``: its weight was asked to be FP8, which runs where it can."""
     view = gemm_view(graph, op)
     if view is None:
         return None
@@ -119,8 +121,18 @@ def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=No
                                                        (model_bits, act_model_bits))) is not None:
         candidates.append(Candidate(nm[2], nm[0][0]))
         options.append((score(nm[0]), nm[1], nm[0], None))
+    f8 = None
+    if act_bits == act_model_bits and (f8 := fp8_option(wtesa, profile, kept_rows, dense_at,
+                                                        (model_bits, act_model_bits), fp8)) is not None:
+        candidates.append(Candidate(f8[2], f8[0][0]))
+        options.append((score(f8[0]), f8[1], f8[0], None))
+        if fp8:                                 # asked for: the only plan, whatever the others cost
+            options = options[-1:]
     base["note"] = _rounding_note(wtesa, widths, act_bits, profile.target)
-    _, subops, costs, base["dense_from"] = choose(options)
+    _, subops, costs, base["dense_from"] = choose(options, model_bits)
+    if f8 is not None and base["note"]:         # 8 bits have a kernel here: FP8, chosen or priced above another
+        base["note"] = "" if subops is f8[1] or subops is None else \
+            f"FP8 (E4M3) weights on the FP8 GEMV estimated {f8[0][0]:.1f} µs: another plan is cheaper"
     if len(rows) > 1:
         base["rows_us"] = [[r, round(c, 3), round(d, 3)] for r, c, d in zip(rows[1:], costs[1:], dense_at[1:])]
     if subops is None:
@@ -164,16 +176,21 @@ def _rounding_note(wtesa: TeSA, widths: list[int], act_bits: int, target: str) -
             f"activations (W{', W'.join(map(str, widths))}): no W{asked[0]}A{act_bits} kernel")
 
 
-def choose(options):
-    """The cheapest (cost, sub-ops, ...); within TIE_MARGIN of it, the simplest: fewest kernels, then
-    fewest blocks (the dense path counts as one kernel of one block).
+def choose(options, dense_bits: int = 16):
+    """The cheapest (cost, sub-ops, ...); within TIE_MARGIN of it, those of the fewest weight bits (the dense path:
+    ``dense_bits``), of them the simplest: fewest kernels, then fewest blocks (the dense path counts as one kernel
+    of one block).
 
-    Costs closer than the profile's run-to-run spread are not a real difference, and fewer,
-    larger blocks mean fewer passes over the activation and shorter code.
+    Costs closer than the profile's run-to-run spread are not a real difference; fewer bits keep what the TeSA
+    asks (and the memory it saves); fewer, larger blocks mean fewer passes over the activation and shorter code.
     """
     best = min(o[0] for o in options)
     near = [o for o in options if o[0] <= best * (1 + TIE_MARGIN)]
-    return min(near, key=lambda o: (1, 1, o[0]) if o[1] is None else
+
+    def bits(o):
+        return dense_bits if o[1] is None else max((s.weight_bits for s in o[1]), default=0)
+    fewest = min(bits(o) for o in near)
+    return min((o for o in near if bits(o) == fewest), key=lambda o: (1, 1, o[0]) if o[1] is None else
                (len(o[1]), sum(max(s.n_blocks, 1) for s in o[1]), o[0]))
 
 

@@ -1,5 +1,6 @@
 """Unstructured sparse GEMV for few rows (decode): fp16/bf16 kept values and a 1-bit bitmap (``spec.py``)."""
 
+from ..epilogue_ref import ACTIVATIONS
 from ..registry import KernelFamily, register
 
 FAMILY = register(KernelFamily(
@@ -8,4 +9,4 @@ FAMILY = register(KernelFamily(
     "set bits against X staged in shared memory (split K optional), bias and activation fused",
     module=".runtime:BitmapLinearCUDA",
     templates={".spec:BitmapGemvSpec": ".kernel:bitmap_gemv"},
-    build=".build:build_bitmap_gemv", epilogue=("bias", "act")), __name__)
+    build=".build:build_bitmap_gemv", epilogue=("bias", *ACTIVATIONS[1:])), __name__)

@@ -1,5 +1,6 @@
 """FP8 (E4M3) weight GEMV for decode (1..16 rows), dense or 32×32 block-sparse (``spec.py``)."""
 
+from ..epilogue_ref import ACTIVATIONS
 from ..registry import KernelFamily, register
 
 FAMILY = register(KernelFamily(
@@ -8,4 +9,4 @@ FAMILY = register(KernelFamily(
     "accumulation, per-channel or 128x128 block scales, split K optional, bias and activation fused",
     module=".runtime:Fp8LinearCUDA",
     templates={".spec:Fp8GemvSpec": ".kernel:fp8_gemv"},
-    build=".build:build_fp8_gemv", epilogue=("bias", "act")), __name__)
+    build=".graph_build:build", epilogue=("bias", *ACTIVATIONS[1:])), __name__)

@@ -244,35 +244,35 @@ def check_packed(spec: Fp8GemvSpec, packed: Fp8Packed, bias: torch.Tensor | None
         raise Fp8GemvError(f"{where}: the kernel was built without a bias")
 
 
-def unpack(packed: Fp8Packed, spec: Fp8GemvSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (N, K) ``float8_e4m3fn`` codes (zero where pruned) and the block mask, on the CPU."""
+def unpack(packed: Fp8Packed, spec: Fp8GemvSpec, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The (N, K) ``float8_e4m3fn`` codes (zero where pruned) and the block mask, on ``device``."""
     check_packed(spec, packed, check_bias=False)
     nbr, kb = spec.row_blocks, spec.col_blocks
-    blocks = packed.codes.cpu().view(torch.uint8).view(-1, BLOCK, BLOCK)
+    blocks = packed.codes.to(device).view(torch.uint8).view(-1, BLOCK, BLOCK)
     if spec.sparse:
-        t = packed.table.cpu()
+        t = packed.table.to(device)
         offsets = t[:nbr + 1].long()
         nnz = int(offsets[-1])
         if nnz > blocks.shape[0] or t.numel() < nbr + 1 + nnz or bool((offsets[1:] < offsets[:-1]).any()):
             raise Fp8GemvError(f"FP8 GEMV {spec.name}: the block table does not match the codes")
-        rows = torch.repeat_interleave(torch.arange(nbr), offsets[1:] - offsets[:-1])
+        rows = torch.repeat_interleave(torch.arange(nbr, device=device), offsets[1:] - offsets[:-1])
         cols = t[nbr + 1:nbr + 1 + nnz].long()
-        mask = torch.zeros(nbr, kb, dtype=torch.bool)
+        mask = torch.zeros(nbr, kb, dtype=torch.bool, device=device)
         mask[rows, cols] = True
-        full = torch.zeros(nbr, kb, BLOCK, BLOCK, dtype=torch.uint8)
+        full = torch.zeros(nbr, kb, BLOCK, BLOCK, dtype=torch.uint8, device=device)
         full[rows, cols] = blocks[:nnz]
     else:
-        mask = torch.ones(nbr, kb, dtype=torch.bool)
+        mask = torch.ones(nbr, kb, dtype=torch.bool, device=device)
         full = blocks.view(nbr, kb, BLOCK, BLOCK)
     codes = full.permute(0, 2, 1, 3).reshape(nbr * BLOCK, kb * BLOCK)[:spec.n, :spec.k].contiguous()
     return codes.view(torch.float8_e4m3fn), mask
 
 
-def dequantize(packed: Fp8Packed, spec: Fp8GemvSpec) -> torch.Tensor:
-    """The (N, K) fp32 weight the kernel applies: code × scale, zero where pruned (CPU)."""
-    codes, mask = unpack(packed, spec)
-    w = codes.float() * expand_scales(packed.scales.cpu(), spec)
-    return torch.where(element_mask(mask, spec.n, spec.k), w, torch.zeros(()))
+def dequantize(packed: Fp8Packed, spec: Fp8GemvSpec, device="cpu") -> torch.Tensor:
+    """The (N, K) fp32 weight the kernel applies: code × scale, zero where pruned (on ``device``)."""
+    codes, mask = unpack(packed, spec, device)
+    w = codes.float() * expand_scales(packed.scales.to(device), spec)
+    return torch.where(element_mask(mask, spec.n, spec.k), w, torch.zeros((), device=device))
 
 
 def fp8_gemv_ref(x: torch.Tensor, packed: Fp8Packed, spec: Fp8GemvSpec,

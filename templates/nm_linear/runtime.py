@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 
 from .spec import DTYPES, NmLinearError, NmLinearSpec, NmPacked, pack_nm, split_buffers, unpack
-from ..bsr_linear.dense_rows import DenseRows
 from ...runtime.cuda import GraphWeightLayout, check_saved_spec, kernel_file
 from ...runtime.ops import KernelModule
-from ..packed_gemv import PackedGemvModule, PackedGemvOp
+from ..packed_gemv import GraphGemv, PackedGemvModule, PackedGemvOp
 
 
 def folder_spec(folder) -> NmLinearSpec:
@@ -55,11 +54,10 @@ class NmLinearOp(PackedGemvOp):
         return dict(Vals=p.values.view(torch.int32).view(-1), Meta=p.meta.view(-1))
 
 
-class NmLinearCUDA(DenseRows, PackedGemvModule, GraphWeightLayout, KernelModule):
+class NmLinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule):
     """``y = act(x · (W ⊙ mask)ᵀ + b)`` on the 2:4 sparse tensor cores (the op ``sparta::nm_linear``) for ``x``
     (..., K) with at most ``spec.rows`` rows in all, or more from ``dense_from`` rows on, which run cuBLAS over a
-    dense copy (:class:`DenseRows`); ``y`` in ``x``'s dtype. In a compiled graph it stands for op ``op_name`` reading
-    the graph tensor ``x_name`` (``out_shape``: the op's output shape at the example)."""
+    dense copy; ``y`` in ``x``'s dtype. In a compiled graph it stands for op ``op_name`` (:class:`GraphGemv`)."""
 
     kernel_family = "nm_linear"
     op_class, packed_names = NmLinearOp, ("values", "meta")
@@ -79,10 +77,7 @@ class NmLinearCUDA(DenseRows, PackedGemvModule, GraphWeightLayout, KernelModule)
         for key, buf in split_buffers(spec, packed.values.device).items():    # split-K workspace: not saved
             self.register_buffer(f"split_{key}", buf, persistent=False)
         self._op = None
-        self.input_names = None if x_name is None else [x_name]
-        self.output_names, self.out_shape = None, None if out_shape is None else tuple(out_shape)
-        self.weight_name, self.weight_transposed = None, False    # the graph weight it stands for
-        self.init_dense_rows(dense_from)
+        self.init_graph(x_name, out_shape, dense_from)
         self.register_kernel(op_name)
 
     @classmethod
@@ -100,11 +95,6 @@ class NmLinearCUDA(DenseRows, PackedGemvModule, GraphWeightLayout, KernelModule)
     @property
     def packed(self) -> NmPacked:
         return NmPacked(self.values, self.meta)
-
-    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if inputs[0].is_cuda and self.values.is_cuda and (y := self.dense_rows_call(inputs[0])) is not None:
-            return [y]
-        return PackedGemvModule.launch(self, inputs)
 
     def dense_weight(self) -> torch.Tensor:
         """The (N, K) weight the kernel applies (zeros where pruned), on the CPU."""
@@ -130,10 +120,8 @@ class NmLinearCUDA(DenseRows, PackedGemvModule, GraphWeightLayout, KernelModule)
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
-        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name}
-        if self.input_names is not None:              # a graph module
-            config.update(x_name=self.input_names[0], out_shape=list(self.out_shape), dense_from=self.dense_from,
-                          weight_name=self.weight_name, weight_transposed=self.weight_transposed)
+        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name,
+                  **self.graph_config()}
         tensors = {"values": self.values, "meta": self.meta}
         if self.bias is not None:
             tensors["bias"] = self.bias
@@ -144,11 +132,8 @@ class NmLinearCUDA(DenseRows, PackedGemvModule, GraphWeightLayout, KernelModule)
         spec = NmLinearSpec(**config["spec"])
         folder = folders[config["folder"]]
         check_saved_spec(config["op_name"], folder, spec)
-        module = cls(folder, spec, NmPacked(tensors["values"], tensors["meta"]), tensors.get("bias"),
-                     config["op_name"], config.get("x_name"), config.get("out_shape"), config.get("dense_from"))
-        module.weight_name = config.get("weight_name")
-        module.weight_transposed = bool(config.get("weight_transposed", False))
-        return module
+        return cls(folder, spec, NmPacked(tensors["values"], tensors["meta"]), tensors.get("bias"), config["op_name"],
+                   **cls.graph_args(config)).restore_graph(config)
 
     def extra_repr(self) -> str:
         s = self.spec

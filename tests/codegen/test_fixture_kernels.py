@@ -19,6 +19,7 @@ CASES = {
     "llama_generate": (saved_models.llama_generate, kernel_choices.check_llama_generate),
     "dense_rows": (saved_models.dense_rows_mlp, kernel_choices.check_dense_rows),
     "nm_mlp": (saved_models.nm_mlp, kernel_choices.check_nm_mlp),
+    "fp8_mlp": (saved_models.fp8_mlp, kernel_choices.check_fp8_mlp),
 }
 STATIC = {"tesa_w4a16"}     # one row: a batch of one stays fixed
 

@@ -506,7 +506,7 @@ def test_decode_w8a8_gemvs_hand_each_other_int8_codes(tmp_path, monkeypatch):
 def test_a_4bit_tesa_without_calibration_runs_w4a16_and_the_report_says_why(tmp_path, monkeypatch):
     """The user's own 4-bit TeSA on an fp16 4096x4096 linear, no calibration data: at one row the W4A16 GEMV
     runs with scales fitted to the weight, and the saved model holds its weights in at most 0.4x the fp16 bytes;
-    at 4096 rows the plan report names the kernel and why; an 8-bit TeSA says why it runs at 16 bits."""
+    at 4096 rows the plan report names the kernel and why; an 8-bit TeSA runs FP8 (E4M3) weights."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
     lin = torch.nn.Linear(4096, 4096).half().eval()
@@ -530,7 +530,8 @@ def test_a_4bit_tesa_without_calibration_runs_w4a16_and_the_report_says_why(tmp_
     assert "4-bit weights run at W16A16 on the vendor GEMM" in report and "cheapest plan that keeps the bits" in report
     eight = sparta.compile(lin, {"weight": sparta.TeSA.dense((4096, 4096), 8)}, (torch.randn(1, 4096).half(),),
                            target="cuda")
-    assert "8-bit weights run at the next width cuda has for A16" in eight.plan_report()
+    report = eight.plan_report()
+    assert "@W8A16[fp8_e4m3×fp16]" in report and "fp8_gemv[e4m3" in report, report
 
 
 @pytest.mark.parametrize("widths, rows", [((8,), 64), ((8,), 8), ((4,), 8)])

@@ -39,10 +39,12 @@ def test_every_kernel_decision_has_its_table():
     assert [fn.__name__ for fn in registry.rules("gemm_cpu")] == ["int8_vendor", "cpu_linear"]
     assert [fn.__name__ for fn in registry.rules("norm_cuda")][-1] == "layer_norm"
     assert [fn.__name__ for fn in registry.rules("attention")] == ["sizes_only_mask"]
-    guards = [fn for fn in registry.rules("gemm_cuda") if fn.__module__ == "sparta.codegen.select_cuda"]
-    assert [fn.__name__ for fn in guards] == ["not_a_gemm", "k_alignment", "bias_shape", "not_a_format_we_run"]
-    assert {fn.__module__.split(".")[2] for fn in registry.rules("gemm_cuda")[len(guards):]} == {
-        "bsr_linear", "nm_linear", "w4a16_gemv", "w8a8_gemv"}
+    table = registry.rules("gemm_cuda")
+    guards = [fn.__name__ for fn in table if fn.__module__ == "sparta.codegen.select_cuda"]
+    assert guards == ["not_a_gemm", "k_alignment", "bias_shape", "not_a_format_we_run"]
+    assert [fn.__name__ for fn in table[:5]] == ["not_a_gemm", "k_alignment", "bias_shape", "fp8_weights",
+                                                 "not_a_format_we_run"], "FP8 weights before the format guard"
+    assert {fn.__module__.split(".")[2] for fn in table[5:]} == {"bsr_linear", "nm_linear", "w4a16_gemv", "w8a8_gemv"}
 
 
 def test_an_unknown_family_is_named_in_the_error():

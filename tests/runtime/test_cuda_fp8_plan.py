@@ -1,0 +1,67 @@
+"""An MLP of 8-bit weights compiled where TVM is (``tests/fixtures/saved_models.py``, ``save_fp8_mlp``), loaded on a
+GPU: calls of few rows run the FP8 GEMV (E4M3 weights), more rows cuBLAS over a dense copy of the dequantised weights;
+every row count matches the model with the weights the kernels apply, also when a call replays in a CUDA graph, and a
+kernels-only save packs a checkpoint's weights again on the GPU."""
+
+import pytest
+import torch
+
+from fixtures.artifacts import MISSING, ROOT
+from fixtures.kernel_choices import check_fp8_mlp
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _load():
+    import sparta
+    folder = ROOT / "saved_fp8_mlp"
+    if not (folder / "sparta.json").is_file():
+        pytest.skip(MISSING + f"no saved model in {folder}")
+    return sparta.load(folder).to("cuda")
+
+
+def _err(out, want) -> float:
+    out, want = (o[0] if isinstance(o, tuple) else o for o in (out, want))
+    assert out.shape == want.shape
+    return ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def test_every_row_count_matches_the_dequantised_model_on_the_kernel_its_plan_names():
+    model = _load()
+    mods = check_fp8_mlp(model)
+    reference = model.reference().to("cuda")
+    for rows in (1, 3, 16, 17, 40, 5, 1, 200, 9, 2048):
+        x = torch.randn(1, rows, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
+        with torch.no_grad():
+            err = _err(model(x.bfloat16()), reference(x.bfloat16()))
+        assert err < 2e-2, (rows, err)
+    assert all(m.dense_w is not None for m in mods.values()), "calls above dense_from built the dense copies"
+
+
+def test_a_captured_decode_step_replays_on_new_inputs():
+    model = _load()
+    reference = model.reference().to("cuda")
+    x = torch.randn(1, 2, 1024, device="cuda").bfloat16()
+    with torch.no_grad():
+        model(x)                                             # warm: kernels loaded, launches prepared
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        for seed in range(3):
+            x.copy_(torch.randn(1, 2, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+            graph.replay()
+            err = _err(out, reference(x))
+            assert err < 2e-2, (seed, err)
+
+
+def test_a_kernels_only_save_packs_the_checkpoint_again_on_the_gpu(tmp_path):
+    import sparta
+    model = _load()
+    state = {k: v.to("cuda") for k, v in model.source_reference().state_dict().items()}  # the user's names
+    model.save(tmp_path / "kernels", weights=False)
+    again = sparta.load(tmp_path / "kernels", weights=state).to("cuda")
+    assert all(m.codes.is_cuda for m in check_fp8_mlp(again).values()), "packed on the checkpoint's GPU"
+    x = torch.randn(1, 4, 1024, device="cuda").bfloat16()
+    with torch.no_grad():
+        err = _err(again(x), model(x))
+    assert err < 2e-2, err
