@@ -4,9 +4,10 @@
     python benchmarks/bench_cuda_nm_linear.py [--dir DIR] [--out FILE] [--only NAME ...]   # the GPU (no TVM)
 
 Shapes (N×K): 4096×4096, 11008×4096 and 4096×11008, bf16, no bias, a 2:4 mask keeping the 2 largest of each group
-of 4 (magnitude pruning); M = 1, 4, 8, 16, 32 and 64 rows. A kernel depends on the shape, the rows it serves (1, 8,
-16, 32, 64: one to eight n8 MMAs a K tile) and its knobs, not on the mask: each is built once, a sweep of ``warps``
-/ ``inflight`` / ``ksplit`` per shape and rows (the invalid ones, X of too many rows for shared memory, left out).
+of 4 (magnitude pruning); M = 1, 4, 8 and 16 rows (the GEMV's range; 32 and 64 ran at 0.1-0.46x cuBLAS in the first run). A kernel depends
+on the shape, the rows it serves (1, 4, 8, 16: one or two n8 MMAs a K tile) and its knobs, not on the mask: each is
+built once — the first run's best per case, and a sweep of ``tiles`` (row tiles a CTA: X staged once for all) and
+``prefetch`` (register double-buffered weight fragments) with ``warps`` / ``inflight`` / ``ksplit``.
 The build keeps sm_90 cubins only, no CUDA source; ``manifest.json`` lists every kernel with its spec.
 
 On the GPU each weight is made on the GPU from a seed and packed there once (``pack_nm``: the format depends on the
@@ -37,29 +38,55 @@ from common import build_folders, build_or_time, copy_bandwidth, gpu_kernel_us, 
 OUT = Path(os.environ.get("SPARTA_CUDA_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts" / "cuda")
            ).parent / "cuda_nm_linear"
 SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
-ROWS = {1: (1,), 8: (4, 8), 16: (16,), 32: (32,), 64: (64,)}          # the rows a build serves -> M timed on it
-KNOBS = ((4, 8), (8, 8), (4, 16), (2, 16))                          # (warps, inflight)
-KSPLITS = (1, 2, 4, 8, 16)
+ROWS = {1: (1,), 4: (4,), 8: (4, 8), 16: (16,)}                             # the rows a build serves -> M timed on it
+# the best kernel of each case in the first H200 run (benchmarks/results/nm_linear-h200-2026-11-28.json), timed
+# again beside the new variants (rows 4: that run's M=4 best, built for 4 rows): shape -> rows -> (warps, inflight,
+# ksplit)
+BASELINES = {"4096x4096": {1: [(8, 8, 1)], 4: [(8, 8, 1)], 8: [(8, 8, 1)], 16: [(4, 8, 4)]},
+             "11008x4096": {1: [(8, 8, 1)], 4: [(8, 8, 1)], 8: [(8, 8, 1)], 16: [(4, 8, 4)]},
+             "4096x11008": {1: [(4, 16, 2)], 4: [(4, 16, 4)], 8: [(8, 8, 2), (4, 16, 4)], 16: [(4, 8, 8)]}}
+# the new knobs: rows -> (tiles, warps, inflight, prefetch, ksplits). ``tiles`` row tiles a CTA: X (M x the
+# range's K, staged in shared memory) is read from L2 once for 16 * tiles channels instead of 16 (at 16 rows X's
+# bytes were 1.8x the weight's per CTA); ``prefetch``: the next batch's fragments load while this one multiplies
+SWEEP = {
+    1: [(1, 8, 8, True, (1, 2)), (2, 8, 8, False, (1, 2)), (2, 8, 8, True, (1, 2)), (2, 8, 16, False, (2,))],
+    4: [(2, 8, 8, False, (1, 2)), (2, 8, 8, True, (1, 2))],      # 4 rows: half X's shared memory of a r8 build
+    8: [(1, 8, 8, True, (1, 2)), (2, 8, 8, False, (1, 2, 4)), (2, 8, 8, True, (1, 2, 4)), (4, 8, 8, False, (2, 4)),
+        (4, 8, 8, True, (2, 4)), (2, 16, 8, False, (1, 2)), (4, 16, 8, False, (2,))],
+    16: [(2, 8, 8, False, (2, 4)), (2, 8, 8, True, (2, 4)), (4, 8, 8, False, (2, 4, 8)), (4, 8, 8, True, (2, 4, 8)),
+         (4, 16, 8, False, (2, 4)), (4, 8, 16, False, (4,)), (8, 8, 8, False, (4, 8)), (8, 8, 8, True, (4, 8)),
+         (8, 16, 8, False, (4, 8))],
+}
 ARCHS = ("sm_90",)
 ROTATE_BYTES = 160e6
 
 
+def kernel_name(shape: str, rows: int, warps: int, inflight: int, ksplit: int, tiles: int = 1,
+                prefetch: bool = False) -> str:
+    return (f"nm_{shape}_r{rows}_w{warps}i{inflight}k{ksplit}" + (f"t{tiles}" if tiles > 1 else "")
+            + ("p" if prefetch else ""))
+
+
 def kernels() -> dict:
-    """Kernel name (its folder) -> spec."""
+    """Kernel name (its folder) -> spec: the first run's best per case and the sweep of ``tiles`` / ``prefetch``
+    (invalid ones, X of too many rows for shared memory, left out, and those with idle warps or, prefetching, a
+    single batch a warp)."""
     from sparta.templates.nm_linear.spec import NmLinearError, NmLinearSpec
     specs = {}
     for shape, (n, k) in SHAPES.items():
         for rows in ROWS:
-            for warps, inflight in KNOBS:
-                for ks in KSPLITS:
-                    name = f"nm_{shape}_r{rows}_w{warps}i{inflight}k{ks}"
-                    try:
-                        spec = NmLinearSpec(n, k, rows=rows, warps=warps, inflight=inflight, ksplit=ks, name=name)
-                    except NmLinearError:
-                        continue
-                    if spec.batches < warps:              # warps with nothing to do
-                        continue
-                    specs[name] = spec
+            cands = [(1, w, i, False, ks) for w, i, ks in BASELINES[shape][rows]]
+            cands += [(t, w, i, pf, ks) for t, w, i, pf, kss in SWEEP[rows] for ks in kss]
+            for t, w, i, pf, ks in cands:
+                name = kernel_name(shape, rows, w, i, ks, t, pf)
+                try:
+                    spec = NmLinearSpec(n, k, rows=rows, warps=w, inflight=i, ksplit=ks, tiles=t, prefetch=pf,
+                                        name=name)
+                except NmLinearError:
+                    continue
+                if spec.batches < spec.tile_warps or (pf and spec.batches < 2 * spec.tile_warps):
+                    continue
+                specs[name] = spec
     return specs
 
 

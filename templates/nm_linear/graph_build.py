@@ -21,7 +21,9 @@ def nm_spec(n: int, k: int, act16: str, bias: bool, act: str, tiles: dict) -> Nm
     t = {"rows": NM_MAX_ROWS, **tiles}
     return NmLinearSpec(n, k, dtype=act16, bias=bias, act=act, **t,
                         name=f"nm_Mr{t['rows']}x{n}x{k}_{act}{'_bias' if bias else ''}_w{t.get('warps', 4)}"
-                             f"i{t.get('inflight', 8)}k{t.get('ksplit', 1)}{'_bf16' if act16 == 'bfloat16' else ''}")
+                             f"i{t.get('inflight', 8)}k{t.get('ksplit', 1)}"
+                             f"{'t%d' % t['tiles'] if t.get('tiles', 1) > 1 else ''}{'p' if t.get('prefetch') else ''}"
+                             f"{'_bf16' if act16 == 'bfloat16' else ''}")
 
 
 def build(graph: Graph, op: Op, op_plan: OpPlan):

@@ -1,7 +1,8 @@
 """The 2:4 sparse linear (``spec.NmLinearSpec``) in TVMScript, on ``mma.sp`` m16n8k32.
 
-Grid: (row tiles, ``ksplit``). A CTA owns 16 output channels and a K range; its warps take the range's batches of
-``inflight`` K tiles round robin. Per batch a lane loads its A fragments (one 16-byte load a K tile: the warp's
+Grid: (row tiles / ``tiles``, ``ksplit``). A CTA owns ``16 · tiles`` output channels and a K range; warp ``w``
+multiplies row tile ``w % tiles`` and takes its batches of ``inflight`` K tiles round robin with the tile's other warps
+(``prefetch``: the next batch's fragments load into a second register buffer before this one's MMAs). Per batch a lane loads its A fragments (one 16-byte load a K tile: the warp's
 512 contiguous bytes) and the metadata words of the batch's groups of 4 K tiles (one 16-byte load a group), all in
 flight before the first MMA; then per K tile one ``mma.sp::ordered_metadata`` (selector 0) per 8 rows of X, the B
 fragment one 16-byte shared load: X is staged in shared memory with each 32-column block permuted so lane ``t``'s
@@ -29,10 +30,13 @@ def nm_linear(spec: NmLinearSpec):
     N, K, MR, W, IF = spec.n, spec.k, spec.rows, spec.warps, spec.inflight
     RT, G, KTP, RG, KS = spec.row_tiles, spec.groups, spec.k_tiles, spec.range_groups, spec.ksplit
     RK, XS, NB, NT = spec.range_k, spec.x_stride, spec.mmas, 32 * W
+    TL, WT, RTG, PF = spec.tiles, spec.tile_warps, spec.cta_rows, spec.prefetch
     GB = IF // 4                              # groups of 4 K tiles a batch
     NBT = spec.batches
-    ITER = -(-NBT // W)                       # batches a warp takes (at most)
-    OUTS = 16 * MR
+    ITER = -(-NBT // WT)                      # batches a warp takes (at most)
+    NBUF = 2 if PF else 1                     # register buffers of weight fragments
+    CH = 16 * TL                              # output channels of a CTA
+    OUTS = CH * MR
     OUT_ITERS = -(-OUTS // NT)
     ACT, PDL = spec.dtype, spec.pdl
     VEC = K % 8 == 0                          # X rows in 16-byte pieces
@@ -45,19 +49,19 @@ def nm_linear(spec: NmLinearSpec):
     ATTRS = {"global_symbol": spec.name} if PDL else {"global_symbol": spec.name, "tirx.noalias": True}
 
     @T.macro
-    def load_batch(Vw, Mw, af, mf, rt, ks, b, lane, ml):
+    def load_batch(Vw, Mw, af, mf, rt, ks, b, lane, ml, buf):
         # the batch's A fragments (16 bytes a K tile) and metadata (16 bytes a group): all in flight
         for gi in T.unroll(GB):
             if b * GB + gi < RG and ks * RG + b * GB + gi < G:
                 for v in T.vectorized(4):
-                    mf[gi * 4 + v] = Mw[((rt * G + ks * RG + b * GB + gi) * 16 + ml) * 4 + v]
+                    mf[(buf * GB + gi) * 4 + v] = Mw[((rt * G + ks * RG + b * GB + gi) * 16 + ml) * 4 + v]
                 for q in T.unroll(4):
                     for v in T.vectorized(4):
-                        af[(gi * 4 + q) * 4 + v] = Vw[((rt * KTP + (ks * RG + b * GB + gi) * 4 + q) * 32
+                        af[((buf * GB + gi) * 4 + q) * 4 + v] = Vw[((rt * KTP + (ks * RG + b * GB + gi) * 4 + q) * 32
                                                          + lane) * 4 + v]
 
     @T.macro
-    def mma_batch(smw, af, mf, bq, acc, M, ks, b, g, t):
+    def mma_batch(smw, af, mf, bq, acc, M, ks, b, g, t, buf):
         # per K tile: the B fragment of each 8 rows of X (one 16-byte shared load), one mma.sp each
         for gi in T.unroll(GB):
             if b * GB + gi < RG and ks * RG + b * GB + gi < G:
@@ -69,10 +73,11 @@ def nm_linear(spec: NmLinearSpec):
                                              + v]
                             T.evaluate(T.ptx[MMA](
                                 acc[nb * 4], acc[nb * 4 + 1], acc[nb * 4 + 2], acc[nb * 4 + 3],
-                                af[(gi * 4 + q) * 4], af[(gi * 4 + q) * 4 + 1], af[(gi * 4 + q) * 4 + 2],
-                                af[(gi * 4 + q) * 4 + 3], bq[0], bq[1], bq[2], bq[3],
+                                af[((buf * GB + gi) * 4 + q) * 4], af[((buf * GB + gi) * 4 + q) * 4 + 1],
+                                af[((buf * GB + gi) * 4 + q) * 4 + 2], af[((buf * GB + gi) * 4 + q) * 4 + 3],
+                                bq[0], bq[1], bq[2], bq[3],
                                 acc[nb * 4], acc[nb * 4 + 1], acc[nb * 4 + 2], acc[nb * 4 + 3],
-                                mf[gi * 4 + q], 0))
+                                mf[(buf * GB + gi) * 4 + q], 0))
 
     @T.macro
     def stage_pieces(Xh, Xw, sm, smw, xw, xh, lim, tx, ks, it):
@@ -109,11 +114,11 @@ def nm_linear(spec: NmLinearSpec):
                 stage_pieces(Xh, Xw, sm, smw, xw, xh, lim, tx, ks, it)
 
     @T.macro
-    def epilogue_value(B, Y, tot, o, n):
+    def epilogue_value(B, Y, tot, row, n):
         if spec.bias:
             tot[0] = tot[0] + to_f32(B[n], ACT)
         tot[1] = tir_activate(tot[0], None, spec.act)
-        Y[o // 16, n] = from_f32(tot[1], ACT)
+        Y[row, n] = from_f32(tot[1], ACT)
 
     @T.prim_func
     def kernel(x_h: T.handle, vals_h: T.handle, meta_h: T.handle, b_h: T.handle, y_h: T.handle, p_h: T.handle,
@@ -126,7 +131,7 @@ def nm_linear(spec: NmLinearSpec):
         Y = T.match_buffer(y_h, (M, N), "float16")
         P = T.match_buffer(p_h, (KS, MR, RT * 16), "float32")
         Cnt = T.match_buffer(c_h, (RT,), "int32")
-        rt = T.launch_thread("blockIdx.x", RT)
+        rtg = T.launch_thread("blockIdx.x", RTG)
         ks = T.launch_thread("blockIdx.y", KS)
         tx = T.launch_thread("threadIdx.x", NT)
         Xw = T.decl_buffer(((MR * K + 1) // 2,), "uint32", data=X.data)   # extents: the most rows
@@ -137,8 +142,8 @@ def nm_linear(spec: NmLinearSpec):
         sm = T.decl_buffer((spec.shared_bytes // 2,), "float16", data=smw.data, scope="shared.dyn")
         red = T.decl_buffer((spec.shared_bytes // 4,), "float32", data=smw.data, scope="shared.dyn")
         arrived = T.alloc_buffer((1,), "int32", scope="shared")
-        af = T.alloc_buffer((IF * 4,), "uint32", scope="local")
-        mf = T.alloc_buffer((GB * 4,), "uint32", scope="local")
+        af = T.alloc_buffer((NBUF * IF * 4,), "uint32", scope="local")
+        mf = T.alloc_buffer((NBUF * GB * 4,), "uint32", scope="local")
         bq = T.alloc_buffer((4,), "uint32", scope="local")
         xw = T.alloc_buffer((SU * 4,), "uint32", scope="local")
         xh = T.alloc_buffer((SU,), "float16", scope="local")
@@ -151,8 +156,10 @@ def nm_linear(spec: NmLinearSpec):
         g = T.meta_var(lane // 4)
         t = T.meta_var(lane % 4)
         ml = T.meta_var(lane // 4 * 2 + lane % 2)   # the metadata lane: lanes t and t + 2 read the same word
-        if warp < NBT:                              # the first batch: weights, not X
-            load_batch(Vw, Mw, af, mf, rt, ks, warp, lane, ml)
+        wi = T.meta_var(warp // TL)                 # the warp's place among its row tile's warps
+        rt = T.meta_var(rtg * TL + warp % TL)       # the warp's row tile
+        if wi < NBT and (RT % TL == 0 or rt < RT):  # the first batch: weights, not X
+            load_batch(Vw, Mw, af, mf, rt, ks, wi, lane, ml, 0)
         if PDL:                                     # X (the previous kernel's output) and every write after it
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
@@ -162,39 +169,50 @@ def nm_linear(spec: NmLinearSpec):
         for a in T.unroll(NB * 4):
             acc[a] = T.float32(0)
         T.tvm_storage_sync("shared")
-        for i in T.serial(ITER):
-            if warp + i * W < NBT:
-                if i > 0:
-                    load_batch(Vw, Mw, af, mf, rt, ks, warp + i * W, lane, ml)
-                mma_batch(smw, af, mf, bq, acc, M, ks, warp + i * W, g, t)
+        if PF:      # batch i + 1's loads are issued before batch i's MMAs (buffers alternate; pairs unrolled)
+            for i2 in T.serial((ITER + 1) // 2):
+                for p in T.unroll(2):
+                    if RT % TL == 0 or rt < RT:
+                        if wi + (i2 * 2 + p + 1) * WT < NBT:
+                            load_batch(Vw, Mw, af, mf, rt, ks, wi + (i2 * 2 + p + 1) * WT, lane, ml, 1 - p)
+                        if wi + (i2 * 2 + p) * WT < NBT:
+                            mma_batch(smw, af, mf, bq, acc, M, ks, wi + (i2 * 2 + p) * WT, g, t, p)
+        else:
+            for i in T.serial(ITER):
+                if wi + i * WT < NBT and (RT % TL == 0 or rt < RT):
+                    if i > 0:
+                        load_batch(Vw, Mw, af, mf, rt, ks, wi + i * WT, lane, ml, 0)
+                    mma_batch(smw, af, mf, bq, acc, M, ks, wi + i * WT, g, t, 0)
         T.tvm_storage_sync("shared")                # X is read; its memory holds the warps' partial tiles
         for nb in T.unroll(NB):                     # D element r: channel g (+ 8 for r >= 2), row 2t + r % 2
             if nb * 8 < M:
                 for r in T.unroll(4):
                     red[(warp * 16 + g + r // 2 * 8) * RED + nb * 8 + t * 2 + r % 2] = acc[nb * 4 + r]
         T.tvm_storage_sync("shared")
+        # output o: row o // CH, the CTA's channel o % CH (row tile o % CH // 16); warp wi * TL + that tile holds
+        # channel o % 16 at red row (wi * TL + o % CH // 16) * 16 + o % 16 = wi * CH + o % CH
         if KS == 1:
             for it in T.unroll(OUT_ITERS):
                 o = T.meta_var(tx + it * NT)
                 if OUTS % NT == 0 or o < OUTS:
-                    if o // 16 < M and rt * 16 + o % 16 < N:
-                        tot[0] = red[o % 16 * RED + o // 16]
-                        for w in T.unroll(1, W):
-                            tot[0] = tot[0] + red[(w * 16 + o % 16) * RED + o // 16]
-                        epilogue_value(B, Y, tot, o, rt * 16 + o % 16)
+                    if o // CH < M and rtg * CH + o % CH < N:
+                        tot[0] = red[o % CH * RED + o // CH]
+                        for w in T.unroll(1, WT):
+                            tot[0] = tot[0] + red[(w * CH + o % CH) * RED + o // CH]
+                        epilogue_value(B, Y, tot, o // CH, rtg * CH + o % CH)
         else:
             for it in T.unroll(OUT_ITERS):
                 o = T.meta_var(tx + it * NT)
                 if OUTS % NT == 0 or o < OUTS:
-                    if o // 16 < M:
-                        tot[0] = red[o % 16 * RED + o // 16]
-                        for w in T.unroll(1, W):
-                            tot[0] = tot[0] + red[(w * 16 + o % 16) * RED + o // 16]
-                        P[ks, o // 16, rt * 16 + o % 16] = tot[0]
+                    if o // CH < M and (RT % TL == 0 or rtg * CH + o % CH < RT * 16):
+                        tot[0] = red[o % CH * RED + o // CH]
+                        for w in T.unroll(1, WT):
+                            tot[0] = tot[0] + red[(w * CH + o % CH) * RED + o // CH]
+                        P[ks, o // CH, rtg * CH + o % CH] = tot[0]
             T.cuda.thread_fence()
             T.tvm_storage_sync("shared")
             if tx == 0:
-                arrived[0] = T.cuda.atomic_add(Cnt.ptr_to([rt]), 1)
+                arrived[0] = T.cuda.atomic_add(Cnt.ptr_to([rtg]), 1)
             T.tvm_storage_sync("shared")
             last[0] = arrived[0] == KS - 1
             if last[0]:
@@ -202,13 +220,13 @@ def nm_linear(spec: NmLinearSpec):
                 for it in T.unroll(OUT_ITERS):
                     o = T.meta_var(tx + it * NT)
                     if OUTS % NT == 0 or o < OUTS:
-                        if o // 16 < M and rt * 16 + o % 16 < N:
-                            tot[0] = P[0, o // 16, rt * 16 + o % 16]
+                        if o // CH < M and rtg * CH + o % CH < N:
+                            tot[0] = P[0, o // CH, rtg * CH + o % CH]
                             for k2 in T.unroll(1, KS):
-                                tot[0] = tot[0] + P[k2, o // 16, rt * 16 + o % 16]
-                            epilogue_value(B, Y, tot, o, rt * 16 + o % 16)
+                                tot[0] = tot[0] + P[k2, o // CH, rtg * CH + o % CH]
+                            epilogue_value(B, Y, tot, o // CH, rtg * CH + o % CH)
                 if tx == 0:
-                    Cnt[rt] = 0
+                    Cnt[rtg] = 0
 
     return tvm.IRModule({spec.name: _drop_unused(kernel, spec)})
 

@@ -1,6 +1,12 @@
 """Selection rule of the 2:4 sparse linear (the ``gemm_cuda`` table, ``templates/registry.py``): a planned ``nm_sparse``
 sub-operator (``passes/transform/nm.py``) runs the 2:4 kernel for calls of up to ``NM_MAX_ROWS`` rows and the dense
-GEMM over a dense copy above (``KernelChoice.dense_from``); its tiling by shape."""
+GEMM over a dense copy above (``KernelChoice.dense_from``); its tiling by shape (:func:`nm_tiling`) and the row
+buckets worth a kernel (:func:`nm_rows_buckets`).
+
+The rules below come from the H200 runs of ``benchmarks/bench_cuda_nm_linear.py`` (raw JSON under
+``benchmarks/results/nm_linear-h200-*.json``; summary in ``benchmarks/RESULTS.md``, "CUDA 2:4 sparse GEMV"): Llama-7B's
+4096x4096, 11008x4096 and 4096x11008 at 1, 4, 8, 16, 32 and 64 rows.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,68 @@ from ...codegen.select_cuda import GemmSite, choice
 from ...passes.transform.nm import NM_MAX_ROWS
 from ...target import Target
 from ..registry import rule
+from .spec import NmLinearError, NmLinearSpec
+
+# The rows a kernel can be built for (one or more n8 MMAs a K tile): a call of M rows runs the smallest bucket >= M.
+KERNEL_ROWS = (1, 8, 16, 32, 64)
+# The buckets worth building: up to 8 rows the 2:4 kernel beat cuBLAS at every shape (1.2-2.2x at 1-8 rows, run of
+# 2026-11-28); at 16 rows and above it lost (0.75-0.95x at 16, 0.1-0.46x at 32 and 64), so those rows run the dense
+# GEMM (``NM_MAX_ROWS``). ``tiles`` / ``prefetch`` (several row tiles a CTA; double-buffered fragments) are meant to
+# move 16 rows above cuBLAS: add 16 here when a run shows it.
+ROWS_BUCKETS = (1, 8)
+# The longest K range a CTA should own, by kernel rows (ksplit = the smallest power of two that cuts K under it):
+# 1-8 rows: one CTA over K = 4096 (w8 i8 k1: 4096x4096 and 11008x4096 at 1, 4 and 8 rows), two over K = 11008
+# (k2: 4096x11008 at 1 and 8 rows); 16 and 32 rows: ranges of ~1024-1376 (k4 at K = 4096, k8 at K = 11008); 64
+# rows: 1024 or less (k4 at 4096, k16 at 11008).
+MAX_RANGE = {1: 6144, 8: 6144, 16: 1408, 32: 1408, 64: 1024}
+
+
+def nm_kernel_rows(rows: int) -> int:
+    """The rows of the kernel that serves calls of up to ``rows`` rows (1..64)."""
+    if not 1 <= rows <= KERNEL_ROWS[-1]:
+        raise NmLinearError(f"2:4 sparse linear: rows={rows} must be 1..{KERNEL_ROWS[-1]}")
+    return next(b for b in KERNEL_ROWS if b >= rows)
+
+
+def nm_rows_buckets() -> tuple[int, ...]:
+    """The row buckets the family builds a kernel for (a call runs the smallest bucket >= its rows; above the last,
+    the dense GEMM)."""
+    return ROWS_BUCKETS
 
 
 def nm_tiling(n: int, k: int, rows: int, sms: int) -> dict:
-    """The 2:4 kernel's knobs for an (N, K) linear of up to ``rows`` rows: 8 warps with 8 K tiles in flight, and
-    split K in two where K is longer than N (fewer row tiles than the SMs want; measured: benchmarks/RESULTS.md,
-    "CUDA 2:4 sparse GEMV", the best at 4 and 8 rows)."""
-    return dict(warps=8, inflight=8, ksplit=2 if k > n else 1)
+    """The 2:4 kernel's :class:`NmLinearSpec` knobs (``rows``: the bucket, ``warps``, ``inflight``, ``ksplit``,
+    ``tiles``, ``prefetch``) for an (N, K) linear called with up to ``rows`` rows on a GPU of ``sms`` SMs. Measured:
+    benchmarks/RESULTS.md, "CUDA 2:4 sparse GEMV"."""
+    bucket = nm_kernel_rows(rows)
+    if bucket == 1:
+        # 1 row: w8 i8 where N >= K (4096x4096 1.99x, 11008x4096 1.80x); w4 i16 where K > N (4096x11008: w4i16k2
+        # 14.6 us against w8i8 k4 15.5)
+        warps, inflight = (8, 8) if n >= k else (4, 16)
+    elif bucket == 8:
+        # 4-8 rows: w8 i8 at every shape (4096x11008 at 4 rows: w4i16k4 19.5 us, w8i8k2 20.0 — within 3%)
+        warps, inflight = 8, 8
+    else:
+        # 16-64 rows: w4 i8 (16 rows: k4 at K = 4096, k8 at 11008; 32, 64 rows: w4i8 or w2i16, w4i8 within 5%)
+        warps, inflight = 4, 8
+    limit = MAX_RANGE[bucket]
+    groups = -(-k // 128)
+    ksplit = 1
+    while ksplit < groups and -(-groups // ksplit) * 128 > limit:
+        ksplit *= 2
+    # not measured, a guard: at least one CTA an SM (every measured shape had >= 256 row tiles)
+    while -(-n // 16) * ksplit < sms and ksplit * 2 <= groups:
+        ksplit *= 2
+    knobs = dict(rows=bucket, warps=warps, inflight=inflight, ksplit=min(ksplit, groups), tiles=1, prefetch=False)
+    # X of too many rows for shared memory: a longer split (X is staged for one CTA's K range)
+    while True:
+        try:
+            NmLinearSpec(n, k, **knobs)
+            return knobs
+        except NmLinearError:
+            if knobs["ksplit"] >= groups:
+                raise
+            knobs["ksplit"] = min(groups, knobs["ksplit"] * 2)
 
 
 @rule("gemm_cuda", 20)
@@ -29,4 +90,4 @@ def nm_sparse(site: GemmSite, target: Target):
                   nm_tiling(site.n, site.k, NM_MAX_ROWS, target.sms), dense_from=NM_MAX_ROWS + 1 if many else None)
 
 
-__all__ = ["nm_sparse", "nm_tiling"]
+__all__ = ["nm_sparse", "nm_tiling", "nm_rows_buckets", "nm_kernel_rows"]

@@ -52,6 +52,8 @@ class NmLinearSpec:
     inflight: int = 8          # K tiles a warp loads before it multiplies: 4, 8 or 16
     ksplit: int = 1            # CTAs splitting K per row tile (partials summed by the last to arrive)
     pdl: bool = True           # programmatic dependent launch (sm_90)
+    tiles: int = 1             # row tiles (16 channels each) a CTA owns: X staged once serves them all
+    prefetch: bool = False     # double-buffer the weight fragments: the next batch loads while this one multiplies
     name: str = "nm_linear"
 
     def __post_init__(self):
@@ -70,6 +72,12 @@ class NmLinearSpec:
             bad.append(f"inflight={self.inflight} must be 4, 8 or 16")
         if self.ksplit < 1:
             bad.append(f"ksplit={self.ksplit} must be >= 1")
+        if self.tiles not in (1, 2, 4, 8):
+            bad.append(f"tiles={self.tiles} must be 1, 2, 4 or 8")
+        elif self.warps % self.tiles:
+            bad.append(f"warps={self.warps} must be a multiple of tiles={self.tiles} (each row tile has its warps)")
+        if not isinstance(self.prefetch, bool):
+            bad.append(f"prefetch={self.prefetch!r} must be a bool")
         if not bad and self.ksplit > self.groups:
             bad.append(f"ksplit={self.ksplit} is over the {self.groups} groups of 128 columns of K={self.k}")
         if not bad and self.shared_bytes > SHARED_LIMIT:
@@ -82,6 +90,16 @@ class NmLinearSpec:
     @property
     def row_tiles(self) -> int:
         return -(-self.n // 16)
+
+    @property
+    def cta_rows(self) -> int:
+        """CTAs along N (``tiles`` row tiles each; the last may own fewer)."""
+        return -(-self.row_tiles // self.tiles)
+
+    @property
+    def tile_warps(self) -> int:
+        """Warps sharing one row tile (they take its batches round robin)."""
+        return self.warps // self.tiles
 
     @property
     def groups(self) -> int:

@@ -1,8 +1,9 @@
 """The 2:4 sparse linear on the GPU against its torch reference and the masked dense linear: fp16 and bf16, odd N and
 K, 0 to 64 rows, 2:4, 1:4 and 0:4 groups (and all-zero weights), bias and activations, split K (its counters reset
-after each call), PDL on and off (a chain of launches each reading the last one's output), leading dimensions,
-``torch.compile`` and a CUDA graph replayed on new inputs. Kernels are built beforehand where TVM is
-(``tests/fixtures/build_cuda.py``: the ``nm_*`` fixtures)."""
+after each call), several row tiles a CTA (the last owning fewer) and prefetched weight fragments, PDL on and off (a
+chain of launches each reading the last one's output), leading dimensions, ``torch.compile`` and a CUDA graph
+replayed on new inputs. Kernels are built beforehand where TVM is (``tests/fixtures/build_cuda.py``: the ``nm_*``
+fixtures)."""
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from fixtures.artifacts import MISSING, ROOT
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CASES = ["nm_r1_bf16", "nm_r1_fp16_nopdl", "nm_r3_bias_gelu", "nm_r8_if4_relu", "nm_r2_kodd_fp16",
          "nm_r16_ks3_silu_fp16", "nm_r16_ks4_if16_bf16", "nm_r4_square_chain", "nm_r32_ks2_bf16",
-         "nm_r64_w8_relu_fp16"]
+         "nm_r64_w8_relu_fp16", "nm_r16_t4_ks3_pf_fp16", "nm_r8_t2_pf_gelu", "nm_r1_t8_bf16",
+         "nm_r16_t2_kodd_pf_nopdl", "nm_r16_t8_ks2_pf_bf16"]
 KEEP = {"2:4": (2,), "mixed": (0, 1, 2), "1:4": (1,), "0:4": (0,)}
 TOL = {torch.float16: dict(rtol=4e-3, atol=4e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -86,7 +88,8 @@ def test_no_rows_too_many_rows_and_leading_dims(name):
         module(_x(module, module.spec.rows + 1, seed=3))
 
 
-@pytest.mark.parametrize("name", ["nm_r16_ks3_silu_fp16", "nm_r16_ks4_if16_bf16", "nm_r32_ks2_bf16"])
+@pytest.mark.parametrize("name", ["nm_r16_ks3_silu_fp16", "nm_r16_ks4_if16_bf16", "nm_r32_ks2_bf16",
+                                  "nm_r16_t4_ks3_pf_fp16", "nm_r16_t8_ks2_pf_bf16"])
 def test_split_k_counters_reset_between_calls(name):
     module = _module(name)
     for seed, m in ((1, module.spec.rows), (2, 5), (3, module.spec.rows), (4, 1)):
@@ -142,7 +145,7 @@ def test_runs_inside_torch_compile():
         torch.testing.assert_close(compiled(x).cpu(), want, **TOL[x.dtype])
 
 
-@pytest.mark.parametrize("name", ["nm_r1_bf16", "nm_r1_fp16_nopdl", "nm_r16_ks4_if16_bf16"])
+@pytest.mark.parametrize("name", ["nm_r1_bf16", "nm_r1_fp16_nopdl", "nm_r16_ks4_if16_bf16", "nm_r16_t8_ks2_pf_bf16"])
 def test_a_cuda_graph_replays_on_new_inputs(name):
     module = _module(name)
     m = module.spec.rows

@@ -261,6 +261,9 @@ def test_bad_weights_and_packed_tensors_are_refused():
     (dict(rows=64, k=11008), "shared memory"),
     (dict(n=0), "positive"),
     (dict(act="tanh"), "activation"),
+    (dict(tiles=3), "tiles"),
+    (dict(tiles=4, warps=2), "multiple of tiles"),
+    (dict(prefetch=1), "prefetch"),
 ])
 def test_bad_specs_are_refused_with_the_reason(kw, words):
     with pytest.raises(NmLinearError, match=words) as info:
@@ -275,6 +278,57 @@ def test_geometry_and_bytes():
     assert bytes_floor(4096, 4096) == 4096 * 4096 * 9 / 8
     assert split_buffers(spec, "cpu")["P"].shape == (4, 16, 4096)
     assert split_buffers(NmLinearSpec(64, 256), "cpu") == {}
+    tiled = NmLinearSpec(300, 4096, rows=16, warps=8, tiles=8, ksplit=2)
+    assert tiled.cta_rows == 3 and tiled.tile_warps == 1 and tiled.shared_bytes == spec.__class__(
+        300, 4096, rows=16, warps=8, ksplit=2).shared_bytes          # X is staged once a CTA, whatever its tiles
+    assert split_buffers(tiled, "cpu")["Cnt"].shape == (tiled.row_tiles,)
+
+
+def work_split(spec: NmLinearSpec):
+    """The kernel's index math (kernel.py) replayed in Python: which (row tile, K tile) each (CTA, warp) multiplies,
+    and, per output (row, channel) of a CTA, the ``red`` rows its reduction sums."""
+    TL, WT, NBT, IF, RG = spec.tiles, spec.tile_warps, spec.batches, spec.inflight, spec.range_groups
+    done, red_rows = [], {}
+    for rtg in range(spec.cta_rows):
+        for ks in range(spec.ksplit):
+            for warp in range(spec.warps):
+                wi, rt = warp // TL, rtg * TL + warp % TL
+                if rt >= spec.row_tiles:
+                    continue
+                for i in range(-(-NBT // WT)):
+                    b = wi + i * WT
+                    if b >= NBT:
+                        continue
+                    for gi in range(IF // 4):
+                        if b * (IF // 4) + gi < RG and ks * RG + b * (IF // 4) + gi < spec.groups:
+                            done += [(rt, (ks * RG + b * (IF // 4) + gi) * 4 + q, warp, rtg) for q in range(4)]
+            CH = 16 * TL
+            for o in range(CH * spec.rows):
+                n = rtg * CH + o % CH
+                if n < spec.n:      # red row w * CH + o % CH = (warp w * TL + tile) * 16 + channel
+                    red_rows[(o // CH, n)] = [((w * CH + o % CH) // 16, rtg) for w in range(WT)]
+    return done, red_rows
+
+
+@pytest.mark.parametrize("kw", [dict(n=130, k=1000, rows=16, ksplit=3, warps=4, inflight=4, tiles=4),
+                                dict(n=333, k=520, rows=8, warps=4, inflight=4, tiles=2, prefetch=True),
+                                dict(n=1000, k=2056, warps=8, tiles=8), dict(n=300, k=4096, rows=16, warps=8,
+                                                                            tiles=8, ksplit=2, prefetch=True),
+                                dict(n=64, k=256, warps=8, tiles=2, inflight=4)])
+def test_tiles_cover_every_row_and_k_tile_once_and_reduce_their_own_warps(kw):
+    spec = NmLinearSpec(**kw)
+    done, red_rows = work_split(spec)
+    pairs = [(rt, kt) for rt, kt, _, _ in done]
+    assert sorted(pairs) == [(rt, kt) for rt in range(spec.row_tiles) for kt in range(spec.k_tiles)]
+    multiplied = {}
+    for rt, _, warp, rtg in done:
+        multiplied.setdefault(rt, set()).add((warp, rtg))
+    for (row, n), summed in red_rows.items():
+        # the reduction of channel n sums its own CTA's warps of n's row tile: every one that multiplied it (a warp
+        # without a batch adds its zeros), none of another tile
+        assert multiplied[n // 16] <= set(summed), (row, n)
+        assert all(warp % spec.tiles == n // 16 % spec.tiles and rtg == n // 16 // spec.tiles
+                   for warp, rtg in summed), (row, n)
 
 
 # ---- TVM and nvcc ----------------------------------------------------------------------------------------------
@@ -315,7 +369,9 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernels")
     specs = {"nm_one": NmLinearSpec(77, 200, rows=3, bias=True, act="gelu", name="nm_one"),
              "nm_split": NmLinearSpec(130, 1003, rows=16, dtype="float16", ksplit=3, warps=2, pdl=False,
-                                      name="nm_split")}
+                                      name="nm_split"),
+             "nm_tiled": NmLinearSpec(300, 2048, rows=16, warps=8, tiles=4, ksplit=2, prefetch=True,
+                                      name="nm_tiled")}
     try:
         yield {name: (spec, build_kernel(spec, out)) for name, spec in specs.items()}
     finally:
@@ -326,7 +382,7 @@ def test_builds_for_sm80_and_sm90(built):
     for name, (spec, folder) in built.items():
         launch = json.loads((folder / "launch.json").read_text())
         assert sorted(launch["cubins"]) == ["sm_80", "sm_90"] and bool(launch.get("pdl")) == spec.pdl
-        assert launch["grid"] == [spec.row_tiles, spec.ksplit, 1] and launch["block"] == [32 * spec.warps, 1, 1]
+        assert launch["grid"] == [spec.cta_rows, spec.ksplit, 1] and launch["block"] == [32 * spec.warps, 1, 1]
         assert launch["shared_bytes"] == spec.shared_bytes
         args = {a["name"] for a in launch["args"]}
         passed = {"X", "Vals", "Meta", "Y"} | ({"B"} if spec.bias else set()) | set(split_buffers(spec, "cpu"))
@@ -360,3 +416,57 @@ def test_module_packs_fakes_saves_and_refuses_cpu_inputs(built):
     other, _ = built["nm_one"]
     with pytest.raises(NmLinearError, match="values must be"):
         NmLinearCUDA(folder, spec, pack_nm(*two_four(other.n, other.k)[:1], other, two_four(other.n, other.k)[1]))
+
+
+# ---- selection: tiling by shape and the row buckets ---------------------------------------------------------------
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 1024), (77, 200),
+          (65, 203), (32000, 4096), (128, 8192)]
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("sms", [132, 108, 16])
+def test_nm_tiling_gives_valid_knobs_for_every_rows(n, k, sms):
+    from sparta.templates.nm_linear.select import KERNEL_ROWS, nm_tiling
+    prev = None
+    for rows in range(1, 65):
+        t = nm_tiling(n, k, rows, sms)
+        assert set(t) == {"rows", "warps", "inflight", "ksplit", "tiles", "prefetch"}
+        assert t["rows"] == next(b for b in KERNEL_ROWS if b >= rows)
+        spec = NmLinearSpec(n, k, **t)                   # every knob valid (raises otherwise)
+        assert spec.batches >= 1 and spec.ksplit <= spec.groups
+        if prev is not None and prev["rows"] == t["rows"]:
+            assert prev == t, "one bucket, one kernel"
+        if prev is not None and t["rows"] > 8 and prev["rows"] > 8:
+            assert t["ksplit"] >= prev["ksplit"], "more rows: X takes more shared memory, K splits no less"
+        prev = t
+
+
+def test_nm_tiling_splits_longer_k_more_and_fills_the_sms():
+    from sparta.templates.nm_linear.select import nm_tiling
+    for rows in (1, 8, 16, 64):
+        splits = [nm_tiling(4096, k, rows, 132)["ksplit"] for k in (1024, 4096, 11008, 14336, 28672)]
+        assert splits == sorted(splits), (rows, splits)
+    small = nm_tiling(128, 8192, 1, 132)                 # 8 row tiles: K split until the SMs have a CTA each
+    assert 8 * small["ksplit"] >= 64 and small["ksplit"] <= 64
+
+
+def test_nm_tiling_picks_the_measured_best_at_llama_7b_shapes():
+    """benchmarks/RESULTS.md, "CUDA 2:4 sparse GEMV" (the 2026-11-28 H200 run's best per case)."""
+    from sparta.templates.nm_linear.select import nm_tiling
+    pick = {(n, k, r): (t["warps"], t["inflight"], t["ksplit"])
+            for n, k in [(4096, 4096), (11008, 4096), (4096, 11008)] for r in (1, 8, 16)
+            for t in [nm_tiling(n, k, r, 132)]}
+    assert pick == {(4096, 4096, 1): (8, 8, 1), (4096, 4096, 8): (8, 8, 1), (4096, 4096, 16): (4, 8, 4),
+                    (11008, 4096, 1): (8, 8, 1), (11008, 4096, 8): (8, 8, 1), (11008, 4096, 16): (4, 8, 4),
+                    (4096, 11008, 1): (4, 16, 2), (4096, 11008, 8): (8, 8, 2), (4096, 11008, 16): (4, 8, 8)}
+
+
+def test_nm_rows_buckets():
+    from sparta.passes.transform.nm import NM_MAX_ROWS
+    from sparta.templates.nm_linear.select import KERNEL_ROWS, nm_kernel_rows, nm_rows_buckets
+    buckets = nm_rows_buckets()
+    assert buckets[0] == 1 and list(buckets) == sorted(set(buckets)) and set(buckets) <= set(KERNEL_ROWS)
+    assert buckets[-1] == NM_MAX_ROWS, "the largest bucket is where the plan switches to the dense GEMM"
+    assert [nm_kernel_rows(r) for r in (1, 2, 8, 9, 16, 17, 64)] == [1, 8, 8, 16, 16, 32, 64]
+    with pytest.raises(NmLinearError, match="rows"):
+        nm_kernel_rows(65)
