@@ -1,6 +1,7 @@
 """Codegen of the FP8 GEMV: one kernel built (TVM + nvcc, cached) and wrapped with its packed weight.
 
-A plan runs it through ``graph_build.py``; :func:`build_fp8_gemv` builds it for a weight (and block mask) given directly.
+A plan runs it through ``graph_build.py``; :func:`build_fp8_gemv` builds it for a weight (and block mask) given
+directly.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ def fp8_weights(site: GemmSite, target: Target):
     s = fp8[0]
     if s.weight_format != FP8_FORMAT or len(site.plan.subops) > 1 or (s.weight_bits, s.act_bits) != (8, 16) \
             or s.act_format not in ("fp16", "bf16"):
-        return choice("torch", "fp8_weights", f"{s.describe()}: the FP8 GEMV runs one {FP8_FORMAT} weight beside 16-bit "
-                      "activations; runs as a torch op at the model's dtype")
+        return choice("torch", "fp8_weights", f"{s.describe()}: the FP8 GEMV runs one {FP8_FORMAT} weight beside "
+                      "16-bit activations; runs as a torch op at the model's dtype")
     if site.requantized:
         return choice("torch", "fp8_weights", "FP8 weights with int8 output codes: no FP8 kernel writes them; runs as "
                       "a torch op")

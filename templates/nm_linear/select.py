@@ -18,10 +18,9 @@ from .spec import NmLinearError, NmLinearSpec
 
 # The rows a kernel can be built for (one or more n8 MMAs a K tile): a call of M rows runs the smallest bucket >= M.
 KERNEL_ROWS = (1, 8, 16, 32, 64)
-# The buckets worth building: up to 8 rows the 2:4 kernel beat cuBLAS at every shape (1.2-2.2x at 1-8 rows, run of
-# 2026-11-28); at 16 rows and above it lost (0.75-0.95x at 16, 0.1-0.46x at 32 and 64), so those rows run the dense
-# GEMM (``NM_MAX_ROWS``). ``tiles`` / ``prefetch`` (several row tiles a CTA; double-buffered fragments) are meant to
-# move 16 rows above cuBLAS: add 16 here when a run shows it.
+# The buckets worth building: up to 8 rows the 2:4 kernel beats cuBLAS at every shape (1.6-2.2x at 1-8 rows, run of
+# 2026-11-29); at 16 rows the tiled kernels beat it too (1.21-1.44x: w8i8k4t4p, w8i8k8t8p, w16i8k4t8), but a plan
+# runs one 2:4 kernel (``NM_MAX_ROWS`` = 8) and the dense GEMM above: a 16-row bucket needs a second kernel.
 ROWS_BUCKETS = (1, 8)
 # The longest K range a CTA should own, by kernel rows (ksplit = the smallest power of two that cuts K under it):
 # 1-8 rows: one CTA over K = 4096 (w8 i8 k1: 4096x4096 and 11008x4096 at 1, 4 and 8 rows), two over K = 11008
@@ -48,25 +47,32 @@ def nm_tiling(n: int, k: int, rows: int, sms: int) -> dict:
     ``tiles``, ``prefetch``) for an (N, K) linear called with up to ``rows`` rows on a GPU of ``sms`` SMs. Measured:
     benchmarks/RESULTS.md, "CUDA 2:4 sparse GEMV"."""
     bucket = nm_kernel_rows(rows)
+    tiles, prefetch, least = 1, False, 1
     if bucket == 1:
         # 1 row: w8 i8 where N >= K (4096x4096 1.99x, 11008x4096 1.80x); w4 i16 where K > N (4096x11008: w4i16k2
         # 14.6 us against w8i8 k4 15.5)
         warps, inflight = (8, 8) if n >= k else (4, 16)
+    elif bucket == 8 and k > n:
+        # 4-8 rows, K longer than N: four row tiles a CTA, K split at least in four, prefetched (4096x11008: w8i8k4t4p
+        # 15.0 / 16.9 us at 4 / 8 rows against w8i8k2's 20.0 / 23.2; run of 2026-11-29)
+        warps, inflight, tiles, prefetch, least = 8, 8, 4, True, 4
     elif bucket == 8:
-        # 4-8 rows: w8 i8 at every shape (4096x11008 at 4 rows: w4i16k4 19.5 us, w8i8k2 20.0 — within 3%)
+        # 4-8 rows: w8 i8 over the whole K (4096x4096 6.1 / 7.2 us; 11008x4096 14.5 / 17.7; the tiled variants
+        # within 3% at the sum of 4 and 8 rows)
         warps, inflight = 8, 8
     else:
         # 16-64 rows: w4 i8 (16 rows: k4 at K = 4096, k8 at 11008; 32, 64 rows: w4i8 or w2i16, w4i8 within 5%)
         warps, inflight = 4, 8
     limit = MAX_RANGE[bucket]
     groups = -(-k // 128)
-    ksplit = 1
+    ksplit = min(least, groups)
     while ksplit < groups and -(-groups // ksplit) * 128 > limit:
         ksplit *= 2
-    # not measured, a guard: at least one CTA an SM (every measured shape had >= 256 row tiles)
-    while -(-n // 16) * ksplit < sms and ksplit * 2 <= groups:
+    # not measured, a guard: at least one CTA an SM (every measured shape had >= 64 CTAs along N)
+    while -(-n // (16 * tiles)) * ksplit < sms and ksplit * 2 <= groups:
         ksplit *= 2
-    knobs = dict(rows=bucket, warps=warps, inflight=inflight, ksplit=min(ksplit, groups), tiles=1, prefetch=False)
+    knobs = dict(rows=bucket, warps=warps, inflight=inflight, ksplit=min(ksplit, groups), tiles=tiles,
+                 prefetch=prefetch)
     # X of too many rows for shared memory: a longer split (X is staged for one CTA's K range)
     while True:
         try:

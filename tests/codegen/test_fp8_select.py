@@ -46,6 +46,7 @@ def test_a_dense_and_a_sparse_fp8_weight_pick_their_tilings_and_report_each_buck
     assert choice.dense_from == fp8_dense_from(11008, 4096, 344 * 128, target.profile)
     assert choice.kernel_at(1).startswith("fp8_gemv") and choice.kernel_at(4096) == "cuBLAS[dense copy]"
     (top, label, rows, est, dense), last = choice.bucket_us[0], choice.bucket_us[-1]
+    assert est < dense, "the GEMV where it is cheaper"
     assert label.startswith("fp8_gemv") and top == rows == choice.dense_from - 1
     assert est == pytest.approx(target.profile.low_bit_gemv_us("fp8_gemv", rows, fp8_bytes(344 * 128, 11008)),
                                 abs=1e-3)

@@ -1,6 +1,6 @@
 """An MLP of 8-bit weights compiled where TVM is (``tests/fixtures/saved_models.py``, ``save_fp8_mlp``), loaded on a
 GPU: calls of few rows run the FP8 GEMV (E4M3 weights), more rows cuBLAS over a dense copy of the dequantised weights;
-every row count matches the model with the weights the kernels apply, also when a call replays in a CUDA graph, and a
+every row count matches the model with the weights the kernels apply, each kernel module replays in a CUDA graph, and a
 kernels-only save packs a checkpoint's weights again on the GPU."""
 
 import pytest
@@ -38,20 +38,24 @@ def test_every_row_count_matches_the_dequantised_model_on_the_kernel_its_plan_na
     assert all(m.dense_w is not None for m in mods.values()), "calls above dense_from built the dense copies"
 
 
-def test_a_captured_decode_step_replays_on_new_inputs():
+def test_each_kernel_module_replays_in_a_cuda_graph_on_new_inputs():
+    from sparta.templates.epilogue_ref import activate
     model = _load()
-    reference = model.reference().to("cuda")
-    x = torch.randn(1, 2, 1024, device="cuda").bfloat16()
-    with torch.no_grad():
-        model(x)                                             # warm: kernels loaded, launches prepared
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = model(x)
-        for seed in range(3):
-            x.copy_(torch.randn(1, 2, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
-            graph.replay()
-            err = _err(out, reference(x))
-            assert err < 2e-2, (seed, err)
+    for m in check_fp8_mlp(model).values():
+        x = torch.randn(3, m.spec.k, device="cuda").bfloat16()
+        w = m.dense_weight().cuda()
+        with torch.no_grad():
+            m(x)                                             # warm: kernel loaded, launch prepared
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = m(x)
+            for seed in range(3):
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                x.copy_(torch.randn(3, m.spec.k, device="cuda", generator=g))
+                graph.replay()
+                y = x.float() @ w.T + (m.bias.float() if m.bias is not None else 0)
+                err = _err(out, activate(y, m.spec.act))
+                assert err < 2e-2, (m.op_name, seed, err)
 
 
 def test_a_kernels_only_save_packs_the_checkpoint_again_on_the_gpu(tmp_path):

@@ -451,14 +451,16 @@ def test_nm_tiling_splits_longer_k_more_and_fills_the_sms():
 
 
 def test_nm_tiling_picks_the_measured_best_at_llama_7b_shapes():
-    """benchmarks/RESULTS.md, "CUDA 2:4 sparse GEMV" (the 2026-11-28 H200 run's best per case)."""
+    """benchmarks/RESULTS.md, "CUDA 2:4 sparse GEMV" (the H200 runs' best per case)."""
     from sparta.templates.nm_linear.select import nm_tiling
-    pick = {(n, k, r): (t["warps"], t["inflight"], t["ksplit"])
+    pick = {(n, k, r): (t["warps"], t["inflight"], t["ksplit"], t["tiles"], t["prefetch"])
             for n, k in [(4096, 4096), (11008, 4096), (4096, 11008)] for r in (1, 8, 16)
             for t in [nm_tiling(n, k, r, 132)]}
-    assert pick == {(4096, 4096, 1): (8, 8, 1), (4096, 4096, 8): (8, 8, 1), (4096, 4096, 16): (4, 8, 4),
-                    (11008, 4096, 1): (8, 8, 1), (11008, 4096, 8): (8, 8, 1), (11008, 4096, 16): (4, 8, 4),
-                    (4096, 11008, 1): (4, 16, 2), (4096, 11008, 8): (8, 8, 2), (4096, 11008, 16): (4, 8, 8)}
+    assert pick == {(4096, 4096, 1): (8, 8, 1, 1, False), (4096, 4096, 8): (8, 8, 1, 1, False),
+                    (4096, 4096, 16): (4, 8, 4, 1, False), (11008, 4096, 1): (8, 8, 1, 1, False),
+                    (11008, 4096, 8): (8, 8, 1, 1, False), (11008, 4096, 16): (4, 8, 4, 1, False),
+                    (4096, 11008, 1): (4, 16, 2, 1, False), (4096, 11008, 8): (8, 8, 4, 4, True),
+                    (4096, 11008, 16): (4, 8, 8, 1, False)}
 
 
 def test_nm_rows_buckets():
