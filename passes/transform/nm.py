@@ -11,8 +11,9 @@ from ...tesa import TeSA
 from .plan import SubOp
 from .profile import HardwareProfile
 
-NM_MAX_ROWS = 8          # calls the 2:4 GEMV takes; more rows run the dense GEMM (measured: benchmarks/RESULTS.md,
-#                          "CUDA 2:4 sparse GEMV": it trails cuBLAS from 16 rows)
+NM_MAX_ROWS = 16         # calls the 2:4 kernels take (one built for 8 rows, one for 16); more rows run the dense GEMM
+#                          (measured: benchmarks/RESULTS.md, "CUDA 2:4 sparse GEMV": 1.2-1.4x cuBLAS at 16 rows)
+NM_FEW_ROWS = 8          # calls of up to this many rows run the 8-row kernel
 
 
 def is_two_four(mask: torch.Tensor) -> bool:
@@ -46,4 +47,4 @@ def nm_option(wtesa: TeSA, profile: HardwareProfile, rows: list[int], dense_at: 
     return costs, [sub], f"2:4@W{model_bits[0]}A{model_bits[1]}"
 
 
-__all__ = ["NM_MAX_ROWS", "is_two_four", "nm_bytes", "nm_option"]
+__all__ = ["NM_FEW_ROWS", "NM_MAX_ROWS", "is_two_four", "nm_bytes", "nm_option"]

@@ -197,12 +197,14 @@ class HardwareProfile:
                                     self.weight_stream_us(n * k, weight_bits))
 
     def low_bit_gemv_us(self, family: str, m: int, nbytes: int) -> float | None:
-        """A low-bit GEMV (``w4a16_gemv``, ``w8a8_gemv``) streaming ``nbytes`` of codes and scales at ``m`` rows: a
-        fixed cost plus the bytes at its measured rate, both linear in the rows between the measured ones."""
+        """A few-row GEMV (``w4a16_gemv``, ``w8a8_gemv``, ``nm_linear``, ...) streaming ``nbytes`` at ``m`` rows: a
+        fixed cost plus the bytes at its measured rate, both linear in the rows between the two measured row counts
+        around ``m`` (flat outside them)."""
         points = sorted((int(r), v) for r, v in self.low_bit_gemv.get(family, {}).items())
         if not points:
             return None
-        (r0, (c0, g0)), (r1, (c1, g1)) = points[0], points[-1]
+        i = next((i for i, (r, _) in enumerate(points) if r >= m), len(points) - 1)
+        (r0, (c0, g0)), (r1, (c1, g1)) = points[max(i - 1, 0)], points[i]
         t = 0.0 if r1 == r0 else min(max((m - r0) / (r1 - r0), 0.0), 1.0)
         return c0 + t * (c1 - c0) + nbytes / ((g0 + t * (g1 - g0)) * 1e3)
 

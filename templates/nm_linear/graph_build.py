@@ -1,5 +1,6 @@
 """Codegen of a planned 2:4 linear (a ``nm_sparse`` sub-operator, ``passes/transform/nm.py``): the kernel for the
-calls of up to ``NM_MAX_ROWS`` rows with selection's tiling, the packed weight, and the dense GEMM above them
+calls of up to ``NM_MAX_ROWS`` rows with selection's tilings (and the kernel for fewer rows, ``few_rows``), the packed
+weight, and the dense GEMM above them
 (``KernelChoice.dense_from``)."""
 
 from __future__ import annotations
@@ -35,16 +36,20 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     act = site.act if parts.fused is not None and not site.gate else "none"
     spec = nm_spec(n, k, site.act16, bias is not None, act, choice.tiles)
     art = build_cuda(nm_linear, spec)
+    few = [(nm_spec(n, k, site.act16, bias is not None, act, t), top) for top, _, t in choice.few_rows or ()]
+    few_arts = [build_cuda(nm_linear, f) for f, _ in few]
     keep = op_plan.kept(n, k)
     meta = meta_weight(graph, op) is not None    # a meta-device model: ones where kept (repacked at load)
     weight = (keep if meta else site.weight).to(DTYPES[spec.dtype])
     out = (parts.fused if act != "none" else op).outputs[0]
     module = NmLinearCUDA(art.path, spec, pack_nm(weight, spec, keep), bias, op.name, x_name=x_name,
-                          out_shape=graph.tensor(out).shape, dense_from=choice.dense_from)
+                          out_shape=graph.tensor(out).shape, dense_from=choice.dense_from,
+                          few=(few_arts[0].path, few[0][0]) if few else None)
     bind(module, graph, op, view, reference=False)
-    row = report_row(op, "nm_linear", "2:4", "W16A16 (bf16)" if spec.dtype == "bfloat16" else "W16A16", "-", [art])
-    row["note"] = f"up to {spec.rows} rows on mma.sp" + (f"; from {choice.dense_from} rows cuBLAS over a dense copy"
-                                                          if choice.dense_from else "")
+    row = report_row(op, "nm_linear", "2:4", "W16A16 (bf16)" if spec.dtype == "bfloat16" else "W16A16", "-",
+                     [art, *few_arts])
+    row["note"] = "".join(f"up to {top} rows on {f.name}; " for f, top in few) + f"up to {spec.rows} rows on mma.sp" \
+        + (f"; from {choice.dense_from} rows cuBLAS over a dense copy" if choice.dense_from else "")
     return module, [row], parts.fused if act != "none" else None
 
 

@@ -57,7 +57,9 @@ class NmLinearOp(PackedGemvOp):
 class NmLinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule):
     """``y = act(x · (W ⊙ mask)ᵀ + b)`` on the 2:4 sparse tensor cores (the op ``sparta::nm_linear``) for ``x``
     (..., K) with at most ``spec.rows`` rows in all, or more from ``dense_from`` rows on, which run cuBLAS over a
-    dense copy; ``y`` in ``x``'s dtype. In a compiled graph it stands for op ``op_name`` (:class:`GraphGemv`)."""
+    dense copy; ``y`` in ``x``'s dtype. ``few`` (``(folder, spec)``): a kernel built for fewer rows over the same
+    packed weight, run for calls of up to its rows. In a compiled graph it stands for op ``op_name``
+    (:class:`GraphGemv`)."""
 
     kernel_family = "nm_linear"
     op_class, packed_names = NmLinearOp, ("values", "meta")
@@ -66,10 +68,20 @@ class NmLinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule)
 
     def __init__(self, folder, spec: NmLinearSpec, packed: NmPacked, bias: torch.Tensor | None = None,
                  op_name: str = "nm_linear", x_name: str | None = None, out_shape: tuple | None = None,
-                 dense_from: int | None = None):
+                 dense_from: int | None = None, few: tuple | None = None):
         super().__init__()
         bias = bias.detach().to(DTYPES[spec.dtype]).contiguous() if bias is not None else None
         check_packed(spec, packed, bias)
+        self.few_folder, self.few_spec = (None, None) if few is None else (str(few[0]), few[1])
+        if few is not None:
+            check_saved_spec(op_name, few[0], few[1])
+            if (few[1].n, few[1].k, few[1].dtype, few[1].bias, few[1].act) != (spec.n, spec.k, spec.dtype, spec.bias,
+                                                                                 spec.act) or few[1].rows >= spec.rows:
+                raise NmLinearError(f"2:4 sparse linear {spec.name}: its few-row kernel {few[1].name} must compute "
+                                    f"the same linear for fewer than {spec.rows} rows")
+            for key, buf in split_buffers(few[1], packed.values.device).items():
+                self.register_buffer(f"few_split_{key}", buf, persistent=False)
+        self._few_op = None
         self.folder, self.spec, self.op_name = str(folder), spec, op_name
         self.register_buffer("values", packed.values)
         self.register_buffer("meta", packed.meta)
@@ -96,6 +108,16 @@ class NmLinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule)
     def packed(self) -> NmPacked:
         return NmPacked(self.values, self.meta)
 
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        x = inputs[0]
+        if self.few_spec is None or x.shape[0] > self.few_spec.rows or not (x.is_cuda and self.values.is_cuda):
+            return GraphGemv.launch(self, inputs)
+        key = (self.values.data_ptr(), self.meta.data_ptr())
+        if self._few_op is None or self._few_op[0] != key:
+            split = {"P": self.few_split_P, "Cnt": self.few_split_Cnt} if self.few_spec.ksplit > 1 else {}
+            self._few_op = key, NmLinearOp(self.few_folder, self.few_spec, self.packed, self.bias, split)
+        return [self._few_op[1](x)]
+
     def dense_weight(self) -> torch.Tensor:
         """The (N, K) weight the kernel applies (zeros where pruned), on the CPU."""
         return unpack(NmPacked(self.values.cpu(), self.meta.cpu()), self.spec)[0]
@@ -116,29 +138,38 @@ class NmLinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule)
         self._buffers["values"], self._buffers["meta"] = packed.values, packed.meta
         if parts.bias is not None:
             self._buffers["bias"] = parts.bias.to(DTYPES[self.spec.dtype]).contiguous()
-        self._op, self.dense_w = None, None
+        self._op, self._few_op, self.dense_w = None, None, None
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name,
                   **self.graph_config()}
+        folders = {folder.name: folder}
+        if self.few_spec is not None:
+            few = Path(self.few_folder)
+            config["few"] = {"spec": dataclasses.asdict(self.few_spec), "folder": few.name}
+            folders[few.name] = few
         tensors = {"values": self.values, "meta": self.meta}
         if self.bias is not None:
             tensors["bias"] = self.bias
-        return config, tensors, {folder.name: folder}
+        return config, tensors, folders
 
     @classmethod
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> NmLinearCUDA:
         spec = NmLinearSpec(**config["spec"])
         folder = folders[config["folder"]]
         check_saved_spec(config["op_name"], folder, spec)
+        few = config.get("few")
+        few = None if few is None else (folders[few["folder"]], NmLinearSpec(**few["spec"]))
         return cls(folder, spec, NmPacked(tensors["values"], tensors["meta"]), tensors.get("bias"), config["op_name"],
-                   **cls.graph_args(config)).restore_graph(config)
+                   **cls.graph_args(config), few=few).restore_graph(config)
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"{self.op_name}: N={s.n}, K={s.k}, up to {s.rows} rows, {s.dtype}, 2:4 ({self.values.numel()} "
-                f"value slots), act={s.act}, bias={s.bias}{self.dense_rows_repr()}")
+                f"value slots), act={s.act}, bias={s.bias}"
+                + (f", up to {self.few_spec.rows} rows on {self.few_spec.name}" if self.few_spec else "")
+                + self.dense_rows_repr())
 
 
 __all__ = ["NmLinearCUDA", "NmLinearOp", "check_packed", "folder_spec"]

@@ -1,6 +1,7 @@
 """Selection rule of the 2:4 sparse linear (the ``gemm_cuda`` table, ``templates/registry.py``): a planned ``nm_sparse``
-sub-operator (``passes/transform/nm.py``) runs the 2:4 kernel for calls of up to ``NM_MAX_ROWS`` rows and the dense
-GEMM over a dense copy above (``KernelChoice.dense_from``); its tiling by shape (:func:`nm_tiling`) and the row
+sub-operator (``passes/transform/nm.py``) runs the 2:4 kernels for calls of up to ``NM_MAX_ROWS`` rows (one built for
+8 rows, ``KernelChoice.few_rows``, and one for 16 over the same packed weight) and the dense GEMM over a dense copy
+above (``KernelChoice.dense_from``); its tiling by shape (:func:`nm_tiling`) and the row
 buckets worth a kernel (:func:`nm_rows_buckets`).
 
 The rules below come from the H200 runs of ``benchmarks/bench_cuda_nm_linear.py`` (raw JSON under
@@ -11,7 +12,7 @@ The rules below come from the H200 runs of ``benchmarks/bench_cuda_nm_linear.py`
 from __future__ import annotations
 
 from ...codegen.select_cuda import GemmSite, choice
-from ...passes.transform.nm import NM_MAX_ROWS
+from ...passes.transform.nm import NM_FEW_ROWS, NM_MAX_ROWS
 from ...target import Target
 from ..registry import rule
 from .spec import NmLinearError, NmLinearSpec
@@ -19,14 +20,14 @@ from .spec import NmLinearError, NmLinearSpec
 # The rows a kernel can be built for (one or more n8 MMAs a K tile): a call of M rows runs the smallest bucket >= M.
 KERNEL_ROWS = (1, 8, 16, 32, 64)
 # The buckets worth building: up to 8 rows the 2:4 kernel beats cuBLAS at every shape (1.6-2.2x at 1-8 rows, run of
-# 2026-11-29); at 16 rows the tiled kernels beat it too (1.21-1.44x: w8i8k4t4p, w8i8k8t8p, w16i8k4t8), but a plan
-# runs one 2:4 kernel (``NM_MAX_ROWS`` = 8) and the dense GEMM above: a 16-row bucket needs a second kernel.
-ROWS_BUCKETS = (1, 8)
+# 2026-11-29); at 16 rows the tiled kernels beat it too (1.18-1.44x, w8i8k4t4p); at 32 and 64 rows it lost
+# (0.1-0.46x, run of 2026-11-28), so those rows run the dense GEMM (``NM_MAX_ROWS``).
+ROWS_BUCKETS = (1, 8, 16)
 # The longest K range a CTA should own, by kernel rows (ksplit = the smallest power of two that cuts K under it):
 # 1-8 rows: one CTA over K = 4096 (w8 i8 k1: 4096x4096 and 11008x4096 at 1, 4 and 8 rows), two over K = 11008
 # (k2: 4096x11008 at 1 and 8 rows); 16 and 32 rows: ranges of ~1024-1376 (k4 at K = 4096, k8 at K = 11008); 64
 # rows: 1024 or less (k4 at 4096, k16 at 11008).
-MAX_RANGE = {1: 6144, 8: 6144, 16: 1408, 32: 1408, 64: 1024}
+MAX_RANGE = {1: 6144, 8: 6144, 16: 2816, 32: 1408, 64: 1024}
 
 
 def nm_kernel_rows(rows: int) -> int:
@@ -60,8 +61,12 @@ def nm_tiling(n: int, k: int, rows: int, sms: int) -> dict:
         # 4-8 rows: w8 i8 over the whole K (4096x4096 6.1 / 7.2 us; 11008x4096 14.5 / 17.7; the tiled variants
         # within 3% at the sum of 4 and 8 rows)
         warps, inflight = 8, 8
+    elif bucket == 16:
+        # 9-16 rows: four row tiles a CTA over a quarter of K, prefetched (w8i8k4t4p: 9.2, 22.2, 21.5 us at 4096x4096,
+        # 11008x4096, 4096x11008; the best of the sum over the three shapes, run of 2026-11-29)
+        warps, inflight, tiles, prefetch, least = 8, 8, 4, True, 4
     else:
-        # 16-64 rows: w4 i8 (16 rows: k4 at K = 4096, k8 at 11008; 32, 64 rows: w4i8 or w2i16, w4i8 within 5%)
+        # 32, 64 rows: w4 i8 (w4i8 or w2i16, w4i8 within 5%; run of 2026-11-28)
         warps, inflight = 4, 8
     limit = MAX_RANGE[bucket]
     groups = -(-k // 128)
@@ -91,9 +96,12 @@ def nm_sparse(site: GemmSite, target: Target):
     if site.requantized:
         return choice("torch", "nm_sparse", "2:4 with int8 output codes: no 2:4 kernel writes them; runs as a torch op")
     many = site.any_rows or site.m > NM_MAX_ROWS
+    top = NM_MAX_ROWS if many else site.m
+    few = [[NM_FEW_ROWS, "nm_linear", nm_tiling(site.n, site.k, NM_FEW_ROWS, target.sms)]] if top > NM_FEW_ROWS else None
     return choice("nm_linear", "nm_sparse", f"2:4 along K: mma.sp up to {NM_MAX_ROWS} rows"
                   + (", cuBLAS over a dense copy above" if many else ""), site.act16,
-                  nm_tiling(site.n, site.k, NM_MAX_ROWS, target.sms), dense_from=NM_MAX_ROWS + 1 if many else None)
+                  nm_tiling(site.n, site.k, max(top, NM_FEW_ROWS), target.sms), few_rows=few,
+                  dense_from=NM_MAX_ROWS + 1 if many else None)
 
 
 __all__ = ["nm_sparse", "nm_tiling", "nm_rows_buckets", "nm_kernel_rows"]

@@ -29,10 +29,13 @@ def test_the_report_names_the_two_four_kernel_and_cublas_per_bucket_with_estimat
     assert len(lines) == 2 and all("else cuBLAS[dense copy]" in r for r in lines), compiled.plan_report()
     for p in (p for p in compiled.plan.ops.values() if p.kernel is not None and p.kernel.kernel == "nm_linear"):
         (m, n, k) = p.gemm
-        gemv, dense = p.kernel.bucket_us
-        assert gemv[0] == 8 and gemv[3] == pytest.approx(prof.low_bit_gemv_us("nm_linear", 8, nm_bytes(n, k)), abs=1e-3)
+        few, wide, dense = p.kernel.bucket_us
+        for bucket, rows in ((few, 8), (wide, 16)):
+            assert bucket[0] == rows and bucket[3] == pytest.approx(
+                prof.low_bit_gemv_us("nm_linear", rows, nm_bytes(n, k)), abs=1e-3) and bucket[3] < bucket[4]
         assert dense[1] == "cuBLAS[dense copy]" and dense[3] == dense[4]
-        assert p.kernel.describe().startswith("M<=8: nm_linear[bfloat16]")
+        assert p.kernel.describe().startswith("M<=8: nm_linear[8 warps]") and "M<=16: nm_linear[bfloat16]" in \
+            p.kernel.describe()
 
 
 def test_the_dense_path_applies_the_masked_weight(compiled):
@@ -42,10 +45,10 @@ def test_the_dense_path_applies_the_masked_weight(compiled):
         w = compiled.graph.tensor(m.weight_name).data
         keep = compiled.plan.ops[name].kept(m.spec.n, m.spec.k)
         assert torch.equal(m.unpacked(), torch.where(keep, w, 0).to(torch.bfloat16))
-        x = torch.randn(11, m.spec.k).bfloat16()
+        x = torch.randn(19, m.spec.k).bfloat16()
         torch.testing.assert_close(m.dense_rows_call(x).float(), x.float() @ m.unpacked().float().T,
                                    rtol=2e-2, atol=2e-2)
-        assert m.dense_rows_call(x[:8]) is None
+        assert m.dense_rows_call(x[:16]) is None
 
 
 def test_a_kernels_only_save_takes_the_checkpoint_and_refuses_another_mask(compiled, tmp_path):
@@ -61,7 +64,8 @@ def test_a_kernels_only_save_takes_the_checkpoint_and_refuses_another_mask(compi
         if type(m).__name__ == "NmLinearCUDA":
             ref = compiled.module_replacements()[name]
             assert torch.equal(m.values, ref.values) and torch.equal(m.meta, ref.meta)
-            assert m.dense_from == 9 and m.input_names == ref.input_names
+            assert m.dense_from == 17 and m.input_names == ref.input_names
+            assert m.few_spec == ref.few_spec and m.few_folder != ref.few_folder, "the few-row kernel saved"
     other = dict(state)
     w = other["gate.weight"].clone()
     w[0, :4] = 1.0                                               # 4 kept in a group: not the compiled mask
