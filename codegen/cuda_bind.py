@@ -25,6 +25,27 @@ class GemmParts:
     fused: Op | None               # the activation op the epilogue computes
     unit: object                   # the gated unit the epilogue computes (GatedUnit) or None
 
+    @property
+    def x_name(self) -> str:
+        return self.view[0]
+
+    @property
+    def n(self) -> int:
+        return self.view[4]
+
+    @property
+    def k(self) -> int:
+        return self.view[5]
+
+    @property
+    def act(self) -> str:
+        """The activation a kernel without a gated epilogue applies ("none" where the plan fuses none, or a gate)."""
+        return self.site.act if self.fused is not None and not self.site.gate else "none"
+
+    def output(self, op: Op) -> str:
+        """The graph tensor the kernel writes: the fused activation's output, else ``op``'s."""
+        return (self.fused if self.act != "none" else op).outputs[0]
+
 
 def gemm_parts(graph: Graph, op: Op, op_plan: OpPlan) -> GemmParts:
     view = gemm_view(graph, op)

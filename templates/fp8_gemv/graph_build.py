@@ -28,19 +28,18 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     """(module, report rows, the fused activation op or None) of a linear of FP8 weights."""
     choice = op_plan.kernel
     parts = gemm_parts(graph, op, op_plan)
-    view, site, bias = parts.view, parts.site, parts.bias
-    x_name, _, _, _, n, k = view
-    act = site.act if parts.fused is not None and not site.gate else "none"
+    site, bias, n, k, act = parts.site, parts.bias, parts.n, parts.k, parts.act
     sub = op_plan.subops[0]
     grid = fp8_block_grid(sub.elements) if sub.elements is not None else None
     sparse = grid is not None and not bool(grid.all())
     spec = fp8_spec(n, k, site.act16, bias is not None, act, sparse, choice.tiles)
     art = build_cuda(fp8_gemv, spec)
     packed = pack_weight(site.weight, spec, grid if sparse else None)   # a meta model: ones where kept (repacked)
-    out = (parts.fused if act != "none" else op).outputs[0]
-    module = Fp8LinearCUDA(art.path, spec, packed, bias, op.name, x_name=x_name, out_shape=graph.tensor(out).shape,
+    out = parts.output(op)
+    module = Fp8LinearCUDA(art.path, spec, packed, bias, op.name, x_name=parts.x_name,
+                           out_shape=graph.tensor(out).shape,
                            dense_from=choice.dense_from)
-    bind(module, graph, op, view, reference=True)
+    bind(module, graph, op, parts.view, reference=True)
     blocks = f"{sub.n_blocks}x32x32" if sparse else "dense"
     row = report_row(op, "fp8_gemv", blocks, "W8A16 (e4m3)", "-", [art])
     row["note"] = f"up to {spec.rows} rows on the FP8 GEMV" + (

@@ -31,9 +31,7 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     """(module, report rows, the fused activation op or None) of a 2:4 linear."""
     choice = op_plan.kernel
     parts = gemm_parts(graph, op, op_plan)
-    view, site, bias = parts.view, parts.site, parts.bias
-    x_name, _, _, _, n, k = view
-    act = site.act if parts.fused is not None and not site.gate else "none"
+    site, bias, n, k, act = parts.site, parts.bias, parts.n, parts.k, parts.act
     spec = nm_spec(n, k, site.act16, bias is not None, act, choice.tiles)
     art = build_cuda(nm_linear, spec)
     few = [(nm_spec(n, k, site.act16, bias is not None, act, t), top) for top, _, t in choice.few_rows or ()]
@@ -41,11 +39,11 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     keep = op_plan.kept(n, k)
     meta = meta_weight(graph, op) is not None    # a meta-device model: ones where kept (repacked at load)
     weight = (keep if meta else site.weight).to(DTYPES[spec.dtype])
-    out = (parts.fused if act != "none" else op).outputs[0]
-    module = NmLinearCUDA(art.path, spec, pack_nm(weight, spec, keep), bias, op.name, x_name=x_name,
+    out = parts.output(op)
+    module = NmLinearCUDA(art.path, spec, pack_nm(weight, spec, keep), bias, op.name, x_name=parts.x_name,
                           out_shape=graph.tensor(out).shape, dense_from=choice.dense_from,
                           few=(few_arts[0].path, few[0][0]) if few else None)
-    bind(module, graph, op, view, reference=False)
+    bind(module, graph, op, parts.view, reference=False)
     row = report_row(op, "nm_linear", "2:4", "W16A16 (bf16)" if spec.dtype == "bfloat16" else "W16A16", "-",
                      [art, *few_arts])
     row["note"] = "".join(f"up to {top} rows on {f.name}; " for f, top in few) + f"up to {spec.rows} rows on mma.sp" \

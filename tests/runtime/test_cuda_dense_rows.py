@@ -5,18 +5,14 @@ copy with the gated epilogue in torch; every row count matches the masked model,
 import pytest
 import torch
 
-from fixtures.artifacts import MISSING, ROOT
+from fixtures.artifacts import load_saved
 from fixtures.kernel_choices import check_dense_rows
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _load():
-    import sparta
-    folder = ROOT / "saved_dense_rows"
-    if not (folder / "sparta.json").is_file():
-        pytest.skip(MISSING + f"no saved model in {folder}")
-    return sparta.load(folder).to("cuda")
+    return load_saved("saved_dense_rows")
 
 
 def test_every_row_count_matches_the_masked_model_on_the_kernel_its_plan_names():

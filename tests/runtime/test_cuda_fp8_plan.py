@@ -6,18 +6,14 @@ kernels-only save packs a checkpoint's weights again on the GPU."""
 import pytest
 import torch
 
-from fixtures.artifacts import MISSING, ROOT
+from fixtures.artifacts import load_saved
 from fixtures.kernel_choices import check_fp8_mlp
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _load():
-    import sparta
-    folder = ROOT / "saved_fp8_mlp"
-    if not (folder / "sparta.json").is_file():
-        pytest.skip(MISSING + f"no saved model in {folder}")
-    return sparta.load(folder).to("cuda")
+    return load_saved("saved_fp8_mlp")
 
 
 def _err(out, want) -> float:

@@ -5,18 +5,14 @@ count matches the masked model, also when a call replays."""
 import pytest
 import torch
 
-from fixtures.artifacts import MISSING, ROOT
+from fixtures.artifacts import load_saved
 from fixtures.kernel_choices import check_nm_mlp
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_every_row_count_matches_the_masked_model_on_the_kernel_its_plan_names():
-    import sparta
-    folder = ROOT / "saved_nm_mlp"
-    if not (folder / "sparta.json").is_file():
-        pytest.skip(MISSING + f"no saved model in {folder}")
-    model = sparta.load(folder).to("cuda")
+    model = load_saved("saved_nm_mlp")
     mods = check_nm_mlp(model)
     reference = model.reference().to("cuda")
     for rows in (1, 3, 8, 9, 16, 17, 40, 8, 1, 200, 9, 16):

@@ -6,7 +6,7 @@ graphs."""
 import pytest
 import torch
 
-from fixtures.artifacts import MISSING, ROOT
+from fixtures.artifacts import load_saved
 from fixtures.kernel_choices import check_llama_generate
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -14,11 +14,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 @pytest.fixture(scope="module")
 def model():
-    import sparta
-    folder = ROOT / "saved_llama_generate"
-    if not (folder / "sparta.json").is_file():
-        pytest.skip(MISSING + f"no saved model in {folder}")
-    return sparta.load(folder).to("cuda")
+    return load_saved("saved_llama_generate")
 
 
 def _greedy_reference(reference, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, list[float]]:

@@ -6,18 +6,14 @@ kernel, GEMV) read and write bf16 with no cast to fp16 around them, and match th
 import pytest
 import torch
 
-from fixtures.artifacts import MISSING, ROOT
+from fixtures.artifacts import load_saved
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("name, kind", [("saved_mlp_bf16_w8a8", "int8"), ("saved_mlp_bf16_w4a16", "w4a16")])
 def test_a_bf16_low_bit_model_runs_bf16_kernels_and_verifies(name, kind):
-    import sparta
     from sparta.runtime.cuda import act16_dtype
-    folder = ROOT / name
-    if not (folder / "sparta.json").is_file():
-        pytest.skip(MISSING + f"no saved model in {folder}")
-    model = sparta.load(folder).to("cuda")
+    model = load_saved(name)
     mods = [m for m in model.module_replacements().values() if hasattr(m, "dense_weight")]
     assert mods and all(act16_dtype(m.spec) == torch.bfloat16 for m in mods if getattr(m.spec, "out", "") != "int8")
     assert any(getattr(m.spec, "dtype", "") == kind for m in mods)
