@@ -88,23 +88,25 @@ def fill_buffers(graph, values: dict[str, torch.Tensor]) -> None:
         value.data = values[value.name]
 
 
-LOAD_BITS = (4, 8)   # the widths whose scales a load fits to the checkpoint (no calibration): int4, FP8 / int8
+LOAD_BITS = {"cpu": (4,), "cuda": (4, 8)}   # the widths whose scales a load fits to the checkpoint (no calibration):
+#                                            int4; on CUDA also 8 bits beside 16-bit activations (FP8 weights)
 
 
-def check_bits(graph) -> None:
-    """Refuse a meta weight whose TeSA keeps elements at fewer than 16 bits, unless it keeps every one at 4 or every
-    one at 8 bits (its scales are fitted at load): other quantised weights' scales or widths are chosen from their
-    values."""
+def check_bits(graph, target: str = "cpu") -> None:
+    """Refuse a meta weight whose TeSA keeps elements at fewer than 16 bits, unless it keeps every one at a width of
+    ``LOAD_BITS[target]`` (its scales are fitted at load): other quantised weights' scales or widths are chosen from
+    their values."""
+    widths = LOAD_BITS.get(target, LOAD_BITS["cpu"])
     for value in graph.tensors("weight"):
         if value.has_data and value.data.is_meta and value.is_parameter:
             kept = {b for b in value.tesa.bit_histogram() if b}         # (per block or one value where held so)
             low = sorted(b for b in kept if b < 16)
-            if low and not any(kept == {b} for b in LOAD_BITS):
+            if low and not any(kept == {b} for b in widths):
                 raise MetaModelError(f"{value.name!r} keeps elements at {low[0]} bits: a quantised weight's "
                                      "scales are fitted to its values, so it needs real weights unless every kept "
-                                     "element is at 4 bits, or every one at 8 (fitted at load); compile the meta "
-                                     "model at 4, 8 or 16 bits and more, or compile the model with its checkpoint "
-                                     "loaded")
+                                     f"element is at one width of {' or '.join(map(str, widths))} bits on {target} "
+                                     "(fitted at load); compile the meta model at those widths or 16 bits and more, "
+                                     "or compile the model with its checkpoint loaded")
 
 
 def meta_weight(graph, op) -> torch.Tensor | None:

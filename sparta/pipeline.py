@@ -115,7 +115,7 @@ def attach(ctx: CompileContext) -> None:
     attach_tesa(ctx.graph, ctx.options.initial_tesa)
     if ctx.meta:
         from .meta_model import check_bits
-        check_bits(ctx.graph)
+        check_bits(ctx.graph, str(getattr(ctx.options.target, "name", ctx.options.target)))
     ctx.source = ctx.graph.copy()
 
 
