@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,6 +59,7 @@ class QuantConfig:
     granularity: str = "group"
     group_size: int = 128
     progress: bool = True
+    device: str | None = None       # where the batches run: "cpu", "cuda", ...; None: a CUDA GPU where there is one
 
     def __post_init__(self):
         if not (isinstance(self.tolerance, (int, float)) and self.tolerance >= 0 and math.isfinite(self.tolerance)):
@@ -78,11 +80,13 @@ class QuantConfig:
 # ---- the search ------------------------------------------------------------------------------------
 
 class _Calibration:
-    def __init__(self, graph: Graph, batches, config: QuantConfig, profile, weights, static: bool = False):
+    def __init__(self, graph: Graph, batches, config: QuantConfig, profile, weights, static: bool = False,
+                 device: str = "cpu"):
         self.g, self.cfg, self.profile, self.static_on = graph, config, profile, static
         self.static: dict[str, float] = {}        # 8-bit activations at one static scale
-        self.batches = [[t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in b] for b in batches]
-        self.weights = {v.name: weights.get(v.name, v.data) for v in graph.tensors("weight") if v.data is not None}
+        self.batches = [[t.detach().to(device) if isinstance(t, torch.Tensor) else t for t in b] for b in batches]
+        self.weights = {v.name: weights.get(v.name, v.data).to(device) for v in graph.tensors("weight")
+                        if v.data is not None}
         sites = weight_sites(graph)
         count = {}
         for s in sites.values():
@@ -127,7 +131,8 @@ class _Calibration:
         scheme = self.cfg.scheme(bits)
         code = self.profile.code_bits(bits) if self.profile is not None else bits   # the codes the kernel holds
         if objective is None:   # weights whose bits the user fixed: plain range, no search
-            return fit_weight(w, code, lambda q: torch.zeros(w.shape[0]), clips=(1.0,), **scheme)[0], None
+            zero = (lambda q: torch.zeros(w.shape[0], device=w.device))
+            return fit_weight(w, code, zero, clips=(1.0,), **scheme)[0], None
         return fit_weight(w, code, objective, **scheme)
 
     def dequantized(self, site: WeightSite, bits: int) -> torch.Tensor:
@@ -410,8 +415,32 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
         weights = {v.name: v.tesa.apply(v.data) for v in graph.tensors("weight")
                    if v.data is not None and v.data.dtype.is_floating_point and not v.tesa.is_dense}
     static = config.static_activations if config.static_activations is not None else target == "cuda"
+    device = calibration_device(config.device)
     with torch.no_grad():
-        cal = _Calibration(graph, batches, config, profile, weights, static=static and config.activations)
-        report = cal.run()
+        try:
+            cal = _Calibration(graph, batches, config, profile, weights, static and config.activations, device)
+            report = cal.run()
+        except (RuntimeError, NotImplementedError) as exc:
+            if device == "cpu":
+                raise
+            warnings.warn(f"calibration on {device} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]});"
+                          " calibrating on the CPU", stacklevel=2)
+            device = "cpu"
+            cal = _Calibration(graph, batches, config, profile, weights, static and config.activations, device)
+            report = cal.run()
+        report.device = device
         cal.commit(report)
     return report
+
+
+def calibration_device(asked: str | None) -> str:
+    """Where calibration runs: ``asked``, or a CUDA GPU where torch sees one, else the CPU."""
+    if asked is not None:
+        try:
+            torch.device(asked)
+        except (RuntimeError, TypeError) as exc:
+            raise QuantizationError(f"quant_tolerance device {asked!r} is not a torch device: {exc}") from None
+        if torch.device(asked).type == "cuda" and not torch.cuda.is_available():
+            raise QuantizationError(f"quant_tolerance device {asked!r}: torch sees no CUDA GPU here")
+        return str(asked)
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -34,6 +34,7 @@ class QuantReport:
     seconds: float
     weights: dict = field(default_factory=dict)          # weight -> WeightQuant: the fitted integer scales
     static_scales: dict[str, float] = field(default_factory=dict)   # int8 activations at one static scale
+    device: str = "cpu"                # where the calibration batches ran
 
     def lowered(self) -> list[Decision]:
         return [d for d in self.decisions if d.bits < d.bits_before and not d.reverted]

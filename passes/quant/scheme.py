@@ -130,7 +130,7 @@ def per_tensor(w: torch.Tensor, bits: int, *, symmetric: bool = True, clip: floa
     flat = weight_params(w.reshape(1, -1), bits, symmetric=symmetric, clip=clip)
     n, k = w.shape
     expand = (lambda t: None if t is None else t.expand(n, 1).clone())
-    return QuantParams(bits, expand(flat.scale), expand(flat.zero), k, torch.full((n,), float(clip)))
+    return QuantParams(bits, expand(flat.scale), expand(flat.zero), k, torch.full((n,), float(clip), device=w.device))
 
 
 def fit_weight(w: torch.Tensor, bits: int, channel_sse: Callable[[torch.Tensor], torch.Tensor], *,
@@ -154,10 +154,10 @@ def fit_weight(w: torch.Tensor, bits: int, channel_sse: Callable[[torch.Tensor],
         best = int(errs.sum(1).argmin())
         return tried[best][0], errs[best]
     pick = errs.argmin(0)                                                  # per channel
-    rows = torch.arange(w.shape[0])
+    rows = torch.arange(w.shape[0], device=w.device)
     scale = torch.stack([p.scale for p, _ in tried])[pick, rows]
     zero = None if symmetric else torch.stack([p.zero for p, _ in tried])[pick, rows]
-    clip = torch.tensor([clips[i] for i in pick.tolist()], dtype=torch.float32)
+    clip = torch.tensor([clips[i] for i in pick.tolist()], dtype=torch.float32, device=w.device)
     return QuantParams(bits, scale, zero, tried[0][0].group, clip), errs[pick, rows]
 
 

@@ -302,3 +302,29 @@ def test_int4_kernels_apply_the_fitted_scales(tmp_path):
     loaded = sparta.load(compiled.save(tmp_path / "w4"))           # scales, offsets, scale groups survive
     with torch.no_grad():
         assert torch.equal(loaded(*batches[1]), compiled(*batches[1]))
+
+
+def test_calibration_runs_on_the_device_asked_and_falls_back_to_the_cpu_with_a_warning():
+    """``QuantConfig.device``: a device the ops cannot run on (here the meta device) is reported and the batches run
+    on the CPU, to the same decisions; a CUDA device without a GPU is refused; the default is a GPU where torch sees
+    one."""
+    from sparta.passes.quant.calibrate import calibration_device
+    model = MLP(32, 48, 16).eval()
+    batches = batches_of((8, 32))
+
+    def run(**kw):
+        g = sparta.capture(model, batches[0])
+        return calibrate(g, batches, QuantConfig(1e-3, activations=True, progress=False, **kw), target="cuda")
+
+    cpu = run(device="cpu")
+    with pytest.warns(UserWarning, match="calibration on meta failed .*calibrating on the CPU"):
+        fallback = run(device="meta")
+    assert cpu.device == fallback.device == "cpu"
+    assert [(d.tensor, d.bits) for d in cpu.decisions] == [(d.tensor, d.bits) for d in fallback.decisions]
+    assert cpu.static_scales == pytest.approx(fallback.static_scales)
+    assert calibration_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(QuantizationError, match="sees no CUDA GPU"):
+            calibration_device("cuda")
+    with pytest.raises(QuantizationError, match="not a torch device"):
+        calibration_device("tpu9")
