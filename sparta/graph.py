@@ -106,12 +106,15 @@ class Op:
                 return name
         return None
 
-    def call(self, env: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Run the op on tensors looked up by name in ``env``; returns its outputs."""
+    def call(self, env: dict[str, torch.Tensor], device=None) -> list[torch.Tensor]:
+        """Run the op on tensors looked up by name in ``env``; returns its outputs. ``device``: where an op that
+        creates a tensor (its ``device`` argument, e.g. ``arange``) creates it instead of where it was captured."""
         if self.target is None:
             raise GraphError(f"op {self.name!r} ({self.op}) has no executable target")
         args = substitute(self.args, env)
         kwargs = substitute(self.kwargs, env)
+        if device is not None and isinstance(kwargs, dict) and "device" in kwargs:
+            kwargs = {**kwargs, "device": device}
         out = self.target(*args, **kwargs)
         if self.multi_output:
             return list(out)

@@ -28,6 +28,7 @@ class LockstepWalk:
         self.graph = graph
         self.batches = batches
         self.weights = {v.name: weights.get(v.name, v.data) for v in graph.tensors("weight") if v.data is not None}
+        self.device = next((t.device for b in batches for t in b if isinstance(t, torch.Tensor)), None)
         self.fp: dict[str, Values] = {}
         self.q: dict[str, Values] = {}
 
@@ -35,7 +36,7 @@ class LockstepWalk:
     def call(self, op: Op, values: dict[str, Values], b: int, override: dict[str, torch.Tensor] | None = None):
         env = {t: (override[t] if override and t in override else
                    self.weights[t] if t in self.weights and t not in values else values[t][b]) for t in op.inputs}
-        return op.call(env)
+        return op.call(env, self.device)
 
     def run_op(self, op: Op, values: dict[str, Values], override=None) -> list[Values]:
         """The op's outputs over every batch: one list per output."""

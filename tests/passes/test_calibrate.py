@@ -328,3 +328,18 @@ def test_calibration_runs_on_the_device_asked_and_falls_back_to_the_cpu_with_a_w
             calibration_device("cuda")
     with pytest.raises(QuantizationError, match="not a torch device"):
         calibration_device("tpu9")
+
+
+def test_an_op_that_creates_a_tensor_creates_it_on_the_calibration_device():
+    class Ramp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x) + torch.arange(x.shape[-1], device="cpu").float()
+
+    graph = sparta.capture(Ramp().eval(), (torch.randn(4, 16),))
+    (ramp,) = [op for op in graph.ops() if op.op == "arange"]
+    assert ramp.call({})[0].device.type == "cpu"
+    assert ramp.call({}, torch.device("meta"))[0].device.type == "meta", "created where the walk runs"
