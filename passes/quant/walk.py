@@ -36,7 +36,13 @@ class LockstepWalk:
     def call(self, op: Op, values: dict[str, Values], b: int, override: dict[str, torch.Tensor] | None = None):
         env = {t: (override[t] if override and t in override else
                    self.weights[t] if t in self.weights and t not in values else values[t][b]) for t in op.inputs}
-        return op.call(env, self.device)
+        try:
+            return op.call(env, self.device)
+        except RuntimeError as exc:     # a view of a tensor another device lays out otherwise (SDPA's output on CUDA)
+            if op.op != "view" or "view size is not compatible" not in str(exc):
+                raise
+            return op.call({t: v.contiguous() if isinstance(v, torch.Tensor) else v for t, v in env.items()},
+                           self.device)
 
     def run_op(self, op: Op, values: dict[str, Values], override=None) -> list[Values]:
         """The op's outputs over every batch: one list per output."""

@@ -343,3 +343,23 @@ def test_an_op_that_creates_a_tensor_creates_it_on_the_calibration_device():
     (ramp,) = [op for op in graph.ops() if op.op == "arange"]
     assert ramp.call({})[0].device.type == "cpu"
     assert ramp.call({}, torch.device("meta"))[0].device.type == "meta", "created where the walk runs"
+
+
+def test_a_view_of_a_tensor_laid_out_otherwise_on_the_device_still_runs():
+    """A captured ``view`` whose input another device returns non-contiguous (SDPA's output on CUDA) runs on a
+    contiguous copy in the calibration walk: the same values."""
+    from sparta.passes.quant.walk import LockstepWalk
+
+    class Merge(nn.Module):
+        def forward(self, x):
+            return (x.transpose(1, 2).contiguous() * 2).view(x.shape[0], -1)
+
+    x = torch.randn(3, 4, 5)
+    graph = sparta.capture(Merge().eval(), (x,))
+    (view,) = [op for op in graph.ops() if op.op == "view"]
+    walk = LockstepWalk(graph, [[x]], {})
+    strided = (x * 2).transpose(1, 2)                 # the view's input laid out transposed
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        view.call({view.inputs[0]: strided})
+    (out,) = walk.call(view, {view.inputs[0]: [strided]}, 0)
+    assert torch.equal(out, strided.reshape(3, -1))
