@@ -59,7 +59,8 @@ class QuantConfig:
     granularity: str = "group"
     group_size: int = 128
     progress: bool = True
-    device: str | None = None       # where the batches run: "cpu", "cuda", ...; None: a CUDA GPU where there is one
+    device: str | None = None       # where the batches run: None or "cpu", or a GPU ("cuda"; what fails there reruns
+#                                     on the CPU with a warning)
 
     def __post_init__(self):
         if not (isinstance(self.tolerance, (int, float)) and self.tolerance >= 0 and math.isfinite(self.tolerance)):
@@ -147,7 +148,7 @@ class _Calibration:
             p = self.params[site.weight].get(bits)
             nk = site.to_nk(w).float()
             q = fake_quant_float(nk, bits) if p is None else p.dequantize(nk)
-            mask = site.to_nk(self.g.tesa(site.weight).mask)
+            mask = site.to_nk(self.g.tesa(site.weight).mask).to(q.device)
             self._dequantized[key] = site.from_nk(q * mask, w.shape).to(w.dtype)
         return self._dequantized[key]
 
@@ -434,7 +435,8 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
 
 
 def calibration_device(asked: str | None) -> str:
-    """Where calibration runs: ``asked``, or a CUDA GPU where torch sees one, else the CPU."""
+    """Where calibration runs: ``asked``, else the CPU (BERT-base on an H200 still meets an op that mixes devices:
+    benchmarks/RESULTS.md, "Calibration on the model's device")."""
     if asked is not None:
         try:
             torch.device(asked)
@@ -443,4 +445,4 @@ def calibration_device(asked: str | None) -> str:
         if torch.device(asked).type == "cuda" and not torch.cuda.is_available():
             raise QuantizationError(f"quant_tolerance device {asked!r}: torch sees no CUDA GPU here")
         return str(asked)
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu"
