@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import threading
 import time
 from dataclasses import dataclass
 
@@ -17,12 +18,17 @@ from .dismantle import eliminate_dead_code
 from .tvm_env import cpu_target, cpu_target_spec, load_kernel, runtime, tvm, versions
 
 
+_PARSE = threading.Lock()     # CPython 3.11's parser is not safe across threads (a build pool's threads hash templates)
+
+
 @functools.lru_cache(maxsize=None)
 def _source_digest(module) -> str:
     """Hash of a template module's source and of the package modules it imports (relative imports,
     also those inside functions, transitively): an edited template or macro never hits a stale entry."""
     digest = hashlib.sha256()
-    for name in sorted(_relative_imports(module.__name__)):
+    with _PARSE:
+        names = sorted(_relative_imports(module.__name__))
+    for name in names:
         digest.update(inspect.getsource(importlib.import_module(name)).encode())
     return digest.hexdigest()[:16]
 
