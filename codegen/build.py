@@ -18,7 +18,10 @@ from .dismantle import eliminate_dead_code
 from .tvm_env import cpu_target, cpu_target_spec, load_kernel, runtime, tvm, versions
 
 
-_PARSE = threading.Lock()     # CPython 3.11's parser is not safe across threads (a build pool's threads hash templates)
+# TVMScript parses a template's source with ``ast.parse``, and so does hashing a template's imports; CPython 3.11
+# fails ("AST constructor recursion depth mismatch") when threads parse at once: every parse takes this lock (a CUDA
+# build pool runs its templates one at a time, nvcc still in parallel)
+_PARSE = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,7 +88,9 @@ def build_cpu(template, spec) -> BuiltKernel:
     cached = fn is not None
     if fn is None:
         t = tvm()
-        func = eliminate_dead_code(template(spec))
+        with _PARSE:
+            func = template(spec)
+        func = eliminate_dead_code(func)
         try:
             ex = t.compile(t.IRModule({name: func}), target=cpu_target())
         except Exception as exc:  # noqa: BLE001 - report which kernel failed

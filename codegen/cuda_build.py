@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,13 +26,10 @@ from pathlib import Path
 from ..errors import CodegenError
 from ..templates import registry
 from . import cache
-from .build import _source_digest
+from .build import _PARSE, _source_digest
 from .tvm_env import tvm, versions
 
 ARCHS = ("sm_80", "sm_90")
-# TVMScript parses a template's source with ``ast.parse``; CPython 3.11 fails ("AST constructor recursion depth
-# mismatch") when threads parse at once, so builds run their templates one at a time (nvcc still in parallel)
-_PARSE = threading.Lock()
 NVCC_FLAGS = ("-O3", "-diag-suppress", "177,550", "--expt-relaxed-constexpr")
 
 
