@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparta.codegen.bucket_costs import bucket_estimates, kept_blocks
 from sparta.codegen.select_cuda import GemmSite, select_gemm
@@ -101,6 +103,23 @@ def test_the_low_bit_gemv_costs_reproduce_the_measurements_they_were_fitted_to(f
     """benchmarks/RESULTS.md, "CUDA low-bit GEMVs of a default (any rows) compile" (H100, the profile's device)."""
     nbytes = n * k // 2 + n * k // 128 * 4 if family == "w4a16_gemv" else n * k + 4 * n
     assert PROFILE.low_bit_gemv_us(family, rows, nbytes) == pytest.approx(measured, rel=0.04)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(PROFILE.low_bit_gemv)), st.integers(1, 64), st.integers(1, 2 ** 28))
+def test_a_few_row_gemv_cost_follows_its_measured_points_piecewise(family, rows, nbytes):
+    """At a measured row count the fit's own line; between two, never above the dearer of their lines (fixed cost and
+    rate linear in the rows: convex); flat outside the measured rows; more bytes never cheaper."""
+    fit = {int(r): v for r, v in PROFILE.low_bit_gemv[family].items()}
+    cost = PROFILE.low_bit_gemv_us(family, rows, nbytes)
+    line = {r: c + nbytes / (g * 1e3) for r, (c, g) in fit.items()}
+    points = sorted(fit)
+    if rows in fit:
+        assert cost == pytest.approx(line[rows])
+    lo = max([r for r in points if r <= rows], default=points[0])
+    hi = min([r for r in points if r >= rows], default=points[-1])
+    assert 0 < cost <= max(line[lo], line[hi]) + 1e-9
+    assert PROFILE.low_bit_gemv_us(family, rows, nbytes + 4096) >= cost
 
 
 def test_the_estimates_survive_the_plan_json_and_older_plans_load():
