@@ -69,3 +69,48 @@ def test_a_format_the_gemv_does_not_run_goes_to_torch_with_its_reason():
         _selected(TeSA.dense((4096, 4096), 8), formats={"0.weight": "int8"})
     p, _ = _selected(TeSA.dense((4096, 4096), 8), formats="int8")          # the 8-bit format of W8A8 weights
     assert p.kernel.kernel == "fp8_gemv", p.kernel
+
+
+@pytest.fixture(scope="module")
+def fp8_model():
+    import shutil
+    import sys
+    from pathlib import Path
+    if shutil.which("nvcc") is None:
+        pytest.skip("builds CUDA kernels: needs nvcc")
+    pytest.importorskip("tvm", reason="builds CUDA kernels")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fixtures.saved_models import fp8_mlp
+    return fp8_mlp()
+
+
+def test_the_dense_path_applies_the_dequantised_weight_and_a_checkpoint_packs_again(fp8_model, tmp_path):
+    """The modules' dense copy (calls above ``dense_from``) is the weight the GEMV applies; a kernels-only save loaded
+    with the model's own weights packs the same codes, scales and block table; a checkpoint with a weight where the
+    plan prunes is refused."""
+    import sparta
+    from sparta.errors import SpartaError
+    from fixtures.kernel_choices import check_fp8_mlp
+    mods = check_fp8_mlp(fp8_model)
+    for m in mods.values():
+        w = m.dense_weight()
+        assert torch.equal(m.unpacked(), w.to(torch.bfloat16)) and m.plan_tensors() == ({"table"} if m.spec.sparse
+                                                                                        else set())
+        x = torch.randn(m.dense_from + 2, m.spec.k).bfloat16()
+        y = x.float() @ w.T + (m.bias.float() if m.bias is not None else 0)
+        torch.testing.assert_close(m.dense_rows_call(x).float(), torch.nn.functional.gelu(y) if m.spec.act == "gelu"
+                                   else y, rtol=2e-2, atol=2e-2)
+        assert m.dense_rows_call(x[:m.dense_from - 1]) is None
+    fp8_model.save(tmp_path / "k", weights=False)
+    state = fp8_model.source_reference().state_dict()
+    loaded = sparta.load(tmp_path / "k", weights=state)
+    for name, m in check_fp8_mlp(loaded).items():
+        ref = mods[name]
+        assert torch.equal(m.codes, ref.codes) and torch.equal(m.scales, ref.scales)
+        assert (m.table is None) == (ref.table is None) and (m.table is None or torch.equal(m.table, ref.table))
+    other = dict(state)
+    w = other["2.weight"].clone()
+    w[mods["linear_1"].dense_weight() == 0] = 1.0                 # a weight where the plan prunes its block
+    other["2.weight"] = w
+    with pytest.raises(SpartaError):
+        sparta.load(tmp_path / "k", weights=other)
