@@ -223,6 +223,12 @@ class TeSA:
             raise TeSAError(f"block shape must be positive, got {bh}x{bw}")
         if self._block is not None and bh % self._block[0] == 0 and bw % self._block[1] == 0:
             return TeSA(self._bits != 0, _trusted=True).block_density(bh // self._block[0], bw // self._block[1])
+        if self._block is not None and self._block[0] % bh == 0 and self._block[1] % bw == 0:   # finer: whole blocks
+            kept = (self._bits != 0).to(torch.float32)
+            return kept.repeat_interleave(self._block[0] // bh, -2).repeat_interleave(self._block[1] // bw, -1)
+        if self._uniform is not None and self.ndim >= 2 and self.numel():      # every element alike
+            h, w = self._shape[-2:]
+            return torch.full((*self._shape[:-2], -(-h // bh), -(-w // bw)), float(self._uniform != 0))
         m = self.mask.to(torch.float32)
         if m.dim() == 0:
             m = m.reshape(1, 1)

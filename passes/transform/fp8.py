@@ -18,17 +18,8 @@ FP8_FORMAT = "fp8_e4m3"
 
 
 def fp8_block_grid(tesa: TeSA) -> torch.Tensor:
-    """The (ceil(N/32), ceil(K/32)) blocks of a 2-d TeSA holding a kept element (from its blocks where it is held by
-    blocks of a multiple of 32, else from its mask)."""
-    n, k = tesa.shape
-    shape = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
-    held = tesa.block_grid()
-    if held is not None and held[1][0] % FP8_BLOCK == 0 and held[1][1] % FP8_BLOCK == 0:
-        grid, (bh, bw) = held
-        grid = (grid != 0).repeat_interleave(bh // FP8_BLOCK, 0).repeat_interleave(bw // FP8_BLOCK, 1)
-        return grid[:shape[0], :shape[1]].contiguous()
-    mask = torch.nn.functional.pad(tesa.mask, (0, shape[1] * FP8_BLOCK - k, 0, shape[0] * FP8_BLOCK - n))
-    return mask.view(shape[0], FP8_BLOCK, shape[1], FP8_BLOCK).any(3).any(1)
+    """The (ceil(N/32), ceil(K/32)) blocks of a 2-d TeSA holding a kept element."""
+    return tesa.block_density(FP8_BLOCK, FP8_BLOCK) > 0
 
 
 def fp8_bytes(n_blocks: int, n: int) -> int:
@@ -43,7 +34,8 @@ def fp8_option(wtesa: TeSA, profile: HardwareProfile, rows: list[int], dense_at:
     GEMV over the kept 32x32 blocks up to :data:`FP8_MAX_ROWS` rows where it is cheaper than the dense GEMM (selection
     switches there, ``templates/fp8_gemv/select.py``), the dense GEMM's cost elsewhere; None where that is every row
     planned for, unless FP8 was ``asked`` for."""
-    bits = {b for b, c in wtesa.bit_histogram().items() if b and c}
+    histogram = wtesa.bit_histogram()
+    bits = {b for b, c in histogram.items() if b and c}
     if profile.target != "cuda" or wtesa.ndim != 2 or "fp8_gemv" not in profile.low_bit_gemv \
             or model_bits != (16, 16) or not bits or not 4 < max(bits) <= 8:
         return None
@@ -54,7 +46,7 @@ def fp8_option(wtesa: TeSA, profile: HardwareProfile, rows: list[int], dense_at:
              for r, d in zip(rows, dense_at)]
     if not asked and not any(r <= FP8_MAX_ROWS and c < d for r, c, d in zip(rows, costs, dense_at)):
         return None                 # the dense GEMM at every row planned for
-    nnz = sum(c for b, c in wtesa.bit_histogram().items() if b)
+    nnz = sum(c for b, c in histogram.items() if b)
     sub = SubOp("block_sparse", 8, 16, (FP8_BLOCK, FP8_BLOCK), n_blocks, nnz, costs[0],
                 blocks=TeSA.from_mask(grid, 1), elements=wtesa.map_bits(lambda b: (b != 0).to(torch.uint8) * 8),
                 weight_format=FP8_FORMAT)

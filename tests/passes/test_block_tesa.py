@@ -84,3 +84,13 @@ def test_compile_keeps_weight_blocks():
     with torch.no_grad():
         masked[0].weight.mul_(tesa["0.weight"].mask)
         torch.testing.assert_close(compiled(x), masked(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block, sub", [((4, 6), (2, 3)), ((4, 6), (4, 1)), ((2, 2), (2, 2))])
+def test_block_density_of_blocks_finer_than_the_held_ones_equals_the_elements(block, sub):
+    t, full = _pair(3, 5, block, p=0.5, seed=3)
+    assert torch.equal(t.block_density(*sub), full.block_density(*sub))
+    dense = TeSA.dense((7, 10), 8)                      # every element alike, ragged edge blocks
+    ones = TeSA.from_mask(torch.ones(7, 10, dtype=torch.bool), 8)
+    assert torch.equal(dense.block_density(*sub), ones.block_density(*sub))
+    assert torch.equal(TeSA.pruned((7, 10)).block_density(*sub), torch.zeros_like(dense.block_density(*sub)))
