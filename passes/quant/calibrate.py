@@ -418,17 +418,16 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     static = config.static_activations if config.static_activations is not None else target == "cuda"
     device = calibration_device(config.device)
     with torch.no_grad():
-        try:
-            cal = _Calibration(graph, batches, config, profile, weights, static and config.activations, device)
-            report = cal.run()
-        except (RuntimeError, NotImplementedError) as exc:
-            if device == "cpu":
-                raise
-            warnings.warn(f"calibration on {device} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]});"
-                          " calibrating on the CPU", stacklevel=2)
-            device = "cpu"
-            cal = _Calibration(graph, batches, config, profile, weights, static and config.activations, device)
-            report = cal.run()
+        for device in dict.fromkeys((device, "cpu")):        # the device asked, then the CPU where it fails
+            try:
+                cal = _Calibration(graph, batches, config, profile, weights, static and config.activations, device)
+                report = cal.run()
+                break
+            except (RuntimeError, NotImplementedError) as exc:
+                if device == "cpu":
+                    raise
+                warnings.warn(f"calibration on {device} failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:160]}); calibrating on the CPU", stacklevel=2)
         report.device = device
         cal.commit(report)
     return report

@@ -49,8 +49,7 @@ def transform(graph: Graph, target="cpu", *, profile=None, sparse_ops=None, quan
 
 def _plan_op(graph: Graph, op, plan: Plan, prof, ops_with_templates, fitted: dict, fp8_asked=frozenset()) -> None:
     """One op's plan into ``plan.ops``."""
-    view = gemm_view(graph, op)
-    p = transform_gemm(graph, op, prof, ops_with_templates, fp8=view is not None and view[1] in fp8_asked)
+    p = transform_gemm(graph, op, prof, ops_with_templates, fp8_asked)
     if p is None:
         nbytes = sum(_nbytes(graph, t) for t in [*op.inputs, *op.outputs])
         us = prof.memory_us(nbytes)

@@ -65,12 +65,14 @@ def row_points(graph: Graph, m: int) -> list[int]:
     return [m] + sorted({max(1, round(m * t / example)) for t in tokens})
 
 
-def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=None, fp8: bool = False) -> OpPlan | None:
-    """The op's plan (None: not a GEMM); ``fp8``: its weight was asked to be FP8, which runs where it can."""
+def transform_gemm(graph: Graph, op: Op, profile: HardwareProfile, sparse_ops=None,
+                   fp8_weights=frozenset()) -> OpPlan | None:
+    """The op's plan (None: not a GEMM); ``fp8_weights``: weights asked to be FP8, which run so where they can."""
     view = gemm_view(graph, op)
     if view is None:
         return None
     x, w, wtesa, m, n, k = view
+    fp8 = w in fp8_weights
     wv = graph.tensor(w)
     model_bits = bits_of_dtype(wv.dtype)
     act_model_bits = bits_of_dtype(graph.tensor(x).dtype)
