@@ -29,10 +29,25 @@ def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_
     for top, label, what, tiles in runs:
         rows = top if top is not None else max(last_rows, low + 1)
         dense = profile.dense_us(rows, site.n, site.k, *dense_bits)
-        est = dense if what == "dense" else kernel_us(site, picked, what, tiles, rows, profile, blocks)
+        est = dense + dequant_us(site, picked, profile) if what == "dense" \
+            else kernel_us(site, picked, what, tiles, rows, profile, blocks)
         out.append([top, label, rows, None if est is None else round(est, 3), round(dense, 3)])
         low = rows
     return out
+
+
+def dequant_us(site, picked: KernelChoice, profile: HardwareProfile) -> float:
+    """The per-call dequantisation a ``dequant`` choice pays before its dense GEMM (0 for a dense copy): the W4A16
+    GEMVs' codes and scales read, the 16-bit weight written."""
+    if not picked.dequant:
+        return 0.0
+    group = next((t.get("group") for _, f, t in picked.few_rows or () if f == "w4a16_gemv"), None) or 128
+    return profile.dequant_us(site.n, site.k, w4_bytes(site.n, site.k, group))
+
+
+def w4_bytes(n: int, k: int, group: int) -> int:
+    """Bytes of a W4A16 GEMV's packed weight: int4 codes and a 16-bit scale and zero point a group."""
+    return n * k // 2 + n * k // max(group, 1) * 4
 
 
 def kernel_us(site, picked: KernelChoice, what: str, tiles: dict, rows: int, profile: HardwareProfile,
@@ -41,8 +56,7 @@ def kernel_us(site, picked: KernelChoice, what: str, tiles: dict, rows: int, pro
     None where the profile has no cost for it. ``blocks``: a cache of kept-block counts by block shape."""
     if what in ("w4a16_gemv", "w8a8_gemv"):               # dense codes and their scales, streamed once
         n, k = site.n, site.k
-        nbytes = n * k // 2 + n * k // max(tiles.get("group") or 128, 1) * 4 if what == "w4a16_gemv" \
-            else n * k + 4 * n
+        nbytes = w4_bytes(n, k, tiles.get("group") or 128) if what == "w4a16_gemv" else n * k + 4 * n
         return profile.low_bit_gemv_us(what, rows, nbytes)
     if what == "nm_linear":                               # 2:4: half the values and their 2-bit indices
         from ..passes.transform.nm import nm_bytes
@@ -69,17 +83,18 @@ def kernel_us(site, picked: KernelChoice, what: str, tiles: dict, rows: int, pro
 
 
 def dense_switch_rows(site, picked: KernelChoice, profile: HardwareProfile, end: int,
-                      dense_bits: tuple[int, int]) -> int | None:
+                      dense_bits: tuple[int, int], extra_us: float = 0.0) -> int | None:
     """From how many rows calls run the dense GEMM (``KernelChoice.dense_from``) where the plan switches to it: the
     fewest rows from which, up to the planned range's ``end``, the kernel that would run costs more than dense at
     every row tried (every row to 256, then steps of 1/64 of the rows), by the costs :func:`bucket_estimates`
-    reports; None where the kernels win at ``end`` or have no cost."""
+    reports (``extra_us``: what the dense GEMM pays beside, a per-call dequantisation); None where the kernels win
+    at ``end`` or have no cost."""
     runs, blocks = picked.runs_by_rows(), {}
 
     def loses(rows: int) -> bool:
         _, _, what, tiles = next(r for r in runs if r[0] is None or rows <= r[0])
         est = kernel_us(site, picked, what, tiles, rows, profile, blocks)
-        return est is not None and est > profile.dense_us(rows, site.n, site.k, *dense_bits)
+        return est is not None and est > profile.dense_us(rows, site.n, site.k, *dense_bits) + extra_us
 
     if not loses(end):
         return None

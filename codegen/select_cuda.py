@@ -26,7 +26,7 @@ from ..passes.transform.transform_op import computes_every_element, gemm_bias, g
 from ..target import Target
 from ..templates.registry import epilogue_of, rule, rules
 from ..templates.w4a16_gemv.spec import gemv_group
-from .bucket_costs import bucket_estimates, dense_switch_rows, dense_widths
+from .bucket_costs import bucket_estimates, dense_switch_rows, dense_widths, dequant_us
 from .kept_blocks import KeepGrid, keep_grid, kept_block_mask
 from .select_attention import select_attention
 from .select_conv import select_convolutions
@@ -177,6 +177,13 @@ def switches_to_dense(site: GemmSite, picked: KernelChoice) -> bool:
         and not site.requantized
 
 
+def dequantises(site: GemmSite, picked: KernelChoice) -> bool:
+    """Whether ``picked`` can run its many-row calls on the dense GEMM over its W4A16 GEMVs' codes dequantised at
+    each call (``KernelChoice.dequant``): a W4A16 tile of any M with those GEMVs, writing 16-bit outputs."""
+    return picked.kernel == "bsr_linear" and picked.dtype == "w4a16" and site.any_rows and not site.requantized \
+        and any(family == "w4a16_gemv" for _, family, _ in picked.few_rows or ())
+
+
 def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
     """Choose the kernel of every GEMM the plan runs on sparta (``kind="sparse"``) and of the attention ops
     ``select_attention`` takes, in place; returns the plan."""
@@ -197,6 +204,12 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
                 if picked.dense_from and picked.buckets:     # no tile kernel for rows the dense GEMM takes
                     low = [0] + [top for top, _ in picked.buckets]
                     picked.buckets = [b for b, lo in zip(picked.buckets, low) if lo + 1 < picked.dense_from] or None
+            elif dequantises(site, op_plan.kernel):
+                picked = op_plan.kernel
+                picked.dequant = True
+                picked.dense_from = dense_switch_rows(site, picked, target.profile, last, widths,
+                                                      dequant_us(site, picked, target.profile))
+                picked.dequant = picked.dense_from is not None
             elif op_plan.dense_from:
                 op_plan.kernel.note = "; ".join(n for n in (op_plan.kernel.note, "the plan's dense GEMM for many rows "
                                                 "does not run: this kernel takes every call") if n)

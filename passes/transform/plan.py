@@ -82,6 +82,7 @@ class KernelChoice:
     bucket_us: list | None = None  # [[max rows, kernel, rows costed at, est µs, dense µs], ...] per entry of by_rows(),
     #                                from the cost of the kernel that runs there (est None: the profile has no cost)
     dense_from: int | None = None  # calls of at least this many rows run the vendor dense GEMM over a dense copy
+    dequant: bool = False          # dense_from: of the weight dequantised from the packed codes at each call (no copy)
 
     def describe(self, epilogue: str = "") -> str:
         """The kernel (``epilogue``: what it fuses, e.g. `` +bias+relu``), per bucket of rows with its estimate."""
@@ -93,7 +94,7 @@ class KernelChoice:
             return main
         rows = self.by_rows()               # the kernel per bucket of rows, per call, and its estimate
         costs = self.bucket_us if self.bucket_us and len(self.bucket_us) == len(rows) else [None] * len(rows)
-        last = "cuBLAS[dense copy]" if self.dense_from else main
+        last = self.dense_label if self.dense_from else main
         return "; ".join([f"M<={top}: {kernel}{_cost(c)}" for (top, kernel), c in zip(rows[:-1], costs)]
                          + [f"else {last}{_cost(costs[-1], True)}"])
 
@@ -122,7 +123,12 @@ class KernelChoice:
         below = [r for r in out if r[0] < self.dense_from]         # what runs just below dense_from: the next one
         if not below or below[-1][0] < self.dense_from - 1:
             below.append((self.dense_from - 1, *(out[len(below):] + [main])[0][1:]))
-        return below + [(None, "cuBLAS[dense copy]", "dense", {})]
+        return below + [(None, self.dense_label, "dense", {})]
+
+    @property
+    def dense_label(self) -> str:
+        """What runs the calls of ``dense_from`` rows or more."""
+        return "cuBLAS[dequantised per call]" if self.dequant else "cuBLAS[dense copy]"
 
     def estimate_note(self) -> str:
         """Which kernels of the buckets of rows have no estimate, and why."""

@@ -208,6 +208,11 @@ class HardwareProfile:
         t = 0.0 if r1 == r0 else min(max((m - r0) / (r1 - r0), 0.0), 1.0)
         return c0 + t * (c1 - c0) + nbytes / ((g0 + t * (g1 - g0)) * 1e3)
 
+    def dequant_us(self, n: int, k: int, read_bytes: int, write_bits: int = 16) -> float:
+        """Writing an (N, K) weight of ``write_bits`` from ``read_bytes`` of packed codes and scales (a many-row
+        call's per-call dequantisation): one kernel call and the bytes at the bandwidth."""
+        return self.fixed_us + (read_bytes + n * k * write_bits // 8) / (self.bandwidth_gbs * 1e3)
+
     def k_factor(self, kern: KernelCosts, shape: tuple[int, int], k: int) -> float:
         """How much more a block's per-row work costs at input width ``k`` than at the profile's: linear in K
         between the two measured widths, flat outside them, never less (a wider K is never cheaper per block)."""

@@ -18,6 +18,7 @@ from ...meta_model import meta_weight
 from ...passes.transform.plan import OpPlan
 from ..quant.build import row_quantizer
 from ..w4a16_gemv.build import w4_codes, w4a16_gemv_spec
+from ..w4a16_gemv.dequant import W4DequantSpec, w4a16_dequant
 from ..w4a16_gemv.kernel import w4a16_gemv
 from ..w8a8_gemv.build import int8_weight_scale, w8a8_gemv_spec
 from ..w8a8_gemv.kernel import w8a8_gemv
@@ -101,11 +102,14 @@ def kernel_specs(op_plan: OpPlan, parts) -> dict:
     gemv = _gemv_spec(spec, choice.gemv)
     gemv1 = _one_row_spec(gemv, choice.gemv)
     buckets = [(top, dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")) for top, t in choice.buckets or ()]
+    w4_gemv = next((g for _, family, g in few if family == "w4a16_gemv"), None)
+    dequant = W4DequantSpec.for_gemv(w4_gemv) if choice.dequant and w4_gemv is not None else None
     every = [(bsr_linear, spec)] + ([(bsr_linear, hopper)] if hopper else []) \
         + [(w4a16_gemv if family == "w4a16_gemv" else w8a8_gemv, g) for _, family, g in few] \
-        + [(bsr_gemv, g) for g in (gemv, gemv1) if g] + [(bsr_linear, b) for _, b in buckets]
+        + [(bsr_gemv, g) for g in (gemv, gemv1) if g] + [(bsr_linear, b) for _, b in buckets] \
+        + ([(w4a16_dequant, dequant)] if dequant else [])
     return {"spec": spec, "hopper": hopper, "gemv": gemv, "gemv1": gemv1, "few": few, "buckets": buckets, "w4": w4,
-            "all": every}
+            "dequant": dequant, "all": every}
 
 
 def build(graph: Graph, op: Op, op_plan: OpPlan):
@@ -134,10 +138,12 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     gemv = (build_cuda(bsr_gemv, g_spec), g_spec) if g_spec is not None else None
     gemv1 = (build_cuda(bsr_gemv, specs["gemv1"]), specs["gemv1"]) if specs["gemv1"] is not None else None
     buckets = [(top, build_cuda(bsr_linear, b_spec), b_spec) for top, b_spec in specs["buckets"]]
+    dequant = (build_cuda(w4a16_dequant, specs["dequant"]), specs["dequant"]) if specs["dequant"] else None
     out_shape = graph.tensor((unit.mul if unit else op).outputs[0]).shape
     kernels = dict(hopper=(hopper[0].path, hopper[1]) if hopper else None, gemv=(gemv[0].path, gemv[1]) if gemv
                    else None, buckets=[(top, a.path, b) for top, a, b in buckets],
-                   gemv1=(gemv1[0].path, gemv1[1]) if gemv1 else None, dense_from=choice.dense_from)
+                   gemv1=(gemv1[0].path, gemv1[1]) if gemv1 else None,
+                   dense_from=None if choice.dequant else choice.dense_from)
     if w4 is not None:
         scale, zero = w4.expand(k)
         codes = w4_codes(w4, weight)                        # once: the tile kernel's records and the GEMVs' words
@@ -161,6 +167,8 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
                                None if zero is None else zero[:, ::group].to(torch.uint8))
     elif few:
         module.attach_w8_gemvs([(top, a.path, g) for top, a, g in few], module.dense_codes())
+    if dequant is not None:
+        module.attach_dequant(dequant[0].path, dequant[1], choice.dense_from)
     if unit is not None:
         module.write_gated(unit.mul.outputs[0])
     # low bits: the reference applies the weights the kernel applies (int8: activations per token at run time)
@@ -170,13 +178,14 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
                      + (" (bf16)" if out == "bfloat16" else ""),
                      f"tile (table argument{f', streaming grid of {spec.groups} groups' if spec.groups else ''})",
                      [art] + ([hopper[0]] if hopper else []) + [g[0] for g in (gemv, gemv1) if g] + [a for _, a, _ in buckets]
-                     + [a for _, a, _ in few])
+                     + [a for _, a, _ in few] + ([dequant[0]] if dequant else []))
     notes = ([f"sm_90 runs the wgmma kernel {hopper[0].path.name} ({hopper[1].bn}x{hopper[1].bk} tiles)"]
              if hopper else []) + ([f"one row runs the GEMV {gemv1[0].path.name}"] if gemv1 else []) \
         + ([f"up to {gemv[1].rows} rows run the GEMV {gemv[0].path.name}"] if gemv else []) \
         + [f"up to {top} rows run the {'W4A16' if w4 is not None else 'W8A8'} GEMV {a.path.name}" for top, a, _ in few] \
         + [f"up to {top} rows run {a.path.name}" for top, a, _ in buckets] \
-        + ([f"from {choice.dense_from} rows cuBLAS over a dense copy"] if choice.dense_from else []) \
+        + ([f"from {choice.dense_from} rows cuBLAS over the weight {dequant[0].path.name} dequantises per call"]
+           if dequant else [f"from {choice.dense_from} rows cuBLAS over a dense copy"] if choice.dense_from else []) \
         + ([choice.note] if choice.note else []) \
         + ([f"writes {unit.activation}(gate) * up ({', '.join(o.name for o in unit.ops)} fused)"] if unit else [])
     if notes:

@@ -16,6 +16,8 @@ from .launchers import (BsrGemvOp, BsrLinearOp, _expanded_w4, _saved_gemv, gemv_
 from .packing import pack_weight, table_block_mask, unpack_weight
 from .spec import BsrSpec
 from ..quant.spec import quantize_rows
+from ..w4a16_gemv.dequant import W4DequantOp, W4DequantSpec
+from ..w4a16_gemv.spec import W4A16Spec
 from ...runtime.cuda import CudaRuntimeError, GraphWeightLayout, act16_dtype, check_saved_spec, device_arch
 from .dense_rows import DenseRows
 from .few_rows import GEMV_BUFFERS, FewRowGemvs
@@ -44,6 +46,7 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
 
     kernel_family = "bsr_linear"
     weight_names = ("wp", "table", "bias", "weight_scale", *GEMV_BUFFERS)
+    dequant_kinds = (W4DequantSpec, W4DequantOp)      # a W4A16 op's many-row calls: its GEMVs' codes dequantised
 
     def __init__(self, op_name: str, x_name: str, folder: str, spec: BsrSpec, wp: torch.Tensor,
                  table: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
@@ -210,6 +213,14 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
     def packed_source(self) -> torch.Tensor:
         return self.wp
 
+    def dequant_fits(self, spec: W4DequantSpec) -> bool:
+        """Whether ``spec`` dequantises the W4A16 GEMVs' packed weight of this (not gated) op."""
+        g = next((g for _, _, g in self.few_rows if isinstance(g, W4A16Spec)), None)
+        return g is not None and not self.spec.gate and spec == W4DequantSpec.for_gemv(g)
+
+    def dequantised(self, op: W4DequantOp) -> torch.Tensor:
+        return op(self.gemv_wq, self.gemv_scale, self.gemv_zero)
+
     def unpacked(self) -> torch.Tensor:
         """The 16-bit kept blocks as the dense (N, K) weight (gated: (2N, K)) on their device (:class:`DenseRows`)."""
         return unpack_weight(self.wp, self.table, self.spec)
@@ -292,8 +303,9 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
         tensors.update(self.few_rows_tensors())
         if self.spec.gate:
             config["gated_output"] = self.output_names[0]
-        if self.dense_from is not None:
-            config["dense_from"] = self.dense_from
+        dense, dense_folders = self.dense_rows_config()
+        config.update(dense)
+        folders.update(dense_folders)
         return config, tensors, folders
 
     @classmethod
@@ -311,10 +323,11 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
                      folders[config["quantizer"]] if config.get("quantizer") else None,
                      (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets, gemv1,
-                     config.get("dense_from"))
+                     None if config.get("dequant") else config.get("dense_from"))
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_few_rows(config, tensors, folders)
+        module.restore_dequant(config, folders)
         module.restore_output(config)
         if spec.gate:
             module.write_gated(config["gated_output"])

@@ -1,5 +1,6 @@
 """The estimate per bucket of rows: each bucket priced by the kernel that runs there (``KernelChoice.bucket_us``)."""
 
+import dataclasses
 import re
 import shutil
 from types import SimpleNamespace
@@ -172,3 +173,35 @@ def test_a_dynamic_cuda_compile_reports_each_buckets_kernel_estimate(tmp_path):
     loaded = sparta.load(tmp_path / "saved")
     assert [p.kernel.bucket_us for p in linears] == [loaded.plan.ops[p.op].kernel.bucket_us for p in linears]
     assert loaded.plan.report() == compiled.plan.report()
+
+
+def test_a_4bit_linear_dequantises_per_call_for_cublas_only_where_that_costs_less_than_its_tile():
+    """The W4A16 tile of any M with GEMVs hands its many-row calls to cuBLAS over the GEMVs' codes dequantised at
+    each call from the rows where the tile costs more than the dense GEMM plus the dequantisation; the bucket of
+    those rows is priced with the dequantisation in it, and the plan names it."""
+    from sparta.codegen.bucket_costs import dense_switch_rows, dequant_us, kernel_us
+    from sparta.codegen.select_cuda import dequantises, select_gemm
+    from sparta.target import load_target
+    cuda = load_target("cuda")
+    s = GemmSite(SimpleNamespace(op="linear"), OpPlan("op", "linear", "sparse", 1.0, 2.0), 2, 11008, 4096, "W4A16",
+                 True, 32, "none", "none", False, torch.randn(11008, 4096), 128, "", True)
+    picked = select_gemm(s, cuda)
+    assert dequantises(s, picked) and not dequantises(dataclasses.replace(s, any_rows=False), picked)
+    assert not picked.dequant and picked.dense_from is None
+    picked.dequant = True
+    extra = dequant_us(s, picked, cuda.profile)
+    assert extra == pytest.approx(cuda.profile.fixed_us + (11008 * 4096 * 2.5 + 11008 * 32 * 4) /
+                                  (cuda.profile.bandwidth_gbs * 1e3))
+    start = dense_switch_rows(s, picked, cuda.profile, 4096, (16, 16), extra)
+    assert 256 < start < 1024
+    tile = picked.runs_by_rows()[-1]
+    for rows, dense_wins in ((256, False), (start, True), (4096, True)):
+        t = kernel_us(s, picked, tile[2], tile[3], rows, cuda.profile)
+        assert (t > cuda.profile.dense_us(rows, 11008, 4096, 16, 16) + extra) == dense_wins, rows
+    assert dense_switch_rows(s, picked, cuda.profile, 256, (16, 16), extra) is None, "the tile wins over the range"
+    picked.dense_from = start
+    costs = bucket_estimates(s, picked, cuda.profile, 4096, (16, 16))
+    assert costs[-1][1] == "cuBLAS[dequantised per call]" and costs[-1][3] == pytest.approx(costs[-1][4] + extra, 1e-3)
+    assert picked.kernel_at(start) == "cuBLAS[dequantised per call]" and "dequantised per call" in picked.describe()
+    picked.dequant = False
+    assert picked.kernel_at(start) == "cuBLAS[dense copy]"

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from fixtures import kernel_choices, saved_models
+from fixtures import cuda_specs_w4a16_dequant, kernel_choices, saved_models
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")]
 
@@ -20,6 +20,7 @@ CASES = {
     "dense_rows": (saved_models.dense_rows_mlp, kernel_choices.check_dense_rows),
     "nm_mlp": (saved_models.nm_mlp, kernel_choices.check_nm_mlp),
     "fp8_mlp": (saved_models.fp8_mlp, kernel_choices.check_fp8_mlp),
+    "w4_prefill": (cuda_specs_w4a16_dequant.w4_prefill_mlp, kernel_choices.check_w4_prefill),
 }
 STATIC = {"tesa_w4a16"}     # one row: a batch of one stays fixed
 
