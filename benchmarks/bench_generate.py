@@ -314,10 +314,17 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", nargs="*", help="peers to run (default: all)")
     ap.add_argument("--out", help="write the JSON here (default: benchmarks/results/)")
+    ap.add_argument("--inductor-config", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="torch._inductor.config settings for every peer's compile, e.g. combo_kernels=1")
     args = ap.parse_args()
     if args.build:
         return build(args)
+    import torch._inductor.config as inductor_config
+    for item in args.inductor_config:
+        key, _, value = item.partition("=")
+        setattr(inductor_config, key, type(getattr(inductor_config, key))(int(value) if value.isdigit() else value))
     results = run(args)
+    results["inductor_config"] = args.inductor_config
     text = json.dumps({k: v for k, v in results.items()}, indent=1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

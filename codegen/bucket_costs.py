@@ -37,10 +37,13 @@ def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_
 
 
 def dequant_us(site, picked: KernelChoice, profile: HardwareProfile) -> float:
-    """The per-call dequantisation a ``dequant`` choice pays before its dense GEMM (0 for a dense copy): the W4A16
-    GEMVs' codes and scales read, the 16-bit weight written."""
+    """The per-call dequantisation a ``dequant`` choice pays before its dense GEMM (0 for a dense copy): the packed
+    codes and scales read (the FP8 GEMV's, or the W4A16 GEMVs'), the 16-bit weight written."""
     if not picked.dequant:
         return 0.0
+    if picked.kernel == "fp8_gemv":
+        from ..passes.transform.fp8 import fp8_bytes
+        return profile.dequant_us(site.n, site.k, fp8_bytes(sum(s.n_blocks for s in site.plan.subops), site.n))
     group = next((t.get("group") for _, f, t in picked.few_rows or () if f == "w4a16_gemv"), None) or 128
     return profile.dequant_us(site.n, site.k, w4_bytes(site.n, site.k, group))
 

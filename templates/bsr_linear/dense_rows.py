@@ -24,7 +24,8 @@ class DenseRows:
     tensor a copy is made from: a new one makes a new copy) and :meth:`unpacked` (the dense (N, K) weight, gated:
     (2N, K), on that tensor's device); its ``spec`` has ``dtype``, ``act``, ``bias`` and maybe ``gate`` / ``out``.
     A low-bit module sets ``dequant_kinds`` = (spec class, launcher class) of its dequantisation kernel and gives
-    :meth:`dequantised` (the dense weight the launcher writes from the packed codes) for :meth:`attach_dequant`."""
+    ``dequant_fits(spec)``, ``dequantised(op)`` (the dense weight the launcher writes from the packed codes) and
+    ``dequant_reference()`` (the same from the kernel's torch reference) for :meth:`attach_dequant`."""
 
     dequant_kinds: tuple | None = None
 
@@ -53,7 +54,12 @@ class DenseRows:
         """The op's output for ``x`` on the dense GEMM if its rows reach ``dense_from`` (else None)."""
         if self.dense_from is None or x.shape[0] < self.dense_from:
             return None
-        w = self._dense_weight() if self.dequant is None else self._dequantised_now()
+        if self.dequant is None:
+            w = self._dense_weight()
+        elif x.is_cuda:
+            w = self._dequantised_now()
+        else:                                  # on the CPU: what the kernel writes, from its torch reference
+            w = self.dequant_reference()
         y = torch.nn.functional.linear(x, w.to(x.dtype), self.bias if self.spec.bias else None)
         if getattr(self.spec, "gate", False):          # in the input's dtype, as the model's own MLP computes it
             return gated(y, self.spec.act)

@@ -16,7 +16,7 @@ from .launchers import (BsrGemvOp, BsrLinearOp, _expanded_w4, _saved_gemv, gemv_
 from .packing import pack_weight, table_block_mask, unpack_weight
 from .spec import BsrSpec
 from ..quant.spec import quantize_rows
-from ..w4a16_gemv.dequant import W4DequantOp, W4DequantSpec
+from ..w4a16_gemv.dequant import W4DequantOp, W4DequantSpec, dequant_ref
 from ..w4a16_gemv.spec import W4A16Spec
 from ...runtime.cuda import CudaRuntimeError, GraphWeightLayout, act16_dtype, check_saved_spec, device_arch
 from .dense_rows import DenseRows
@@ -220,6 +220,9 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
 
     def dequantised(self, op: W4DequantOp) -> torch.Tensor:
         return op(self.gemv_wq, self.gemv_scale, self.gemv_zero)
+
+    def dequant_reference(self) -> torch.Tensor:
+        return dequant_ref(self.gemv_wq, self.gemv_scale, self.gemv_zero, self.dequant[1])
 
     def unpacked(self) -> torch.Tensor:
         """The 16-bit kept blocks as the dense (N, K) weight (gated: (2N, K)) on their device (:class:`DenseRows`)."""

@@ -1,6 +1,7 @@
 """Codegen of a planned linear of FP8 weights (``passes/transform/fp8.py``, chosen by ``select.py``): the GEMV for
 calls of up to ``FP8_MAX_ROWS`` rows with selection's tiling, the weight quantised to E4M3 per output channel and
-packed over the plan's 32x32 blocks, and the dense GEMM above ``KernelChoice.dense_from``."""
+packed over the plan's 32x32 blocks, and the dense GEMM above ``KernelChoice.dense_from`` over the weight the
+dequantisation kernel writes at each call."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ...codegen.cuda_build import build_cuda
 from ...graph import Graph, Op
 from ...passes.transform.fp8 import FP8_MAX_ROWS, fp8_block_grid
 from ...passes.transform.plan import OpPlan
+from .dequant import Fp8DequantSpec, fp8_dequant
 from .kernel import fp8_gemv
 from .runtime import Fp8LinearCUDA
 from .spec import Fp8GemvSpec, pack_weight
@@ -36,14 +38,19 @@ def build(graph: Graph, op: Op, op_plan: OpPlan):
     art = build_cuda(fp8_gemv, spec)
     packed = pack_weight(site.weight, spec, grid if sparse else None)   # a meta model: ones where kept (repacked)
     out = parts.output(op)
+    dequant = Fp8DequantSpec.for_gemv(spec) if choice.dense_from and choice.dequant else None
     module = Fp8LinearCUDA(art.path, spec, packed, bias, op.name, x_name=parts.x_name,
-                           out_shape=graph.tensor(out).shape,
-                           dense_from=choice.dense_from)
+                           out_shape=graph.tensor(out).shape, dense_from=None if dequant else choice.dense_from)
+    arts = [art]
+    if dequant is not None:
+        arts.append(build_cuda(fp8_dequant, dequant))
+        module.attach_dequant(arts[-1].path, dequant, choice.dense_from)
     bind(module, graph, op, parts.view, reference=True)
     blocks = f"{sub.n_blocks}x32x32" if sparse else "dense"
-    row = report_row(op, "fp8_gemv", blocks, "W8A16 (e4m3)", "-", [art])
+    row = report_row(op, "fp8_gemv", blocks, "W8A16 (e4m3)", "-", arts)
     row["note"] = f"up to {spec.rows} rows on the FP8 GEMV" + (
-        f"; from {choice.dense_from} rows cuBLAS over a dense copy" if choice.dense_from else "")
+        f"; from {choice.dense_from} rows cuBLAS over the weight {arts[-1].path.name} dequantises per call"
+        if dequant else f"; from {choice.dense_from} rows cuBLAS over a dense copy" if choice.dense_from else "")
     return module, [row], parts.fused if act != "none" else None
 
 

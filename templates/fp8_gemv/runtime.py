@@ -5,7 +5,8 @@ packed E4M3 weight for up to ``spec.rows`` rows, any leading dimensions): its op
 every family in ``sparta/runtime/ops.py``) takes ``[x (M, K)]`` and the packed tensors and has a fake
 implementation, so it runs inside ``torch.compile`` graphs and CUDA graph captures. A ``ksplit > 1`` kernel's
 workspace is a module buffer: one call at a time per module. In a compiled graph (``graph_build.py``) it stands for a
-planned linear of FP8 weights, its calls of ``dense_from`` rows or more on cuBLAS over a dense copy.
+planned linear of FP8 weights, its calls of ``dense_from`` rows or more on cuBLAS over the weight the
+dequantisation kernel (``dequant.py``) writes at each call (a module built without one: a dense copy).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .spec import (DTYPES, Fp8GemvError, Fp8GemvSpec, Fp8Packed, check_packed, d
 from ...runtime.cuda import GraphWeightLayout, check_saved_spec, kernel_file
 from ...runtime.ops import KernelModule
 from ..packed_gemv import GraphGemv, PackedGemvModule, PackedGemvOp
+from .dequant import Fp8DequantOp, Fp8DequantSpec, dequant_ref
 
 
 def folder_spec(folder) -> Fp8GemvSpec:
@@ -41,11 +43,12 @@ class Fp8GemvOp(PackedGemvOp):
 
 class Fp8LinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule):
     """``y = act(x · (s ⊙ W8)ᵀ + b)`` on the FP8 GEMV (the op ``sparta::fp8_gemv``) for ``x`` (..., K) with at most
-    ``spec.rows`` rows in all, or more from ``dense_from`` rows on (cuBLAS over a dense copy of the dequantised
-    weight); ``y`` in ``x``'s dtype. In a compiled graph it stands for op ``op_name`` (:class:`GraphGemv`)."""
+    ``spec.rows`` rows in all, or more from ``dense_from`` rows on (cuBLAS over the weight dequantised per call, or
+    over a dense copy); ``y`` in ``x``'s dtype. In a compiled graph it stands for op ``op_name`` (:class:`GraphGemv`)."""
 
     kernel_family = "fp8_gemv"
     op_class, packed_names = Fp8GemvOp, ("codes", "scales")
+    dequant_kinds = (Fp8DequantSpec, Fp8DequantOp)      # many-row calls: the codes dequantised per call
     weight_names = ("codes", "scales", "table", "bias")
 
     def __init__(self, folder, spec: Fp8GemvSpec, packed: Fp8Packed, bias: torch.Tensor | None = None,
@@ -100,6 +103,15 @@ class Fp8LinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule
     def packed_source(self) -> torch.Tensor:
         return self.codes
 
+    def dequant_fits(self, spec: Fp8DequantSpec) -> bool:
+        return spec == Fp8DequantSpec.for_gemv(self.spec)
+
+    def dequantised(self, op: Fp8DequantOp) -> torch.Tensor:
+        return op(self.packed)
+
+    def dequant_reference(self) -> torch.Tensor:
+        return dequant_ref(self.packed, self.dequant[1], self.codes.device)
+
     def unpacked(self) -> torch.Tensor:
         """The dequantised (N, K) weight in the kernel's dtype on the codes' device (:class:`DenseRows`)."""
         return dequantize(self.packed, self.spec, self.codes.device).to(DTYPES[self.spec.dtype])
@@ -122,11 +134,13 @@ class Fp8LinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name,
                   **self.graph_config()}
+        dense, folders = self.dense_rows_config() if self.input_names is not None else ({}, {})
+        config.update(dense)
         tensors = {"codes": self.codes, "scales": self.scales}
         for name in ("table", "bias"):
             if self._buffers.get(name) is not None:
                 tensors[name] = self._buffers[name]
-        return config, tensors, {folder.name: folder}
+        return config, tensors, {folder.name: folder, **folders}
 
     @classmethod
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> Fp8LinearCUDA:
@@ -134,8 +148,10 @@ class Fp8LinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule
         folder = folders[config["folder"]]
         check_saved_spec(config["op_name"], folder, spec)
         packed = Fp8Packed(tensors["codes"], tensors["scales"], tensors.get("table"))
-        return cls(folder, spec, packed, tensors.get("bias"), config["op_name"],
-                   **cls.graph_args(config)).restore_graph(config)
+        module = cls(folder, spec, packed, tensors.get("bias"), config["op_name"],
+                     **{**cls.graph_args(config), **({"dense_from": None} if config.get("dequant") else {})})
+        module.restore_dequant(config, folders)
+        return module.restore_graph(config)
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -1,6 +1,7 @@
 """Selection rule of the FP8 GEMV (the ``gemm_cuda`` table, ``templates/registry.py``): a planned linear of FP8 (E4M3)
 weights beside 16-bit activations (``passes/transform/fp8.py``) runs the FP8 GEMV for calls of few rows and the dense
-GEMM over a dense copy from the rows where that is cheaper (``KernelChoice.dense_from``); its tiling by density."""
+GEMM over the weight dequantised at each call from the rows where that is cheaper (``KernelChoice.dense_from``,
+``dequant``: no dense copy is kept, the model holds its FP8 codes only); its tiling by density."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ def fp8_tiling(n: int, k: int, dense: bool, sms: int) -> dict:
 
 
 def fp8_dense_from(n: int, k: int, n_blocks: int, profile: HardwareProfile) -> int:
-    """From how many rows the dense GEMM is cheaper than the FP8 GEMV at every row up to ``FP8_MAX_ROWS`` (by the
-    profile: the GEMV's bytes fit against the dense GEMM), at most ``FP8_MAX_ROWS + 1``."""
-    start = FP8_MAX_ROWS + 1
+    """From how many rows the dense GEMM over the weight dequantised per call is cheaper than the FP8 GEMV at every
+    row up to ``FP8_MAX_ROWS`` (by the profile: the GEMV's bytes fit against the dense GEMM and the dequantisation),
+    at most ``FP8_MAX_ROWS + 1``."""
+    start, nbytes = FP8_MAX_ROWS + 1, fp8_bytes(n_blocks, n)
+    dequant = profile.dequant_us(n, k, nbytes)
     for rows in range(FP8_MAX_ROWS, 1, -1):
-        if profile.low_bit_gemv_us("fp8_gemv", rows, fp8_bytes(n_blocks, n)) <= profile.dense_us(rows, n, k, 16, 16):
+        if profile.low_bit_gemv_us("fp8_gemv", rows, nbytes) <= profile.dense_us(rows, n, k, 16, 16) + dequant:
             break
         start = rows
     return start
@@ -44,9 +47,11 @@ def fp8_weights(site: GemmSite, target: Target):
     dense = s.block is None or s.n_blocks >= -(-site.n // FP8_BLOCK) * -(-site.k // FP8_BLOCK)
     start = fp8_dense_from(site.n, site.k, s.n_blocks, target.profile)
     many = site.any_rows or site.m > FP8_MAX_ROWS
-    return choice("fp8_gemv", "fp8_weights", f"{FP8_FORMAT} weights beside {site.act16}: the FP8 GEMV up to "
-                  f"{start - 1} rows" + (", cuBLAS over a dense copy above" if many else ""), "e4m3",
-                  fp8_tiling(site.n, site.k, dense, target.sms), dense_from=start if many else None)
+    picked = choice("fp8_gemv", "fp8_weights", f"{FP8_FORMAT} weights beside {site.act16}: the FP8 GEMV up to "
+                    f"{start - 1} rows" + (", cuBLAS over the weight dequantised per call above" if many else ""),
+                    "e4m3", fp8_tiling(site.n, site.k, dense, target.sms), dense_from=start if many else None)
+    picked.dequant = many
+    return picked
 
 
 __all__ = ["fp8_dense_from", "fp8_tiling", "fp8_weights"]

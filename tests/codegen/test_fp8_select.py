@@ -1,5 +1,5 @@
 """Selection of the FP8 GEMV (``templates/fp8_gemv/select.py``): a planned FP8 weight runs the GEMV up to the rows
-where the dense GEMM is cheaper (by the profile), then cuBLAS over a dense copy; its tiling by density; formats and
+where the dense GEMM is cheaper (by the profile), then cuBLAS over the weight dequantised per call; its tiling by density; formats and
 epilogues it does not run go to torch with the reason; each bucket priced by the kernel that runs there."""
 
 import pytest
@@ -32,7 +32,8 @@ def test_the_switch_to_the_dense_gemm_is_where_it_wins_for_good_by_the_profile()
         start = fp8_dense_from(n, k, blocks, prof)
         assert 2 <= start <= FP8_MAX_ROWS + 1
         gemv = [prof.low_bit_gemv_us("fp8_gemv", r, fp8_bytes(blocks, n)) for r in range(1, FP8_MAX_ROWS + 1)]
-        dense = [prof.dense_us(r, n, k, 16, 16) for r in range(1, FP8_MAX_ROWS + 1)]
+        dequant = prof.dequant_us(n, k, fp8_bytes(blocks, n))
+        dense = [prof.dense_us(r, n, k, 16, 16) + dequant for r in range(1, FP8_MAX_ROWS + 1)]
         assert all(g > d for g, d in zip(gemv[start - 1:], dense[start - 1:]))
         assert start == 2 or gemv[start - 2] <= dense[start - 2]
 
@@ -44,13 +45,14 @@ def test_a_dense_and_a_sparse_fp8_weight_pick_their_tilings_and_report_each_buck
     choice = p.kernel
     assert choice.kernel == "fp8_gemv" and choice.rule == "fp8_weights", choice
     assert choice.dense_from == fp8_dense_from(11008, 4096, 344 * 128, target.profile)
-    assert choice.kernel_at(1).startswith("fp8_gemv") and choice.kernel_at(4096) == "cuBLAS[dense copy]"
+    assert choice.kernel_at(1).startswith("fp8_gemv") and choice.kernel_at(4096) == "cuBLAS[dequantised per call]"
     (top, label, rows, est, dense), last = choice.bucket_us[0], choice.bucket_us[-1]
     assert est < dense, "the GEMV where it is cheaper"
     assert label.startswith("fp8_gemv") and top == rows == choice.dense_from - 1
     assert est == pytest.approx(target.profile.low_bit_gemv_us("fp8_gemv", rows, fp8_bytes(344 * 128, 11008)),
                                 abs=1e-3)
-    assert last[1] == "cuBLAS[dense copy]" and last[3] == last[4]
+    assert last[1] == "cuBLAS[dequantised per call]" and last[3] == pytest.approx(
+        last[4] + target.profile.dequant_us(11008, 4096, fp8_bytes(344 * 128, 11008)), abs=1e-3)
     assert p.epilogue == ["bias", "gelu"], "bias and GELU in the GEMV's epilogue"
     grid = torch.rand(64, 64, generator=torch.Generator().manual_seed(0)) < 0.2
     sparse, _ = _selected(TeSA.from_blocks(grid, (64, 64), 8), formats="fp8_e4m3")
@@ -85,7 +87,7 @@ def fp8_model():
 
 
 def test_the_dense_path_applies_the_dequantised_weight_and_a_checkpoint_packs_again(fp8_model, tmp_path):
-    """The modules' dense copy (calls above ``dense_from``) is the weight the GEMV applies; a kernels-only save loaded
+    """The weight the many-row calls (from ``dense_from``) dequantise is the one the GEMV applies; a kernels-only save loaded
     with the model's own weights packs the same codes, scales and block table; a checkpoint with a weight where the
     plan prunes is refused."""
     import sparta
