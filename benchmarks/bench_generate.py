@@ -277,6 +277,10 @@ def run(args) -> dict:
                                      (("sparta", decoder), ("dense", dense)) if prompt.shape[0] in
                                      m.__dict__.get("sparta_decode_sessions", {})}
     print("prefill as the greedy loop runs it", results["prefill_session_ms"], flush=True)
+    held = {id(b): b for m in compiled.module_replacements().values() if isinstance(m, torch.nn.Module)
+            for b in m.buffers() if b is not None and b.is_cuda}           # shared buffers counted once
+    results["sparta_linears_gb"] = sum(b.numel() * b.element_size() for b in held.values()) / 1e9
+    print("sparta's kernel modules hold", round(results["sparta_linears_gb"], 3), "GB after the runs", flush=True)
     ok = [k for k in peers if "tok_s" in results.get(k, {}) and k.startswith("dense")]
     if "tok_s" in results.get("sparta", {}) and ok:
         best = max(ok, key=lambda k: results[k]["tok_s"])
