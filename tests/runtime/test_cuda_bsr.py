@@ -13,7 +13,7 @@ import torch
 from fixtures.artifacts import MISSING, ROOT
 SMALL = sorted(p.name for p in ROOT.glob("t_*") if (p / "spec.json").is_file()
                and not p.name.startswith(("t_q", "t_ln", "t_rms", "t_w8g"))) if ROOT.is_dir() else []
-QUANT = sorted(p.name for p in ROOT.glob("*q_*") if (p / "spec.json").is_file()) if ROOT.is_dir() else []
+QUANT = sorted(p.name for p in ROOT.glob("t_q_*") if (p / "spec.json").is_file()) if ROOT.is_dir() else []
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(not SMALL, reason=MISSING + f"no built bsr kernels in {ROOT}")]
