@@ -59,8 +59,8 @@ class QuantConfig:
     granularity: str = "group"
     group_size: int = 128
     progress: bool = True
-    device: str | None = None       # where the batches run: None or "cpu", or a GPU ("cuda"; what fails there reruns
-#                                     on the CPU with a warning)
+    device: str | None = None       # where the batches run: "cpu" or a GPU ("cuda"; what fails there reruns on the
+#                                     CPU with a warning); None: the calibration batches' own device
 
     def __post_init__(self):
         if not (isinstance(self.tolerance, (int, float)) and self.tolerance >= 0 and math.isfinite(self.tolerance)):
@@ -416,7 +416,7 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
         weights = {v.name: v.tesa.apply(v.data) for v in graph.tensors("weight")
                    if v.data is not None and v.data.dtype.is_floating_point and not v.tesa.is_dense}
     static = config.static_activations if config.static_activations is not None else target == "cuda"
-    device = calibration_device(config.device)
+    device = calibration_device(config.device, batches)
     with torch.no_grad():
         for device in dict.fromkeys((device, "cpu")):        # the device asked, then the CPU where it fails
             try:
@@ -433,9 +433,9 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     return report
 
 
-def calibration_device(asked: str | None) -> str:
-    """Where calibration runs: ``asked``, else the CPU (BERT-base on an H200 still meets an op that mixes devices:
-    benchmarks/RESULTS.md, "Calibration on the model's device")."""
+def calibration_device(asked: str | None, batches=()) -> str:
+    """Where calibration runs: ``asked``, else the device the calibration batches are on (a GPU where the user's
+    data is: the model's device), else the CPU."""
     if asked is not None:
         try:
             torch.device(asked)
@@ -444,4 +444,5 @@ def calibration_device(asked: str | None) -> str:
         if torch.device(asked).type == "cuda" and not torch.cuda.is_available():
             raise QuantizationError(f"quant_tolerance device {asked!r}: torch sees no CUDA GPU here")
         return str(asked)
-    return "cpu"
+    found = next((t.device for b in batches for t in b if isinstance(t, torch.Tensor)), None)
+    return str(found) if found is not None and (found.type != "cuda" or torch.cuda.is_available()) else "cpu"

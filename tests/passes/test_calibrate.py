@@ -306,7 +306,8 @@ def test_int4_kernels_apply_the_fitted_scales(tmp_path):
 
 def test_calibration_runs_on_the_device_asked_and_falls_back_to_the_cpu_with_a_warning():
     """``QuantConfig.device``: a device the ops cannot run on (here the meta device) is reported and the batches run
-    on the CPU, to the same decisions; a CUDA device without a GPU is refused; the default is the CPU."""
+    on the CPU, to the same decisions; a CUDA device without a GPU is refused; the default is the batches' device
+    (the CPU for CPU batches, and for batches on a GPU this machine does not have)."""
     from sparta.passes.quant.calibrate import calibration_device
     model = MLP(32, 48, 16).eval()
     batches = batches_of((8, 32))
@@ -321,7 +322,8 @@ def test_calibration_runs_on_the_device_asked_and_falls_back_to_the_cpu_with_a_w
     assert cpu.device == fallback.device == "cpu"
     assert [(d.tensor, d.bits) for d in cpu.decisions] == [(d.tensor, d.bits) for d in fallback.decisions]
     assert cpu.static_scales == pytest.approx(fallback.static_scales)
-    assert calibration_device(None) == "cpu"
+    assert calibration_device(None) == "cpu" == calibration_device(None, [[torch.ones(2)]])
+    assert calibration_device(None, [[3, torch.ones(2, device="meta")]]) == "meta"
     if not torch.cuda.is_available():
         with pytest.raises(QuantizationError, match="sees no CUDA GPU"):
             calibration_device("cuda")
