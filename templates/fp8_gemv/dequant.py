@@ -66,16 +66,15 @@ class Fp8DequantSpec:
 
     @property
     def archs(self) -> tuple[str, ...]:
-        """``cvt.rn.f16x2.e4m3x2`` needs sm_89 or later."""
-        return ("sm_90", "sm_89")
+        return self.gemv.archs             # cvt.rn.f16x2.e4m3x2: sm_89 or later
 
     @property
     def row_blocks(self) -> int:
-        return -(-self.n // BLOCK)
+        return self.gemv.row_blocks
 
     @property
     def col_blocks(self) -> int:
-        return -(-self.k // BLOCK)
+        return self.gemv.col_blocks
 
     @property
     def tile_cols(self) -> int:

@@ -16,19 +16,9 @@ from sparta.templates.fp8_gemv.dequant import Fp8DequantOp, Fp8DequantSpec, dequ
 from sparta.templates.fp8_gemv.spec import (BLOCK, DTYPES, Fp8GemvError, Fp8GemvSpec, element_mask, expand_scales,
                                             pack_codes, pack_weight, quantize)
 
+from fixtures.fp8_data import block_mask, weight
+
 needs_build = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-
-
-def weight(n, k, dtype=torch.bfloat16, seed=0):
-    """Random weights with no zero among them (a pruned block must not pass for kept zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.05
-    return torch.where(w.abs() < 1e-4, torch.full_like(w, 0.01), w).to(dtype)
-
-
-def block_mask(n, k, density, seed=0):
-    g = torch.Generator().manual_seed(seed + 1)
-    return torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g) < density
 
 
 @pytest.mark.parametrize("kw, words", [(dict(n=0, k=64), "positive"), (dict(n=8, k=-1), "positive"),

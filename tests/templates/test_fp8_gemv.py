@@ -17,20 +17,10 @@ from sparta.templates.fp8_gemv.spec import (BLOCK, FP8_MAX, Fp8GemvError, Fp8Gem
                                             check_packed, dequantize, element_mask, expand_scales, fp8_gemv_ref,
                                             pack_codes, pack_weight, quantize, split_buffers, suggest_ksplit, unpack)
 
+from fixtures.fp8_data import block_mask, weight
+
 needs_build = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 SHAPES = [(77, 200), (130, 1000), (1, 8), (33, 1031), (257, 129)]
-
-
-def weight(n, k, dtype=torch.bfloat16, seed=0):
-    """Random weights with no zero among them (a pruned block must not pass for kept zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.05
-    return torch.where(w.abs() < 1e-4, torch.full_like(w, 0.01), w).to(dtype)
-
-
-def block_mask(n, k, density, seed=0):
-    g = torch.Generator().manual_seed(seed + 1)
-    return torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g) < density
 
 
 def spec_for(n, k, density, **knobs):
