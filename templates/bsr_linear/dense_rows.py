@@ -85,7 +85,7 @@ class DenseRows:
         if self.dense_from is None:
             return ""
         what = "a weight dequantised per call" if self.dequant else "a dense copy"
-        return f", cuBLAS over {what} from {self.dense_from} rows"
+        return f", cuBLAS on {what} from {self.dense_from} rows"
 
     def dense_rows_config(self) -> tuple[dict, dict[str, Path]]:
         """What a save records of the many-row path: (config entries, kernel folders)."""
