@@ -29,7 +29,7 @@ def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_
     for top, label, what, tiles in runs:
         rows = top if top is not None else max(last_rows, low + 1)
         dense = profile.dense_us(rows, site.n, site.k, *dense_bits)
-        est = dense + dequant_us(site, picked, profile) if what == "dense" \
+        est = dense + (dequant_us(site, picked, profile) if picked.dequant else 0.0) if what == "dense" \
             else kernel_us(site, picked, what, tiles, rows, profile, blocks)
         out.append([top, label, rows, None if est is None else round(est, 3), round(dense, 3)])
         low = rows
@@ -37,10 +37,8 @@ def bucket_estimates(site, picked: KernelChoice, profile: HardwareProfile, last_
 
 
 def dequant_us(site, picked: KernelChoice, profile: HardwareProfile) -> float:
-    """The per-call dequantisation a ``dequant`` choice pays before its dense GEMM (0 for a dense copy): the packed
-    codes and scales read (the FP8 GEMV's, or the W4A16 GEMVs'), the 16-bit weight written."""
-    if not picked.dequant:
-        return 0.0
+    """The per-call dequantisation ``picked`` pays before its dense GEMM where it runs one (``KernelChoice.dequant``):
+    the packed codes and scales read (the FP8 GEMV's, or the W4A16 GEMVs'), the 16-bit weight written."""
     if picked.kernel == "fp8_gemv":
         from ..passes.transform.fp8 import fp8_bytes
         return profile.dequant_us(site.n, site.k, fp8_bytes(sum(s.n_blocks for s in site.plan.subops), site.n))

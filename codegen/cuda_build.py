@@ -315,6 +315,13 @@ def _thread_extents(stmt, out: dict) -> dict:
     return out
 
 
+def built_folder(template, spec, out=None) -> Path:
+    """Build ``spec``'s kernel from ``template`` (cached); ``out``: also copy its folder to ``out/<spec.name>``.
+    Returns the folder."""
+    art = build_cuda(template, spec)
+    return save_dir(art, Path(out) / spec.name) if out is not None else art.path
+
+
 def save_dir(artifact: CudaArtifact, dest: Path) -> Path:
     """Copy an artifact folder (sources, cubins, launch spec) to ``dest``."""
     dest = Path(dest)
@@ -325,4 +332,5 @@ def save_dir(artifact: CudaArtifact, dest: Path) -> Path:
     return dest
 
 
-__all__ = ["build_cuda", "build_folders", "prebuild", "build_jobs", "cuda_source", "cuda_templates", "CudaArtifact", "ARCHS", "save_dir"]
+__all__ = ["build_cuda", "build_folders", "prebuild", "build_jobs", "cuda_source", "cuda_templates", "CudaArtifact", "ARCHS", "save_dir",
+           "built_folder"]

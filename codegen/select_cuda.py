@@ -206,7 +206,6 @@ def select_kernels(graph: Graph, plan: Plan, target: Target) -> Plan:
                     picked.buckets = [b for b, lo in zip(picked.buckets, low) if lo + 1 < picked.dense_from] or None
             elif dequantises(site, op_plan.kernel):
                 picked = op_plan.kernel
-                picked.dequant = True
                 picked.dense_from = dense_switch_rows(site, picked, target.profile, last, widths,
                                                       dequant_us(site, picked, target.profile))
                 picked.dequant = picked.dense_from is not None

@@ -109,13 +109,14 @@ class GraphGemv(DenseRows):
         """What a save keeps of the graph fields (nothing for a module built outside a graph)."""
         if self.input_names is None:
             return {}
-        return dict(x_name=self.input_names[0], out_shape=list(self.out_shape), dense_from=self.dense_from,
+        return dict(x_name=self.input_names[0], out_shape=list(self.out_shape), **self.dense_rows_config()[0],
                     weight_name=self.weight_name, weight_transposed=self.weight_transposed)
 
     @staticmethod
     def graph_args(config: dict) -> dict:
         """The constructor's graph arguments from a saved ``config``."""
-        return dict(x_name=config.get("x_name"), out_shape=config.get("out_shape"), dense_from=config.get("dense_from"))
+        return dict(x_name=config.get("x_name"), out_shape=config.get("out_shape"),
+                    dense_from=DenseRows.saved_dense_from(config))
 
     def restore_graph(self, config: dict):
         """The weight a loaded module stands for, from its saved ``config``; returns the module."""

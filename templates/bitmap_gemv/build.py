@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...codegen.cuda_build import build_cuda, save_dir
+from ...codegen.cuda_build import built_folder
 from .kernel import bitmap_gemv
 from .runtime import BitmapLinearCUDA
 from .spec import BitmapGemvSpec
@@ -17,8 +17,7 @@ from .spec import BitmapGemvSpec
 
 def build_kernel(spec: BitmapGemvSpec, out: str | Path | None = None) -> Path:
     """Build ``spec``'s kernel (cached); ``out``: also copy its folder to ``out/<spec.name>``. Returns the folder."""
-    art = build_cuda(bitmap_gemv, spec)
-    return save_dir(art, Path(out) / spec.name) if out is not None else art.path
+    return built_folder(bitmap_gemv, spec, out)
 
 
 def build_bitmap_gemv(weight: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None = None,

@@ -97,6 +97,12 @@ class DenseRows:
         return ({"dense_from": self.dense_from, "dequant": {"kernel": folder.name, "spec": dataclasses.asdict(spec)}},
                 {folder.name: folder})
 
+    @staticmethod
+    def saved_dense_from(config: dict) -> int | None:
+        """The constructor's ``dense_from`` from a saved ``config``: None where a dequantisation kernel comes with it
+        (:meth:`restore_dequant` attaches both)."""
+        return None if config.get("dequant") else config.get("dense_from")
+
     def restore_dequant(self, config: dict, folders: dict) -> None:
         """The saved dequantisation kernel of the many-row path, if the save has one."""
         from ...runtime.cuda import check_saved_spec

@@ -326,7 +326,7 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
                      tensors["table"], tensors["bias"], tuple(config["out_shape"]), tensors.get("weight_scale"),
                      folders[config["quantizer"]] if config.get("quantizer") else None,
                      (folders[kernels[1][0]], kernels[1][1]) if hopper else None, gemv, buckets, gemv1,
-                     None if config.get("dequant") else config.get("dense_from"))
+                     cls.saved_dense_from(config))
         module.weight_name, module.weight_transposed = config["weight_name"], config["weight_transposed"]
         module.restore_input(config)
         module.restore_few_rows(config, tensors, folders)

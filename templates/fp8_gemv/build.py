@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ...codegen.cuda_build import build_cuda, save_dir
+from ...codegen.cuda_build import built_folder
 from .kernel import fp8_gemv
 from .runtime import Fp8LinearCUDA
 from .spec import Fp8GemvSpec, suggest_ksplit
@@ -18,8 +18,7 @@ from .spec import Fp8GemvSpec, suggest_ksplit
 
 def build_kernel(spec: Fp8GemvSpec, out: str | Path | None = None) -> Path:
     """Build ``spec``'s kernel (cached); ``out``: also copy its folder to ``out/<spec.name>``. Returns the folder."""
-    art = build_cuda(fp8_gemv, spec)
-    return save_dir(art, Path(out) / spec.name) if out is not None else art.path
+    return built_folder(fp8_gemv, spec, out)
 
 
 def build_fp8_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 1,

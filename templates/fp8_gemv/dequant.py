@@ -235,9 +235,8 @@ class Fp8DequantOp:
 
 def build_dequant(spec: Fp8DequantSpec, out: str | Path | None = None) -> Path:
     """Build ``spec``'s kernel (cached); ``out``: also copy its folder to ``out/<spec.name>``. Returns the folder."""
-    from ...codegen.cuda_build import build_cuda, save_dir
-    art = build_cuda(fp8_dequant, spec)
-    return save_dir(art, Path(out) / spec.name) if out is not None else art.path
+    from ...codegen.cuda_build import built_folder
+    return built_folder(fp8_dequant, spec, out)
 
 
 __all__ = ["Fp8DequantSpec", "Fp8DequantOp", "fp8_dequant", "dequant_ref", "build_dequant"]

@@ -134,8 +134,7 @@ class Fp8LinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule
         folder = Path(self.folder)
         config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "folder": folder.name,
                   **self.graph_config()}
-        dense, folders = self.dense_rows_config() if self.input_names is not None else ({}, {})
-        config.update(dense)
+        folders = self.dense_rows_config()[1] if self.input_names is not None else {}
         tensors = {"codes": self.codes, "scales": self.scales}
         for name in ("table", "bias"):
             if self._buffers.get(name) is not None:
@@ -148,8 +147,7 @@ class Fp8LinearCUDA(GraphGemv, PackedGemvModule, GraphWeightLayout, KernelModule
         folder = folders[config["folder"]]
         check_saved_spec(config["op_name"], folder, spec)
         packed = Fp8Packed(tensors["codes"], tensors["scales"], tensors.get("table"))
-        module = cls(folder, spec, packed, tensors.get("bias"), config["op_name"],
-                     **{**cls.graph_args(config), **({"dense_from": None} if config.get("dequant") else {})})
+        module = cls(folder, spec, packed, tensors.get("bias"), config["op_name"], **cls.graph_args(config))
         module.restore_dequant(config, folders)
         return module.restore_graph(config)
 

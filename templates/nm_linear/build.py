@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...codegen.cuda_build import build_cuda, save_dir
+from ...codegen.cuda_build import built_folder
 from .kernel import nm_linear
 from .runtime import NmLinearCUDA
 from .spec import NmLinearSpec
@@ -17,8 +17,7 @@ from .spec import NmLinearSpec
 
 def build_kernel(spec: NmLinearSpec, out: str | Path | None = None) -> Path:
     """Build ``spec``'s kernel (cached); ``out``: also copy its folder to ``out/<spec.name>``. Returns the folder."""
-    art = build_cuda(nm_linear, spec)
-    return save_dir(art, Path(out) / spec.name) if out is not None else art.path
+    return built_folder(nm_linear, spec, out)
 
 
 def build_nm_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 1,

@@ -132,9 +132,8 @@ class W4DequantOp:
 
 def build_dequant(spec: W4DequantSpec, out: str | Path | None = None) -> Path:
     """Build ``spec``'s kernel (cached); ``out``: also copy its folder to ``out/<spec.name>``."""
-    from ...codegen.cuda_build import build_cuda, save_dir
-    art = build_cuda(w4a16_dequant, spec)
-    return save_dir(art, Path(out) / spec.name) if out is not None else art.path
+    from ...codegen.cuda_build import built_folder
+    return built_folder(w4a16_dequant, spec, out)
 
 
 __all__ = ["W4DequantSpec", "W4DequantOp", "w4a16_dequant", "dequant_ref", "build_dequant"]
