@@ -99,10 +99,12 @@ def kernel_specs(op_plan: OpPlan, parts) -> dict:
                                           f"{act}{'_gated' if spec.gate else ''}{'_bias' if spec.bias else ''}")
     hopper = dataclasses.replace(spec, **choice.hopper, name=spec.name + "_wgmma") if choice.hopper else None
     few = _few_row_specs(choice, spec, site)
+    w4_gemv = next((g for _, family, g in few if family == "w4a16_gemv"), None)
+    if w4_gemv is not None and spec.bk == 128:       # the tile reads the GEMVs' pack: one packed weight
+        spec = dataclasses.replace(spec, gemv_group=w4_gemv.group, name=f"{spec.name}_gw{w4_gemv.group}")
     gemv = _gemv_spec(spec, choice.gemv)
     gemv1 = _one_row_spec(gemv, choice.gemv)
     buckets = [(top, dataclasses.replace(spec, **t, name=f"{spec.name}_tm{t['tm']}")) for top, t in choice.buckets or ()]
-    w4_gemv = next((g for _, family, g in few if family == "w4a16_gemv"), None)
     dequant = W4DequantSpec.for_gemv(w4_gemv) if choice.dequant and w4_gemv is not None else None
     every = [(bsr_linear, spec)] + ([(bsr_linear, hopper)] if hopper else []) \
         + [(w4a16_gemv if family == "w4a16_gemv" else w8a8_gemv, g) for _, family, g in few] \

@@ -4,7 +4,8 @@ A W4A16 or W8A8 linear compiled for any rows (the default compile) runs its tile
 grid of a few dozen CTAs at decode. :class:`FewRowGemvs` is the part of
 :class:`~sparta.templates.bsr_linear.runtime.SparseLinearCUDA` that holds the GEMVs of that op (``templates/w4a16_gemv/``,
 ``templates/w8a8_gemv/``, built for any M up to their ``rows``) and their packed weight — the same codes in the
-GEMV's layout — and runs the first whose rows hold the call's, as a static compile of that many rows would. A W8A8
+GEMV's layout, or for a W4A16 tile that reads that layout itself (``BsrSpec.gemv_group``) the tile's own weight: one
+pack — and runs the first whose rows hold the call's, as a static compile of that many rows would. A W8A8
 op's GEMVs share its per-channel scales and bias, read the same per-token codes, and write int8 codes where the
 op does.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..quant.spec import quantize_rows
-from ..w4a16_gemv.spec import W4A16Spec, pack_codes, split_buffers
+from ..w4a16_gemv.spec import W4A16Spec, flat_views, pack_codes, split_buffers
 from ..w8a8_gemv.spec import W8A8GemvSpec, pack_weight
 from ...runtime.cuda import CudaRuntimeError, check_saved_spec
 from ..w4a16_gemv.runtime import W4A16GemvOp
@@ -38,11 +39,20 @@ class FewRowGemvs:
 
     def attach_w4_gemvs(self, kernels: list, codes: torch.Tensor, scale: torch.Tensor,
                         zero: torch.Tensor | None) -> None:
-        """W4A16 GEMVs over uint8 codes ``(N, K)`` (0..15), group scales and zero points ``(N, K / group)``."""
+        """W4A16 GEMVs over uint8 codes ``(N, K)`` (0..15), group scales and zero points ``(N, K / group)``; a tile
+        kernel that reads the GEMVs' pack lends them its weight (the codes are not packed again)."""
         self._check_few_rows(kernels, W4A16Spec, "w4a16")
-        wq, s, z = pack_codes(codes, scale, zero, kernels[0][2])
-        self.gemv_wq, self.gemv_scale, self.gemv_zero = wq, s.to(self.bias.dtype), z
+        if not self.spec.gemv_group:
+            wq, s, z = pack_codes(codes, scale, zero, kernels[0][2])
+            self.gemv_wq, self.gemv_scale, self.gemv_zero = wq, s.to(self.bias.dtype), z
         self.few_rows = [(int(t), str(f), spec) for t, f, spec in kernels]
+
+    def w4_pack(self) -> tuple:
+        """``(Wq, S, Z)`` the W4A16 GEMVs read: views of the tile's weight where it reads their pack, else their own
+        buffers."""
+        if self.spec.gemv_group:
+            return flat_views(self.wp, self.few_rows[0][2])
+        return self.gemv_wq, self.gemv_scale, self.gemv_zero
 
     def attach_w8_gemvs(self, kernels: list, codes: torch.Tensor) -> None:
         """W8A8 GEMVs over the int8 codes ``(N, K)`` of the op's own blocks (its scales and bias)."""
@@ -61,6 +71,8 @@ class FewRowGemvs:
                       and g.bias == s.bias for t, _, g in kernels) and len(same) == 1)
         if dtype == "int8":
             ok = ok and all(g.act == s.act and (g.out == "int8") == (s.out == "int8") for _, _, g in kernels)
+        elif s.gemv_group:                 # the tile's pack is theirs: the same scale group, zero points and type
+            ok = ok and all((g.group, g.sym, g.dtype) == (s.gemv_group, not s.zero, s.act16) for _, _, g in kernels)
         if not ok:
             raise CudaRuntimeError(f"op {self.op_name!r}: the few-row GEMVs must take any M up to their rows, read one "
                                    f"packed weight of the op's shape and compute its epilogue, in increasing rows")
@@ -85,10 +97,10 @@ class FewRowGemvs:
             return None
         top, folder, spec = entry
         op = self._few_ops.get(top)
-        if op is None or op.wq.data_ptr() != self.gemv_wq.data_ptr():
-            if isinstance(spec, W4A16Spec):
-                op = W4A16GemvOp(folder, spec, self.gemv_wq, self.gemv_scale, self.gemv_zero,
-                                 self.bias if spec.bias else None, split_buffers(spec, self.gemv_wq.device))
+        w4 = self.w4_pack() if isinstance(spec, W4A16Spec) else None
+        if op is None or op.wq.data_ptr() != (w4[0] if w4 else self.gemv_wq).data_ptr():
+            if w4 is not None:
+                op = W4A16GemvOp(folder, spec, *w4, self.bias if spec.bias else None, split_buffers(spec, w4[0].device))
             else:
                 op = W8A8GemvOp(folder, spec, self.gemv_wq, self.weight_scale, self.bias if spec.bias else None,
                                 self.out_scale_os if spec.out == "int8" else None, self.gemv_table)
@@ -117,6 +129,9 @@ class FewRowGemvs:
         for _, folder, spec in kernels:
             check_saved_spec(config["op_name"], folder, spec)
         self._check_few_rows(kernels, spec_type, self.spec.dtype)
+        self.few_rows = [(int(t), str(f), g) for t, f, g in kernels]
+        if self.spec.gemv_group:           # the tile's weight is their pack
+            return
         packed = [tensors.get(n) for n in GEMV_BUFFERS]
         first = kernels[0][2]
         want = (first.tiles, first.chunks, 32, 4) if spec_type is W4A16Spec else None
@@ -124,7 +139,6 @@ class FewRowGemvs:
             raise CudaRuntimeError(f"op {config['op_name']!r}: the few-row GEMVs' packed weight is missing or "
                                    "misshapen")
         self.gemv_wq, self.gemv_scale, self.gemv_zero, self.gemv_table = packed
-        self.few_rows = [(int(t), str(f), g) for t, f, g in kernels]
 
     def few_rows_tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in GEMV_BUFFERS if getattr(self, n) is not None}

@@ -11,13 +11,16 @@ A kept ``bn × bk`` block is one record of ``rec_lanes`` 16-bit lanes, copied to
 * zero points ``[bk/32][bn]`` uint8 when ``spec.zero`` (else code 8 is zero: symmetric).
 
 Codes are uint8 ``0..15``: ``w = (q - zero) · scale``.
+
+A tile of ``spec.gemv_group > 0`` holds no records: its weight is the W4A16 GEMVs' pack (``gemv_layout``), one buffer
+for the GEMVs and the tile (:func:`pack_w4` and :func:`unpack_w4` take either).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..w4a16_gemv.spec import ORDER
+from ..w4a16_gemv.spec import ORDER, W4A16Spec, dequantize, flat_views, pack_codes, pack_flat
 from .packing import build_table
 from .spec import KPACK, BsrSpec
 
@@ -90,6 +93,8 @@ def pack_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     n, k = spec.n, spec.k
     if tuple(codes.shape) != (n, k) or tuple(scale.shape) != (n, k) or (zero is not None) != spec.zero:
         raise ValueError(f"{spec.name}: codes/scales must be ({n}, {k}) and zero points given iff spec.zero")
+    if spec.gemv_group:
+        return _pack_gemv_words(codes, scale, zero, spec, block_mask)
     if not _constant_per32(scale.to(_act(spec))):
         raise ValueError(f"{spec.name}: scales vary inside a 32-column group (group must be a multiple of 32)")
     table, packed = build_table(block_mask, spec.groups)
@@ -121,6 +126,9 @@ def pack_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 def unpack_w4(wp: torch.Tensor, table: torch.Tensor, spec: BsrSpec) -> torch.Tensor:
     """Inverse of :func:`pack_w4`: the dense ``(N, K)`` fp16 weight the kernel applies (zero where
     no block is kept)."""
+    if spec.gemv_group:
+        layout = gemv_layout(spec)
+        return dequantize(*flat_views(wp.reshape(-1), layout), layout).to(_act(spec))
     bn, bk, kw = spec.bn, spec.bk, spec.bk // KPACK
     rec = wp.reshape(wp.shape[0], -1)
     nw = bn * bk // 2
@@ -146,3 +154,25 @@ def _block_places(table: torch.Tensor, spec: BsrSpec):
     t = table.cpu().to(torch.int64)
     head = t[: spec.slot_ints * spec.row_blocks].reshape(-1, spec.slot_ints)
     return head[:, 0], head[:, 1], head[:, 2], t[spec.table_head:]
+
+
+def gemv_layout(spec: BsrSpec) -> W4A16Spec:
+    """The W4A16 GEMV layout a ``gemv_group`` tile reads (what fixes the pack: shape, scale group, zero points,
+    16-bit type; the GEMVs' tilings do not change it)."""
+    return W4A16Spec(0, spec.n, spec.k, group=spec.gemv_group, sym=not spec.zero, dtype=spec.act16, rows=16,
+                     name=spec.name)
+
+
+def _pack_gemv_words(codes, scale, zero, spec: BsrSpec, block_mask: torch.Tensor):
+    """``(flat, table)`` of a ``gemv_group`` tile: the GEMVs' pack of element-wise codes, scales and zero points
+    (constant over each group) and the dense table."""
+    g, n = spec.gemv_group, spec.n
+    if not bool(torch.as_tensor(block_mask).all()):
+        raise ValueError(f"{spec.name}: the GEMVs' pack is dense; a tile reading it keeps every block")
+    per_group = scale.to(_act(spec))[:, ::g]
+    if not scale.is_meta and not torch.equal(expand_groups(per_group, g, spec.k), scale.to(_act(spec))):
+        raise ValueError(f"{spec.name}: scales vary inside a group of {g} columns")
+    wq, s, z = pack_codes(codes.to(torch.uint8), per_group, None if zero is None else zero[:, ::g].to(torch.uint8),
+                          gemv_layout(spec))
+    table, _ = build_table(torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool))
+    return pack_flat(wq, s, z), table if codes.device.type == "meta" else table.to(codes.device)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .int4_records import expand_groups, pack_w4, quantize_w4
+from .int4_records import expand_groups, gemv_layout, pack_w4, quantize_w4
+from ..w4a16_gemv.spec import flat_views
 from .packing import block_mask_for, pack_weight
 from .gemv_spec import BsrGemvSpec
 from .spec import BsrSpec
@@ -72,8 +73,16 @@ class BsrLinearOp:
         op.kernel, op.spec, op.quantizer = CudaKernel(folder), spec, None
         heads = spec.table_head
         block = (2 * spec.w_lanes,) if spec.dtype == "w4a16" else (spec.bn, spec.bk)
+        if spec.gemv_group:                # the W4A16 GEMVs' pack: one flat buffer
+            try:
+                flat_views(wp, gemv_layout(spec))
+            except ValueError as e:
+                raise CudaRuntimeError(str(e)) from None
+            block, wp_blocks = (), spec.row_blocks * spec.k_blocks
+        else:
+            wp_blocks = wp.shape[0] if wp.dim() else 0
         if wp.dim() != len(block) + 1 or tuple(wp.shape[1:]) != block or table.dtype != torch.int32 \
-                or table.numel() < heads or table.numel() - heads > wp.shape[0]:
+                or table.numel() < heads or table.numel() - heads > wp_blocks:
             raise CudaRuntimeError(f"{spec.name}: packed weights {tuple(wp.shape)} / table {table.numel()} "
                                    f"do not fit the kernel's {spec.bn}x{spec.bk} blocks over {spec.weight_row_blocks} "
                                    "rows")
@@ -94,8 +103,8 @@ class BsrLinearOp:
                                    "per-channel weight scales")
         w4 = self.spec.dtype == "w4a16"
         if w4 and (wp.dtype != torch.uint8 or weight_scale is not None):
-            raise CudaRuntimeError(f"{self.spec.name}: the W4A16 kernel takes packed int4 block records "
-                                   "(int4_records.pack_w4, scales inside), no separate scales")
+            raise CudaRuntimeError(f"{self.spec.name}: the W4A16 kernel takes packed int4 block records or the GEMVs' "
+                                   "pack (int4_records.pack_w4, scales inside), no separate scales")
         dev = wp.device
         act = act16_dtype(self.spec)
         self.wp, self.table = (wp if int8 or w4 else wp.to(act)).contiguous(), table.to(dev).contiguous()
@@ -187,6 +196,7 @@ def _saved_gemv(config: dict, key: str, folders: dict) -> tuple | None:
 
 
 def _expanded_w4(weight: torch.Tensor, group: int, spec: BsrSpec):
+    group = spec.gemv_group or group       # a tile over the GEMVs' pack takes their scale group
     codes, scale, zero = quantize_w4(weight, group, spec.zero, act16_dtype(spec))
     k = weight.shape[1]
     return codes, expand_groups(scale, group, k), None if zero is None else expand_groups(zero, group, k)

@@ -30,6 +30,8 @@ def bsr_linear_mma(spec: BsrSpec):
     wmma = WarpMma(spec, mv)
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
+    SZ = NI * 3 if spec.gemv_group else 4 if w4 else 1     # w4a16: scale and zero terms in registers
+    XR = MI * 8 if spec.gemv_group else 1
 
     epi = FragmentEpilogue(spec, NT, MI, NI, M)
     GATE, SI = spec.gate, spec.slot_ints
@@ -67,7 +69,8 @@ def bsr_linear_mma(spec: BsrSpec):
         smw = T.decl_buffer((S * STAGE // 2,), "uint32", data=smem.data, scope="shared.dyn")   # w4a16 views
         smb = T.decl_buffer((S * STAGE * 2,), "uint8", data=smem.data, scope="shared.dyn")
         wq = T.alloc_buffer((NI * KW if w4 else 1,), "uint32", scope="local")
-        sz = T.alloc_buffer((4 if w4 else 1,), "uint32", scope="local")
+        sz = T.alloc_buffer((SZ,), "uint32", scope="local")
+        xr = T.alloc_buffer((XR,), "uint32", scope="local")          # gemv_group: the X loads
         lane = T.meta_var(tx % 32)
         wr = T.meta_var(tx // 32 // WN)
         wc = T.meta_var(tx // 32 % WN)
@@ -97,7 +100,7 @@ def bsr_linear_mma(spec: BsrSpec):
                 kn[0] = tab(Tab, HEAD + first + S - 1)
         else:
             wmma.prologue(smem, X, Wp, Tab, kn, tx, m0, first, count)
-        regs = T.meta_var((smw, smb, acc, af, bf, wq, sz, lane, wr, wc))
+        regs = T.meta_var((smw, smb, acc, af, bf, wq, sz, xr, lane, wr, wc))
         if GATE:
             gate_count = tab(Tab, by * SI + 3)
             for t in T.serial(count):

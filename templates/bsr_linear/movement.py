@@ -49,9 +49,16 @@ class Movement:
         if self.const_tab:
             self.tab_fn, self.tab_src = _const_table_source(spec)
 
+        GG = spec.gemv_group                 # w4a16 over the GEMVs' pack: X read by 16-byte loads (warp_mma.py)
+
         def swz(row, chunk):                 # shared offset of a 16-byte chunk, XOR-swizzled
+            if GG:   # the 16-byte X loads of lanes (g, t) = rows 2r, 2r+1 x chunks 4t + j fill all 8 bank slots
+                return row * BK + T.bitwise_xor(T.bitwise_xor(chunk, T.truncmod(T.truncdiv(chunk, 8), 2) * 2),
+                                                T.truncmod(row, 2)) * 8
             return row * BK + T.bitwise_xor(chunk, T.truncmod(T.truncdiv(row, RPL), C)) * 8
         self.swz = swz
+        if GG:
+            self.load_w = self._gemv_words_loader(spec, NT)
 
         @T.macro
         def load_x(smem, X, tx, m0, stage, kb):
@@ -75,6 +82,9 @@ class Movement:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
                         smem.ptr_to([stage * STAGE + X_ELEMS + (c * 8 if W4 else swz(c // C, c % C))]),
                         Wp.ptr_to([blk * W_LANES + c * 8]), 16))
+
+        if GG:
+            load_w = self.load_w
 
         @T.macro
         def load_stage(smem, X, Wp, tx, m0, stage, kb, blk):
@@ -106,6 +116,51 @@ class Movement:
                                 else:
                                     Y[yr, yc + v] = smem[out0 + src + v]
         self.store_tile = store_tile
+
+    def _gemv_words_loader(self, spec: BsrSpec, threads: int):
+        """``load_w`` of a ``gemv_group`` tile: block ``blk`` (dense: block row ``blk // k_blocks``, K chunk
+        ``blk % k_blocks``) from the W4A16 GEMVs' pack — per 8-row tile 512 bytes of words, its scales and zero points
+        of the chunk — into a stage laid out as a record (words, scales at ``bn · bk / 4`` lanes, zero points after
+        ``bk / 32 · bn`` lanes of scales); tiles past N are zero-filled (codes and scales 0: weight 0)."""
+        from tvm.script import tirx as T
+
+        NT, BN, KB = threads, spec.bn, spec.k_blocks
+        TILES, G8 = -(-spec.n // 8), spec.bn // 8
+        QPC = 128 // spec.gemv_group                       # scale groups per 128-K chunk
+        NG = KB * QPC
+        S_OFF = TILES * KB * 256                           # fp16 lanes: the scales after the words
+        Z_OFF = S_OFF + TILES * NG * 8                     # the zero points after the scales
+        X_ELEMS, NW2, KWBN = self.x_elems, BN * 32, 4 * BN   # stage: X, words, scales, zero points
+        STAGE, ZERO = self.stage, spec.zero
+        W_CHUNKS, S_CHUNKS = G8 * 32, G8 * QPC
+        W_ITERS, S_ITERS = -(-W_CHUNKS // NT), -(-S_CHUNKS // NT)
+
+        @T.macro
+        def load_w(smem, Wp, tx, stage, blk):
+            row = T.meta_var(blk // KB)
+            kb = T.meta_var(blk % KB)
+            for it in T.unroll(W_ITERS):
+                c = T.meta_var(tx + it * NT)
+                if W_CHUNKS % NT == 0 or c < W_CHUNKS:
+                    tile = T.meta_var(row * G8 + c // 32)
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        smem.ptr_to([stage * STAGE + X_ELEMS + c * 8]),
+                        Wp.ptr_to([((T.min(tile, TILES - 1) * KB + kb) * 32 + c % 32) * 8]), 16,
+                        T.Cast("uint32", T.if_then_else(tile < TILES, 16, 0))))
+            for it in T.unroll(S_ITERS):
+                c = T.meta_var(tx + it * NT)
+                if S_CHUNKS % NT == 0 or c < S_CHUNKS:
+                    tile = T.meta_var(row * G8 + c // QPC)
+                    group = T.meta_var(T.min(tile, TILES - 1) * NG + kb * QPC + c % QPC)
+                    live = T.meta_var(tile < TILES)
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        smem.ptr_to([stage * STAGE + X_ELEMS + NW2 + c * 8]), Wp.ptr_to([S_OFF + group * 8]), 16,
+                        T.Cast("uint32", T.if_then_else(live, 16, 0))))
+                    if ZERO:
+                        T.evaluate(T.ptx["cp.async.ca.shared.global"](
+                            smem.ptr_to([stage * STAGE + X_ELEMS + NW2 + KWBN + c * 4]), Wp.ptr_to([Z_OFF + group * 4]),
+                            8, T.Cast("uint32", T.if_then_else(live, 8, 0))))
+        return load_w
 
     def tab(self, tab_buf, i):
         """Entry ``i`` of the block table: the baked constant array, or the ``Tab`` argument."""

@@ -219,10 +219,10 @@ class SparseLinearCUDA(DenseRows, FewRowGemvs, QuantizedLinear, GraphWeightLayou
         return g is not None and not self.spec.gate and spec == W4DequantSpec.for_gemv(g)
 
     def dequantised(self, op: W4DequantOp) -> torch.Tensor:
-        return op(self.gemv_wq, self.gemv_scale, self.gemv_zero)
+        return op(*self.w4_pack())
 
     def dequant_reference(self) -> torch.Tensor:
-        return dequant_ref(self.gemv_wq, self.gemv_scale, self.gemv_zero, self.dequant[1])
+        return dequant_ref(*self.w4_pack(), self.dequant[1])
 
     def unpacked(self) -> torch.Tensor:
         """The 16-bit kept blocks as the dense (N, K) weight (gated: (2N, K)) on their device (:class:`DenseRows`)."""

@@ -33,7 +33,11 @@ and holds bf16 scales (bf16x2 dequantisation, the bf16 MMA).
 
 ``dtype="w4a16"`` keeps ``X`` fp16 and stores each kept weight block as an int4 record with its
 scales (and zero points, ``zero=True``; ``int4_records.py``), copied to shared memory as
-is; each warp turns its words into ``mma.sync`` B fragments in registers (``lop3`` dequantisation).
+is; each warp turns its words into ``mma.sync`` B fragments in registers (``lop3`` dequantisation). With
+``gemv_group`` (32, 64 or 128: the scale group; dense, ``bk=128``) it reads the W4A16 GEMVs' packed weight instead
+(``w4a16_gemv.spec.pack_flat``: their words, scales and zero points in one buffer), so one pack serves the GEMVs of
+few rows and this tile: the MMA's K order is the GEMV's (lane ``t`` takes K ``32t + 4s .. +4`` of a 128-K chunk in
+k16 step ``s``), applied alike to ``X``, whose fragments are 16-byte shared loads instead of ``ldmatrix``.
 
 ``pdl="late"`` or ``"tail"`` (the one-tile fp16 or int8 ``mma.sync`` kernel) builds it for programmatic dependent
 launch (sm_90; the runtime launches it with the attribute, ``launch.json`` says ``"pdl"``): the table, the column
@@ -86,6 +90,7 @@ class BsrSpec:
     pingpong: bool = False                            # persistent producer: two consumer warpgroups, a tile each
     pdl: str = ""                                     # programmatic dependent launch (sm_90), "late" or "tail"
     gate: bool = False                                # a gated linear unit: Y = act(X·Gᵀ + bg) · (X·Uᵀ + bu)
+    gemv_group: int = 0                               # w4a16: > 0 reads the W4A16 GEMVs' pack (that scale group)
     pattern: tuple = field(default=(), repr=False)   # kept (row, kblock) pairs, for table="const"
     name: str = "bsr_linear"
 
@@ -141,6 +146,10 @@ class BsrSpec:
                           or self.out != "float16" or self.table != "arg" or self.pdl):
             bad.append("gate: the 16-bit mma.sync kernel of one tile per CTA (groups=0), table 'arg', 16-bit out, "
                        "no pdl")
+        if self.gemv_group and (self.gemv_group not in (32, 64, 128) or self.dtype != "w4a16" or self.bk != 128
+                                or self.k % self.gemv_group or self.table != "arg" or self.groups or self.gate):
+            bad.append(f"gemv_group={self.gemv_group}: the W4A16 GEMVs' pack (scale groups of 32, 64 or 128 dividing K) "
+                       "for a w4a16 tile of bk=128, table 'arg', one tile per CTA, not gated")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":
@@ -321,6 +330,8 @@ class BsrSpec:
             del d["pdl"]
         if not self.gate:
             del d["gate"]
+        if not self.gemv_group:
+            del d["gemv_group"]
         if self.table == "const":
             d["pattern"] = hashlib.sha256(repr(sorted(self.pattern)).encode()).hexdigest()
         return d

@@ -74,11 +74,12 @@ def bsr_linear_stream(spec: BsrSpec):
         smb = T.decl_buffer((S * STAGE * 2,), "uint8", data=smem.data, scope="shared.dyn")
         wq = T.alloc_buffer((NI * KW if w4 else 1,), "uint32", scope="local")
         sz = T.alloc_buffer((4 if w4 else 1,), "uint32", scope="local")
+        xr = T.alloc_buffer((1,), "uint32", scope="local")          # (the X loads of a gemv_group tile)
         lane = T.meta_var(tx % 32)
         wr = T.meta_var(tx // 32 // WN)
         wc = T.meta_var(tx // 32 % WN)
         m0 = T.meta_var(bx * TM)
-        regs = T.meta_var((smw, smb, acc, af, bf, wq, sz, lane, wr, wc))
+        regs = T.meta_var((smw, smb, acc, af, bf, wq, sz, xr, lane, wr, wc))
         slot0 = tab(Tab, MARKS + 2 * g)
         slots = tab(Tab, MARKS + 2 * g + 2) - slot0
         b0 = tab(Tab, MARKS + 2 * g + 1)

@@ -88,7 +88,47 @@ class WarpMma:
                     load_a(smem, af, lane, wr, base, kw * 2 + h)
                     mma_tiles(acc, af, bf, 4, 2 * h)
 
-        self.mma_stage, self.mma_stage_w4 = mma_stage, mma_stage_w4
+        GG, WORDS = spec.gemv_group, bool(spec.gemv_group)
+        QPC = 128 // GG if GG else 1                   # gemv_group: scale groups per 128-K chunk
+
+        @T.macro
+        def mma_stage_gemv_words(smem, smw, smb, acc, af, bf, wq, sz, xr, lane, wr, wc, base):
+            # the W4A16 GEMVs' words (lane t: K 32t .. 32t+31 of the chunk, word j = K 8j .. 8j+7 of those) with one
+            # scale (and zero point) per 8-row tile; X in the same K order: a 16-byte load of rows g and g+8 per word
+            # is the A fragments of k16 steps 2j and 2j+1
+            g = T.meta_var(lane // 4)
+            t = T.meta_var(lane % 4)
+            for ni in T.unroll(NI):
+                tile = T.meta_var(wc * (WTN // 8) + ni)
+                for v in T.vectorized(4):
+                    wq[ni * 4 + v] = smw[(base + X_ELEMS) // 2 + (tile * 32 + lane) * 4 + v]
+                slot = T.meta_var((tile * QPC + t * 32 // GG) * 8 + g)
+                sz[ni * 3] = half2_splat(smem[base + X_ELEMS + NW * 2 + slot])
+                if spec.zero:
+                    zt = T.meta_var(zero_terms(T.Cast("uint32", smb[(base + X_ELEMS + NW * 2 + KW * BN) * 2 + slot]),
+                                               ACT))
+                    sz[ni * 3 + 1] = zt[0]
+                    sz[ni * 3 + 2] = zt[1]
+                else:
+                    sz[ni * 3 + 1] = zero_terms(None, ACT)[0]
+                    sz[ni * 3 + 2] = zero_terms(None, ACT)[1]
+            for j in T.unroll(4):
+                for ni in T.unroll(NI):
+                    dequant(bf, ni * 4, wq[ni * 4 + j], sz[ni * 3], sz[ni * 3 + 1], sz[ni * 3 + 2])
+                for mi in T.unroll(MI):
+                    for half in T.unroll(2):
+                        for v in T.vectorized(4):
+                            xr[mi * 8 + half * 4 + v] = smw[(base + swz(wr * WTM + mi * 16 + half * 8 + g, t * 4 + j)) // 2
+                                                            + v]
+                for h in T.unroll(2):
+                    for mi in T.unroll(MI):
+                        af[mi * 4] = xr[mi * 8 + 2 * h]
+                        af[mi * 4 + 1] = xr[mi * 8 + 4 + 2 * h]
+                        af[mi * 4 + 2] = xr[mi * 8 + 2 * h + 1]
+                        af[mi * 4 + 3] = xr[mi * 8 + 4 + 2 * h + 1]
+                    mma_tiles(acc, af, bf, 4, 2 * h)
+
+        self.mma_stage, self.mma_stage_w4, self.mma_stage_gemv_words = mma_stage, mma_stage_w4, mma_stage_gemv_words
         S, STAGE, HEAD, tab, load_stage = spec.stages, mv.stage, mv.head, mv.tab, mv.load_stage
         w4 = spec.dtype == "w4a16"
 
@@ -105,7 +145,7 @@ class WarpMma:
         @T.macro
         def step(smem, X, Wp, Tab, kn, tx, m0, first, count, t, regs):
             # block t of the run: wait for its stage, load block t+S-1 into the stage freed, multiply block t
-            smw, smb, acc, af, bf, wq, sz, lane, wr, wc = T.meta_var(regs)
+            smw, smb, acc, af, bf, wq, sz, xr, lane, wr, wc = T.meta_var(regs)
             T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
             T.tvm_storage_sync("shared")               # stage t landed; stage t-1 is free
             if t + (S - 1) < count:
@@ -113,7 +153,9 @@ class WarpMma:
                 if t + S < count:
                     kn[0] = tab(Tab, HEAD + first + t + S)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-            if w4:
+            if WORDS:
+                mma_stage_gemv_words(smem, smw, smb, acc, af, bf, wq, sz, xr, lane, wr, wc, (t % S) * STAGE)
+            elif w4:
                 mma_stage_w4(smem, smw, smb, acc, af, bf, wq, sz, lane, wr, wc, (t % S) * STAGE)
             else:
                 mma_stage(smem, acc, af, bf, lane, wr, wc, (t % S) * STAGE)
@@ -121,7 +163,7 @@ class WarpMma:
         @T.macro
         def step_gated(smem, X, Wp, Tab, kn, tx, m0, first, count, t, regs, acc_up, gate_count):
             # a gated kernel's block t: the gate's blocks (t < gate_count) into acc, the up's into acc_up
-            smw, smb, acc, af, bf, wq, sz, lane, wr, wc = T.meta_var(regs)
+            smw, smb, acc, af, bf, wq, sz, xr, lane, wr, wc = T.meta_var(regs)
             T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
             T.tvm_storage_sync("shared")
             if t + (S - 1) < count:

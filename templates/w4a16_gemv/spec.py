@@ -171,6 +171,31 @@ def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     return wq, per_group(scale, act), None if zero is None else per_group(zero, torch.uint8)
 
 
+def flat_parts(spec: W4A16Spec) -> tuple[int, int, int]:
+    """Bytes of the words, scales and zero points (0 when symmetric) in :func:`pack_flat`'s buffer."""
+    return spec.tiles * spec.chunks * 512, spec.tiles * spec.groups * 16, 0 if spec.sym else spec.tiles * spec.groups * 8
+
+
+def pack_flat(wq: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    """``(Wq, S, Z)`` of :func:`pack_codes` as one uint8 buffer (words, scales, zero points): the one pack a 4-bit
+    linear holds, read by its GEMVs (:func:`flat_views`) and by the tile kernel of ``BsrSpec(gemv_group=...)``."""
+    parts = [wq.contiguous().view(torch.uint8).reshape(-1), s.contiguous().view(torch.uint8).reshape(-1)]
+    return torch.cat(parts + ([] if z is None else [z.contiguous().reshape(-1)]))
+
+
+def flat_views(flat: torch.Tensor, spec: W4A16Spec):
+    """``(Wq, S, Z)`` as views of :func:`pack_flat`'s buffer (``Z`` None when symmetric); a buffer of another size
+    is refused."""
+    nw, ns, nz = flat_parts(spec)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != nw + ns + nz:
+        raise ValueError(f"{spec.name}: the packed 4-bit weight must be {nw + ns + nz} bytes (uint8), not "
+                         f"{tuple(flat.shape)} {flat.dtype}")
+    act = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float16
+    wq = flat[:nw].view(torch.int32).reshape(spec.tiles, spec.chunks, 32, 4)
+    s = flat[nw:nw + ns].view(act).reshape(spec.tiles, spec.groups, 8)
+    return wq, s, None if spec.sym else flat[nw + ns:].reshape(spec.tiles, spec.groups, 8)
+
+
 def pack_weight(w_fp: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: W4A16Spec):
     """Quantise ``w_fp`` (N, K) with ``scale``/``zero`` (None: symmetric) and pack: ``(Wq, S, Z)``."""
     return pack_codes(codes_of(w_fp, scale, zero, spec.group), scale, zero, spec)

@@ -22,7 +22,7 @@ def model():
 def test_many_rows_apply_the_gemvs_weight_without_keeping_a_copy(model):
     from sparta.templates.w4a16_gemv.spec import dequantize
     for m in check_w4_prefill(model).values():
-        w = dequantize(m.gemv_wq, m.gemv_scale, m.gemv_zero, m.dequant[1].gemv)
+        w = dequantize(*m.w4_pack(), m.dequant[1].gemv)
         assert torch.equal(m.dequant_reference(), w.to(torch.bfloat16))
         assert torch.equal(w.to(torch.bfloat16), m.dense_weight().to(torch.bfloat16)), "the tile's weight too"
         x = torch.randn(m.dense_from + 1, m.spec.k).bfloat16()
@@ -37,8 +37,8 @@ def test_save_and_load_keep_the_dequantisation_and_a_checkpoint_packs_again(mode
     for name, m in check_w4_prefill(model).items():
         other = loaded[name]
         assert other.dequant[1] == m.dequant[1] and other.dense_from == m.dense_from
-        assert torch.equal(other.gemv_wq, m.gemv_wq) and "weight dequantised per call" in repr(other)
+        assert torch.equal(other.wp, m.wp) and "weight dequantised per call" in repr(other)
     model.save(tmp_path / "kernels", weights=False)
     again = check_w4_prefill(sparta.load(tmp_path / "kernels", weights=model.source_reference().state_dict()))
     for name, m in again.items():
-        assert torch.equal(m.gemv_wq, loaded[name].gemv_wq) and torch.equal(m.gemv_scale, loaded[name].gemv_scale)
+        assert torch.equal(m.wp, loaded[name].wp)

@@ -171,7 +171,7 @@ def test_decode_w4a16_gemvs_back_to_back_launch_programmatically_and_match():
     mods = kernel_choices.check_decode_w4a16(model)
     for m in mods.values():
         g = m.few_rows[0][2]
-        gemv_w = dequantize(m.gemv_wq.cpu(), m.gemv_scale.cpu(), m.gemv_zero.cpu(), g)
+        gemv_w = dequantize(*(t.cpu() for t in m.w4_pack()), g)
         torch.testing.assert_close(gemv_w.half(), m.dense_weight().half(), rtol=0, atol=0)
     assert max(model.verify(trials=2).values()) < 1e-2
     (w0, l0), (w1, l1) = sorted((m.weight_name, m) for m in mods.values())
