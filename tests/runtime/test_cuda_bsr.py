@@ -23,6 +23,8 @@ def _mask(spec, density):
     from sparta.templates.bsr_linear.spec import BsrSpec
     if spec.table == "const":
         return spec.pattern_mask()
+    if spec.gemv_group:                # the W4A16 GEMVs' pack is dense
+        return torch.ones(spec.row_blocks, spec.k_blocks, dtype=torch.bool)
     assert isinstance(spec, BsrSpec)
     return torch.rand(spec.row_blocks, spec.k_blocks) < density
 
