@@ -141,10 +141,11 @@ INT8_WGMMA_TILES = {"i8_t128x128k128wg": dict(bn=128, bk=128, tm=128, warps_m=2,
 # W4A16 GEMM (int4 weights dequantised in registers), by M: bench_cuda_w4_gemm.py
 W4_TILES = {"t16x32k128": dict(tm=16, bn=32, bk=128, warps_m=1, warps_n=2, stages=4),
             "t64x128k128": dict(tm=64, bn=128, bk=128, warps_m=1, warps_n=4, stages=4),
+            "t64x128k128gw": dict(tm=64, bn=128, bk=128, warps_m=1, warps_n=4, stages=4, gemv_group=128),
             "t128x128k64": dict(tm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=4),
             "t128x128k64w8": dict(tm=128, bn=128, bk=64, warps_m=4, warps_n=2, stages=4)}
-W4_GEMM_MS = {16: ("t16x32k128", "t64x128k128"), 64: ("t64x128k128",),
-              **{m: ("t64x128k128", "t128x128k64", "t128x128k64w8") for m in (256, 1024, 4096)}}
+W4_GEMM_MS = {16: ("t16x32k128", "t64x128k128", "t64x128k128gw"), 64: ("t64x128k128", "t64x128k128gw"),
+              **{m: ("t64x128k128", "t64x128k128gw", "t128x128k64", "t128x128k64w8") for m in (256, 1024, 4096)}}
 W4_GEMM_SHAPES = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
 
 CONST_TILES, CONST_SPARSITIES, CONST_SETS = ("b32_t128w2", "b64_t128", "b64_t128wg"), (90, 95), 4

@@ -30,7 +30,8 @@ VERSION = 11  # 2: a kernel module's reference weight may be rebuilt from its pa
 #               8: low-bit tile kernels of any M with their few-row GEMVs (few_rows); GEMV specs of any M (rows)
 #               9: module types named by their kernel family (bsr_linear, norm, cpu_linear, ...; RENAMED)
 #              10: kernels-only saves (weights: the weights' records; their values come from the user's checkpoint)
-#              11: W4A16 tiles that read their few-row GEMVs' pack (gemv_group): one packed weight per 4-bit linear
+#              11: one packed weight per low-bit linear of any M: W4A16 tiles read their GEMVs' pack (gemv_group),
+#                  W8A8 GEMVs the tile's blocks (bn, bk)
 RENAMED = {"bsr_linear_cuda": "bsr_linear", "w4a16_gemv_cuda": "w4a16_gemv", "w8a8_gemv_cuda": "w8a8_gemv",
            "layer_norm_cuda": "norm", "sparse_linear_cpu": "cpu_linear", "int8_linear_cpu": "onednn_int8"}  # before 9
 CUDA_SINCE = 6     # older CUDA models name their GELUs otherwise: refused, not run with the other GELU
@@ -204,8 +205,9 @@ def _features(manifest: dict):
             yield 4, f"a W8A8 GEMV module (op {op_name!r})"
         if config.get("few_rows") or (kind in ("w4a16_gemv", "w8a8_gemv") and spec.get("rows")):
             yield 8, f"a low-bit GEMV of any M (op {op_name!r})"
-        if spec.get("gemv_group"):
-            yield 11, f"a W4A16 tile reading its GEMVs' pack (op {op_name!r})"
+        if spec.get("gemv_group") or any(isinstance(e, dict) and isinstance(e.get("spec"), dict) and e["spec"].get("bn")
+                                         for e in config.get("few_rows") or ()):
+            yield 11, f"a low-bit tile and its few-row GEMVs over one packed weight (op {op_name!r})"
         if kind == "onednn_int8":
             yield 7, f"a CPU int8 linear (op {op_name!r})"
         if kind == "cpu_linear" and any(s.get("act_bits") for s in _cpu_sub_specs(entry)):

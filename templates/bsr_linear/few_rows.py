@@ -55,11 +55,18 @@ class FewRowGemvs:
         return self.gemv_wq, self.gemv_scale, self.gemv_zero
 
     def attach_w8_gemvs(self, kernels: list, codes: torch.Tensor) -> None:
-        """W8A8 GEMVs over the int8 codes ``(N, K)`` of the op's own blocks (its scales and bias)."""
+        """W8A8 GEMVs over the int8 codes ``(N, K)`` of the op's own blocks (its scales and bias); GEMVs that read the
+        tile's blocks (``W8A8GemvSpec.blocks``) take them as they are (nothing packed again)."""
         self._check_few_rows(kernels, W8A8GemvSpec, "int8")
-        wq, table = pack_weight(kernels[0][2], codes)
-        self.gemv_wq, self.gemv_table = wq, table
+        if not kernels[0][2].blocks:
+            self.gemv_wq, self.gemv_table = pack_weight(kernels[0][2], codes)
         self.few_rows = [(int(t), str(f), spec) for t, f, spec in kernels]
+
+    def w8_pack(self) -> tuple:
+        """``(WQ, table)`` the W8A8 GEMVs read: the tile's blocks and table, or their own pack."""
+        if self.few_rows[0][2].blocks:
+            return self.wp, self.table
+        return self.gemv_wq, self.gemv_table
 
     def _check_few_rows(self, kernels: list, spec_type, dtype: str) -> None:
         s = self.spec
@@ -71,6 +78,8 @@ class FewRowGemvs:
                       and g.bias == s.bias for t, _, g in kernels) and len(same) == 1)
         if dtype == "int8":
             ok = ok and all(g.act == s.act and (g.out == "int8") == (s.out == "int8") for _, _, g in kernels)
+            ok = ok and all((g.bn, g.bk) in ((0, 0), (s.bn, s.bk)) for _, _, g in kernels) and \
+                len({g.blocks for _, _, g in kernels}) == 1 and not (kernels[0][2].blocks and s.groups)
         elif s.gemv_group:                 # the tile's pack is theirs: the same scale group, zero points and type
             ok = ok and all((g.group, g.sym, g.dtype) == (s.gemv_group, not s.zero, s.act16) for _, _, g in kernels)
         if not ok:
@@ -98,12 +107,13 @@ class FewRowGemvs:
         top, folder, spec = entry
         op = self._few_ops.get(top)
         w4 = self.w4_pack() if isinstance(spec, W4A16Spec) else None
-        if op is None or op.wq.data_ptr() != (w4[0] if w4 else self.gemv_wq).data_ptr():
+        w8 = None if w4 else self.w8_pack()
+        if op is None or op.wq.data_ptr() != (w4 or w8)[0].data_ptr():
             if w4 is not None:
                 op = W4A16GemvOp(folder, spec, *w4, self.bias if spec.bias else None, split_buffers(spec, w4[0].device))
             else:
-                op = W8A8GemvOp(folder, spec, self.gemv_wq, self.weight_scale, self.bias if spec.bias else None,
-                                self.out_scale_os if spec.out == "int8" else None, self.gemv_table)
+                op = W8A8GemvOp(folder, spec, w8[0], self.weight_scale, self.bias if spec.bias else None,
+                                self.out_scale_os if spec.out == "int8" else None, w8[1])
             self._few_ops[top] = op
         if isinstance(spec, W4A16Spec):
             return [op(inputs[0].contiguous())]
@@ -130,10 +140,10 @@ class FewRowGemvs:
             check_saved_spec(config["op_name"], folder, spec)
         self._check_few_rows(kernels, spec_type, self.spec.dtype)
         self.few_rows = [(int(t), str(f), g) for t, f, g in kernels]
-        if self.spec.gemv_group:           # the tile's weight is their pack
+        first = kernels[0][2]
+        if self.spec.gemv_group or getattr(first, "blocks", False):     # the tile's weight is their pack
             return
         packed = [tensors.get(n) for n in GEMV_BUFFERS]
-        first = kernels[0][2]
         want = (first.tiles, first.chunks, 32, 4) if spec_type is W4A16Spec else None
         if packed[0] is None or (want is not None and tuple(packed[0].shape) != want):
             raise CudaRuntimeError(f"op {config['op_name']!r}: the few-row GEMVs' packed weight is missing or "

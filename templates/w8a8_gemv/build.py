@@ -19,8 +19,9 @@ def w8a8_gemv_spec(m: int, n: int, k: int, bias: bool, act: str, act16: str, til
                    rows: int = 0) -> W8A8GemvSpec:
     """The W8A8 GEMV of ``m`` rows (0: any M up to ``rows``) with selection's ``tiling``, named for what it is."""
     rows_name = m or f"Mr{rows}"
+    blocks = f"_blk{tiling['bn']}x{tiling['bk']}" if tiling.get("bn") else ""
     return W8A8GemvSpec(m, n, k, bias=bias, act=act, out=act16, rows=rows, **tiling,
-                        name=f"w8a8_gemv_{rows_name}x{n}x{k}{'_sparse' if tiling.get('sparse') else ''}_{act}"
+                        name=f"w8a8_gemv_{rows_name}x{n}x{k}{'_sparse' if tiling.get('sparse') else ''}{blocks}_{act}"
                              f"{'_bias' if bias else ''}{'_bf16' if act16 == 'bfloat16' else ''}")
 
 

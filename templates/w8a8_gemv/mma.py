@@ -13,7 +13,11 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     zero past M; a second MMA for rows 8..15), then add their int32 fragments through shared memory; thread ``i``
     writes output (row ``i // 16``, column ``16·tile + i % 16``) with the dp4a kernel's epilogue. ``sparse``: the warps
     take the tile's kept chunks only (``Tab``: CSR offsets per tile, then each kept chunk's K index, read with its
-    weights), so a pruned chunk costs neither a load nor an MMA."""
+    weights), so a pruned chunk costs neither a load nor an MMA. ``blocks`` (``bn``, ``bk``): the weight is a
+    ``bsr_linear`` int8 tile's packed ``bn × bk`` blocks with its table (slots of row, first block, count; then each
+    block's K index): CTA ``bx`` takes the 16-row tile ``bx % (bn / 16)`` of slot ``bx // (bn / 16)``'s block row, its
+    warps the kept blocks' units of ``unit_k`` K round robin; a lane loads rows ``g`` and ``g + 8`` of its unit at K
+    ``(unit_k / 4) · t`` (16 or 8 bytes each), so the MMA's K order is permuted per unit — X's 8-byte loads alike."""
     import tvm
     from tvm.script import tirx as T
 
@@ -29,11 +33,38 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     H = -(-MR // 8)                            # 8-row halves of X: one MMA each
     OUT = -(-16 * MR // (32 * W))              # outputs per thread
     BF16 = spec.act16 == "bfloat16"
-    PDL, EARLY, SPARSE = bool(spec.pdl), spec.pdl == "early", spec.sparse
+    PDL, EARLY, SPARSE, BLOCKS = bool(spec.pdl), spec.pdl == "early", spec.sparse, spec.blocks
     MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
+    if BLOCKS:
+        BN, BK, UK = spec.bn, spec.bk, spec.unit_k
+        UPB, SUB, HEAD = BK // UK, BN // 16, 3 * spec.row_blocks   # units per block, 16-row tiles per block row
+        CH = -(-K // BK) * UPB                  # units of a full block row
+        J = -(-CH // W)
+        NB = -(-J // G)
+        WPU = UK // 8                           # int32 words a lane loads per unit (rows g and g + 8)
+        XPAST = K % BK != 0                     # the last block runs past K: X past it reads as zero
+    else:
+        WPU, XPAST, UK, UPB, SUB, HEAD, BN, BK = 4, False, 32, 1, 1, 0, 16, 32
+    CT = spec.ctas
 
-    def kept(warp, j, se):                    # whether the warp's j-th chunk exists
-        return (warp + j * W < se[1]) if SPARSE else (EVEN or warp + j * W < CH)
+    def kept(warp, j, se):                    # whether the warp's j-th chunk (unit) exists
+        return (warp + j * W < se[1]) if SPARSE or BLOCKS else (EVEN or warp + j * W < CH)
+
+    @T.macro
+    def load_units(WQ, Tab, wv, kc, se, warp, lane, j, o):
+        # blocks: unit u of the slot's blocks -> rows (16-row tile, g / g + 8), K (unit, lane's t) of block first + u/UPB
+        u = T.meta_var(warp + j * W)
+        blk = T.meta_var(se[0] + u // UPB)
+        for h in T.unroll(2):
+            row = T.meta_var(se[2] * 16 + h * 8 + lane // 4)
+            if UK == 64:
+                T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
+                    wv[o * 8 + h * 4], wv[o * 8 + h * 4 + 1], wv[o * 8 + h * 4 + 2], wv[o * 8 + h * 4 + 3],
+                    WQ.ptr_to([blk, row, (u % UPB) * 16 + (lane % 4) * 4])))
+            else:
+                T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v2.b32"](
+                    wv[o * 4 + h * 2], wv[o * 4 + h * 2 + 1], WQ.ptr_to([blk, row, (u % UPB) * 8 + (lane % 4) * 2])))
+        kc[o] = (Tab[HEAD + blk] * BK + (u % UPB) * UK) // 4      # the unit's first X word
 
     @T.macro
     def load_batch(WQ, Tab, wv, kc, se, tile, warp, lane, bt):
@@ -42,7 +73,9 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
             if j < J:
                 if kept(warp, j, se):
                     o = T.meta_var((bt % 2) * G + g)
-                    if SPARSE:
+                    if BLOCKS:
+                        load_units(WQ, Tab, wv, kc, se, warp, lane, j, o)
+                    elif SPARSE:
                         T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                             wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3],
                             WQ.ptr_to([se[0] + warp + j * W, lane, 0])))
@@ -51,25 +84,27 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                         T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                             wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3], WQ.ptr_to([tile, warp + j * W, lane, 0])))
 
+    nnz = tirx.Var("nnz", "int32")
+    WQ_SHAPE = (nnz, BN, BK // 4) if BLOCKS else (nnz, 32, 4) if SPARSE else (TL, CH, 32, 4)
+
     @T.prim_func
     def kernel(xq_h: T.handle, xs_h: T.handle, wq_h: T.handle, ws_h: T.handle, b_h: T.handle, os_h: T.handle,
                tab_h: T.handle, y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
-        nnz = T.int32()
         ntab = T.int32()
         XQ = T.match_buffer(xq_h, (M, K // 4), "int32")          # int8 codes, four per word
         XS = T.match_buffer(xs_h, (M,), "float32")
-        WQ = T.match_buffer(wq_h, (nnz, 32, 4) if SPARSE else (TL, CH, 32, 4), "int32")   # pack_mma's bytes
+        WQ = T.match_buffer(wq_h, WQ_SHAPE, "int32")             # pack_mma's bytes, or the tile's blocks
         WS = T.match_buffer(ws_h, (N,), "float32")
         B = T.match_buffer(b_h, (N,), "float16")
         OS = T.match_buffer(os_h, (2,), "float32")
         Tab = T.match_buffer(tab_h, (ntab,), "int32")            # sparse: offsets per tile, then chunk K indices
         Y = T.match_buffer(y_h, (M, N), spec.y_lanes)
-        bx = T.launch_thread("blockIdx.x", TL)
+        bx = T.launch_thread("blockIdx.x", CT)
         tx = T.launch_thread("threadIdx.x", 32 * W)
-        wv = T.alloc_buffer((2 * G * 4,), "uint32", scope="local")  # two batches of A fragments
+        wv = T.alloc_buffer((2 * G * WPU,), "uint32", scope="local")  # two batches of A fragments
         kc = T.alloc_buffer((2 * G,), "int32", scope="local")       # their chunks' K indices
-        se = T.alloc_buffer((2,), "int32", scope="local")           # sparse: the tile's first kept chunk, count
+        se = T.alloc_buffer((4,), "int32", scope="local")           # sparse / blocks: first kept, count (, 16-row tile, column)
         xb = T.alloc_buffer((2,), "uint32", scope="local")          # a B fragment
         acc = T.alloc_buffer((H * 4,), "uint32", scope="local")
         red = T.alloc_buffer((W * H * 128,), "int32", scope="shared")
@@ -77,14 +112,20 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
         tot = T.alloc_buffer((1,), "int32", scope="local")
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
+        col0 = T.meta_var(se[3] if BLOCKS else bx * 16)     # the CTA's first output column
         if PDL and EARLY:
             T.evaluate(grid_dependency("launch_dependents"))
         if SPARSE:
             se[0] = Tab[bx]
             se[1] = Tab[bx + 1] - se[0]
+        if BLOCKS:                  # slot bx // SUB: its block row, first block, count; the CTA's 16-row tile in it
+            se[0] = Tab[bx // SUB * 3 + 1]
+            se[1] = Tab[bx // SUB * 3 + 2] * UPB
+            se[2] = bx % SUB
+            se[3] = Tab[bx // SUB * 3] * BN + se[2] * 16
         load_batch(WQ, Tab, wv, kc, se, bx, warp, lane, 0)
         for it in T.unroll(OUT):
-            n = T.meta_var(T.min(bx * 16 + (tx + it * 32 * W) % 16, N - 1))
+            n = T.meta_var(T.min(col0 + (tx + it * 32 * W) % 16, N - 1))
             cst[it * 3] = WS[n]
             cst[it * 3 + 1] = to_f32(B[n], spec.act16) if spec.bias else T.float32(0)
         if PDL:
@@ -103,18 +144,25 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                 if j < J:
                     if kept(warp, j, se):
                         o = T.meta_var((bt % 2) * G + g)
-                        c = T.meta_var(kc[o] if SPARSE else warp + j * W)      # the chunk's K index
-                        for h in T.unroll(H):
-                            if ANY or h * 8 + lane // 4 < M:      # any M: rows past it read row M-1 (unstored)
-                                for v in T.unroll(2):
-                                    row = T.meta_var(T.min(h * 8 + lane // 4, M - 1) if ANY else h * 8 + lane // 4)
-                                    xb[v] = T.reinterpret("uint32", XQ[row, c * 8 + (lane % 4) * 2 + v])
-                            else:
-                                for v in T.unroll(2):
-                                    xb[v] = T.uint32(0)
-                            T.evaluate(T.ptx[MMA](acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3],
-                                                  wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3], xb[0], xb[1],
-                                                  acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3]))
+                        for s in T.unroll(UK // 32 if BLOCKS else 1):
+                            # X words of the MMA's K: chunk c's 8t .. 8t+7, or the unit's (UK/4)t + 8s .. +8
+                            xw = T.meta_var(kc[o] + (lane % 4) * (UK // 16) + 2 * s if BLOCKS else
+                                            (kc[o] if SPARSE else warp + j * W) * 8 + (lane % 4) * 2)
+                            for h in T.unroll(H):
+                                if (ANY or h * 8 + lane // 4 < M) and (not XPAST or xw * 4 < K):
+                                    for v in T.unroll(2):   # any M: rows past it read row M-1 (unstored)
+                                        row = T.meta_var(T.min(h * 8 + lane // 4, M - 1) if ANY else h * 8 + lane // 4)
+                                        xb[v] = T.reinterpret("uint32", XQ[row, xw + v])
+                                else:
+                                    for v in T.unroll(2):
+                                        xb[v] = T.uint32(0)
+                                a = T.meta_var(o * WPU + s * 2)     # blocks: rows g then g + 8 (WPU / 2 words each)
+                                T.evaluate(T.ptx[MMA](acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3],
+                                                      wv[a] if BLOCKS else wv[o * 4],
+                                                      wv[a + WPU // 2] if BLOCKS else wv[o * 4 + 1],
+                                                      wv[a + 1] if BLOCKS else wv[o * 4 + 2],
+                                                      wv[a + WPU // 2 + 1] if BLOCKS else wv[o * 4 + 3], xb[0], xb[1],
+                                                      acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3]))
         for h in T.unroll(H):
             for r in T.unroll(4):
                 red[((warp * H + h) * 32 + lane) * 4 + r] = T.reinterpret("int32", acc[h * 4 + r])
@@ -128,9 +176,9 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                 tot[0] = 0
                 for w in T.unroll(W):
                     tot[0] = tot[0] + red[w * H * 128 + src]
-                if bx * 16 + nl < N:
+                if col0 + nl < N:
                     v = T.meta_var(T.Cast("float32", tot[0]) * cst[it * 3 + 2] * cst[it * 3])
-                    Y[m, bx * 16 + nl] = output_value(
+                    Y[m, col0 + nl] = output_value(
                         v, (cst[it * 3 + 1] if BF16 else T.Cast("float16", cst[it * 3 + 1])) if spec.bias else None,
                         spec.act, spec.out, OS)
 

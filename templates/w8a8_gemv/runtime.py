@@ -25,14 +25,19 @@ from ..quant.runtime import QuantizedLinear, RowQuantizer, output_scale_arg
 
 def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
                   table: torch.Tensor | None) -> None:
-    kept = table.numel() - spec.tiles - 1 if table is not None else 0
-    want = spec.weight_shape(kept)
+    if spec.blocks:                    # a bsr_linear int8 tile's blocks and table: at least as many blocks as it lists
+        kept = table.numel() - 3 * spec.row_blocks if table is not None else -1
+        want = spec.weight_shape(max(kept, wq.shape[0] if wq.dim() == 3 else 0))
+    else:
+        kept = table.numel() - spec.tiles - 1 if table is not None else 0
+        want = spec.weight_shape(kept)
     if wq.shape != want or wq.dtype != torch.int8 or weight_scale.shape != (spec.n,):
         raise CudaRuntimeError(f"{what}: weights must be int8 codes of shape {want} (w8a8_gemv.spec.pack_weight) and "
                                f"({spec.n},) scales, not {tuple(wq.shape)} {wq.dtype} / {tuple(weight_scale.shape)}")
-    if spec.sparse != (table is not None) or (table is not None and (table.dtype != torch.int32 or kept < 0)):
-        raise CudaRuntimeError(f"{what}: " + ("the sparse kernel takes the int32 table of pack_weight" if spec.sparse
-                                              else "a table is for the sparse kernel"))
+    tabled = spec.sparse or spec.blocks
+    if tabled != (table is not None) or (table is not None and (table.dtype != torch.int32 or kept < 0)):
+        raise CudaRuntimeError(f"{what}: " + ("the kernel takes the int32 table of pack_weight (blocks: the tile's)"
+                                              if tabled else "a table is for the sparse kernel"))
 
 
 class W8A8GemvOp:
@@ -73,7 +78,7 @@ class W8A8GemvOp:
                                                  WS=self.weight_scale, Y=y16,
                                                  **({"B": lanes16(self.bias)} if s.bias else {}),
                                                  **({"OS": self.out_scale} if s.out == "int8" else {}),
-                                                 **({"Tab": self.table} if s.sparse else {}))
+                                                 **({"Tab": self.table} if s.sparse or s.blocks else {}))
         else:
             self._prepared.launch(XQ=xw, XS=xs, Y=y16)
         return y

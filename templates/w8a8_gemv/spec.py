@@ -47,6 +47,8 @@ class W8A8GemvSpec:
                                # (argument OS, as ``bsr_linear``'s)
     sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
     rows: int = 0              # m=0: the most rows a call may have (1..16)
+    bn: int = 0                # > 0 (with bk): mma over a bsr_linear int8 tile's packed bn x bk blocks and its table
+    bk: int = 0                # (``tile_units``): one packed weight for the tile and this GEMV
     name: str = "w8a8_gemv"
 
     def __post_init__(self):
@@ -69,6 +71,10 @@ class W8A8GemvSpec:
             bad.append(f"mma: K={self.k} must be a multiple of {MMA_K}")
         if self.sparse and not self.mma:
             bad.append("sparse: for the tensor-core kernel (mma=True)")
+        if (self.bn or self.bk) and (not self.mma or self.sparse or self.bn % 16 or self.bn <= 0 or self.bk % 32
+                                     or self.bk <= 0):
+            bad.append(f"blocks {self.bn}x{self.bk}: the tensor-core kernel (mma, not sparse) over a tile's blocks of a "
+                       "multiple of 16 rows and 32 K")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -96,16 +102,38 @@ class W8A8GemvSpec:
         """mma: 16-row tiles of the weight (the last one zero-padded)."""
         return -(-self.n // 16)
 
+    @property
+    def blocks(self) -> bool:
+        """Whether the kernel reads a ``bsr_linear`` int8 tile's packed blocks and table (``bn``, ``bk``)."""
+        return self.bn > 0
+
+    @property
+    def row_blocks(self) -> int:
+        return -(-self.n // self.bn) if self.bn else 0
+
+    @property
+    def unit_k(self) -> int:
+        """blocks: K of one lane's work unit: 64 (two 16-byte loads, rows g and g + 8, two MMAs) where the block
+        holds whole 64s, else 32 (two 8-byte loads, one MMA)."""
+        return 64 if self.bk % 64 == 0 else 32
+
+    @property
+    def ctas(self) -> int:
+        """CTAs of the grid: a 16-row tile each (blocks: ``bn / 16`` per block row)."""
+        return self.row_blocks * (self.bn // 16) if self.bn else self.tiles
+
     def weight_shape(self, kept: int = 0) -> tuple:
         """Shape of the int8 weight argument as the kernel takes it (``pack_mma``'s for the mma kernel; the sparse one
-        holds the ``kept`` chunks, at least one)."""
+        holds the ``kept`` chunks, at least one; blocks: the tile's ``kept`` blocks)."""
+        if self.bn:
+            return (max(kept, 1), self.bn, self.bk)
         if self.sparse:
             return (max(kept, 1), 32, 16)
         return (self.tiles, self.k // MMA_K, 32, 16) if self.mma else (self.n, self.k)
 
     def key(self) -> dict:
         d = asdict(self)
-        for f, default in (("mma", False), ("out", "float16"), ("sparse", False), ("rows", 0)):
+        for f, default in (("mma", False), ("out", "float16"), ("sparse", False), ("rows", 0), ("bn", 0), ("bk", 0)):
             if d[f] == default:            # the keys of kernels built before the field existed
                 del d[f]
         return d
@@ -113,7 +141,7 @@ class W8A8GemvSpec:
 
 def argument_names(spec: W8A8GemvSpec) -> list[str]:
     return ["XQ", "XS", "WQ", "WS", *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []),
-            *(["Tab"] if spec.sparse else []), "Y"]
+            *(["Tab"] if spec.sparse or spec.blocks else []), "Y"]
 
 
 def reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,

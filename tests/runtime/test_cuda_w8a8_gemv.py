@@ -31,15 +31,23 @@ def _case(name, seed=0, density=1.0, rows=None):
     w = torch.randn(spec.n, spec.k, device="cuda", generator=g) * (torch.rand(spec.n, 1, device="cuda", generator=g)
                                                                     + 0.01)
     bias = torch.randn(spec.n, device="cuda", generator=g).to(_dtype(spec)) if spec.bias else None
-    if density < 1:       # prune whole 16-row x 32-K chunks (what the sparse kernel skips); a pruned row has scale 0
-        keep = torch.rand(-(-spec.n // 16), spec.k // 32, device="cuda", generator=g) < density
-        w = w * keep.repeat_interleave(16, 0)[:spec.n].repeat_interleave(32, 1)
+    rows_per, k_per = (spec.bn, spec.bk) if spec.blocks else (16, 32)
+    keep = torch.rand(-(-spec.n // rows_per), -(-spec.k // k_per), device="cuda", generator=g) < density
+    if density < 1:       # prune whole chunks (or the tile's blocks) the kernel skips; a pruned row has scale 0
+        w = w * keep.repeat_interleave(rows_per, 0)[:spec.n].repeat_interleave(k_per, 1)[:, :spec.k]
     wq, ws = quantize_rows(w)
     xq, xs = quantize_rows(x)
     scale = None
     if spec.out == "int8":      # a static output scale that clips the largest outputs, as calibration's may
         scale = 0.8 * reference(xq, xs, wq, ws, bias, spec.act).float().abs().max().item() / 127
-    packed, table = pack_weight(spec, wq)
+    if spec.blocks:       # the int8 tile's packed blocks and table
+        from sparta.templates.bsr_linear.packing import pack_weight as pack_blocks
+        from sparta.templates.bsr_linear.spec import BsrSpec
+        tile = BsrSpec(0, spec.n, spec.k, bn=spec.bn, bk=spec.bk, tm=64, warps_m=1, warps_n=spec.bn // 16,
+                       dtype="int8")
+        packed, table = pack_blocks(wq, tile, keep.cpu())
+    else:
+        packed, table = pack_weight(spec, wq)
     op = W8A8GemvOp(ROOT / name, spec, packed, ws, bias, out_scale=scale, table=table)
     return spec, op, (xq, xs), wq, ws, bias, scale
 
@@ -133,7 +141,7 @@ def test_w8a8_gemv_of_any_m_matches_the_int8_reference_at_every_row_count(name):
     spec = W8A8GemvSpec(**json.loads((ROOT / name / "spec.json").read_text()))
     assert spec.m == 0
     for seed, rows in enumerate(r for r in (1, 3, 8, 9, 12, 16) if r <= spec.rows):
-        spec, op, (xq, xs), wq, ws, bias, scale = _case(name, seed, 0.5 if spec.sparse else 1.0, rows)
+        spec, op, (xq, xs), wq, ws, bias, scale = _case(name, seed, 0.5 if spec.sparse or spec.blocks else 1.0, rows)
         y = op(xq, xs)
         assert y.shape == (rows, spec.n)
         _check(spec, y, xq, xs, wq, ws, bias, scale)
