@@ -6,7 +6,8 @@
 For LLaMA-7B's 11008x4096 and 4096x4096 linears, W4A16 (group 128, zero points: what calibration fits) and W8A8
 (per-channel weights, per-token activations), at 1, 2, 4, 8, 12 and 16 rows: the kernel selection picks for a graph
 of that many rows (``dynamic=False``: the GEMV built for M) and for a graph of any rows (the default: the GEMV of
-the bucket holding M, built for any M), the tilings taken from ``codegen/select_cuda.py`` as compile does. Kernel-only
+the bucket holding M, built for any M), the tilings taken from ``codegen/select_cuda.py`` as compile does; the any-M
+W8A8 GEMVs read the dense int8 tile's packed blocks and table (one packed weight per linear). Kernel-only
 time (CUDA graphs of 40 calls rotating weight sets past the L2); the HBM floor is the weight (+ scale) bytes over the
 measured copy bandwidth (read + write), as in ``bench_cuda_w4a16.py``.
 """
@@ -52,9 +53,17 @@ def specs() -> dict:
             t = dict(t)
             t.pop("group")
             out[f"w4_{shape}_any{top}"] = W4A16Spec(0, n, k, group=GROUP, sym=False, rows=max(top, 8), **t)
+        tile = int8_tile(n, cuda)
         for top, _, t in w8a8_few_rows(site, cuda):
-            out[f"w8_{shape}_any{top}"] = W8A8GemvSpec(0, n, k, rows=max(top, 8), **t)
+            out[f"w8_{shape}_any{top}"] = W8A8GemvSpec(0, n, k, rows=max(top, 8), **{**t, "sparse": False},
+                                                       bn=tile["bn"], bk=tile["bk"])
     return {name: type(s)(**{**s.__dict__, "name": name}) for name, s in out.items()}
+
+
+def int8_tile(n: int, target) -> dict:
+    """The mma.sync tiling of a dense W8A8 linear of any rows (its blocks are what the any-M GEMVs read)."""
+    from sparta.templates.bsr_linear.select import int8_dense_tiles
+    return int8_dense_tiles(1, n, target)[0]
 
 
 def build(jobs: int) -> None:
@@ -117,8 +126,13 @@ def bench_w8(shape, n, k, names, bw) -> list[dict]:
     wq, ws = quantize_rows(w)
     sets = max(2, math.ceil(ROTATE_BYTES / (n * k)))
     floor = (n * k + 4 * n) / bw / 1e3
+    from sparta.target import load_target
+    from sparta.templates.bsr_linear.packing import pack_weight as pack_blocks
+    from sparta.templates.bsr_linear.spec import BsrSpec
     probe, _ = _kernel(f"w8_{shape}_m1")
-    packed = [pack_weight(probe, wq)[0].clone() for _ in range(sets)]
+    tile = BsrSpec(0, n, k, dtype="int8", **int8_tile(n, load_target("cuda")))
+    own = [pack_weight(probe, wq)[0].clone() for _ in range(sets)]
+    blocks = [pack_blocks(wq, tile, torch.ones(tile.row_blocks, tile.k_blocks, dtype=torch.bool)) for _ in range(sets)]
     rows = []
     for m in ROWS:
         xq = [quantize_rows(torch.randn(m, k, device="cuda")) for _ in range(sets)]
@@ -126,13 +140,15 @@ def bench_w8(shape, n, k, names, bw) -> list[dict]:
         row = {"family": "W8A8", "shape": shape, "m": m, "floor_us": floor}
         for key, name in (("static", f"w8_{shape}_m{m}"), ("any_rows", _bucket(names, shape, "w8", m))):
             spec, kern = _kernel(name)
-            args = dict(XQ=xq[0][0].view(torch.int32), XS=xq[0][1], WQ=packed[0].view(torch.int32), WS=ws, Y=ys[0])
+            packed = [b[0] for b in blocks] if spec.blocks else own
+            tab = {"Tab": blocks[0][1]} if spec.blocks else {}
+            args = dict(XQ=xq[0][0].view(torch.int32), XS=xq[0][1], WQ=packed[0].view(torch.int32), WS=ws, Y=ys[0], **tab)
             prep = kern.prepare(("XQ", "XS", "Y"), **args)
             torch.cuda.synchronize()
             ref = reference(*xq[0], wq, ws)
             err = ((ys[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            us = gpu_kernel_us(lambda i: prep.launch(XQ=xq[i][0].view(torch.int32), XS=xq[i][1],
-                                                      WQ=packed[i].view(torch.int32), Y=ys[i]), sets)
+            us = gpu_kernel_us(lambda i, packed=packed: prep.launch(XQ=xq[i][0].view(torch.int32), XS=xq[i][1],
+                                                                     WQ=packed[i].view(torch.int32), Y=ys[i]), sets)
             row[key] = {"kernel": name, "kernel_us": us, "x_floor": us / floor, "max_rel_err": err}
         row["any_vs_static"] = row["any_rows"]["kernel_us"] / row["static"]["kernel_us"]
         rows.append(row)
