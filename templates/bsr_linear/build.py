@@ -73,7 +73,7 @@ def _few_row_specs(choice, spec: BsrSpec, site) -> list:
             g = w4a16_gemv_spec(0, spec.n, spec.k, t.pop("group"), not spec.zero, spec.bias, site.act16, t, rows)
         else:                            # over the tile's int8 blocks and table: one packed weight
             if t.get("mma") and not spec.groups:
-                t.update(sparse=False, bn=spec.bn, bk=spec.bk)
+                t.update(bn=spec.bn, bk=spec.bk)
             g = w8a8_gemv_spec(0, spec.n, spec.k, spec.bias, spec.act, site.act16, t, rows)
         out.append((top, family, g))
     return out

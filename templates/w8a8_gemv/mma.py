@@ -14,8 +14,9 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     writes output (row ``i // 16``, column ``16·tile + i % 16``) with the dp4a kernel's epilogue. ``sparse``: the warps
     take the tile's kept chunks only (``Tab``: CSR offsets per tile, then each kept chunk's K index, read with its
     weights), so a pruned chunk costs neither a load nor an MMA. ``blocks`` (``bn``, ``bk``): the weight is a
-    ``bsr_linear`` int8 tile's packed ``bn × bk`` blocks with its table (slots of row, first block, count; then each
-    block's K index): CTA ``bx`` takes the 16-row tile ``bx % (bn / 16)`` of slot ``bx // (bn / 16)``'s block row, its
+    ``bsr_linear`` int8 tile's packed ``bn × bk`` blocks: ``sparse``, the kept ones, by its table (slots of row, first
+    block, count; then each block's K index), else every block in row-major order (no table read): CTA ``bx`` takes
+    the 16-row tile ``bx % (bn / 16)`` of slot ``bx // (bn / 16)``'s block row, its
     warps the kept blocks' units of ``unit_k`` K round robin; a lane loads rows ``g`` and ``g + 8`` of its unit at K
     ``(unit_k / 4) · t`` (16 or 8 bytes each), so the MMA's K order is permuted per unit — X's 8-byte loads alike."""
     import tvm
@@ -40,23 +41,27 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
         UPB, SUB, HEAD = BK // UK, BN // 16, 3 * spec.row_blocks   # units per block, 16-row tiles per block row
         CH = -(-K // BK) * UPB                  # units of a full block row
         J = -(-CH // W)
+        G = 1 if SPARSE else max(1, G * 32 // UK)   # units per batch: as many bytes as G 32-K chunks
         NB = -(-J // G)
         WPU = UK // 8                           # int32 words a lane loads per unit (rows g and g + 8)
         XPAST = K % BK != 0                     # the last block runs past K: X past it reads as zero
+        EVEN = CH % W == 0
+        KB = -(-K // BK)
     else:
         WPU, XPAST, UK, UPB, SUB, HEAD, BN, BK = 4, False, 32, 1, 1, 0, 16, 32
     CT = spec.ctas
 
     def kept(warp, j, se):                    # whether the warp's j-th chunk (unit) exists
-        return (warp + j * W < se[1]) if SPARSE or BLOCKS else (EVEN or warp + j * W < CH)
+        return (warp + j * W < se[1]) if SPARSE else (EVEN or warp + j * W < CH)
 
     @T.macro
-    def load_units(WQ, Tab, wv, kc, se, warp, lane, j, o):
-        # blocks: unit u of the slot's blocks -> rows (16-row tile, g / g + 8), K (unit, lane's t) of block first + u/UPB
+    def load_units(WQ, Tab, wv, kc, se, bx, warp, lane, j, o):
+        # blocks: unit u of the slot's blocks -> rows (16-row tile, g / g + 8), K (unit, lane's t) of block first + u/UPB;
+        # every block kept (not sparse): block row bx // SUB holds blocks bx // SUB * KB + kb in K order, no table read
         u = T.meta_var(warp + j * W)
-        blk = T.meta_var(se[0] + u // UPB)
+        blk = T.meta_var(se[0] + u // UPB if SPARSE else bx // SUB * KB + u // UPB)
         for h in T.unroll(2):
-            row = T.meta_var(se[2] * 16 + h * 8 + lane // 4)
+            row = T.meta_var((se[2] if SPARSE else bx % SUB) * 16 + h * 8 + lane // 4)
             if UK == 64:
                 T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                     wv[o * 8 + h * 4], wv[o * 8 + h * 4 + 1], wv[o * 8 + h * 4 + 2], wv[o * 8 + h * 4 + 3],
@@ -64,7 +69,8 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
             else:
                 T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v2.b32"](
                     wv[o * 4 + h * 2], wv[o * 4 + h * 2 + 1], WQ.ptr_to([blk, row, (u % UPB) * 8 + (lane % 4) * 2])))
-        kc[o] = (Tab[HEAD + blk] * BK + (u % UPB) * UK) // 4      # the unit's first X word
+        kb = T.meta_var(Tab[HEAD + blk] if SPARSE else u // UPB)
+        kc[o] = (kb * BK + (u % UPB) * UK) // 4      # the unit's first X word
 
     @T.macro
     def load_batch(WQ, Tab, wv, kc, se, tile, warp, lane, bt):
@@ -74,7 +80,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                 if kept(warp, j, se):
                     o = T.meta_var((bt % 2) * G + g)
                     if BLOCKS:
-                        load_units(WQ, Tab, wv, kc, se, warp, lane, j, o)
+                        load_units(WQ, Tab, wv, kc, se, tile, warp, lane, j, o)
                     elif SPARSE:
                         T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                             wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3],
@@ -112,13 +118,13 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
         tot = T.alloc_buffer((1,), "int32", scope="local")
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
-        col0 = T.meta_var(se[3] if BLOCKS else bx * 16)     # the CTA's first output column
+        col0 = T.meta_var((se[3] if SPARSE else bx // SUB * BN + bx % SUB * 16) if BLOCKS else bx * 16)   # first column
         if PDL and EARLY:
             T.evaluate(grid_dependency("launch_dependents"))
-        if SPARSE:
+        if SPARSE and not BLOCKS:
             se[0] = Tab[bx]
             se[1] = Tab[bx + 1] - se[0]
-        if BLOCKS:                  # slot bx // SUB: its block row, first block, count; the CTA's 16-row tile in it
+        if SPARSE and BLOCKS:       # slot bx // SUB: its block row, first block, count; the CTA's 16-row tile in it
             se[0] = Tab[bx // SUB * 3 + 1]
             se[1] = Tab[bx // SUB * 3 + 2] * UPB
             se[2] = bx % SUB

@@ -27,6 +27,8 @@ def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale:
                   table: torch.Tensor | None) -> None:
     if spec.blocks:                    # a bsr_linear int8 tile's blocks and table: at least as many blocks as it lists
         kept = table.numel() - 3 * spec.row_blocks if table is not None else -1
+        if not spec.sparse and kept != spec.row_blocks * -(-spec.k // spec.bk):
+            kept = -1                  # a dense-blocks kernel reads every block in K order
         want = spec.weight_shape(max(kept, wq.shape[0] if wq.dim() == 3 else 0))
     else:
         kept = table.numel() - spec.tiles - 1 if table is not None else 0
@@ -78,7 +80,7 @@ class W8A8GemvOp:
                                                  WS=self.weight_scale, Y=y16,
                                                  **({"B": lanes16(self.bias)} if s.bias else {}),
                                                  **({"OS": self.out_scale} if s.out == "int8" else {}),
-                                                 **({"Tab": self.table} if s.sparse or s.blocks else {}))
+                                                 **({"Tab": self.table} if s.sparse else {}))
         else:
             self._prepared.launch(XQ=xw, XS=xs, Y=y16)
         return y

@@ -38,7 +38,7 @@ class W8A8GemvSpec:
     n: int
     k: int
     warps: int = 4             # output rows per CTA, one per warp
-    group: int = 8             # 16-byte chunks per lane in one batch of loads
+    group: int = 8             # 16-byte chunks per lane in one batch of loads (blocks: of 32 K, units of 64 K count 2)
     bias: bool = False
     act: str = "none"
     pdl: str = ""              # programmatic dependent launch (sm_90): "", "early" or "late"
@@ -48,7 +48,7 @@ class W8A8GemvSpec:
     sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
     rows: int = 0              # m=0: the most rows a call may have (1..16)
     bn: int = 0                # > 0 (with bk): mma over a bsr_linear int8 tile's packed bn x bk blocks and its table
-    bk: int = 0                # (``tile_units``): one packed weight for the tile and this GEMV
+    bk: int = 0                # (sparse: the kept ones, by the table; else every block): one packed weight
     name: str = "w8a8_gemv"
 
     def __post_init__(self):
@@ -71,10 +71,9 @@ class W8A8GemvSpec:
             bad.append(f"mma: K={self.k} must be a multiple of {MMA_K}")
         if self.sparse and not self.mma:
             bad.append("sparse: for the tensor-core kernel (mma=True)")
-        if (self.bn or self.bk) and (not self.mma or self.sparse or self.bn % 16 or self.bn <= 0 or self.bk % 32
-                                     or self.bk <= 0):
-            bad.append(f"blocks {self.bn}x{self.bk}: the tensor-core kernel (mma, not sparse) over a tile's blocks of a "
-                       "multiple of 16 rows and 32 K")
+        if (self.bn or self.bk) and (not self.mma or self.bn % 16 or self.bn <= 0 or self.bk % 32 or self.bk <= 0):
+            bad.append(f"blocks {self.bn}x{self.bk}: the tensor-core kernel (mma) over a tile's blocks of a multiple of "
+                       "16 rows and 32 K")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -141,7 +140,7 @@ class W8A8GemvSpec:
 
 def argument_names(spec: W8A8GemvSpec) -> list[str]:
     return ["XQ", "XS", "WQ", "WS", *(["B"] if spec.bias else []), *(["OS"] if spec.out == "int8" else []),
-            *(["Tab"] if spec.sparse or spec.blocks else []), "Y"]
+            *(["Tab"] if spec.sparse else []), "Y"]
 
 
 def reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
