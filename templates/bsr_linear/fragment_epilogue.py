@@ -17,6 +17,9 @@ _SHARED_IO = {             # one source per device function: TVM keeps one sourc
               "unsigned ua = __float_as_uint(a), ub = __float_as_uint(b); ua += 0x7FFFu + ((ua >> 16) & 1u); "
               "ub += 0x7FFFu + ((ub >> 16) & 1u); *(unsigned*)p = (ua >> 16) | (ub & 0xFFFF0000u);"),
     "st_s8x2": ("void* p, int a, int b", "*(char2*)p = make_char2((signed char)a, (signed char)b);"),
+    "st_h1": ("void* p, float a", "*(half*)p = __float2half_rn(a);"),
+    "st_b1": ("void* p, float a",                                                      # bf16, to nearest even
+              "unsigned ua = __float_as_uint(a); ua += 0x7FFFu + ((ua >> 16) & 1u); *(unsigned short*)p = ua >> 16;"),
 }
 
 
@@ -152,3 +155,22 @@ class FragmentEpilogue:
                         else:
                             T.evaluate(shared_io(STORE16, smem.ptr_to([out0 + lr * OUT_LD + lc]), yv[0], yv[1]))
         self.stage_tile = stage_tile
+        NX, NP = 2 * mi, nj // 2
+        STORE1 = "st_b1" if spec.act16 == "bfloat16" else "st_h1"
+
+        @T.macro
+        def stage_transposed(acc, smem, cst, kc, r0, c0, lane, out0, buf):
+            # the fragments of Yᵀ = W·Xᵀ (a W4A16 tile over the GEMVs' pack): accumulator (x·NP + p)·4 + 2q + e at
+            # column c0 + 8(2p + q) + lane/4 and row r0 + 8x + 2(lane%4) + e; 16-bit (bias, activation) out only
+            for p in T.unroll(NP):
+                for q in T.unroll(2):
+                    col = T.meta_var(c0 + (2 * p + q) * 8 + lane // 4)
+                    T.evaluate(shared_io("ld_f32x4", cst.ptr_to([const0 + buf * BN * 2 + col // 2 * 4]), kc.ptr_to([0])))
+                    bias = T.meta_var(T.if_then_else(lane // 4 % 2 == 0, kc[2], kc[3]))
+                    for x in T.unroll(NX):
+                        for e in T.unroll(2):
+                            y = T.meta_var(tir_activate(acc[(x * NP + p) * 4 + 2 * q + e], bias if spec.bias else None,
+                                                        spec.act))
+                            T.evaluate(shared_io(STORE1, smem.ptr_to([out0 + (r0 + x * 8 + (lane % 4) * 2 + e) * OUT_LD
+                                                                      + col]), y))
+        self.stage_transposed = stage_transposed

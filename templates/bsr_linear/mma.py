@@ -31,7 +31,8 @@ def bsr_linear_mma(spec: BsrSpec):
     WTM, WTN, MI, NI, ACC = wmma.wtm, wmma.wtn, wmma.mi, wmma.ni, wmma.acc
     KW = spec.bk // 32                      # w4a16: words (32 K) per row of a block
     SZ = NI * 3 if spec.gemv_group else 4 if w4 else 1     # w4a16: scale and zero terms in registers
-    XR = MI * 8 if spec.gemv_group else 1
+    WORDS = bool(spec.gemv_group)
+    XR = MI * 8 if spec.gemv_group else 1                  # gemv_group: X rows of the warp, 16 bytes each
 
     epi = FragmentEpilogue(spec, NT, MI, NI, M)
     GATE, SI = spec.gate, spec.slot_ints
@@ -114,6 +115,8 @@ def bsr_linear_mma(spec: BsrSpec):
         T.tvm_storage_sync("shared")                   # every warp is done with the stages
         if GATE:
             epi.stage_gated(acc, acc_up, smem, cst, kc, yv, wr * WTM, wc * WTN, lane, 0, 0)
+        elif WORDS:                                    # Yᵀ = W·Xᵀ fragments (warp_mma.mma_stage_gemv_words)
+            epi.stage_transposed(acc, smem, cst, kc, wr * WTM, wc * WTN, lane, 0, 0)
         else:
             epi.load_scales(xsr, XS, m0, wr * WTM, lane)
             epi.stage_tile(acc, smem, smo, cst, kc, xsr, yv, OS, wr * WTM, wc * WTN, lane, 0, 0)

@@ -147,9 +147,10 @@ class BsrSpec:
             bad.append("gate: the 16-bit mma.sync kernel of one tile per CTA (groups=0), table 'arg', 16-bit out, "
                        "no pdl")
         if self.gemv_group and (self.gemv_group not in (32, 64, 128) or self.dtype != "w4a16" or self.bk != 128
-                                or self.k % self.gemv_group or self.table != "arg" or self.groups or self.gate):
+                                or self.k % self.gemv_group or self.table != "arg" or self.groups or self.gate
+                                or self.out == "int8"):
             bad.append(f"gemv_group={self.gemv_group}: the W4A16 GEMVs' pack (scale groups of 32, 64 or 128 dividing K) "
-                       "for a w4a16 tile of bk=128, table 'arg', one tile per CTA, not gated")
+                       "for a w4a16 tile of bk=128, table 'arg', one tile per CTA, not gated, 16-bit out")
         if self.mma not in ("sync", "wgmma"):
             bad.append(f"mma {self.mma!r} must be 'sync' or 'wgmma'")
         elif self.mma == "wgmma":

@@ -91,11 +91,14 @@ class WarpMma:
         GG, WORDS = spec.gemv_group, bool(spec.gemv_group)
         QPC = 128 // GG if GG else 1                   # gemv_group: scale groups per 128-K chunk
 
+        NX, NP = WTM // 8, NI // 2
+
         @T.macro
         def mma_stage_gemv_words(smem, smw, smb, acc, af, bf, wq, sz, xr, lane, wr, wc, base):
-            # the W4A16 GEMVs' words (lane t: K 32t .. 32t+31 of the chunk, word j = K 8j .. 8j+7 of those) with one
-            # scale (and zero point) per 8-row tile; X in the same K order: a 16-byte load of rows g and g+8 per word
-            # is the A fragments of k16 steps 2j and 2j+1
+            # Yᵀ = W·Xᵀ as the GEMV computes it: the W4A16 GEMVs' words (lane t: K 32t .. 32t+31 of the chunk, word
+            # j = K 8j .. 8j+7 of those) with one scale (and zero point) per 8-row tile, dequantised, are the A
+            # fragments of two 8-row tiles (the register allocator places the pairs, no moves); X in the same K
+            # order, a 16-byte load of row g of each 8 rows per word, is the B fragments of k16 steps 2j and 2j+1
             g = T.meta_var(lane // 4)
             t = T.meta_var(lane % 4)
             for ni in T.unroll(NI):
@@ -115,18 +118,16 @@ class WarpMma:
             for j in T.unroll(4):
                 for ni in T.unroll(NI):
                     dequant(bf, ni * 4, wq[ni * 4 + j], sz[ni * 3], sz[ni * 3 + 1], sz[ni * 3 + 2])
-                for mi in T.unroll(MI):
-                    for half in T.unroll(2):
-                        for v in T.vectorized(4):
-                            xr[mi * 8 + half * 4 + v] = smw[(base + swz(wr * WTM + mi * 16 + half * 8 + g, t * 4 + j)) // 2
-                                                            + v]
-                for h in T.unroll(2):
-                    for mi in T.unroll(MI):
-                        af[mi * 4] = xr[mi * 8 + 2 * h]
-                        af[mi * 4 + 1] = xr[mi * 8 + 4 + 2 * h]
-                        af[mi * 4 + 2] = xr[mi * 8 + 2 * h + 1]
-                        af[mi * 4 + 3] = xr[mi * 8 + 4 + 2 * h + 1]
-                    mma_tiles(acc, af, bf, 4, 2 * h)
+                for x in T.unroll(NX):
+                    for v in T.vectorized(4):
+                        xr[x * 4 + v] = smw[(base + swz(wr * WTM + x * 8 + g, t * 4 + j)) // 2 + v]
+                    for h in T.unroll(2):
+                        for p in T.unroll(NP):
+                            a = T.meta_var((x * NP + p) * 4)
+                            T.evaluate(T.ptx[MMA](acc[a], acc[a + 1], acc[a + 2], acc[a + 3],
+                                                  bf[8 * p + 2 * h], bf[8 * p + 4 + 2 * h], bf[8 * p + 2 * h + 1],
+                                                  bf[8 * p + 4 + 2 * h + 1], xr[x * 4 + 2 * h], xr[x * 4 + 2 * h + 1],
+                                                  acc[a], acc[a + 1], acc[a + 2], acc[a + 3]))
 
         self.mma_stage, self.mma_stage_w4, self.mma_stage_gemv_words = mma_stage, mma_stage_w4, mma_stage_gemv_words
         S, STAGE, HEAD, tab, load_stage = spec.stages, mv.stage, mv.head, mv.tab, mv.load_stage

@@ -59,16 +59,17 @@ def _nibbles(word: int) -> list[int]:
 
 @pytest.mark.parametrize("zero", [False, True])
 def test_the_kernels_fragments_multiply_the_right_k(zero):
-    """``mma_stage_gemv_words`` emulated: per lane (g, t), word j and k16 step h, the B fragment from the lop3 pairs of
-    the GEMV's word and the A fragment from the 16-byte X loads of rows g and g+8 at chunk 4t + j (the indices the
-    kernel uses); the m16n8k16 products over one 128-K chunk equal X · Wᵀ."""
-    n, k, group = 8, 128, 32
+    """``mma_stage_gemv_words`` emulated: ``Yᵀ = W·Xᵀ`` as the GEMV computes it. Per lane (g, t), word j and k16 step
+    h, the A fragment from the lop3 pairs of two 8-row tiles' words (a0/a2: tile 0's pairs 2h, 2h+1; a1/a3: tile 1's)
+    and the B fragment from the 16-byte X load of row g at chunk 4t + j (its words 2h, 2h+1) — the indices the
+    kernel uses; the m16n8k16 products over one 128-K chunk equal (X · Wᵀ)ᵀ."""
+    n, k, group = 16, 128, 32
     codes, scale, z = _codes(n, k, group, zero, 7)
     spec = _spec(n, k, group, zero, bn=32)
     flat, _ = pack_w4(codes, expand_groups(scale, group, k), None if z is None else expand_groups(z, group, k), spec,
                       torch.ones(1, 1, dtype=torch.bool))
     wq, s, zp = flat_views(flat, gemv_layout(spec))
-    x = torch.randn(16, k, dtype=torch.float64)
+    x = torch.randn(8, k, dtype=torch.float64)
     c = torch.zeros(16, 8, dtype=torch.float64)
     for j in range(4):
         for h in range(2):
@@ -76,20 +77,19 @@ def test_the_kernels_fragments_multiply_the_right_k(zero):
             for lane in range(32):
                 g, t = divmod(lane, 4)
                 q = 32 * t // group                                         # the lane's scale group in the chunk
-                zero_point = 8 if zp is None else int(zp[0, q, g])
-                nib = _nibbles(int(wq[0, 0, lane, j]) & 0xFFFFFFFF)
-                pairs = [(_deq(nib[p], zero_point, s[0, q, g]), _deq(nib[p + 4], zero_point, s[0, q, g]))
-                         for p in range(4)]                                 # lop3: nibbles (p, p + 4) -> half2 p
-                b[2 * t: 2 * t + 2, g] = torch.tensor(pairs[2 * h], dtype=torch.float64)          # b0
-                b[2 * t + 8: 2 * t + 10, g] = torch.tensor(pairs[2 * h + 1], dtype=torch.float64)  # b1
-                xr = [x[row, 32 * t + 8 * j: 32 * t + 8 * j + 8] for row in (g, g + 8)]         # xr[0..3], xr[4..7]
-                a[g, 2 * t: 2 * t + 2] = xr[0][4 * h: 4 * h + 2]                 # af0 = xr[2h]
-                a[g + 8, 2 * t: 2 * t + 2] = xr[1][4 * h: 4 * h + 2]             # af1 = xr[4 + 2h]
-                a[g, 2 * t + 8: 2 * t + 10] = xr[0][4 * h + 2: 4 * h + 4]        # af2 = xr[2h + 1]
-                a[g + 8, 2 * t + 8: 2 * t + 10] = xr[1][4 * h + 2: 4 * h + 4]    # af3 = xr[4 + 2h + 1]
+                for tile in range(2):
+                    zero_point = 8 if zp is None else int(zp[tile, q, g])
+                    nib = _nibbles(int(wq[tile, 0, lane, j]) & 0xFFFFFFFF)
+                    pairs = [(_deq(nib[p], zero_point, s[tile, q, g]), _deq(nib[p + 4], zero_point, s[tile, q, g]))
+                             for p in range(4)]                             # lop3: nibbles (p, p + 4) -> half2 p
+                    a[tile * 8 + g, 2 * t: 2 * t + 2] = torch.tensor(pairs[2 * h], dtype=torch.float64)       # a0/a1
+                    a[tile * 8 + g, 2 * t + 8: 2 * t + 10] = torch.tensor(pairs[2 * h + 1], dtype=torch.float64)  # a2/a3
+                xr = x[g, 32 * t + 8 * j: 32 * t + 8 * j + 8]                   # the 16-byte load: xr[0..3]
+                b[2 * t: 2 * t + 2, g] = xr[4 * h: 4 * h + 2]                   # b0 = xr[2h]
+                b[2 * t + 8: 2 * t + 10, g] = xr[4 * h + 2: 4 * h + 4]          # b1 = xr[2h + 1]
             c += a @ b
     w = unpack_w4(flat, torch.zeros(0), spec).double()
-    torch.testing.assert_close(c, x @ w.T)
+    torch.testing.assert_close(c, (x @ w.T).T)
 
 
 def test_the_pack_is_refused_where_it_cannot_serve():
