@@ -166,7 +166,7 @@ def gemv_layout(spec: BsrSpec) -> W4A16Spec:
 def _pack_gemv_words(codes, scale, zero, spec: BsrSpec, block_mask: torch.Tensor):
     """``(flat, table)`` of a ``gemv_group`` tile: the GEMVs' pack of element-wise codes, scales and zero points
     (constant over each group) and the dense table."""
-    g, n = spec.gemv_group, spec.n
+    g = spec.gemv_group
     if not bool(torch.as_tensor(block_mask).all()):
         raise ValueError(f"{spec.name}: the GEMVs' pack is dense; a tile reading it keeps every block")
     per_group = scale.to(_act(spec))[:, ::g]
