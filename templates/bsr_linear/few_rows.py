@@ -68,6 +68,12 @@ class FewRowGemvs:
             return self.wp, self.table
         return self.gemv_wq, self.gemv_table
 
+    def _few_rows_source(self, w4: bool) -> torch.Tensor:
+        """The tensor whose storage the GEMVs' weight starts at (what a launcher built before must still read)."""
+        if w4:
+            return self.wp if self.spec.gemv_group else self.gemv_wq
+        return self.wp if self.few_rows[0][2].blocks else self.gemv_wq
+
     def _check_few_rows(self, kernels: list, spec_type, dtype: str) -> None:
         s = self.spec
         tops = [t for t, _, _ in kernels]
@@ -106,14 +112,15 @@ class FewRowGemvs:
             return None
         top, folder, spec = entry
         op = self._few_ops.get(top)
-        w4 = self.w4_pack() if isinstance(spec, W4A16Spec) else None
-        w8 = None if w4 else self.w8_pack()
-        if op is None or op.wq.data_ptr() != (w4 or w8)[0].data_ptr():
-            if w4 is not None:
-                op = W4A16GemvOp(folder, spec, *w4, self.bias if spec.bias else None, split_buffers(spec, w4[0].device))
+        w4 = isinstance(spec, W4A16Spec)
+        if op is None or op.wq.data_ptr() != self._few_rows_source(w4).data_ptr():   # views only when (re)made
+            if w4:
+                wq, s, z = self.w4_pack()
+                op = W4A16GemvOp(folder, spec, wq, s, z, self.bias if spec.bias else None, split_buffers(spec, wq.device))
             else:
-                op = W8A8GemvOp(folder, spec, w8[0], self.weight_scale, self.bias if spec.bias else None,
-                                self.out_scale_os if spec.out == "int8" else None, w8[1])
+                wq, table = self.w8_pack()
+                op = W8A8GemvOp(folder, spec, wq, self.weight_scale, self.bias if spec.bias else None,
+                                self.out_scale_os if spec.out == "int8" else None, table)
             self._few_ops[top] = op
         if isinstance(spec, W4A16Spec):
             return [op(inputs[0].contiguous())]
