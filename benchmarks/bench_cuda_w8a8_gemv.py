@@ -12,9 +12,8 @@ graphs of 40 calls rotating weight sets beyond the L2 (120 MB); the ``_pdl`` til
 overlaps the previous one's tail, as consecutive GEMVs in a model). Floor = (int8 weights + fp32 scales) /
 measured copy bandwidth. "with quantiser" adds sparta's per-token quantiser of X (``templates/quant/``).
 ``--sparsity 90``: 90% of the 32×32 blocks pruned (rows 1 and 16): the block-sparse GEMV (kept 16×32 chunks only)
-against the dense GEMV on the same weights, the W8A8 block tile kernel ``compile`` used for such ops, and the GEMV a
-graph of any rows runs over that tile's kept blocks (``blk32``: one packed weight); its floor counts the kept weight
-bytes.
+against the dense GEMV on the same weights and the W8A8 block tile kernel ``compile`` used for such ops; its floor
+counts the kept weight bytes.
 """
 
 from __future__ import annotations
@@ -39,9 +38,7 @@ ROTATE_BYTES = 120e6
 def bench_shape(shape: str, n: int, k: int, m: int, bw: float, sparsity: int = 0) -> dict:
     from bench_cuda_w4a16 import sqnr_db
 
-    from sparta.templates.bsr_linear.packing import pack_weight as pack_blocks
     from sparta.templates.bsr_linear.runtime import BsrLinearOp, load_spec
-    from sparta.templates.bsr_linear.spec import BsrSpec
     from sparta.templates.quant.runtime import RowQuantizer
     from sparta.templates.w8a8_gemv.runtime import W8A8GemvOp
     from sparta.templates.quant.spec import quantize_rows
@@ -68,11 +65,7 @@ def bench_shape(shape: str, n: int, k: int, m: int, bw: float, sparsity: int = 0
         key = f"sparta_gemv_{folder.name.split('_', 3)[-1]}"
         try:
             spec = W8A8GemvSpec(**json.loads((folder / "spec.json").read_text()))
-            if spec.blocks:            # the 32x32 int8 tile's kept blocks and table
-                tile = BsrSpec(0, n, k, bn=spec.bn, bk=spec.bk, tm=64, warps_m=1, warps_n=spec.bn // 16, dtype="int8")
-                packed = [pack_blocks(wqs[i], tile, mask.cpu()) for i in range(sets)]
-            else:
-                packed = [pack_weight(spec, wqs[i]) for i in range(sets)]
+            packed = [pack_weight(spec, wqs[i]) for i in range(sets)]
             ops = [W8A8GemvOp(folder, spec, p[0], ws, table=p[1]) for p in packed]
             ops[0](*xq[0], out=ys[0])
             torch.cuda.synchronize()

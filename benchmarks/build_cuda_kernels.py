@@ -224,9 +224,6 @@ def w8a8_gemv_bench_kernels() -> dict:
                 # 90% of 32x32 blocks pruned (--sparsity): the sparse GEMV and the W8A8 block tile compile used before
                 for tiling, kw in W8G_SPARSE_TILINGS.items():
                     specs[f"w8s_{shape}_m{m}_{tiling}"] = W8A8GemvSpec(m, n, k, **kw)
-                # what a graph of any rows runs: the GEMV over the 32x32 tile's kept blocks (one packed weight)
-                specs[f"w8s_{shape}_m{m}_blk32"] = W8A8GemvSpec(0, n, k, warps=16, group=1, mma=True, sparse=True,
-                                                                rows=16, bn=32, bk=32)
                 specs[f"w8b_{shape}_m{m}_tile"] = BsrSpec(m, n, k, bias=False, dtype="int8", **INT8_TILES["i8_b32_t128"])
     return specs
 

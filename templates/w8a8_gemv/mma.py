@@ -13,11 +13,10 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     zero past M; a second MMA for rows 8..15), then add their int32 fragments through shared memory; thread ``i``
     writes output (row ``i // 16``, column ``16·tile + i % 16``) with the dp4a kernel's epilogue. ``sparse``: the warps
     take the tile's kept chunks only (``Tab``: CSR offsets per tile, then each kept chunk's K index, read with its
-    weights), so a pruned chunk costs neither a load nor an MMA. ``blocks`` (``bn``, ``bk``): the weight is a
-    ``bsr_linear`` int8 tile's packed ``bn × bk`` blocks: ``sparse``, the kept ones, by its table (slots of row, first
-    block, count; then each block's K index), else every block in row-major order (no table read): CTA ``bx`` takes
-    the 16-row tile ``bx % (bn / 16)`` of slot ``bx // (bn / 16)``'s block row, its
-    warps the kept blocks' units of ``unit_k`` K round robin; a lane loads rows ``g`` and ``g + 8`` of its unit at K
+    weights), so a pruned chunk costs neither a load nor an MMA. ``blocks`` (``bn``, ``bk``): the weight is a dense
+    ``bsr_linear`` int8 tile's packed ``bn × bk`` blocks, every block in row-major order (no table read): CTA ``bx``
+    takes the 16-row tile ``bx % (bn / 16)`` of block row ``bx // (bn / 16)``, its warps the blocks' units of
+    ``unit_k`` K round robin; a lane loads rows ``g`` and ``g + 8`` of its unit at K
     ``(unit_k / 4) · t`` (16 or 8 bytes each), so the MMA's K order is permuted per unit — X's 8-byte loads alike."""
     import tvm
     from tvm.script import tirx as T
@@ -38,30 +37,30 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
     MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
     if BLOCKS:
         BN, BK, UK = spec.bn, spec.bk, spec.unit_k
-        UPB, SUB, HEAD = BK // UK, BN // 16, 3 * spec.row_blocks   # units per block, 16-row tiles per block row
+        UPB, SUB = BK // UK, BN // 16           # units per block, 16-row tiles per block row
         CH = -(-K // BK) * UPB                  # units of a full block row
         J = -(-CH // W)
-        G = 1 if SPARSE else max(1, G * 32 // UK)   # units per batch: as many bytes as G 32-K chunks
+        G = max(1, G * 32 // UK)                # units per batch: as many bytes as G 32-K chunks
         NB = -(-J // G)
         WPU = UK // 8                           # int32 words a lane loads per unit (rows g and g + 8)
         XPAST = K % BK != 0                     # the last block runs past K: X past it reads as zero
         EVEN = CH % W == 0
         KB = -(-K // BK)
     else:
-        WPU, XPAST, UK, UPB, SUB, HEAD, BN, BK = 4, False, 32, 1, 1, 0, 16, 32
+        WPU, XPAST, UK, UPB, SUB, BN, BK = 4, False, 32, 1, 1, 16, 32
     CT = spec.ctas
 
     def kept(warp, j, se):                    # whether the warp's j-th chunk (unit) exists
         return (warp + j * W < se[1]) if SPARSE else (EVEN or warp + j * W < CH)
 
     @T.macro
-    def load_units(WQ, Tab, wv, kc, se, bx, warp, lane, j, o):
-        # blocks: unit u of the slot's blocks -> rows (16-row tile, g / g + 8), K (unit, lane's t) of block first + u/UPB;
-        # every block kept (not sparse): block row bx // SUB holds blocks bx // SUB * KB + kb in K order, no table read
+    def load_units(WQ, wv, kc, bx, warp, lane, j, o):
+        # blocks: unit u of block row bx // SUB -> rows (16-row tile bx % SUB, g / g + 8), K (unit, lane's t) of its
+        # block u // UPB, the blocks bx // SUB * KB + kb in K order
         u = T.meta_var(warp + j * W)
-        blk = T.meta_var(se[0] + u // UPB if SPARSE else bx // SUB * KB + u // UPB)
+        blk = T.meta_var(bx // SUB * KB + u // UPB)
         for h in T.unroll(2):
-            row = T.meta_var((se[2] if SPARSE else bx % SUB) * 16 + h * 8 + lane // 4)
+            row = T.meta_var((bx % SUB) * 16 + h * 8 + lane // 4)
             if UK == 64:
                 T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                     wv[o * 8 + h * 4], wv[o * 8 + h * 4 + 1], wv[o * 8 + h * 4 + 2], wv[o * 8 + h * 4 + 3],
@@ -69,8 +68,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
             else:
                 T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v2.b32"](
                     wv[o * 4 + h * 2], wv[o * 4 + h * 2 + 1], WQ.ptr_to([blk, row, (u % UPB) * 8 + (lane % 4) * 2])))
-        kb = T.meta_var(Tab[HEAD + blk] if SPARSE else u // UPB)
-        kc[o] = (kb * BK + (u % UPB) * UK) // 4      # the unit's first X word
+        kc[o] = ((u // UPB) * BK + (u % UPB) * UK) // 4      # the unit's first X word
 
     @T.macro
     def load_batch(WQ, Tab, wv, kc, se, tile, warp, lane, bt):
@@ -80,7 +78,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
                 if kept(warp, j, se):
                     o = T.meta_var((bt % 2) * G + g)
                     if BLOCKS:
-                        load_units(WQ, Tab, wv, kc, se, tile, warp, lane, j, o)
+                        load_units(WQ, wv, kc, tile, warp, lane, j, o)
                     elif SPARSE:
                         T.evaluate(T.ptx["ld.global.nc.L1::no_allocate.v4.b32"](
                             wv[o * 4], wv[o * 4 + 1], wv[o * 4 + 2], wv[o * 4 + 3],
@@ -110,7 +108,7 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
         tx = T.launch_thread("threadIdx.x", 32 * W)
         wv = T.alloc_buffer((2 * G * WPU,), "uint32", scope="local")  # two batches of A fragments
         kc = T.alloc_buffer((2 * G,), "int32", scope="local")       # their chunks' K indices
-        se = T.alloc_buffer((4,), "int32", scope="local")           # sparse / blocks: first kept, count (, 16-row tile, column)
+        se = T.alloc_buffer((2,), "int32", scope="local")           # sparse: first kept chunk, count
         xb = T.alloc_buffer((2,), "uint32", scope="local")          # a B fragment
         acc = T.alloc_buffer((H * 4,), "uint32", scope="local")
         red = T.alloc_buffer((W * H * 128,), "int32", scope="shared")
@@ -118,17 +116,12 @@ def w8a8_gemv_mma(spec: W8A8GemvSpec):
         tot = T.alloc_buffer((1,), "int32", scope="local")
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
-        col0 = T.meta_var((se[3] if SPARSE else bx // SUB * BN + bx % SUB * 16) if BLOCKS else bx * 16)   # first column
+        col0 = T.meta_var(bx // SUB * BN + bx % SUB * 16 if BLOCKS else bx * 16)   # first column
         if PDL and EARLY:
             T.evaluate(grid_dependency("launch_dependents"))
-        if SPARSE and not BLOCKS:
+        if SPARSE:
             se[0] = Tab[bx]
             se[1] = Tab[bx + 1] - se[0]
-        if SPARSE and BLOCKS:       # slot bx // SUB: its block row, first block, count; the CTA's 16-row tile in it
-            se[0] = Tab[bx // SUB * 3 + 1]
-            se[1] = Tab[bx // SUB * 3 + 2] * UPB
-            se[2] = bx % SUB
-            se[3] = Tab[bx // SUB * 3] * BN + se[2] * 16
         load_batch(WQ, Tab, wv, kc, se, bx, warp, lane, 0)
         for it in T.unroll(OUT):
             n = T.meta_var(T.min(col0 + (tx + it * 32 * W) % 16, N - 1))

@@ -25,10 +25,10 @@ from ..quant.runtime import QuantizedLinear, RowQuantizer, output_scale_arg
 
 def _check_weight(what: str, spec: W8A8GemvSpec, wq: torch.Tensor, weight_scale: torch.Tensor,
                   table: torch.Tensor | None) -> None:
-    if spec.blocks:                    # a bsr_linear int8 tile's blocks and table: at least as many blocks as it lists
+    if spec.blocks:                    # a dense bsr_linear int8 tile's blocks and table: every block, read in K order
         kept = table.numel() - 3 * spec.row_blocks if table is not None else -1
-        if not spec.sparse and kept != spec.row_blocks * -(-spec.k // spec.bk):
-            kept = -1                  # a dense-blocks kernel reads every block in K order
+        if kept != spec.row_blocks * -(-spec.k // spec.bk):
+            kept = -1
         want = spec.weight_shape(max(kept, wq.shape[0] if wq.dim() == 3 else 0))
     else:
         kept = table.numel() - spec.tiles - 1 if table is not None else 0

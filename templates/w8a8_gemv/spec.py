@@ -47,8 +47,8 @@ class W8A8GemvSpec:
                                # (argument OS, as ``bsr_linear``'s)
     sparse: bool = False       # mma: only the kept 16x32 chunks, listed in a table (``pack_sparse``)
     rows: int = 0              # m=0: the most rows a call may have (1..16)
-    bn: int = 0                # > 0 (with bk): mma over a bsr_linear int8 tile's packed bn x bk blocks and its table
-    bk: int = 0                # (sparse: the kept ones, by the table; else every block): one packed weight
+    bn: int = 0                # > 0 (with bk): mma over a dense bsr_linear int8 tile's packed bn x bk blocks, every
+    bk: int = 0                # block in K order (one packed weight; its table is passed, not read)
     name: str = "w8a8_gemv"
 
     def __post_init__(self):
@@ -74,6 +74,9 @@ class W8A8GemvSpec:
         if (self.bn or self.bk) and (not self.mma or self.bn % 16 or self.bn <= 0 or self.bk % 32 or self.bk <= 0):
             bad.append(f"blocks {self.bn}x{self.bk}: the tensor-core kernel (mma) over a tile's blocks of a multiple of "
                        "16 rows and 32 K")
+        if self.bn and self.sparse:
+            bad.append("blocks: over a dense tile's blocks only (a block-sparse tile's GEMVs keep their chunk pack, "
+                       "pack_sparse: over the tile's kept blocks they measured 1.1-2.0x slower)")
         if bad:
             raise ValueError(f"spec {self.name}: " + "; ".join(bad))
 
@@ -103,7 +106,7 @@ class W8A8GemvSpec:
 
     @property
     def blocks(self) -> bool:
-        """Whether the kernel reads a ``bsr_linear`` int8 tile's packed blocks and table (``bn``, ``bk``)."""
+        """Whether the kernel reads a dense ``bsr_linear`` int8 tile's packed blocks (``bn``, ``bk``)."""
         return self.bn > 0
 
     @property
@@ -123,7 +126,7 @@ class W8A8GemvSpec:
 
     def weight_shape(self, kept: int = 0) -> tuple:
         """Shape of the int8 weight argument as the kernel takes it (``pack_mma``'s for the mma kernel; the sparse one
-        holds the ``kept`` chunks, at least one; blocks: the tile's ``kept`` blocks)."""
+        holds the ``kept`` chunks, at least one; blocks: the tile's blocks, ``kept`` of them)."""
         if self.bn:
             return (max(kept, 1), self.bn, self.bk)
         if self.sparse:

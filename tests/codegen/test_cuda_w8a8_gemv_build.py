@@ -131,37 +131,35 @@ def test_sparse_build_reads_the_chunk_table(tmp_path, monkeypatch):
 
 
 def test_blocks_specs_say_what_they_read():
-    """``bn``/``bk``: the GEMV over a bsr_linear int8 tile's blocks (one packed weight), for the mma kernel only."""
+    """``bn``/``bk``: the GEMV over a dense bsr_linear int8 tile's blocks (one packed weight), for the mma kernel
+    only; a block-sparse tile's GEMVs keep their chunk pack (``sparse``), so the two are refused together."""
     spec = W8A8GemvSpec(0, 100, 416, mma=True, rows=16, bn=64, bk=64)
     assert spec.blocks and spec.unit_k == 64 and spec.ctas == 2 * 4 and "Tab" not in argument_names(spec)
-    assert "Tab" in argument_names(W8A8GemvSpec(0, 100, 416, mma=True, rows=16, bn=64, bk=64, sparse=True))
     assert W8A8GemvSpec(0, 100, 416, mma=True, rows=16, bn=32, bk=96).unit_k == 32
     plain = W8A8GemvSpec(0, 100, 416, mma=True, rows=16)
     assert "bn" not in plain.key() and spec.key()["bn"] == 64 and plain.ctas == plain.tiles
-    assert W8A8GemvSpec(0, 100, 416, mma=True, rows=16, bn=64, bk=64, sparse=True).blocks      # the kept blocks
-    for bad in (dict(mma=False, rows=0, m=4), dict(bn=24), dict(bk=48)):
+    for bad in (dict(mma=False, rows=0, m=4), dict(bn=24), dict(bk=48), dict(sparse=True)):
         with pytest.raises(ValueError, match="blocks"):
             W8A8GemvSpec(**{**dict(m=0, n=100, k=416, mma=True, rows=16, bn=64, bk=64), **bad})
 
 
-@pytest.mark.parametrize("bn,bk,density", [(64, 64, 0.5), (32, 32, 1.0), (192, 128, 0.6)])
-def test_blocks_kernel_fragments_multiply_the_right_k(bn, bk, density):
-    """The blocks kernel (sparse: by the table; dense: every block in K order) emulated unit by unit with its own indices (rows g and g + 8 of the CTA's 16-row tile, the
-    lane's 16 or 8 bytes of the unit, X's words at the same K, m16n8k32's fragment layout; rows past N, K past it and
-    pruned blocks as the tile's packing leaves them): equal to the exact int8 product."""
+@pytest.mark.parametrize("bn,bk", [(64, 64), (32, 32), (192, 128)])
+def test_blocks_kernel_fragments_multiply_the_right_k(bn, bk):
+    """The blocks kernel (every block of a dense tile in K order) emulated unit by unit with its own indices (rows g
+    and g + 8 of the CTA's 16-row tile, the lane's 16 or 8 bytes of the unit, X's words at the same K, m16n8k32's
+    fragment layout; rows past N and K past it as the tile's packing leaves them): equal to the exact int8 product."""
     from sparta.templates.bsr_linear.packing import pack_weight
     from sparta.templates.bsr_linear.spec import BsrSpec
     n, k, rows = 40 + bn, 3 * bk - 32, 9
-    spec = W8A8GemvSpec(0, n, k, mma=True, rows=16, bn=bn, bk=bk, sparse=density < 1)
+    spec = W8A8GemvSpec(0, n, k, mma=True, rows=16, bn=bn, bk=bk)
     g = torch.Generator().manual_seed(bn)
     wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     xq = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
     tile = BsrSpec(0, n, k, bn=bn, bk=bk, tm=64, warps_m=1, warps_n=bn // 16, dtype="int8")
-    keep = torch.rand(tile.row_blocks, tile.k_blocks, generator=g) < density
-    wq = wq * keep.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    keep = torch.ones(tile.row_blocks, tile.k_blocks, dtype=torch.bool)
     wp, table = pack_weight(wq, tile, keep)
     words, xw = wp.view(torch.int32).reshape(wp.shape[0], bn, bk // 4), xq.view(torch.int32)
-    uk, head = spec.unit_k, 3 * spec.row_blocks
+    uk = spec.unit_k
 
     def ints(word):        # an int32 word's four int8 codes
         return torch.tensor([word], dtype=torch.int32).view(torch.int8).long()
@@ -170,12 +168,11 @@ def test_blocks_kernel_fragments_multiply_the_right_k(bn, bk, density):
     for cta in range(spec.ctas):
         slot, sub = divmod(cta, bn // 16)
         row, first, count = (int(v) for v in table[slot * 3: slot * 3 + 3])
-        if not spec.sparse:          # every block kept: the kernel reads no table
-            assert (row, first, count) == (slot, slot * tile.k_blocks, tile.k_blocks)
+        assert (row, first, count) == (slot, slot * tile.k_blocks, tile.k_blocks)    # what the kernel assumes
         acc = torch.zeros(16, 16, dtype=torch.long)               # W rows x X rows (two 8-row MMAs)
         for u in range(count * (bk // uk)):
             blk, c = first + u // (bk // uk), u % (bk // uk)
-            kc = ((int(table[head + blk]) if spec.sparse else u // (bk // uk)) * bk + c * uk) // 4
+            kc = ((u // (bk // uk)) * bk + c * uk) // 4
             for s in range(uk // 32):
                 a, b = torch.zeros(16, 32, dtype=torch.long), torch.zeros(32, 16, dtype=torch.long)
                 for lane in range(32):
@@ -199,14 +196,14 @@ def test_blocks_kernel_fragments_multiply_the_right_k(bn, bk, density):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("bk,sparse", [(64, False), (32, True)])
-def test_blocks_build_reads_the_tiles_blocks(tmp_path, monkeypatch, bk, sparse):
-    """Dense blocks read no table (every block in K order); the kept blocks of a sparse tile by its table."""
+@pytest.mark.parametrize("bk", [64, 32])
+def test_blocks_build_reads_the_tiles_blocks(tmp_path, monkeypatch, bk):
+    """A dense tile's blocks are read with no table (every block in K order): 16-byte loads for 64-K units."""
     monkeypatch.setenv("SPARTA_CACHE", str(tmp_path))
     spec = W8A8GemvSpec(0, 100, 416, warps=4, group=2, bias=True, act="relu", mma=True, rows=16, bn=64, bk=bk,
-                        sparse=sparse, name="w8g_blocks")
+                        name="w8g_blocks")
     art = build_cuda(w8a8_gemv, spec)
     src = (art.path / "kernel.cu").read_text()
     assert ("ld.global.nc.L1::no_allocate.v4.b32" if bk == 64 else "ld.global.nc.L1::no_allocate.v2.b32") in src
     names = {a["name"] for a in art.launch["args"]}
-    assert names >= {"WQ", "XQ"} and ("Tab" in names) == sparse and art.launch["grid"][0] == 8
+    assert names >= {"WQ", "XQ"} and "Tab" not in names and "Tab_ptr" not in src and art.launch["grid"][0] == 8
