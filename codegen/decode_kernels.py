@@ -39,7 +39,21 @@ def attention_shape(graph: Graph) -> tuple[dict | None, str]:
         return None, "its weights are not fp16 or bf16"
     if hq % hkv:
         return None, f"{hq} heads over {hkv} key/value heads"
-    return dict(hq=int(hq), hkv=int(hkv), d=int(d), dtype=dtype), ""
+    return dict(hq=int(hq), hkv=int(hkv), d=int(d), dtype=dtype, rope=_llama_rope(config)), ""
+
+
+#: model types whose attention forward is Llama's (``sparta/hf_attention.py``'s ``ROPE_ATTENTIONS``)
+ROPE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def _llama_rope(config) -> bool:
+    """Whether the decoder's attention rotates whole heads the Llama way, so its decode steps can run the rope kernels
+    (rotary embedding and cache write fused)."""
+    factor = getattr(config, "partial_rotary_factor", None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", factor) if isinstance(rope, dict) else factor
+    return getattr(config, "model_type", "") in ROPE_MODEL_TYPES and factor in (None, 1, 1.0) \
+        and not getattr(config, "use_sliding_window", False)
 
 
 def _model_dtype(graph: Graph) -> str | None:
@@ -64,8 +78,9 @@ def decode_attention(graph: Graph, chunk: int = 64, threads: int = 128):
         return None, None
     from ..templates.decode_attention.build import build_decode_attention
     module = build_decode_attention(shape["hq"], shape["hkv"], shape["d"], shape["dtype"], chunk=chunk,
-                                    threads=threads)
+                                    threads=threads, rope=shape["rope"])
     choice = KernelChoice("decode_attention", "hf_decoder",
-                          "one new token over the static cache: split-KV, chunks of the cache no key reaches skipped",
+                          "one new token over the static cache: split-KV, chunks of the cache no key reaches skipped"
+                          + ("; the rotary embedding and cache write in the same launches" if shape["rope"] else ""),
                           dtype=shape["dtype"], tiles=dict(shape, chunk=chunk, threads=threads))
     return choice, module

@@ -93,9 +93,10 @@ def decoder(compiled) -> torch.nn.Module:
     if kernel is not None:
         from .hf_attention import attach
         kernel.to(compiled.device)
-        name = f"{type(kernel).__name__} at one-token steps over the cache ({kernel.spec.name.rsplit('_', 1)[0]}); " \
-               "else torch SDPA"
-        report += [(path, name) for path in attach(model, kernel)]
+        name = f"{type(kernel).__name__} at one-token steps over the cache ({kernel.spec.name.rsplit('_', 1)[0]}" \
+               "{}); else torch SDPA"
+        report += [(path, name.format(" with the rotary embedding and cache write" if rope else ""))
+                   for path, rope in attach(model, kernel)]
     model.sparta_swaps = report
     return model.to(compiled.device)
 

@@ -5,14 +5,25 @@ decode-attention kernel the compile built (``codegen/decode_kernels.py``): split
 key reaches skipped, grouped-query heads read from the cache as they are. Everything else (prefill, masks of other
 kinds, a CPU) is Hugging Face's SDPA attention, unchanged. Registered once per process under the name ``"sparta"``
 with SDPA's mask function, so the model builds the masks SDPA takes.
+
+Where the kernel module also holds the ``rope`` kernels and the attention module is one whose forward is Llama's
+(projections, ``rotate_half`` rotary embedding of the whole head, a static cache layer, attention, output projection:
+:data:`ROPE_ATTENTIONS`), a decode step's forward skips Hugging Face's rotary embedding and cache update too: the
+kernels rotate the query and the new key, store the key and value into the cache layer at its write counter
+(``cumulative_length``, which they advance as Hugging Face's ``StaticLayer.update`` does) and attend, three fewer
+launches a layer. Every other call is the module's own forward.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 
 NAME = "sparta"
 KERNEL_ATTRIBUTE = "sparta_decode_attention"     # set on each attention module of a rebuilt decoder
+#: attention classes whose forward is Llama's: q/k/v projections, full-head rotate_half rotary, cache update, o_proj
+ROPE_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
 _registered = False
 
 
@@ -54,9 +65,10 @@ def _decode_step(kernel, query, key, mask, dropout, scaling, kwargs) -> bool:
             and kwargs.get("s_aux") is None)
 
 
-def attach(model, kernel) -> list[str]:
+def attach(model, kernel) -> list[tuple[str, bool]]:
     """Put ``kernel`` (a ``DecodeAttentionCUDA``) on every attention module of ``model`` whose heads it fits and switch
-    the model to ``"sparta"`` attention; returns the modules' paths (none: the model is left as it was)."""
+    the model to ``"sparta"`` attention; returns ``(path, rope)`` per module, ``rope`` where its decode steps also run
+    the rotary embedding and cache write on the kernels (none: the model is left as it was)."""
     register()
     spec, paths = kernel.spec, []
     for path, m in model.named_modules():
@@ -65,7 +77,68 @@ def attach(model, kernel) -> list[str]:
         heads = getattr(getattr(m, "config", None), "num_attention_heads", None)
         if heads == spec.hq and getattr(m, "head_dim", spec.d) == spec.d:
             m.__dict__[KERNEL_ATTRIBUTE] = kernel           # not a submodule: the model's state dict stays its own
-            paths.append(path)
+            rope = bool(getattr(kernel, "has_rope", False)) and type(m).__name__ in ROPE_ATTENTIONS \
+                and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+                and not any(hasattr(m, p) for p in ("q_norm", "k_norm")) and getattr(m, "sliding_window", None) is None
+            if rope:
+                m.forward = types.MethodType(_rope_forward, m)
+            paths.append((path, rope))
     if paths:
         model.config._attn_implementation = NAME
     return paths
+
+
+def _rope_forward(module, hidden_states, *args, **kwargs):
+    """A Llama-style attention module's forward: a decode step over a static cache layer on the rope kernels (rotary
+    embedding, cache write and attention in one pair of launches), any other call the module's own forward."""
+    names = ("position_embeddings", "attention_mask")
+    given = dict(zip(names, args[:2]), **{n: kwargs[n] for n in names if n in kwargs})
+    cache = kwargs.get("past_key_values", kwargs.get("cache", args[2] if len(args) > 2 else None))
+    kernel = module.__dict__.get(KERNEL_ATTRIBUTE)
+    layer = _static_layer(cache, module.layer_idx)
+    if layer is None or not _rope_step(kernel, module, hidden_states, given.get("position_embeddings"),
+                                       given.get("attention_mask"), layer, kwargs):
+        return type(module).forward(module, hidden_states, *args, **kwargs)
+    s, b = kernel.spec, hidden_states.shape[0]
+    q = module.q_proj(hidden_states).view(b, s.hq, s.d).contiguous()
+    k = module.k_proj(hidden_states).view(b, s.hkv, s.d).contiguous()
+    v = module.v_proj(hidden_states).view(b, s.hkv, s.d).contiguous()
+    cos, sin = (t.reshape(b, s.d).contiguous() for t in given["position_embeddings"])
+    out = kernel.rope_forward(q, k, v, cos, sin, given["attention_mask"][:, 0, -1], layer.keys, layer.values,
+                              layer.cumulative_length)
+    return module.o_proj(out.reshape(b, 1, s.hq * s.d)), None
+
+
+def _static_layer(cache, index: int):
+    """Layer ``index`` of a Hugging Face static cache, where it is one (initialised, not offloaded), else None."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, (list, tuple)) or index >= len(layers) or getattr(cache, "offloading", False):
+        return None
+    layer = layers[index]
+    if type(layer).__name__ != "StaticLayer" or not getattr(layer, "is_initialized", False):
+        return None
+    return layer
+
+
+def _rope_step(kernel, module, x, position_embeddings, mask, layer, kwargs) -> bool:
+    """Whether this call is a decode step the rope kernels compute as the module would: one new token per row, the
+    kernel's dtype and heads, the model's rotary tables of the whole head, a boolean (B, 1, 1, S) mask over the static
+    layer's S slots, its write counter a device int64, no dropout or attention extras."""
+    s = kernel.spec
+    keys, counter = getattr(layer, "keys", None), getattr(layer, "cumulative_length", None)
+    if not (isinstance(x, torch.Tensor) and x.device.type == getattr(kernel, "device_type", "cuda")
+            and x.dim() == 3 and x.shape[1] == 1
+            and x.dtype == kernel.dtype and not module.training and isinstance(keys, torch.Tensor)
+            and isinstance(counter, torch.Tensor) and counter.numel() == 1 and counter.dtype == torch.int64
+            and counter.device == x.device and keys.device == x.device):
+        return False
+    b = x.shape[0]
+    tables = position_embeddings if isinstance(position_embeddings, (tuple, list)) else ()
+    return (len(tables) == 2 and all(isinstance(t, torch.Tensor) and tuple(t.shape) == (b, 1, s.d)
+                                     and t.dtype == kernel.dtype for t in tables)
+            and tuple(keys.shape) == (b, s.hkv, keys.shape[2], s.d) and keys.dtype == kernel.dtype
+            and keys.is_contiguous() and layer.values.shape == keys.shape and layer.values.is_contiguous()
+            and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
+            and tuple(mask.shape) == (b, 1, 1, keys.shape[2])
+            and abs(float(getattr(module, "scaling", s.d ** -0.5)) - kernel.scale_value) <= 1e-6 * kernel.scale_value
+            and not kwargs.get("output_attentions") and kwargs.get("sliding_window") is None)

@@ -3,8 +3,13 @@ Hugging Face decoder compiled for CUDA gets its decode-step attention on the ``d
 and report, saved and loaded with the folder, attached to the rebuilt decoder's attention modules; everything else
 runs Hugging Face's SDPA attention unchanged (checked here on the CPU, where no kernel runs)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+
+from sparta.templates.decode_attention.spec import DecodeAttentionSpec
 
 pytest.importorskip("transformers")
 
@@ -49,6 +54,10 @@ def test_a_cuda_decoder_plans_and_builds_its_decode_attention(compiled):
     assert (module.spec.hq, module.spec.hkv, module.spec.d, module.spec.dtype) == (4, 2, 64, "bfloat16")
     assert module.scale_value == pytest.approx(64 ** -0.5)
     assert "generate() decode steps: attention on decode_attention[bfloat16 4x2x64]" in compiled.plan_report()
+    # a Llama: its decode steps' rotary embedding and cache write run in the same kernels (the rope pair)
+    assert choice.tiles["rope"] is True and module.has_rope and "rotary embedding and cache write" in choice.reason
+    rope = [DecodeAttentionSpec(**json.loads((Path(f) / "spec.json").read_text())) for f in module.rope_folders]
+    assert [(s.stage, s.rope) for s in rope] == [("partial", True), ("combine", True)]
 
 
 @pytest.mark.parametrize("weights", [True, False])
@@ -58,6 +67,7 @@ def test_the_decode_attention_is_saved_and_loaded_with_the_folder(compiled, tmp_
     kw = {} if weights else {"weights": compiled.source_reference().state_dict()}
     loaded = sparta.load(tmp_path / "m", **kw)
     assert loaded.decode_modules["attention"].spec == compiled.decode_modules["attention"].spec
+    assert loaded.decode_modules["attention"].has_rope
     assert loaded.plan.decode == compiled.plan.decode
     assert "generate() decode steps" in loaded.plan_report()
 
@@ -68,6 +78,7 @@ def test_the_rebuilt_decoder_runs_sparta_attention_and_cpu_calls_stay_hugging_fa
     assert decoder.config._attn_implementation == "sparta"
     report = dict(swap_report(decoder))
     assert report["model.layers.0.self_attn"].startswith("DecodeAttentionCUDA at one-token steps")
+    assert "with the rotary embedding and cache write" in report["model.layers.0.self_attn"], report
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     reference = _llama()
     reference.load_state_dict(decoder.state_dict())

@@ -25,7 +25,7 @@ class CudaRuntimeError(SpartaError):
 
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32, "int8": torch.int8, "int32": torch.int32,
-           "uint8": torch.uint8, "bfloat16": torch.bfloat16}
+           "int64": torch.int64, "uint8": torch.uint8, "bfloat16": torch.bfloat16}
 
 
 def _driver():

@@ -10,7 +10,10 @@ Each kernel family with a kernel module (``sparta.templates.registry``) is one o
 * ``weights`` are the module's packed weights, scales and bias, so tracing sees every tensor the kernel reads.
 
 The fake implementation asks the module for its outputs' shapes and dtypes, as functions of the inputs' shapes (the
-rows stay symbolic). Outputs are fresh tensors; the ops mutate nothing that a caller can see.
+rows stay symbolic). Outputs are fresh tensors; the ops mutate nothing that a caller can see, but one:
+``sparta::decode_attention_rope`` (a decode step's rotary embedding, cache write and attention in one pair of
+launches) writes the static cache's keys, values and position counter, and its schema says so (``Tensor(a!)``), so
+Inductor orders it against every other use of them and updates them in place.
 """
 
 from __future__ import annotations
@@ -118,6 +121,24 @@ for _family in (f.name for f in families() if f.module):
     _LIB.define(f"{_family}(str kernel, Tensor[] inputs, Tensor[] weights) -> Tensor[]")
     _LIB.impl(_family, _launch, "CompositeExplicitAutograd")
     torch.library.register_fake(f"sparta::{_family}", _fake, lib=_LIB)
+
+
+def _launch_rope(kernel: str, inputs: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                 weights: list[torch.Tensor]) -> torch.Tensor:
+    module = kernel_module(kernel)
+    module.bind_weights(weights)
+    return module.launch_rope(inputs, k, v, position)
+
+
+def _fake_rope(kernel: str, inputs: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+               weights: list[torch.Tensor]) -> torch.Tensor:
+    return kernel_module(kernel).fake_rope(inputs)
+
+
+_LIB.define("decode_attention_rope(str kernel, Tensor[] inputs, Tensor(a!) k, Tensor(b!) v, Tensor(c!) position, "
+            "Tensor[] weights) -> Tensor")
+_LIB.impl("decode_attention_rope", _launch_rope, "CompositeExplicitAutograd")
+torch.library.register_fake("sparta::decode_attention_rope", _fake_rope, lib=_LIB)
 
 
 __all__ = ["KernelModule", "kernel_module"]

@@ -16,24 +16,31 @@ from .spec import DecodeAttentionSpec
 
 
 def decode_attention_specs(hq: int, hkv: int, d: int, dtype: str = "bfloat16", chunk: int = 64, threads: int = 128,
-                           pdl: bool = True, name: str | None = None) -> tuple[DecodeAttentionSpec, DecodeAttentionSpec]:
-    """The (partial, combine) specs, named ``<name>_partial`` and ``<name>_combine`` (kernel folders of those names)."""
+                           pdl: bool = True, name: str | None = None,
+                           rope: bool = False) -> tuple[DecodeAttentionSpec, DecodeAttentionSpec]:
+    """The (partial, combine) specs, named ``<name>_partial`` and ``<name>_combine`` (kernel folders of those names;
+    ``rope``: the pair with the rotary embedding and cache write, ``<name>_rope_partial`` and ``_rope_combine``)."""
     name = name or f"decode_attention_{hq}x{hkv}x{d}_c{chunk}_t{threads}{'_bf16' if dtype == 'bfloat16' else ''}"
-    spec = DecodeAttentionSpec(hq, hkv, d, dtype, chunk=chunk, threads=threads, pdl=pdl)
+    name += "_rope" if rope else ""
+    spec = DecodeAttentionSpec(hq, hkv, d, dtype, chunk=chunk, threads=threads, pdl=pdl, rope=rope)
     return tuple(DecodeAttentionSpec(**{**spec.key(), "stage": stage, "name": f"{name}_{stage}"})
                  for stage in ("partial", "combine"))
 
 
 def build_decode_attention(hq: int, hkv: int, d: int, dtype: str = "bfloat16", chunk: int = 64, threads: int = 128,
                            pdl: bool = True, scale: float | None = None, name: str | None = None,
-                           out: str | Path | None = None) -> DecodeAttentionCUDA:
-    """Build both kernels (TVM + nvcc, cached) and return their module; ``out``: also copy the two kernel folders
-    into ``out/<name>_partial`` and ``out/<name>_combine`` (what :meth:`DecodeAttentionCUDA.from_folder` reads)."""
-    folders = []
-    for spec in decode_attention_specs(hq, hkv, d, dtype, chunk, threads, pdl, name):
-        art = build_cuda(decode_attention_kernel, spec)
-        folders.append(save_dir(art, Path(out) / spec.name) if out is not None else art.path)
-    return DecodeAttentionCUDA(*folders, scale=scale)
+                           out: str | Path | None = None, rope: bool = False) -> DecodeAttentionCUDA:
+    """Build both kernels (TVM + nvcc, cached) and return their module; ``rope``: the rope pair as well (the module's
+    :meth:`~DecodeAttentionCUDA.rope_forward`); ``out``: also copy the kernel folders into ``out/<name>_partial``,
+    ``out/<name>_combine`` (and ``_rope_*``; what :meth:`DecodeAttentionCUDA.from_folder` reads)."""
+    pairs = []
+    for with_rope in (False, True) if rope else (False,):
+        folders = []
+        for spec in decode_attention_specs(hq, hkv, d, dtype, chunk, threads, pdl, name, with_rope):
+            art = build_cuda(decode_attention_kernel, spec)
+            folders.append(save_dir(art, Path(out) / spec.name) if out is not None else art.path)
+        pairs.append(tuple(folders))
+    return DecodeAttentionCUDA(*pairs[0], scale=scale, rope_folders=pairs[1] if rope else None)
 
 
 __all__ = ["build_decode_attention", "decode_attention_specs"]

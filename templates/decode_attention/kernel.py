@@ -16,6 +16,12 @@ loaded only for chunks with a kept key), merges its rows by shuffles and shared 
 
 ``pdl``: both are built for programmatic dependent launch (sm_90): each waits (``griddepcontrol.wait``) before its
 first read and lets the next kernel launch at once, so the combine's launch overlaps the partial kernel's tail.
+
+``rope`` (the decode step's rotary embedding and cache write in the same two launches): every partial CTA rotates its
+``G`` query heads as it loads them (a thread's 8 dimensions, their ``rotate_half`` partners ``D / 2`` away, ``cos`` and
+``sin``, in fp32, rounded once to the 16-bit type); the CTA whose chunk holds the write position first has ``D / 8``
+threads rotate the new key and store it and the new value into the cache there, then a barrier, so its loads see them.
+The combine kernel, past its wait (every partial CTA has read the position), adds one to the position counter.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ def partial_kernel(spec: DecodeAttentionSpec):
     KEY_STEPS = LK.bit_length() - 1            # butterfly steps over a key's lanes
     ROW_STEPS = (32 // LK).bit_length() - 1    # ... over the warp's keys
     OUT4 = -(-(G * D // 4) // NT)              # float4 outputs per thread
-    ACT, PDL = spec.dtype, spec.pdl
+    ACT, PDL, ROPE = spec.dtype, spec.pdl, spec.rope
     FULL = T.uint32(0xFFFFFFFF)
     NEG_INF = tirx.const(float("-inf"), "float32")
 
@@ -65,15 +71,37 @@ def partial_kernel(spec: DecodeAttentionSpec):
         # key i * KPS + kr of the chunk (KPS divides 32: the step's keys share one word)
         return (kw[i * KPS // 32] >> T.Cast("uint32", i * KPS % 32 + kr)) & T.uint32(1) != T.uint32(0)
 
+    @T.macro
+    def rotated(X, row, head, dim, COS, SIN, out, o, rb, rf):
+        # 8 dims of X[row, head] from ``dim``, rotated: x · cos + rotate_half(x) · sin (the partner D/2 away, negated
+        # in the first half), in fp32, into out[o:o+8] in the 16-bit type; rb: 16-bit scratch (4 x 8), rf: fp32 (8)
+        for v in T.vectorized(8):
+            rb[v] = X[row, head, dim + v]
+        for v in T.vectorized(8):
+            rb[8 + v] = X[row, head, (dim + D // 2) % D + v]
+        for v in T.vectorized(8):
+            rb[16 + v] = COS[row, dim + v]
+        for v in T.vectorized(8):
+            rb[24 + v] = SIN[row, dim + v]
+        for v in T.unroll(8):
+            rf[v] = to_f32(rb[v], ACT) * to_f32(rb[16 + v], ACT) + T.if_then_else(
+                dim < D // 2, T.float32(-1), T.float32(1)) * to_f32(rb[8 + v], ACT) * to_f32(rb[24 + v], ACT)
+            out[o + v] = from_f32(rf[v], ACT)
+
     @T.prim_func
-    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, keep_h: T.handle, scale_h: T.handle, o_h: T.handle,
-               ml_h: T.handle):
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, keep_h: T.handle, scale_h: T.handle, kn_h: T.handle,
+               vn_h: T.handle, cos_h: T.handle, sin_h: T.handle, pos_h: T.handle, o_h: T.handle, ml_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         Q = T.match_buffer(q_h, (B, HQ, D), "float16")
         K = T.match_buffer(k_h, (B, HKV, S, D), "float16")
         V = T.match_buffer(v_h, (B, HKV, S, D), "float16")
         KEEP = T.match_buffer(keep_h, (B, S), "uint8")
         SCALE = T.match_buffer(scale_h, (1,), "float32")
+        KN = T.match_buffer(kn_h, (B, HKV, D), "float16")      # rope: the new key and value, the rotary tables,
+        VN = T.match_buffer(vn_h, (B, HKV, D), "float16")      # the cache's write counter (unused otherwise:
+        COS = T.match_buffer(cos_h, (B, D), "float16")         # not among the kernel's parameters)
+        SIN = T.match_buffer(sin_h, (B, D), "float16")
+        POS = T.match_buffer(pos_h, (1,), "int64")
         O = T.match_buffer(o_h, (B, HQ, NS, D), "float32")
         ML = T.match_buffer(ml_h, (B, HQ, NS, 2), "float32")
         bx = T.launch_thread("blockIdx.x", (S + C - 1) // C)
@@ -92,6 +120,10 @@ def partial_kernel(spec: DecodeAttentionSpec):
         acc = T.alloc_buffer((G * 8,), "float32", scope="local")
         tmp = T.alloc_buffer((5,), "float32", scope="local")
         sl = T.alloc_buffer((1,), "float32", scope="local")
+        rb = T.alloc_buffer((32,), "float16", scope="local")          # rope: x, its partners, cos, sin
+        rf = T.alloc_buffer((8,), "float32", scope="local")           # rope: the rotated values in fp32
+        kr8 = T.alloc_buffer((8,), "float16", scope="local")          # rope: the rotated new key
+        wp = T.alloc_buffer((1,), "int32", scope="local")             # rope: the write position
         lane = T.meta_var(tx % 32)
         warp = T.meta_var(tx // 32)
         dq = T.meta_var(tx % LK)                # the thread's 8 dimensions of a key
@@ -100,9 +132,22 @@ def partial_kernel(spec: DecodeAttentionSpec):
         if PDL:
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
-        for g in T.unroll(G):
-            for v in T.vectorized(8):
-                qv[g * 8 + v] = Q[bz, hk * G + g, dq * 8 + v]
+        if ROPE:
+            wp[0] = T.Cast("int32", POS[0])
+            if bx == wp[0] // C:                # this CTA's chunk holds the new key: store it (and the value) first
+                if tx < LK and wp[0] < S:
+                    rotated(KN, bz, hk, tx * 8, COS, SIN, kr8, 0, rb, rf)
+                    for v in T.vectorized(8):
+                        K[bz, hk, wp[0], tx * 8 + v] = kr8[v]
+                    for v in T.vectorized(8):
+                        V[bz, hk, wp[0], tx * 8 + v] = VN[bz, hk, tx * 8 + v]
+                T.tvm_storage_sync("shared")
+            for g in T.unroll(G):
+                rotated(Q, bz, hk * G + g, dq * 8, COS, SIN, qv, g * 8, rb, rf)
+        else:
+            for g in T.unroll(G):
+                for v in T.vectorized(8):
+                    qv[g * 8 + v] = Q[bz, hk * G + g, dq * 8 + v]
         sl[0] = SCALE[0] * T.float32(LOG2E)
         for w in T.unroll(WORDS):
             kw[w] = ballot(T.Cast("int32", T.if_then_else(c0 + w * 32 + lane < S, KEEP[bz, c0 + w * 32 + lane],
@@ -202,7 +247,7 @@ def combine_kernel(spec: DecodeAttentionSpec):
     RPS = NT // LR                             # rows the CTA loads per step
     PASS = RPS * UNROLL
     ROW_STEPS = (32 // LR).bit_length() - 1
-    ACT, PDL = spec.dtype, spec.pdl
+    ACT, PDL, ROPE = spec.dtype, spec.pdl, spec.rope
     FULL = T.uint32(0xFFFFFFFF)
     NEG_INF = tirx.const(float("-inf"), "float32")
 
@@ -219,10 +264,11 @@ def combine_kernel(spec: DecodeAttentionSpec):
             st[0] = f[0]
 
     @T.prim_func
-    def kernel(o_h: T.handle, ml_h: T.handle, y_h: T.handle):
+    def kernel(o_h: T.handle, ml_h: T.handle, pos_h: T.handle, y_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
         O = T.match_buffer(o_h, (B, HQ, NS, D), "float32")
         ML = T.match_buffer(ml_h, (B, HQ, NS, 2), "float32")
+        POS = T.match_buffer(pos_h, (1,), "int64")            # rope: the cache's write counter, one added
         Y = T.match_buffer(y_h, (B, HQ, D), "float16")
         h = T.launch_thread("blockIdx.x", HQ)
         b = T.launch_thread("blockIdx.y", B)
@@ -242,6 +288,9 @@ def combine_kernel(spec: DecodeAttentionSpec):
         if PDL:
             T.evaluate(grid_dependency("wait"))
             T.evaluate(grid_dependency("launch_dependents"))
+        if ROPE:                                # every partial CTA has read the position (the wait, or stream order)
+            if h == 0 and b == 0 and tx == 0:
+                POS[0] = POS[0] + T.int64(1)
         st[0] = NEG_INF
         st[1] = T.float32(0)
         for v in T.unroll(VEC):

@@ -5,7 +5,9 @@ stream: the partial kernel into an fp32 workspace allocated per call (``torch.em
 graph capture takes it from its pool), then the combine kernel into ``out``. :class:`DecodeAttentionCUDA` is the kernel
 module: its op ``sparta::decode_attention`` (defined for every family in ``sparta/runtime/ops.py``) takes
 ``[q, k, v, keep]`` and the module's fp32 ``scale``, and has a fake implementation, so it runs inside
-``torch.compile`` graphs and CUDA graph captures.
+``torch.compile`` graphs and CUDA graph captures. A module built with the ``rope`` pair as well also runs a decode
+step's rotary embedding and cache write in the same launches (:meth:`DecodeAttentionCUDA.rope_forward`, the op
+``sparta::decode_attention_rope``, which declares the cache and its counter mutated).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .spec import DTYPES, DecodeAttentionError, DecodeAttentionSpec, check_inputs, workspace_shapes
+from .spec import DTYPES, DecodeAttentionError, DecodeAttentionSpec, check_inputs, check_rope_inputs, workspace_shapes
 from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
-from ...runtime.ops import KernelModule
+from ...runtime.ops import KernelModule, _current_dispatch_mode
 
 
 def folder_spec(folder) -> DecodeAttentionSpec:
@@ -58,8 +60,17 @@ class DecodeAttentionOp:
         return self._scales[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                 scale: float | torch.Tensor) -> torch.Tensor:
+                 scale: float | torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+        """``rope`` (the ``rope`` kernels): ``(k_new, v_new, cos, sin, position)``; ``q`` is then before its rotary
+        embedding, and ``k``, ``v`` and ``position`` are written (the new key and value at ``position``, which
+        gains one)."""
         b, s = check_inputs(self.spec, q, k, v, keep)
+        if self.spec.rope != (rope is not None):
+            raise DecodeAttentionError(f"decode attention {self.spec.name}: " + (
+                "the rope kernels take (k_new, v_new, cos, sin, position)" if self.spec.rope else
+                "these kernels apply no rotary embedding (build the rope pair)"))
+        if rope is not None:
+            check_rope_inputs(self.spec, q, *rope[:4], k, rope[4])
         if not q.is_cuda:
             raise CudaRuntimeError(f"decode attention {self.spec.name} runs on a CUDA GPU; q is on {q.device}")
         out = torch.empty(b, self.spec.hq, self.spec.d, dtype=self.dtype, device=q.device)
@@ -70,6 +81,11 @@ class DecodeAttentionOp:
         first = dict(Q=lanes16(q), K=lanes16(k), V=lanes16(v), KEEP=keep.view(torch.uint8),
                      SCALE=self.scale_tensor(scale, q.device), **ws)
         second = dict(**ws, Y=lanes16(out))
+        if rope is not None:
+            k_new, v_new, cos, sin, position = rope
+            first.update(KN=lanes16(k_new), VN=lanes16(v_new), COS=lanes16(cos), SIN=lanes16(sin),
+                         POS=position.reshape(1))
+            second["POS"] = position.reshape(1)
         if self._prepared is None or self._prepared[0].device != q.device.index:
             self._prepared = (self.partial.prepare(tuple(first), **first), self.combine.prepare(tuple(second), **second))
         else:
@@ -86,10 +102,21 @@ class DecodeAttentionCUDA(KernelModule):
     kernel_family = "decode_attention"
     weight_names = ("scale",)
 
-    def __init__(self, partial_folder, combine_folder, scale: float | None = None, op_name: str = "decode_attention"):
+    def __init__(self, partial_folder, combine_folder, scale: float | None = None, op_name: str = "decode_attention",
+                 rope_folders: tuple | None = None):
         super().__init__()
         self.spec = folder_spec(partial_folder)
         check_pair(self.spec, folder_spec(combine_folder))
+        if self.spec.rope:
+            raise DecodeAttentionError(f"{op_name}: the first pair is the plain one; rope kernels go in rope_folders")
+        self.rope_folders = None
+        if rope_folders is not None:
+            rope = [folder_spec(f) for f in rope_folders]
+            check_pair(*rope)
+            if not rope[0].rope or dataclasses.replace(rope[0], rope=False, name=self.spec.name) != self.spec:
+                raise DecodeAttentionError(f"{op_name}: kernels {rope[0].name} are not the rope pair of {self.spec.name}")
+            self.rope_folders = tuple(str(f) for f in rope_folders)
+        self._rope_op = None
         self.partial_folder, self.combine_folder, self.op_name = str(partial_folder), str(combine_folder), op_name
         value = self.spec.d ** -0.5 if scale is None else float(scale)
         self._scale_value = value                   # read at trace time: no tensor read inside a compiled graph
@@ -106,11 +133,49 @@ class DecodeAttentionCUDA(KernelModule):
     def scale_value(self) -> float:
         return self._scale_value
 
+    @property
+    def has_rope(self) -> bool:
+        """Whether the module also holds the kernels of :meth:`rope_forward`."""
+        return self.rope_folders is not None
+
+    def rope_forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     position: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention from the projections: ``q`` (B, Hq, D) and ``k_new``, ``v_new`` (B, Hkv, D)
+        before the rotary embedding (``cos``, ``sin`` (B, D)); the rotated key and the value are stored into the cache
+        ``k``, ``v`` at ``position`` (a (1,) int64 counter, which gains one), then attention over ``keep``."""
+        if not self.has_rope:
+            raise DecodeAttentionError(f"{self.op_name}: built without the rope kernels")
+        inputs = [q, k_new, v_new, cos, sin, keep]
+        if not torch.compiler.is_compiling() and _current_dispatch_mode() is None \
+                and all(type(t) is torch.Tensor for t in (*inputs, k, v, position)):
+            return self.launch_rope(inputs, k, v, position)
+        return torch.ops.sparta.decode_attention_rope(self.kernel_key, inputs, k, v, position, self.kernel_weights())
+
+    def launch_rope(self, inputs: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                    position: torch.Tensor) -> torch.Tensor:
+        q, k_new, v_new, cos, sin, keep = inputs
+        if not q.is_cuda:
+            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
+                                   "(module.to('cuda'))")
+        if self.scale.device != q.device:
+            self.scale = self.scale.to(q.device)
+        if self._rope_op is None:
+            self._rope_op = DecodeAttentionOp(*self.rope_folders)
+        return self._rope_op(q, k, v, keep, self.scale, (k_new, v_new, cos, sin, position))
+
+    def fake_rope(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        q = inputs[0]
+        return q.new_empty((q.shape[0], self.spec.hq, self.spec.d))
+
     @classmethod
     def from_folder(cls, root, name: str, scale: float | None = None) -> DecodeAttentionCUDA:
-        """The module of the kernel folders ``root/<name>_partial`` and ``root/<name>_combine``."""
+        """The module of the kernel folders ``root/<name>_partial`` and ``root/<name>_combine`` (and, where built,
+        ``root/<name>_rope_partial`` and ``_rope_combine``)."""
         root = Path(root)
-        return cls(root / f"{name}_partial", root / f"{name}_combine", scale, name)
+        rope = (root / f"{name}_rope_partial", root / f"{name}_rope_combine")
+        rope = rope if all((f / "spec.json").is_file() for f in rope) else None
+        return cls(root / f"{name}_partial", root / f"{name}_combine", scale, name, rope)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return self.call_kernel(q, k, v, keep)[0]
@@ -132,21 +197,27 @@ class DecodeAttentionCUDA(KernelModule):
 
     def saved_state(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, Path]]:
         partial, combine = Path(self.partial_folder), Path(self.combine_folder)
-        config = {"op_name": self.op_name, "spec": dataclasses.asdict(self.spec), "partial": partial.name,
+        config = {"op_name": self.op_name, "spec": self.spec.key(), "partial": partial.name,
                   "combine": combine.name, "scale": float(self.scale.reshape(-1)[0])}
-        return config, {}, {partial.name: partial, combine.name: combine}
+        folders = {partial.name: partial, combine.name: combine}
+        if self.has_rope:
+            rope = [Path(f) for f in self.rope_folders]
+            config["rope"] = [f.name for f in rope]
+            folders.update({f.name: f for f in rope})
+        return config, {}, folders
 
     @classmethod
     def from_saved(cls, config: dict, tensors: dict[str, torch.Tensor], folders: dict[str, Path]) -> DecodeAttentionCUDA:
         spec = DecodeAttentionSpec(**config["spec"])
         partial, combine = folders[config["partial"]], folders[config["combine"]]
         check_saved_spec(config["op_name"], partial, spec)
-        return cls(partial, combine, float(config["scale"]), config["op_name"])
+        rope = tuple(folders[name] for name in config["rope"]) if config.get("rope") else None
+        return cls(partial, combine, float(config["scale"]), config["op_name"], rope)
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"{self.op_name}: Hq={s.hq}, Hkv={s.hkv}, D={s.d}, {s.dtype}, {s.chunk} keys a split, "
-                f"scale={float(self.scale.reshape(-1)[0]):.6g}")
+                f"scale={float(self.scale.reshape(-1)[0]):.6g}{', rotary and cache write fused' if self.has_rope else ''}")
 
 
 __all__ = ["DecodeAttentionCUDA", "DecodeAttentionOp", "check_pair", "folder_spec"]

@@ -9,6 +9,12 @@ scale. Query head ``h`` reads kv head ``h // G`` (``G = Hq / Hkv``, grouped-quer
 A row with no kept key outputs zeros (SDPA would give NaN). The kernels split the keys into chunks of ``chunk``
 (flash-decoding): ``stage="partial"`` computes each chunk's max, sum of exponentials and weighted sum of V into an fp32
 workspace, skipping the chunks with no kept key; ``stage="combine"`` merges the chunks and writes ``out``.
+
+``rope``: the step's own work before attention in one pass too (a Hugging Face decoder's rotary embedding and static
+cache write): ``q`` and the new key ``k_new`` (B, Hkv, D) arrive before the rotary embedding, which the partial kernel
+applies (``x · cos + rotate_half(x) · sin``, ``cos``/``sin`` (B, D)); the CTA whose chunk holds the write position
+``position`` (a (1,) int64 counter, Hugging Face's ``cumulative_length``) stores the rotated key and ``v_new`` into
+the cache there, and the combine kernel adds one to the counter once every partial CTA has read it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class DecodeAttentionSpec:
     threads: int = 128         # threads per CTA of either stage
     stage: str = "partial"     # "partial": one chunk's softmax partials; "combine": merge them into out
     pdl: bool = True           # programmatic dependent launch (sm_90): each kernel may start as the last one ends
+    rope: bool = False         # rotary embedding of q and the new key, and the cache write, in the same kernels
     name: str = "decode_attention"
 
     def __post_init__(self):
@@ -106,7 +113,10 @@ class DecodeAttentionSpec:
         return replace(self, stage="partial"), replace(self, stage="combine")
 
     def key(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.rope:              # the key of the kernels built before the field existed
+            del d["rope"]
+        return d
 
 
 def check_inputs(spec: DecodeAttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -156,6 +166,42 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep
     return out.to(q.dtype)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotary embedding ``x · cos + rotate_half(x) · sin`` of ``x`` (B, H, D) with ``cos``/``sin``
+    (B, D), in fp32 and rounded once to ``x``'s dtype (what the kernel computes)."""
+    xf, d = x.float(), x.shape[-1]
+    half = torch.cat([-xf[..., d // 2:], xf[..., : d // 2]], -1)
+    return (xf * cos.float()[:, None] + half * sin.float()[:, None]).to(x.dtype)
+
+
+def check_rope_inputs(spec: DecodeAttentionSpec, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, position: torch.Tensor) -> None:
+    """Refuse the rotary kernels' extra inputs where they do not fit ``q`` (B, Hq, D) and the cache ``k``."""
+    dtype, where = DTYPES[spec.dtype], f"decode attention {spec.name}"
+    b = q.shape[0]
+    for name, t, shape in (("k_new", k_new, (b, spec.hkv, spec.d)), ("v_new", v_new, (b, spec.hkv, spec.d)),
+                           ("cos", cos, (b, spec.d)), ("sin", sin, (b, spec.d))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise DecodeAttentionError(f"{where}: {name} must be a contiguous {dtype} tensor of shape {shape}, got {got}")
+    if not isinstance(position, torch.Tensor) or position.numel() != 1 or position.dtype != torch.int64:
+        raise DecodeAttentionError(f"{where}: position must be one int64 value (the cache's write counter)")
+    if len({t.device for t in (q, k_new, v_new, cos, sin, k, position)}) != 1:
+        raise DecodeAttentionError(f"{where}: every input must be on one device")
+
+
+def decode_attention_rope_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                              position: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the ``rope`` kernels do: rotate ``q`` and ``k_new``, store the rotated key and ``v_new`` into ``k``, ``v``
+    at ``position`` (in place), add one to ``position`` (in place) and attend over the kept keys."""
+    p = int(position.reshape(-1)[0])
+    k[:, :, p] = rotate(k_new, cos, sin)
+    v[:, :, p] = v_new
+    position.add_(1)
+    return decode_attention_ref(rotate(q, cos, sin), k, v, keep, scale)
+
+
 def workspace_shapes(spec: DecodeAttentionSpec, b: int, s: int) -> dict[str, tuple[int, ...]]:
     """The fp32 workspace the partial stage writes and the combine stage reads: ``O`` (B, Hq, splits, D), the weighted
     sums of V; ``ML`` (B, Hq, splits, 2), each chunk's max score (times log2 e) and sum of exponentials (2 ** (score
@@ -164,5 +210,5 @@ def workspace_shapes(spec: DecodeAttentionSpec, b: int, s: int) -> dict[str, tup
     return {"O": (b, spec.hq, n, spec.d), "ML": (b, spec.hq, n, 2)}
 
 
-__all__ = ["DecodeAttentionSpec", "DecodeAttentionError", "check_inputs", "decode_attention_ref", "workspace_shapes",
-           "HEAD_DIMS", "DTYPES"]
+__all__ = ["DecodeAttentionSpec", "DecodeAttentionError", "check_inputs", "check_rope_inputs", "decode_attention_ref",
+           "decode_attention_rope_ref", "rotate", "workspace_shapes", "HEAD_DIMS", "DTYPES"]
