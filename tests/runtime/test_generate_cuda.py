@@ -36,6 +36,7 @@ def test_generate_replays_cuda_graphs_and_follows_the_masked_dense_model(model):
     got = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
     graphs = model.decoder().sparta_decode_graphs
     assert graphs.replays >= 23 and len(graphs.graphs) == 1
+    assert model.decode_modules["attention"]._rope_op is not None, "the decode steps ran the rope kernels"
     again = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
     assert torch.equal(got, again)
     eager = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
