@@ -133,6 +133,8 @@ def _rope_step(kernel, module, x, position_embeddings, mask, layer, kwargs) -> b
             and counter.device == x.device and keys.device == x.device):
         return False
     b = x.shape[0]
+    if b > 1 and any(type(getattr(module, p, None)).__name__ == "KernelSlice" for p in ("q_proj", "k_proj", "v_proj")):
+        return False        # rows of a stacked q/k/v output are strided: copies would cost what the fusion saves
     tables = position_embeddings if isinstance(position_embeddings, (tuple, list)) else ()
     return (len(tables) == 2 and all(isinstance(t, torch.Tensor) and tuple(t.shape) == (b, 1, s.d)
                                      and t.dtype == kernel.dtype for t in tables)

@@ -166,3 +166,28 @@ def test_under_torch_compile_the_cache_is_written_in_place():
     calls = re.findall(r"decode_attention_rope\.default\('[^']+', \[[^\]]*\], (\w+), (\w+), (\w+),", code)
     assert len(calls) == 1 and all(re.fullmatch(r"arg\d+_1", a) for a in calls[0]), code   # the inputs themselves
     assert ".copy_(" not in code and "aten.copy" not in code, code
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_stacked_projections_take_the_fused_path_at_one_row_only(batch):
+    """q/k/v as slices of one stacked kernel's output (``KernelSlice``): one row's slices are contiguous and go to the
+    kernels; the strided rows of a batch stay on Hugging Face's path (copying them would cost what the fusion saves).
+    Both give Hugging Face's logits."""
+    from sparta.generation import KernelSlice, SharedKernel
+    from sparta.hf_attention import attach
+    plain, fused = _llama(layers=1), _llama(layers=1)
+    attn = fused.model.layers[0].self_attn
+    stacked = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        stacked.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    shared = SharedKernel(stacked, 3)
+    attn.q_proj, attn.k_proj, attn.v_proj = (KernelSlice(shared, a, b, b - a) for a, b in ((0, 256), (256, 384),
+                                                                                           (384, 512)))
+    kernel = ReferenceRope(DecodeAttentionSpec(4, 2, 64, "bfloat16", rope=True))
+    attach(fused, kernel)
+    attach(plain, type("Plain", (), {"spec": kernel.spec, "has_rope": False})())
+    ids = torch.randint(0, 96, (batch, 5), generator=torch.Generator().manual_seed(5))
+    want, _ = _decode_steps(plain, ids, 3)
+    got, _ = _decode_steps(fused, ids, 3)
+    assert kernel.calls == (3 if batch == 1 else 0)
+    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
