@@ -204,6 +204,9 @@ def test_the_lean_greedy_loop_gives_hugging_faces_tokens_and_stops_where_it_stop
             assert torch.equal(got, want), (end, got, want)
             assert model.__dict__.pop("get_compiled_call") is hook
     assert ("sparta_decode_sessions" in model.__dict__) == (path == "session")
+    if path == "session" and inductor:         # the prefill went through torch.compile too, not its eager fallback
+        prefills = [p for s in model.sparta_decode_sessions.values() for p in s.prefills.values()]
+        assert prefills and all(p.inductor_error is None for p in prefills)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])

@@ -86,7 +86,7 @@ def _eos_and_pad(model, kwargs: dict, device) -> tuple[torch.Tensor, int]:
 def _session_generate(model, ids, mask, new: int, eos, pad: int, chunk: int, graphs: bool, inductor: bool):
     batch, length = ids.shape
     session = session_for(model, batch, length + new, ids.device, graphs)
-    first, positions = session.prefill(ids, mask)
+    first, positions = session.prefill(ids, mask, inductor)
     first = first.clone()
     key = (tuple(eos.tolist()), pad, inductor)
     loop = session.loops.get(key)

@@ -73,6 +73,7 @@ class _Prefill:
         self.last = torch.zeros(1, dtype=torch.long, device=dev)          # the prompt's last position
         self.next = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graph = None
+        self.inductor_error = None
 
     def fill(self, ids: torch.Tensor, keep: torch.Tensor | None) -> None:
         batch, length = ids.shape
@@ -91,31 +92,51 @@ class _Prefill:
         self.mask.copy_(step_mask(self.session.model, cache_keep, self.rows))
         self.last.fill_(length - 1)
 
-    def forward(self) -> None:
+    def forward(self, model=None) -> None:
         s = self.session
+        model = s.model if model is None else model
         kw = {"input_ids": self.ids, "attention_mask": self.mask, "position_ids": self.positions,
               s.names["cache"]: s.cache, "use_cache": True}
         if s.names["cache_position"]:
             kw["cache_position"] = torch.arange(self.rows, device=self.ids.device)
         if s.names["logits_to_keep"]:
             kw["logits_to_keep"] = self.last
-            logits = s.model(**kw).logits[:, -1]
+            logits = model(**kw).logits[:, -1]
         else:
-            logits = s.model(**kw).logits.index_select(1, self.last)[:, 0]
+            logits = model(**kw).logits.index_select(1, self.last)[:, 0]
         self.next.copy_(logits.argmax(-1))
 
-    def run(self, graphs: bool) -> None:
+    def run(self, graphs: bool, inductor: bool = False) -> None:
+        """The prefill: a replay of its graph, or the first time the forward run eagerly (lazy allocations happen
+        here) and captured. ``inductor``: the captured forward goes through ``torch.compile`` (the step's compiled
+        model: Inductor fuses the norms, rotary embedding and residual adds of the prompt's rows), run once for real
+        from the same cache counters first; eager where that fails."""
         if self.graph is not None:
             self.graph.replay()
             return
+        cache = self.session.cache
+        start = [t.clone() for t in _cache_state(cache)]
         self.forward()                                         # eager the first time: lazy allocations happen here
+        forward = self.forward
+        if inductor:
+            from .decode_loop import compiled_step
+            done = [t.clone() for t in _cache_state(cache)]
+            _set(cache, start)                                 # the same slots again, from the same counters
+            try:
+                self.forward(compiled_step(self.session.model))
+                forward = lambda: self.forward(compiled_step(self.session.model))  # noqa: E731
+            except Exception as exc:  # noqa: BLE001 - Dynamo and Inductor fail in many ways: keep the eager prefill
+                import warnings
+                self.inductor_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                warnings.warn(f"sparta generate: the prefill runs without torch.compile ({self.inductor_error})",
+                              stacklevel=3)
+                _set(cache, done)
         if graphs:
-            state = [(t, t.clone()) for t in _cache_state(self.session.cache)]
+            state = [t.clone() for t in _cache_state(cache)]
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):                 # recorded, not run: the cache stays as it is
-                self.forward()
-            for t, before in state:
-                t.copy_(before)
+                forward()
+            _set(cache, state)
 
 
 class DecodeSession:
@@ -131,8 +152,10 @@ class DecodeSession:
         self.prefills: dict[int, _Prefill] = {}
         self.loops: dict = {}             # (end-of-sequence ids, pad id, through Inductor) -> StepLoop
 
-    def prefill(self, ids: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs the prompt into the cache; returns (the first new token per row, each row's next position)."""
+    def prefill(self, ids: torch.Tensor, keep: torch.Tensor | None,
+                inductor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the prompt into the cache; returns (the first new token per row, each row's next position).
+        ``inductor``: a bucket's first prefill compiles the forward it captures (see :meth:`_Prefill.run`)."""
         length = ids.shape[1]
         rows = prompt_bucket(length) if self.buckets else length
         rows = min(max(rows, length), self.capacity)
@@ -142,9 +165,19 @@ class DecodeSession:
         self.cache.reset()
         before = [t.clone() for t in _cache_state(self.cache)]
         entry.fill(ids, keep)
-        entry.run(self.graphs)
+        entry.run(self.graphs, inductor)
         _rewind(self.cache, before, rows, length)
         return entry.next, entry.positions[:, length - 1] + 1
+
+
+def _set(cache, values: list[torch.Tensor]) -> None:
+    """The cache's counters (``_cache_state``) set to ``values``, a list taken of them before (before the cache's
+    first forward created them on the device: they started at zero)."""
+    state = _cache_state(cache)
+    if len(values) != len(state):
+        values = [torch.zeros_like(t) for t in state]
+    for t, v in zip(state, values):
+        t.copy_(v)
 
 
 def _rewind(cache, before: list[torch.Tensor], ran: int, kept: int) -> None:
