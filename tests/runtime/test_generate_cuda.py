@@ -66,8 +66,8 @@ def test_a_kernels_only_save_generates_with_the_weights_of_a_checkpoint(model, t
 def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_tokens(model):
     """The default greedy call takes sparta's loop (sparta.runtime.decode_loop). Without torch.compile its tokens equal
     Hugging Face's loop's on the same kernels, for a left-padded batch, with and without an end-of-sequence token;
-    with it (the default) Inductor's fused norms round differently, so the tokens agree up to a step whose two best
-    logits are within rounding of each other."""
+    with it (the default: the prefill graph and the step both compiled) Inductor's fused norms round differently, so
+    the tokens agree up to a step, the first included, whose two best logits are within rounding of each other."""
     from sparta.runtime.decode_loop import greedy_generate
     prompt = torch.randint(3, 512, (3, 21), generator=torch.Generator().manual_seed(4)).cuda()
     mask = torch.ones_like(prompt)
@@ -91,7 +91,7 @@ def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_to
         differ = (free != hf_free).any(0).nonzero()
         if len(differ):
             col = int(differ[0])
-            assert col >= 21 + 4, (col, free, hf_free)
+            assert col >= 21, (col, free, hf_free)
             ext = torch.cat([mask, torch.ones(3, col - 21, dtype=mask.dtype, device=mask.device)], 1)
             position = (ext.cumsum(-1) - 1).masked_fill(ext == 0, 1)          # as generate() places a padded row
             logits = model.decoder()(hf_free[:, :col], attention_mask=ext, position_ids=position,
