@@ -42,17 +42,14 @@ def attention_shape(graph: Graph) -> tuple[dict | None, str]:
     return dict(hq=int(hq), hkv=int(hkv), d=int(d), dtype=dtype, rope=_llama_rope(config)), ""
 
 
-#: model types whose attention forward is Llama's (``sparta/hf_attention.py``'s ``ROPE_ATTENTIONS``)
-ROPE_MODEL_TYPES = ("llama", "qwen2", "mistral")
-
-
 def _llama_rope(config) -> bool:
     """Whether the decoder's attention rotates whole heads the Llama way, so its decode steps can run the rope kernels
     (rotary embedding and cache write fused)."""
+    from ..hf_attention import ROPE_ATTENTIONS
     factor = getattr(config, "partial_rotary_factor", None)
     rope = getattr(config, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", factor) if isinstance(rope, dict) else factor
-    return getattr(config, "model_type", "") in ROPE_MODEL_TYPES and factor in (None, 1, 1.0) \
+    return getattr(config, "model_type", "") in ROPE_ATTENTIONS and factor in (None, 1, 1.0) \
         and not getattr(config, "use_sliding_window", False)
 
 

@@ -22,8 +22,9 @@ import torch
 
 NAME = "sparta"
 KERNEL_ATTRIBUTE = "sparta_decode_attention"     # set on each attention module of a rebuilt decoder
-#: attention classes whose forward is Llama's: q/k/v projections, full-head rotate_half rotary, cache update, o_proj
-ROPE_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
+#: model types -> attention classes whose forward is Llama's: q/k/v projections, full-head rotate_half rotary, cache
+#: update, o_proj (the compile builds the rope kernels for these model types; attach takes them for these classes)
+ROPE_ATTENTIONS = {"llama": "LlamaAttention", "qwen2": "Qwen2Attention", "mistral": "MistralAttention"}
 _registered = False
 
 
@@ -55,11 +56,10 @@ def _decode_step(kernel, query, key, mask, dropout, scaling, kwargs) -> bool:
     """Whether this call is one the kernel computes exactly: one query per row over ``key``'s positions, a boolean
     (B, 1, 1, S) mask, the kernel's shape, dtype and softmax scale, no dropout, softcap or sliding window."""
     s = kernel.spec
-    return (query.is_cuda and query.dim() == 4 and query.shape[2] == 1 and mask is not None
-            and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
-            and mask.shape[-1] == key.shape[2] and tuple(query.shape[1:2]) == (s.hq,) and key.shape[1] == s.hkv
+    return (query.is_cuda and query.dim() == 4 and query.shape[2] == 1 and _cache_mask(mask, key.shape[2])
+            and tuple(query.shape[1:2]) == (s.hq,) and key.shape[1] == s.hkv
             and query.shape[-1] == s.d and query.dtype == key.dtype == kernel.dtype and not dropout
-            and (scaling is None or abs(float(scaling) - kernel.scale_value) <= 1e-6 * kernel.scale_value)
+            and (scaling is None or _same_scale(kernel, scaling))
             and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
             and kwargs.get("position_bias") is None and key.is_contiguous()
             and kwargs.get("s_aux") is None)
@@ -77,7 +77,7 @@ def attach(model, kernel) -> list[tuple[str, bool]]:
         heads = getattr(getattr(m, "config", None), "num_attention_heads", None)
         if heads == spec.hq and getattr(m, "head_dim", spec.d) == spec.d:
             m.__dict__[KERNEL_ATTRIBUTE] = kernel           # not a submodule: the model's state dict stays its own
-            rope = bool(getattr(kernel, "has_rope", False)) and type(m).__name__ in ROPE_ATTENTIONS \
+            rope = bool(getattr(kernel, "has_rope", False)) and type(m).__name__ in ROPE_ATTENTIONS.values() \
                 and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) \
                 and not any(hasattr(m, p) for p in ("q_norm", "k_norm")) and getattr(m, "sliding_window", None) is None
             if rope:
@@ -140,7 +140,17 @@ def _rope_step(kernel, module, x, position_embeddings, mask, layer, kwargs) -> b
                                      and t.dtype == kernel.dtype for t in tables)
             and tuple(keys.shape) == (b, s.hkv, keys.shape[2], s.d) and keys.dtype == kernel.dtype
             and keys.is_contiguous() and layer.values.shape == keys.shape and layer.values.is_contiguous()
-            and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
-            and tuple(mask.shape) == (b, 1, 1, keys.shape[2])
-            and abs(float(getattr(module, "scaling", s.d ** -0.5)) - kernel.scale_value) <= 1e-6 * kernel.scale_value
+            and _cache_mask(mask, keys.shape[2]) and mask.shape[0] == b
+            and _same_scale(kernel, getattr(module, "scaling", s.d ** -0.5))
             and not kwargs.get("output_attentions") and kwargs.get("sliding_window") is None)
+
+
+def _cache_mask(mask, slots: int) -> bool:
+    """Whether ``mask`` is the boolean (B, 1, 1, slots) mask of one query per row over a static cache's slots."""
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
+            and mask.shape[1] == mask.shape[2] == 1 and mask.shape[-1] == slots)
+
+
+def _same_scale(kernel, scaling) -> bool:
+    """Whether the call's softmax scale is the kernel's (to fp32 rounding)."""
+    return abs(float(scaling) - kernel.scale_value) <= 1e-6 * kernel.scale_value

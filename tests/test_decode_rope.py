@@ -23,6 +23,7 @@ class ReferenceRope(KernelModule):
     has_rope = True
     device_type = "cpu"
     rope_forward = DecodeAttentionCUDA.rope_forward
+    fake = DecodeAttentionCUDA.fake
     fake_rope = DecodeAttentionCUDA.fake_rope
 
     def __init__(self, spec: DecodeAttentionSpec):

@@ -170,13 +170,16 @@ class DecodeSession:
         return entry.next, entry.positions[:, length - 1] + 1
 
 
+def _aligned(state: list[torch.Tensor], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values``, taken of the cache's counters before, for its counters ``state`` now: zeros where the cache's first
+    forward created them (on the device) since."""
+    return values if len(values) == len(state) else [torch.zeros_like(t) for t in state]
+
+
 def _set(cache, values: list[torch.Tensor]) -> None:
-    """The cache's counters (``_cache_state``) set to ``values``, a list taken of them before (before the cache's
-    first forward created them on the device: they started at zero)."""
+    """The cache's counters (``_cache_state``) set to ``values``, a list taken of them before."""
     state = _cache_state(cache)
-    if len(values) != len(state):
-        values = [torch.zeros_like(t) for t in state]
-    for t, v in zip(state, values):
+    for t, v in zip(state, _aligned(state, values)):
         t.copy_(v)
 
 
@@ -186,9 +189,7 @@ def _rewind(cache, before: list[torch.Tensor], ran: int, kept: int) -> None:
     state = _cache_state(cache)
     if ran == kept:
         return
-    if len(before) != len(state):                           # created by this prefill (lazily): they started at 0
-        before = [torch.zeros_like(t) for t in state]
-    for t, b in zip(state, before):
+    for t, b in zip(state, _aligned(state, before)):
         if not t.dtype.is_floating_point and t.dtype != torch.bool:
             t.sub_(torch.where(t - b == ran, ran - kept, 0).to(t.dtype))
 

@@ -89,8 +89,7 @@ class KernelModule(torch.nn.Module):
         """Run the module's op on ``inputs``. Outside any trace (plain tensors, no Dynamo, no dispatch mode) the
         op's implementation is called directly: the dispatcher's round trip is host time an eager call would pay
         for nothing (~20 µs a call)."""
-        if not torch.compiler.is_compiling() and _current_dispatch_mode() is None \
-                and all(type(t) is torch.Tensor for t in inputs):
+        if outside_trace(inputs):
             return self.launch(list(inputs))
         op = getattr(torch.ops.sparta, self.kernel_family)
         return op(self.kernel_key, list(inputs), self.kernel_weights())
@@ -101,6 +100,13 @@ class KernelModule(torch.nn.Module):
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         raise NotImplementedError
+
+
+def outside_trace(tensors) -> bool:
+    """Whether a kernel call on ``tensors`` runs outside any trace (plain tensors, no Dynamo, no dispatch mode), where
+    its implementation is called directly instead of through the dispatcher."""
+    return not torch.compiler.is_compiling() and _current_dispatch_mode() is None \
+        and all(type(t) is torch.Tensor for t in tensors)
 
 
 def _launch(kernel: str, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -141,4 +147,4 @@ _LIB.impl("decode_attention_rope", _launch_rope, "CompositeExplicitAutograd")
 torch.library.register_fake("sparta::decode_attention_rope", _fake_rope, lib=_LIB)
 
 
-__all__ = ["KernelModule", "kernel_module"]
+__all__ = ["KernelModule", "kernel_module", "outside_trace"]

@@ -20,7 +20,7 @@ import torch
 
 from .spec import DTYPES, DecodeAttentionError, DecodeAttentionSpec, check_inputs, check_rope_inputs, workspace_shapes
 from ...runtime.cuda import CudaKernel, CudaRuntimeError, check_saved_spec, kernel_file, lanes16
-from ...runtime.ops import KernelModule, _current_dispatch_mode
+from ...runtime.ops import KernelModule, outside_trace
 
 
 def folder_spec(folder) -> DecodeAttentionSpec:
@@ -147,26 +147,32 @@ class DecodeAttentionCUDA(KernelModule):
         if not self.has_rope:
             raise DecodeAttentionError(f"{self.op_name}: built without the rope kernels")
         inputs = [q, k_new, v_new, cos, sin, keep]
-        if not torch.compiler.is_compiling() and _current_dispatch_mode() is None \
-                and all(type(t) is torch.Tensor for t in (*inputs, k, v, position)):
+        if outside_trace((*inputs, k, v, position)):
             return self.launch_rope(inputs, k, v, position)
         return torch.ops.sparta.decode_attention_rope(self.kernel_key, inputs, k, v, position, self.kernel_weights())
 
     def launch_rope(self, inputs: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                     position: torch.Tensor) -> torch.Tensor:
         q, k_new, v_new, cos, sin, keep = inputs
+        return self._kernels(q, rope=True)(q, k, v, keep, self.scale, (k_new, v_new, cos, sin, position))
+
+    def fake_rope(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return self.fake(inputs)[0]
+
+    def _kernels(self, q: torch.Tensor, rope: bool) -> DecodeAttentionOp:
+        """The plain or the rope pair, loaded on first use, for inputs on ``q``'s device (the scale moved there)."""
         if not q.is_cuda:
             raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
                                    "(module.to('cuda'))")
-        if self.scale.device != q.device:
+        if self.scale.device != q.device:       # move the module first where a CUDA graph captures it
             self.scale = self.scale.to(q.device)
-        if self._rope_op is None:
-            self._rope_op = DecodeAttentionOp(*self.rope_folders)
-        return self._rope_op(q, k, v, keep, self.scale, (k_new, v_new, cos, sin, position))
-
-    def fake_rope(self, inputs: list[torch.Tensor]) -> torch.Tensor:
-        q = inputs[0]
-        return q.new_empty((q.shape[0], self.spec.hq, self.spec.d))
+        if rope:
+            if self._rope_op is None:
+                self._rope_op = DecodeAttentionOp(*self.rope_folders)
+            return self._rope_op
+        if self._op is None:
+            self._op = DecodeAttentionOp(self.partial_folder, self.combine_folder)
+        return self._op
 
     @classmethod
     def from_folder(cls, root, name: str, scale: float | None = None) -> DecodeAttentionCUDA:
@@ -182,14 +188,7 @@ class DecodeAttentionCUDA(KernelModule):
 
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         q, k, v, keep = inputs
-        if not q.is_cuda:
-            raise CudaRuntimeError(f"op {self.op_name!r} was compiled for CUDA; move the module and inputs to a GPU "
-                                   "(module.to('cuda'))")
-        if self.scale.device != q.device:       # move the module first where a CUDA graph captures it
-            self.scale = self.scale.to(q.device)
-        if self._op is None:
-            self._op = DecodeAttentionOp(self.partial_folder, self.combine_folder)
-        return [self._op(q, k, v, keep, self.scale)]
+        return [self._kernels(q, rope=False)(q, k, v, keep, self.scale)]
 
     def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         q = inputs[0]
