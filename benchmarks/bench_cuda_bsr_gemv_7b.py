@@ -2,17 +2,19 @@
 
     python benchmarks/bench_cuda_bsr_gemv_7b.py --build             # TVM + nvcc: kernels into artifacts/cuda/g7_*/
     python benchmarks/bench_cuda_bsr_gemv_7b.py [--out g7.json]     # the GPU: torch and sparta's runtime only
+    ... --rows 8 16 [--build]                                       # builds for 8 and 16 rows, run at M = 8, 16
 
 The decode-step linears of Llama-2-7B (bf16, no bias, 32×32 blocks, 90% of them pruned, seeded): ``o`` 4096×4096,
 ``qkv`` 12288×4096 (stacked), ``down`` 4096×11008, ``gated`` gate/up 2×11008×4096 (SiLU-gated: act(gate) · up, one
 GEMV over the gated table). Each shape's GEMV (``templates/bsr_linear/gemv.py``, every variant a programmatic
-dependent launch) over rows ∈ {1, 4} (the most rows a build takes), warps ∈ {4, 8, 16}, loads ∈ {1, 2, 4} (16-byte
+dependent launch) over rows ∈ {1, 4} (the most rows a build takes; ``--rows``: others, e.g. 8 and 16 for a batch of
+16 sequences, where loads ∈ {1, 2} and inflight 2 only: more would spill), warps ∈ {4, 8, 16}, loads ∈ {1, 2, 4} (16-byte
 loads per lane per block: the rows a CTA owns, ``BsrGemvSpec.unit_rows``) and inflight ∈ {2, 4} (blocks a warp loads
 before it multiplies), less the redundant: inflight 4 only where a block row keeps more than two blocks a warp on
 average, and not where four blocks' registers spill at 16 warps of 4 rows. Beside them ``sel``: what kernel selection
 builds now (``fp16_gemv_tiling``: 4 rows, its warps, the default loads and inflight).
 
-On the GPU each variant runs at M = 1 (and 4 for the 4-row builds): checked against the torch reference
+On the GPU each variant runs at M = each of ``--rows`` it holds: checked against the torch reference
 (``torch.testing.assert_close``, bf16 tolerances; a failure is recorded and the sweep goes on), then timed
 kernel-only (CUDA graphs of 40 calls rotating weight sets beyond the L2). Floor = kept bf16 blocks / measured copy
 bandwidth. Prints a table per shape and M sorted by time; the JSON has every row and the best variant per shape and M.
@@ -66,13 +68,13 @@ def slot_blocks(shape: str) -> float:
     return DENSITY * (k // BLOCK) * (2 if gate else 1)
 
 
-def variants(shape: str) -> list[dict]:
+def variants(shape: str, build_rows=ROWS) -> list[dict]:
     """The sweep's knob settings for ``shape`` (see the module docstring for what is left out and why)."""
     out = []
-    for rows in ROWS:
+    for rows in build_rows:
         for warps in WARPS:
-            for loads in LOADS:
-                for inflight in INFLIGHT:
+            for loads in LOADS if rows <= 4 else (1, 2):
+                for inflight in INFLIGHT if rows <= 4 else (2,):
                     if inflight == 4 and slot_blocks(shape) <= 2 * warps:
                         continue        # at most two blocks a warp: the same loads as inflight 2, more registers
                     if inflight == 4 and rows == 4 and warps == 16 and loads >= 2:
@@ -93,17 +95,18 @@ def selected_tiling(shape: str) -> dict:
     return fp16_gemv_tiling(site, TILE, load_target("cuda"))
 
 
-def kernels() -> dict:
+def kernels(build_rows=ROWS) -> dict:
     """Kernel name (its folder under ``artifacts/cuda/``) -> spec."""
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     specs = {}
     for shape, (n, k, gate) in SHAPES.items():
         common = dict(bias=False, act=act_of(shape), dtype=DTYPE, gate=gate, pdl=True, **TILE)
-        for v in variants(shape):
+        for v in variants(shape, build_rows):
             name = f"{PREFIX}{shape}_r{v['rows']}_w{v['warps']}_l{v['loads']}_i{v['inflight']}"
             specs[name] = BsrGemvSpec(n, k, **common, **v, name=name)
         name = f"{PREFIX}{shape}_sel"
-        specs[name] = BsrGemvSpec(n, k, **{**common, **selected_tiling(shape)}, name=name)
+        sel = {k_: v for k_, v in selected_tiling(shape).items() if k_ != "one_row"}   # the one-row build: a variant
+        specs[name] = BsrGemvSpec(n, k, **{**common, **sel}, name=name)
     return specs
 
 
@@ -133,11 +136,11 @@ def cubin_registers(path: Path) -> int | None:
     return None
 
 
-def build(jobs: int = 2) -> None:
+def build(build_rows=ROWS, jobs: int = 2) -> None:
     from concurrent.futures import ThreadPoolExecutor
     from sparta.codegen.cuda_build import build_cuda, cuda_templates, save_dir
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
-    template, specs = cuda_templates()[BsrGemvSpec], kernels()
+    template, specs = cuda_templates()[BsrGemvSpec], kernels(build_rows)
     for old in ROOT.glob(f"{PREFIX}*"):
         if old.is_dir() and old.name not in specs:
             shutil.rmtree(old)
@@ -161,7 +164,7 @@ def build(jobs: int = 2) -> None:
 
 
 
-def bench_shape(shape: str, bw: float) -> dict:
+def bench_shape(shape: str, bw: float, ms=ROWS) -> dict:
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
     from sparta.templates.bsr_linear.packing import pack_weight
     from sparta.templates.bsr_linear.runtime import BsrGemvOp
@@ -183,7 +186,7 @@ def bench_shape(shape: str, bw: float) -> dict:
     if not folders:
         raise SystemExit(f"no {PREFIX}{shape}_* kernels under {ROOT}: build them with --build")
     rows = []
-    for m in (1, 4):
+    for m in ms:
         xs = [torch.randn(m, k, device="cuda").to(dt) for _ in range(sets)]
         ref = reference(xs[0], w, mask, None, act, BLOCK, BLOCK, gate=gate)
         for folder in folders:
@@ -212,7 +215,7 @@ def bench_shape(shape: str, bw: float) -> dict:
                 row["ok"], row["error"] = False, f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
     best, base = {}, {}
-    for m in (1, 4):
+    for m in ms:
         timed = sorted((r for r in rows if r["m"] == m and "kernel_us" in r), key=lambda r: r["kernel_us"])
         print(f"\n{shape} {n}x{k}{' gated' if gate else ''}, M={m}: floor {floor_us:.2f} us "
               f"({kept / 1e6:.1f} MB kept)")
@@ -242,17 +245,19 @@ def main():
     ap.add_argument("--build", action="store_true", help="build the kernels (TVM + nvcc) and exit")
     ap.add_argument("--list", action="store_true", help="print the kernels' names and exit")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS),
+                    help="the most rows of the builds, and the M each is run at")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
     if args.list:
-        print(" ".join(kernels()))
+        print(" ".join(kernels(args.rows)))
         return
     if args.build:
-        build()
+        build(args.rows)
         return
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
-    shapes = [bench_shape(s, bw) for s in args.shapes]
+    shapes = [bench_shape(s, bw, args.rows) for s in args.shapes]
     print("\nbest per shape and M (selection's in brackets):")
     for s in shapes:
         for m, b in s["best"].items():

@@ -44,7 +44,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """Hugging Face's attention-function signature: ``(attn_output (B, L, Hq, D), None)``."""
     kernel = module.__dict__.get(KERNEL_ATTRIBUTE)
     if kernel is not None and _decode_step(kernel, query, key, attention_mask, dropout, scaling, kwargs):
-        keep = attention_mask[:, 0, -1]                                     # (B, S) bool
+        keep = attention_mask[:, 0, -1].contiguous()                        # (B, S) bool; HF may expand it
         out = kernel(query[:, :, 0].contiguous(), key, value, keep)        # (B, Hq, D)
         return out.unsqueeze(1), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -100,13 +100,26 @@ def _rope_forward(module, hidden_states, *args, **kwargs):
                                        given.get("attention_mask"), layer, kwargs):
         return type(module).forward(module, hidden_states, *args, **kwargs)
     s, b = kernel.spec, hidden_states.shape[0]
-    q = module.q_proj(hidden_states).view(b, s.hq, s.d).contiguous()
-    k = module.k_proj(hidden_states).view(b, s.hkv, s.d).contiguous()
-    v = module.v_proj(hidden_states).view(b, s.hkv, s.d).contiguous()
+    qkv = _stacked_projections(module, hidden_states, s)
     cos, sin = (t.reshape(b, s.d).contiguous() for t in given["position_embeddings"])
-    out = kernel.rope_forward(q, k, v, cos, sin, given["attention_mask"][:, 0, -1], layer.keys, layer.values,
-                              layer.cumulative_length)
+    keep = given["attention_mask"][:, 0, -1].contiguous()
+    out = kernel.rope_forward(qkv, cos, sin, keep, layer.keys, layer.values, layer.cumulative_length)
     return module.o_proj(out.reshape(b, 1, s.hq * s.d)), None
+
+
+def _stacked_projections(module, x, spec) -> torch.Tensor:
+    """The step's query, key and value projections as one (B, Hq + 2 Hkv, D) tensor: the output of the stacked kernel
+    where q/k/v_proj are its three slices in that order (no copy), else the three outputs concatenated."""
+    b, widths = x.shape[0], (spec.hq * spec.d, spec.hkv * spec.d, spec.hkv * spec.d)
+    parts = [getattr(module, p) for p in ("q_proj", "k_proj", "v_proj")]
+    shared = getattr(parts[0], "shared", None)
+    if all(type(p).__name__ == "KernelSlice" and p.shared is shared for p in parts) \
+            and [(p.start, p.end) for p in parts] == [(0, widths[0]), (widths[0], widths[0] + widths[1]),
+                                                       (widths[0] + widths[1], sum(widths))]:
+        out = shared.kernel(x)
+        if out.shape[-1] == sum(widths):
+            return out.reshape(b, -1, spec.d).contiguous()
+    return torch.cat([p(x) for p in parts], -1).reshape(b, -1, spec.d).contiguous()
 
 
 def _static_layer(cache, index: int):
@@ -133,8 +146,6 @@ def _rope_step(kernel, module, x, position_embeddings, mask, layer, kwargs) -> b
             and counter.device == x.device and keys.device == x.device):
         return False
     b = x.shape[0]
-    if b > 1 and any(type(getattr(module, p, None)).__name__ == "KernelSlice" for p in ("q_proj", "k_proj", "v_proj")):
-        return False        # rows of a stacked q/k/v output are strided: copies would cost what the fusion saves
     tables = position_embeddings if isinstance(position_embeddings, (tuple, list)) else ()
     return (len(tables) == 2 and all(isinstance(t, torch.Tensor) and tuple(t.shape) == (b, 1, s.d)
                                      and t.dtype == kernel.dtype for t in tables)

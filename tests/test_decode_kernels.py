@@ -58,6 +58,9 @@ def test_a_cuda_decoder_plans_and_builds_its_decode_attention(compiled):
     assert choice.tiles["rope"] is True and module.has_rope and "rotary embedding and cache write" in choice.reason
     rope = [DecodeAttentionSpec(**json.loads((Path(f) / "spec.json").read_text())) for f in module.rope_folders]
     assert [(s.stage, s.rope) for s in rope] == [("partial", True), ("combine", True)]
+    # the partial kernel reads the stacked projections (4 query heads, the key's 2, the value's 2): no input of their own
+    args = {a["name"]: a for a in json.loads((Path(module.rope_folders[0]) / "launch.json").read_text())["args"]}
+    assert args["Q"]["shape"][1:] == [8, 64] and not {"KN", "VN"} & set(args), args
 
 
 @pytest.mark.parametrize("weights", [True, False])

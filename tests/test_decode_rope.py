@@ -9,8 +9,9 @@ import torch
 
 from sparta.runtime.ops import KernelModule
 from sparta.templates.decode_attention.runtime import DecodeAttentionCUDA
-from sparta.templates.decode_attention.spec import (DecodeAttentionError, DecodeAttentionSpec, check_rope_inputs,
-                                                    decode_attention_ref, decode_attention_rope_ref, rotate)
+from sparta.templates.decode_attention.spec import (DecodeAttentionError, DecodeAttentionSpec, check_inputs,
+                                                    check_rope_inputs, decode_attention_ref, decode_attention_rope_ref,
+                                                    rotate)
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,8 +43,8 @@ class ReferenceRope(KernelModule):
 
     def launch_rope(self, inputs, k, v, position):
         self.calls += 1
-        q, k_new, v_new, cos, sin, keep = inputs
-        return decode_attention_rope_ref(q, k_new, v_new, cos, sin, k, v, keep, position, float(self.scale))
+        qkv, cos, sin, keep = inputs
+        return decode_attention_rope_ref(qkv, cos, sin, k, v, keep, position, float(self.scale))
 
 
 def _tables(b, d, positions, dtype):
@@ -71,7 +72,7 @@ def test_the_reference_is_hugging_faces_rotary_cache_update_and_attention(hq, hk
     hv.index_copy_(2, torch.tensor([p]), v_new[:, :, None])
     want = decode_attention_ref(hq_rot[:, :, 0], hk, hv, keep, d ** -0.5)
     position = torch.tensor(p)
-    got = decode_attention_rope_ref(q, k_new, v_new, cos, sin, k, v, keep, position, d ** -0.5)
+    got = decode_attention_rope_ref(torch.cat([q, k_new, v_new], 1), cos, sin, k, v, keep, position, d ** -0.5)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=2e-3, atol=2e-3)
     assert int(position) == p + 1
     torch.testing.assert_close(k, hk, **tol)                 # one rounding here, two in Hugging Face's
@@ -82,15 +83,17 @@ def test_the_reference_is_hugging_faces_rotary_cache_update_and_attention(hq, hk
 
 def test_the_rope_inputs_are_checked():
     spec = DecodeAttentionSpec(4, 2, 64, "float16", rope=True)
-    q, kn, cos = torch.zeros(1, 4, 64).half(), torch.zeros(1, 2, 64).half(), torch.zeros(1, 64).half()
-    k = torch.zeros(1, 2, 10, 64).half()
-    check_rope_inputs(spec, q, kn, kn, cos, cos, k, torch.tensor(3))
-    for bad, why in (((q, kn.float(), kn, cos, cos, k, torch.tensor(3)), "k_new"),
-                     ((q, kn, kn, cos[:, :32], cos, k, torch.tensor(3)), "cos"),
-                     ((q, kn, kn, cos, cos, k, torch.tensor(3, dtype=torch.int32)), "position"),
-                     ((q, kn, kn.transpose(1, 2).contiguous().transpose(1, 2), cos, cos, k, torch.tensor(3)), "v_new")):
+    qkv, cos = torch.randn(1, 8, 64).half(), torch.randn(1, 64).half()
+    k, v, keep = torch.randn(1, 2, 10, 64).half(), torch.randn(1, 2, 10, 64).half(), torch.ones(1, 10, dtype=torch.bool)
+    check_rope_inputs(spec, qkv, cos, cos, k, torch.tensor(3))
+    check_inputs(spec, qkv, k, v, keep)
+    for bad, why in (((qkv, cos[:, :32], cos, k, torch.tensor(3)), "cos"),
+                     ((qkv, cos, cos.float(), k, torch.tensor(3)), "sin"),
+                     ((qkv, cos, cos, k, torch.tensor(3, dtype=torch.int32)), "position")):
         with pytest.raises(DecodeAttentionError, match=why):
             check_rope_inputs(spec, *bad)
+    with pytest.raises(DecodeAttentionError, match=r"qkv must be \(B, Hq \+ 2 Hkv, D\) = \(1, 8, 64\)"):
+        check_inputs(spec, qkv[:, :4].contiguous(), k, v, keep)          # the query heads alone
 
 
 def _llama(heads=4, kv=2, layers=2):
@@ -150,17 +153,14 @@ def test_under_torch_compile_the_cache_is_written_in_place():
     position = torch.tensor(5)
 
     def step(x, cos, sin, keep):
-        q = (x[:, :512] * 2).reshape(2, 8, 64)
-        kn, vn = x[:, 512:640].reshape(2, 2, 64).contiguous(), x[:, 640:].reshape(2, 2, 64).contiguous()
-        return module.rope_forward(q, kn, vn, cos, sin, keep, k, v, position).reshape(2, -1) + 1
+        return module.rope_forward((x * 2).reshape(2, 12, 64), cos, sin, keep, k, v, position).reshape(2, -1) + 1
 
     x = torch.randn(2, 768).half()
     cos, sin = _tables(2, 64, torch.full((2,), 5), torch.float16)
     keep = torch.ones(2, 40, dtype=torch.bool)
     k0, v0 = k.clone(), v.clone()
     out, (code, *_) = run_and_get_code(torch.compile(step, fullgraph=True), x, cos, sin, keep)
-    want = decode_attention_rope_ref((x[:, :512] * 2).reshape(2, 8, 64), x[:, 512:640].reshape(2, 2, 64),
-                                     x[:, 640:].reshape(2, 2, 64), cos, sin, k0, v0, keep, torch.tensor(5), 0.125)
+    want = decode_attention_rope_ref((x * 2).reshape(2, 12, 64), cos, sin, k0, v0, keep, torch.tensor(5), 0.125)
     assert int(position) == 6 and torch.equal(k, k0) and torch.equal(v, v0)
     torch.testing.assert_close(out, want.reshape(2, -1) + 1)
     import re
@@ -170,10 +170,9 @@ def test_under_torch_compile_the_cache_is_written_in_place():
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_stacked_projections_take_the_fused_path_at_one_row_only(batch):
-    """q/k/v as slices of one stacked kernel's output (``KernelSlice``): one row's slices are contiguous and go to the
-    kernels; the strided rows of a batch stay on Hugging Face's path (copying them would cost what the fusion saves).
-    Both give Hugging Face's logits."""
+def test_stacked_projections_reach_the_kernels_as_one_tensor(batch):
+    """q/k/v as slices of one stacked kernel's output (``KernelSlice``): the kernels read that output itself, at one row
+    and at a batch (whose slices are strided), and run once a layer per step; Hugging Face's logits."""
     from sparta.generation import KernelSlice, SharedKernel
     from sparta.hf_attention import attach
     plain, fused = _llama(layers=1), _llama(layers=1)
@@ -188,7 +187,73 @@ def test_stacked_projections_take_the_fused_path_at_one_row_only(batch):
     attach(fused, kernel)
     attach(plain, type("Plain", (), {"spec": kernel.spec, "has_rope": False})())
     ids = torch.randint(0, 96, (batch, 5), generator=torch.Generator().manual_seed(5))
+    seen = []
+    stacked.register_forward_hook(lambda m, args, out: seen.append(out))
+    launch = kernel.launch_rope
+    kernel.launch_rope = lambda inputs, *rest: (seen.append(inputs[0]), launch(inputs, *rest))[1]
     want, _ = _decode_steps(plain, ids, 3)
     got, _ = _decode_steps(fused, ids, 3)
-    assert kernel.calls == (3 if batch == 1 else 0)
+    assert kernel.calls == 3
+    steps = [(a, b) for a, b in zip(seen[1::2], seen[2::2])] if len(seen) == 7 else []
+    assert len(steps) == 3 and all(q.data_ptr() == out.data_ptr() for out, q in steps), "the stacked output, no copy"
     torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
+def test_separate_projections_reach_the_kernels_concatenated():
+    """q/k/v_proj of their own (not one stacked kernel): their outputs concatenated into the stacked layout."""
+    from sparta.hf_attention import _stacked_projections
+    model = _llama(layers=1)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 1, 256).to(torch.bfloat16)
+    qkv = _stacked_projections(attn, x, DecodeAttentionSpec(4, 2, 64, "bfloat16", rope=True))
+    assert qkv.shape == (3, 8, 64) and qkv.is_contiguous()
+    want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1).reshape(3, 8, 64)
+    assert torch.equal(qkv, want)
+
+
+def test_an_expanded_mask_reaches_the_kernels_contiguous():
+    """Hugging Face may build a step's mask expanded over the batch (stride 0): the kernels get its rows contiguous."""
+    from sparta.hf_attention import attach
+    plain, fused = _llama(layers=1), _llama(layers=1)
+    kernel = ReferenceRope(DecodeAttentionSpec(4, 2, 64, "bfloat16", rope=True))
+    attach(fused, kernel)
+    attach(plain, type("Plain", (), {"spec": kernel.spec, "has_rope": False})())
+    launch, keeps = kernel.launch_rope, []
+    kernel.launch_rope = lambda inputs, *rest: (keeps.append(inputs[3]), launch(inputs, *rest))[1]
+    from transformers import StaticCache
+    from sparta.runtime.decode_graphs import full_mask
+    ids = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for model in (plain, fused):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        keep = torch.zeros(1, 16, dtype=torch.bool)
+        keep[:, :6] = True
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            mask = full_mask(model, keep, 16).expand(3, -1, -1, -1)       # one row's mask for every row
+            assert mask.stride(0) == 0
+            outs.append(model(ids[:, -1:], past_key_values=cache, use_cache=True, attention_mask=mask,
+                              position_ids=torch.full((3, 1), 5)).logits.float())
+    assert len(keeps) == 1 and keeps[0].is_contiguous() and keeps[0].shape == (3, 16)
+    torch.testing.assert_close(outs[1], outs[0], rtol=5e-2, atol=5e-2)
+
+
+def test_rope_kernels_built_for_separate_key_and_value_inputs_are_not_used(tmp_path):
+    """A folder saved before the rope kernels read the stacked projections (their partial kernel takes ``KN``, ``VN``)
+    loads with the plain pair only, and says so: the decode steps keep Hugging Face's rotary embedding."""
+    import dataclasses
+    import json
+    base = DecodeAttentionSpec(4, 2, 64, "float16", name="da")
+    folders = {}
+    for rope in (False, True):
+        for spec in dataclasses.replace(base, rope=rope, name="da_rope" if rope else "da").pair():
+            spec = dataclasses.replace(spec, name=f"{spec.name}_{spec.stage}")
+            folder = folders[(rope, spec.stage)] = tmp_path / spec.name
+            folder.mkdir()
+            (folder / "spec.json").write_text(json.dumps(spec.key()))
+            args = [{"name": n} for n in ("Q", "K", "V", "KEEP", "SCALE", "KN", "VN", "COS", "SIN", "POS", "O", "ML")]
+            (folder / "launch.json").write_text(json.dumps({"args": args}))
+    with pytest.warns(UserWarning, match="built before they read the stacked projections"):
+        module = DecodeAttentionCUDA(folders[(False, "partial")], folders[(False, "combine")],
+                                     rope_folders=(folders[(True, "partial")], folders[(True, "combine")]))
+    assert not module.has_rope

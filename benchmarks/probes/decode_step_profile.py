@@ -2,9 +2,12 @@
 torch.profiler, kernels grouped by name — eager (no Inductor, no graph) or, with ``--inductor``, the step the greedy
 loop runs (``torch.compile``'d, launched one kernel at a time, then its CUDA graph timed); ``--phases``: a whole
 ``generate()`` call timed at three lengths, its fixed cost (prefill, first step, capture) apart from the per-token one;
-``--prefill``: the 512-token prefill's kernels.
+``--prefill``: the 512-token prefill's kernels; ``--prefill-session``: those of the prefill graph ``generate()``
+replays (the ``torch.compile``'d forward into the session's static cache); ``--batch``: prompts and steps of that
+many rows.
 
-    python benchmarks/probes/decode_step_profile.py --dir artifacts/gen7b [--dense] [--inductor] [--phases] --out s.json
+    python benchmarks/probes/decode_step_profile.py --dir artifacts/gen7b [--dense] [--inductor] [--phases]
+        [--prefill-session] [--batch 16] --out s.json
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def profiled(fn) -> list[dict]:
     return kernel_rows(prof)
 
 
+def replay_ms(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def phases(model, generate, prompt) -> dict:
     """Wall time of whole generate() calls at three lengths: the slope is a token's cost, the rest the call's."""
     out = {}
@@ -70,22 +84,35 @@ def main():
     ap.add_argument("--inductor", action="store_true", help="also the torch.compile'd step and its CUDA graph")
     ap.add_argument("--phases", action="store_true", help="also time whole generate() calls")
     ap.add_argument("--prefill", action="store_true", help="also the 512-token prefill (eager, kernels by name)")
+    ap.add_argument("--prefill-session", action="store_true",
+                    help="also the prefill graph generate() replays (compiled forward, session's cache)")
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out")
     args = ap.parse_args()
     import sparta
-    from sparta.runtime.decode_loop import compiled_step, greedy_generate
     from transformers import StaticCache
     meta = json.loads(meta_path(args.dir).read_text())
     dense = checkpoint(meta, "cuda")
     model = dense if args.dense else sparta.load(args.dir, weights=dense).to("cuda").decoder()
     model.generation_config.eos_token_id = None
-    prompt = torch.randint(0, 32000, (1, 512), generator=torch.Generator().manual_seed(3)).cuda()
+    b = args.batch
+    prompt = torch.randint(0, 32000, (b, 512), generator=torch.Generator().manual_seed(3)).cuda()
     cache = StaticCache(config=model.config, max_cache_len=640)
-    result = {"dense": args.dense, "device": torch.cuda.get_device_name()}
+    result = {"dense": args.dense, "batch": b, "device": torch.cuda.get_device_name()}
+    try:
+        run(args, model, prompt, cache, result)
+    finally:                                     # what was measured is kept when a later part fails
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def run(args, model, prompt, cache, result) -> None:
+    from sparta.runtime.decode_loop import compiled_step, greedy_generate
+    b = prompt.shape[0]
     with torch.no_grad():
         out = model(prompt, past_key_values=cache, use_cache=True)
         step = out.logits[:, -1:].argmax(-1)
-        kw = dict(past_key_values=cache, use_cache=True, position_ids=torch.tensor([[512]], device="cuda"))
+        kw = dict(past_key_values=cache, use_cache=True, position_ids=torch.full((b, 1), 512, device="cuda"))
         if "cache_position" in model.forward.__code__.co_varnames:
             kw["cache_position"] = torch.tensor([512], device="cuda")
         result["eager"] = show("eager step", profiled(lambda: model(step, **kw)))
@@ -98,12 +125,18 @@ def main():
                   f"eager {result['eager_graph_us']:.0f} us")
         if args.prefill:
             result["prefill"] = show("prefill of 512 tokens", profiled(lambda: model(prompt, use_cache=False)))
+        if args.prefill_session:
+            from sparta.runtime.decode_session import DecodeSession
+            session = DecodeSession(model, b, 640, torch.device("cuda"), graphs=True)
+            session.prefill(prompt, None, inductor=True)
+            replay = lambda: session.prefill(prompt, None)   # noqa: E731 - the cache reset, the graph replayed
+            result["prefill_session"] = show("prefill session graph", profiled(replay))
+            result["prefill_session_ms"] = replay_ms(replay)
+            print(f"prefill session graph {result['prefill_session_ms']:.2f} ms")
         if args.phases:
             def generate(p, n):
                 return greedy_generate(model, p, max_new_tokens=n, pad_token_id=0)
             result["phases"] = phases(model, generate, prompt)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ loaded only for chunks with a kept key), merges its rows by shuffles and shared 
 ``pdl``: both are built for programmatic dependent launch (sm_90): each waits (``griddepcontrol.wait``) before its
 first read and lets the next kernel launch at once, so the combine's launch overlaps the partial kernel's tail.
 
-``rope`` (the decode step's rotary embedding and cache write in the same two launches): every partial CTA rotates its
-``G`` query heads as it loads them (a thread's 8 dimensions, their ``rotate_half`` partners ``D / 2`` away, ``cos`` and
+``rope`` (the decode step's rotary embedding and cache write in the same two launches; ``Q`` is then the stacked
+projections (B, Hq + 2 Hkv, D), the new key at head ``Hq + h``, the new value at ``Hq + Hkv + h``): every partial CTA
+rotates its ``G`` query heads as it loads them (a thread's 8 dimensions, their ``rotate_half`` partners ``D / 2`` away, ``cos`` and
 ``sin``, in fp32, rounded once to the 16-bit type); the CTA whose chunk holds the write position first has ``D / 8``
 threads rotate the new key and store it and the new value into the cache there, then a barrier, so its loads see them.
 The combine kernel, past its wait (every partial CTA has read the position), adds one to the position counter.
@@ -52,6 +53,7 @@ def partial_kernel(spec: DecodeAttentionSpec):
 
     B, S, NS = tirx.Var("B", "int32"), tirx.Var("S", "int32"), tirx.Var("NS", "int32")
     HQ, HKV, D, G, C, NT = spec.hq, spec.hkv, spec.d, spec.group, spec.chunk, spec.threads
+    QH = spec.q_heads
     LK, KPS, ST, W = spec.lanes_per_key, spec.keys_per_step, spec.steps, spec.threads // 32
     WORDS = C // 32
     KEY_STEPS = LK.bit_length() - 1            # butterfly steps over a key's lanes
@@ -89,18 +91,16 @@ def partial_kernel(spec: DecodeAttentionSpec):
             out[o + v] = from_f32(rf[v], ACT)
 
     @T.prim_func
-    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, keep_h: T.handle, scale_h: T.handle, kn_h: T.handle,
-               vn_h: T.handle, cos_h: T.handle, sin_h: T.handle, pos_h: T.handle, o_h: T.handle, ml_h: T.handle):
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, keep_h: T.handle, scale_h: T.handle, cos_h: T.handle,
+               sin_h: T.handle, pos_h: T.handle, o_h: T.handle, ml_h: T.handle):
         T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
-        Q = T.match_buffer(q_h, (B, HQ, D), "float16")
+        Q = T.match_buffer(q_h, (B, QH, D), "float16")        # rope: the query heads, the new key's, the value's
         K = T.match_buffer(k_h, (B, HKV, S, D), "float16")
         V = T.match_buffer(v_h, (B, HKV, S, D), "float16")
         KEEP = T.match_buffer(keep_h, (B, S), "uint8")
         SCALE = T.match_buffer(scale_h, (1,), "float32")
-        KN = T.match_buffer(kn_h, (B, HKV, D), "float16")      # rope: the new key and value, the rotary tables,
-        VN = T.match_buffer(vn_h, (B, HKV, D), "float16")      # the cache's write counter (unused otherwise:
-        COS = T.match_buffer(cos_h, (B, D), "float16")         # not among the kernel's parameters)
-        SIN = T.match_buffer(sin_h, (B, D), "float16")
+        COS = T.match_buffer(cos_h, (B, D), "float16")         # rope: the rotary tables, the cache's write counter
+        SIN = T.match_buffer(sin_h, (B, D), "float16")         # (unused otherwise: not among the kernel's parameters)
         POS = T.match_buffer(pos_h, (1,), "int64")
         O = T.match_buffer(o_h, (B, HQ, NS, D), "float32")
         ML = T.match_buffer(ml_h, (B, HQ, NS, 2), "float32")
@@ -136,11 +136,11 @@ def partial_kernel(spec: DecodeAttentionSpec):
             wp[0] = T.Cast("int32", POS[0])
             if bx == wp[0] // C:                # this CTA's chunk holds the new key: store it (and the value) first
                 if tx < LK and wp[0] < S:
-                    rotated(KN, bz, hk, tx * 8, COS, SIN, kr8, 0, rb, rf)
+                    rotated(Q, bz, HQ + hk, tx * 8, COS, SIN, kr8, 0, rb, rf)
                     for v in T.vectorized(8):
                         K[bz, hk, wp[0], tx * 8 + v] = kr8[v]
                     for v in T.vectorized(8):
-                        V[bz, hk, wp[0], tx * 8 + v] = VN[bz, hk, tx * 8 + v]
+                        V[bz, hk, wp[0], tx * 8 + v] = Q[bz, HQ + HKV + hk, tx * 8 + v]
                 T.tvm_storage_sync("shared")
             for g in T.unroll(G):
                 rotated(Q, bz, hk * G + g, dq * 8, COS, SIN, qv, g * 8, rb, rf)

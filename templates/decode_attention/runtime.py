@@ -61,16 +61,16 @@ class DecodeAttentionOp:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                  scale: float | torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
-        """``rope`` (the ``rope`` kernels): ``(k_new, v_new, cos, sin, position)``; ``q`` is then before its rotary
-        embedding, and ``k``, ``v`` and ``position`` are written (the new key and value at ``position``, which
-        gains one)."""
+        """``rope`` (the ``rope`` kernels): ``(cos, sin, position)``; ``q`` is then the stacked projections ``qkv``
+        (B, Hq + 2 Hkv, D) before the rotary embedding, and ``k``, ``v`` and ``position`` are written (the new key and
+        value at ``position``, which gains one)."""
         b, s = check_inputs(self.spec, q, k, v, keep)
         if self.spec.rope != (rope is not None):
             raise DecodeAttentionError(f"decode attention {self.spec.name}: " + (
-                "the rope kernels take (k_new, v_new, cos, sin, position)" if self.spec.rope else
+                "the rope kernels take (cos, sin, position)" if self.spec.rope else
                 "these kernels apply no rotary embedding (build the rope pair)"))
         if rope is not None:
-            check_rope_inputs(self.spec, q, *rope[:4], k, rope[4])
+            check_rope_inputs(self.spec, q, *rope[:2], k, rope[2])
         if not q.is_cuda:
             raise CudaRuntimeError(f"decode attention {self.spec.name} runs on a CUDA GPU; q is on {q.device}")
         out = torch.empty(b, self.spec.hq, self.spec.d, dtype=self.dtype, device=q.device)
@@ -82,9 +82,8 @@ class DecodeAttentionOp:
                      SCALE=self.scale_tensor(scale, q.device), **ws)
         second = dict(**ws, Y=lanes16(out))
         if rope is not None:
-            k_new, v_new, cos, sin, position = rope
-            first.update(KN=lanes16(k_new), VN=lanes16(v_new), COS=lanes16(cos), SIN=lanes16(sin),
-                         POS=position.reshape(1))
+            cos, sin, position = rope
+            first.update(COS=lanes16(cos), SIN=lanes16(sin), POS=position.reshape(1))
             second["POS"] = position.reshape(1)
         if self._prepared is None or self._prepared[0].device != q.device.index:
             self._prepared = (self.partial.prepare(tuple(first), **first), self.combine.prepare(tuple(second), **second))
@@ -92,6 +91,16 @@ class DecodeAttentionOp:
             self._prepared[0].launch(**first)
             self._prepared[1].launch(**second)
         return out
+
+
+def _separate_projections(partial_folder) -> bool:
+    """Whether a rope partial kernel was built to read the new key and value as inputs of their own (``KN``, ``VN``:
+    before the stacked projections)."""
+    try:
+        launch = json.loads(kernel_file(partial_folder, "launch.json"))
+    except (OSError, ValueError, CudaRuntimeError):
+        return False                    # not a built folder: the module's own checks speak when it loads
+    return any(isinstance(a, dict) and a.get("name") in ("KN", "VN") for a in launch.get("args", []))
 
 
 class DecodeAttentionCUDA(KernelModule):
@@ -110,6 +119,12 @@ class DecodeAttentionCUDA(KernelModule):
         if self.spec.rope:
             raise DecodeAttentionError(f"{op_name}: the first pair is the plain one; rope kernels go in rope_folders")
         self.rope_folders = None
+        if rope_folders is not None and _separate_projections(rope_folders[0]):
+            import warnings
+            warnings.warn(f"{op_name}: its rope kernels were built before they read the stacked projections; the decode "
+                          "steps keep Hugging Face's rotary embedding and cache write (compile again to fuse them)",
+                          stacklevel=2)
+            rope_folders = None
         if rope_folders is not None:
             rope = [folder_spec(f) for f in rope_folders]
             check_pair(*rope)
@@ -138,23 +153,23 @@ class DecodeAttentionCUDA(KernelModule):
         """Whether the module also holds the kernels of :meth:`rope_forward`."""
         return self.rope_folders is not None
 
-    def rope_forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     position: torch.Tensor) -> torch.Tensor:
-        """A decode step's attention from the projections: ``q`` (B, Hq, D) and ``k_new``, ``v_new`` (B, Hkv, D)
-        before the rotary embedding (``cos``, ``sin`` (B, D)); the rotated key and the value are stored into the cache
-        ``k``, ``v`` at ``position`` (a (1,) int64 counter, which gains one), then attention over ``keep``."""
+    def rope_forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention from its stacked projections ``qkv`` (B, Hq + 2 Hkv, D: the query heads, the new
+        key, the new value) before the rotary embedding (``cos``, ``sin`` (B, D)); the rotated key and the value are
+        stored into the cache ``k``, ``v`` at ``position`` (a (1,) int64 counter, which gains one), then attention
+        over ``keep``."""
         if not self.has_rope:
             raise DecodeAttentionError(f"{self.op_name}: built without the rope kernels")
-        inputs = [q, k_new, v_new, cos, sin, keep]
+        inputs = [qkv, cos, sin, keep]
         if outside_trace((*inputs, k, v, position)):
             return self.launch_rope(inputs, k, v, position)
         return torch.ops.sparta.decode_attention_rope(self.kernel_key, inputs, k, v, position, self.kernel_weights())
 
     def launch_rope(self, inputs: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                     position: torch.Tensor) -> torch.Tensor:
-        q, k_new, v_new, cos, sin, keep = inputs
-        return self._kernels(q, rope=True)(q, k, v, keep, self.scale, (k_new, v_new, cos, sin, position))
+        qkv, cos, sin, keep = inputs
+        return self._kernels(qkv, rope=True)(qkv, k, v, keep, self.scale, (cos, sin, position))
 
     def fake_rope(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         return self.fake(inputs)[0]

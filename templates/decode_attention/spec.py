@@ -11,10 +11,12 @@ A row with no kept key outputs zeros (SDPA would give NaN). The kernels split th
 workspace, skipping the chunks with no kept key; ``stage="combine"`` merges the chunks and writes ``out``.
 
 ``rope``: the step's own work before attention in one pass too (a Hugging Face decoder's rotary embedding and static
-cache write): ``q`` and the new key ``k_new`` (B, Hkv, D) arrive before the rotary embedding, which the partial kernel
-applies (``x · cos + rotate_half(x) · sin``, ``cos``/``sin`` (B, D)); the CTA whose chunk holds the write position
-``position`` (a (1,) int64 counter, Hugging Face's ``cumulative_length``) stores the rotated key and ``v_new`` into
-the cache there, and the combine kernel adds one to the counter once every partial CTA has read it.
+cache write): the step's projections arrive stacked, ``qkv`` (B, Hq + 2 Hkv, D) — the query heads, the new key's,
+the new value's, as one stacked q/k/v linear writes them (no copy of their slices at any batch) — before the rotary
+embedding, which the partial kernel applies (``x · cos + rotate_half(x) · sin``, ``cos``/``sin`` (B, D)); the CTA
+whose chunk holds the write position ``position`` (a (1,) int64 counter, Hugging Face's ``cumulative_length``) stores
+the rotated key and the value into the cache there, and the combine kernel adds one to the counter once every partial
+CTA has read it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class DecodeAttentionSpec:
             raise DecodeAttentionError(f"decode attention spec {self.name}: " + "; ".join(bad))
 
     @property
+    def q_heads(self) -> int:
+        """Heads of the kernels' ``q`` input: Hq, or for ``rope`` the stacked projections' Hq + 2 Hkv."""
+        return self.hq + 2 * self.hkv if self.rope else self.hq
+
+    @property
     def group(self) -> int:
         """G: query heads per kv head."""
         return self.hq // self.hkv
@@ -133,8 +140,9 @@ def check_inputs(spec: DecodeAttentionSpec, q: torch.Tensor, k: torch.Tensor, v:
         if t.dtype != want:
             raise DecodeAttentionError(f"{where}: {name} must be {want}, got {t.dtype}")
     b, s = k.shape[0], k.shape[2]
-    if tuple(q.shape) != (b, spec.hq, spec.d):
-        raise DecodeAttentionError(f"{where}: q must be (B, Hq, D) = ({b}, {spec.hq}, {spec.d}), got {tuple(q.shape)}")
+    if tuple(q.shape) != (b, spec.q_heads, spec.d):
+        what = "qkv must be (B, Hq + 2 Hkv, D)" if spec.rope else "q must be (B, Hq, D)"
+        raise DecodeAttentionError(f"{where}: {what} = ({b}, {spec.q_heads}, {spec.d}), got {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != (b, spec.hkv, s, spec.d):
             raise DecodeAttentionError(f"{where}: {name} must be (B, Hkv, S, D) = ({b}, {spec.hkv}, {s}, {spec.d}), "
@@ -174,27 +182,33 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos.float()[:, None] + half * sin.float()[:, None]).to(x.dtype)
 
 
-def check_rope_inputs(spec: DecodeAttentionSpec, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, position: torch.Tensor) -> None:
-    """Refuse the rotary kernels' extra inputs where they do not fit ``q`` (B, Hq, D) and the cache ``k``."""
+def check_rope_inputs(spec: DecodeAttentionSpec, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k: torch.Tensor, position: torch.Tensor) -> None:
+    """Refuse the rotary kernels' extra inputs where they do not fit ``qkv`` (B, Hq + 2 Hkv, D) and the cache ``k``."""
     dtype, where = DTYPES[spec.dtype], f"decode attention {spec.name}"
-    b = q.shape[0]
-    for name, t, shape in (("k_new", k_new, (b, spec.hkv, spec.d)), ("v_new", v_new, (b, spec.hkv, spec.d)),
-                           ("cos", cos, (b, spec.d)), ("sin", sin, (b, spec.d))):
+    b = qkv.shape[0]
+    for name, t, shape in (("cos", cos, (b, spec.d)), ("sin", sin, (b, spec.d))):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise DecodeAttentionError(f"{where}: {name} must be a contiguous {dtype} tensor of shape {shape}, got {got}")
     if not isinstance(position, torch.Tensor) or position.numel() != 1 or position.dtype != torch.int64:
         raise DecodeAttentionError(f"{where}: position must be one int64 value (the cache's write counter)")
-    if len({t.device for t in (q, k_new, v_new, cos, sin, k, position)}) != 1:
+    if len({t.device for t in (qkv, cos, sin, k, position)}) != 1:
         raise DecodeAttentionError(f"{where}: every input must be on one device")
 
 
-def decode_attention_rope_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: torch.Tensor,
-                              sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                              position: torch.Tensor, scale: float) -> torch.Tensor:
-    """What the ``rope`` kernels do: rotate ``q`` and ``k_new``, store the rotated key and ``v_new`` into ``k``, ``v``
-    at ``position`` (in place), add one to ``position`` (in place) and attend over the kept keys."""
+def split_qkv(qkv: torch.Tensor, hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k_new, v_new)`` of the stacked projections ``qkv`` (B, Hq + 2 Hkv, D)."""
+    hq = qkv.shape[1] - 2 * hkv
+    return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+
+
+def decode_attention_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, keep: torch.Tensor, position: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the ``rope`` kernels do: rotate the query heads and the new key of ``qkv`` (B, Hq + 2 Hkv, D), store the
+    rotated key and the new value into ``k``, ``v`` at ``position`` (in place), add one to ``position`` (in place) and
+    attend over the kept keys."""
+    q, k_new, v_new = split_qkv(qkv, k.shape[1])
     p = int(position.reshape(-1)[0])
     k[:, :, p] = rotate(k_new, cos, sin)
     v[:, :, p] = v_new
@@ -211,4 +225,4 @@ def workspace_shapes(spec: DecodeAttentionSpec, b: int, s: int) -> dict[str, tup
 
 
 __all__ = ["DecodeAttentionSpec", "DecodeAttentionError", "check_inputs", "check_rope_inputs", "decode_attention_ref",
-           "decode_attention_rope_ref", "rotate", "workspace_shapes", "HEAD_DIMS", "DTYPES"]
+           "decode_attention_rope_ref", "rotate", "split_qkv", "workspace_shapes", "HEAD_DIMS", "DTYPES"]

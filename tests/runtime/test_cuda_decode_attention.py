@@ -143,6 +143,8 @@ def _rope_module(name) -> DecodeAttentionCUDA:
 
 
 def _rope_inputs(module, b, s, p, seed):
+    """(qkv, k, v, cos, sin, keep): the stacked projections (query heads, the new key, the new value) of a step at
+    position ``p`` over a cache of ``s`` slots."""
     q, k, v, g = _inputs(module, b, s, seed)
     spec, dtype = module.spec, q.dtype
     k_new, v_new = (torch.randn(b, spec.hkv, spec.d, device="cuda", generator=g).to(dtype) for _ in range(2))
@@ -151,7 +153,7 @@ def _rope_inputs(module, b, s, p, seed):
     emb = torch.cat([ang, ang], -1)
     keep = _masks(b, s, g)["random"]
     keep[:, p] = True
-    return q, k, v, k_new, v_new, emb.cos().to(dtype), emb.sin().to(dtype), keep
+    return torch.cat([q, k_new, v_new], 1), k, v, emb.cos().to(dtype), emb.sin().to(dtype), keep
 
 
 @pytest.mark.parametrize("b,s", [(1, 640), (3, 37), (2, 1000)])
@@ -162,28 +164,30 @@ def test_rope_kernels_rotate_write_the_cache_and_attend_as_the_reference(name, b
     from sparta.templates.decode_attention.spec import decode_attention_rope_ref
     module = _rope_module(name)
     for p in (0, s // 2, s - 1):
-        q, k, v, k_new, v_new, cos, sin, keep = _rope_inputs(module, b, s, p, seed=p + s)
+        qkv, k, v, cos, sin, keep = _rope_inputs(module, b, s, p, seed=p + s)
         kr, vr, position, pr = k.clone(), v.clone(), torch.tensor(p, device="cuda"), torch.tensor(p, device="cuda")
-        out = module.rope_forward(q, k_new, v_new, cos, sin, keep, k, v, position)
-        want = decode_attention_rope_ref(q, k_new, v_new, cos, sin, kr, vr, keep, pr, float(module.scale))
+        out = module.rope_forward(qkv, cos, sin, keep, k, v, position)
+        want = decode_attention_rope_ref(qkv, cos, sin, kr, vr, keep, pr, float(module.scale))
         torch.cuda.synchronize()
         assert int(position) == p + 1
         assert torch.equal(v, vr) and torch.equal(k[:, :, :p], kr[:, :, :p]) and torch.equal(k[:, :, p + 1:], kr[:, :, p + 1:])
         torch.testing.assert_close(k[:, :, p].float(), kr[:, :, p].float(), rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(out.float(), want.float(), **TOL[q.dtype], msg=f"{name} p={p}")
+        torch.testing.assert_close(out.float(), want.float(), **TOL[qkv.dtype], msg=f"{name} p={p}")
 
 
 def test_rope_kernels_refuse_a_plain_call_and_bad_inputs():
     module = _rope_module("da_g4_d128_bf16")
-    q, k, v, k_new, v_new, cos, sin, keep = _rope_inputs(module, 1, 64, 5, seed=1)
+    qkv, k, v, cos, sin, keep = _rope_inputs(module, 1, 64, 5, seed=1)
     position = torch.tensor(5, device="cuda")
     with pytest.raises(DecodeAttentionError, match="cos"):
-        module.rope_forward(q, k_new, v_new, cos[:, :64].contiguous(), sin, keep, k, v, position)
+        module.rope_forward(qkv, cos[:, :64].contiguous(), sin, keep, k, v, position)
     with pytest.raises(DecodeAttentionError, match="position"):
-        module.rope_forward(q, k_new, v_new, cos, sin, keep, k, v, position.int())
+        module.rope_forward(qkv, cos, sin, keep, k, v, position.int())
+    with pytest.raises(DecodeAttentionError, match="qkv must be"):
+        module.rope_forward(qkv[:, :module.spec.hq].contiguous(), cos, sin, keep, k, v, position)
     with pytest.raises(DecodeAttentionError, match="rope kernels take"):
         module._rope_op = None
-        DecodeAttentionOp(*module.rope_folders)(q, k, v, keep, 0.1)
+        DecodeAttentionOp(*module.rope_folders)(qkv, k, v, keep, 0.1)
     assert int(position) == 5, "a refused call writes nothing"
 
 
@@ -194,24 +198,24 @@ def test_a_cuda_graph_of_the_rope_kernels_writes_one_slot_further_each_replay(na
     from sparta.templates.decode_attention.spec import decode_attention_rope_ref
     module = _rope_module(name)
     b, s, p = 2, 640, 100
-    q, k, v, k_new, v_new, cos, sin, keep = _rope_inputs(module, b, s, p, seed=7)
+    qkv, k, v, cos, sin, keep = _rope_inputs(module, b, s, p, seed=7)
     keep[:, p:] = False
     position = torch.tensor(p, device="cuda")
-    module.rope_forward(q, k_new, v_new, cos, sin, keep, k.clone(), v.clone(), position.clone())   # load kernels
+    module.rope_forward(qkv, cos, sin, keep, k.clone(), v.clone(), position.clone())   # load kernels
     torch.cuda.synchronize()
     kr, vr, pr = k.clone(), v.clone(), position.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = module.rope_forward(q, k_new, v_new, cos, sin, keep, k, v, position)
+        out = module.rope_forward(qkv, cos, sin, keep, k, v, position)
     for step in range(3):
-        q2, _, _, kn2, vn2, cos2, sin2, _ = _rope_inputs(module, b, s, p + step, seed=20 + step)
-        q.copy_(q2), k_new.copy_(kn2), v_new.copy_(vn2), cos.copy_(cos2), sin.copy_(sin2)
+        qkv2, _, _, cos2, sin2, _ = _rope_inputs(module, b, s, p + step, seed=20 + step)
+        qkv.copy_(qkv2), cos.copy_(cos2), sin.copy_(sin2)
         keep[:, p + step] = True
         graph.replay()
-        want = decode_attention_rope_ref(q, k_new, v_new, cos, sin, kr, vr, keep, pr, float(module.scale))
+        want = decode_attention_rope_ref(qkv, cos, sin, kr, vr, keep, pr, float(module.scale))
         torch.cuda.synchronize()
         assert int(position) == int(pr) == p + step + 1
-        torch.testing.assert_close(out.float(), want.float(), **TOL[q.dtype], msg=f"{name} replay {step}")
+        torch.testing.assert_close(out.float(), want.float(), **TOL[qkv.dtype], msg=f"{name} replay {step}")
         torch.testing.assert_close(k.float(), kr.float(), rtol=1e-2, atol=1e-2)
 
 
@@ -219,16 +223,16 @@ def test_rope_kernels_update_the_cache_in_place_inside_torch_compile():
     from sparta.templates.decode_attention.spec import decode_attention_rope_ref
     module = _rope_module("da_g4_d128_bf16")
     b, s, p = 2, 640, 37
-    q, k, v, k_new, v_new, cos, sin, keep = _rope_inputs(module, b, s, p, seed=3)
+    qkv, k, v, cos, sin, keep = _rope_inputs(module, b, s, p, seed=3)
     position = torch.tensor(p, device="cuda")
     kr, vr, pr = k.clone(), v.clone(), position.clone()
 
-    def step(q, k_new, v_new, cos, sin, keep):
-        return module.rope_forward(q * 1.5, k_new, v_new, cos, sin, keep, k, v, position).float().relu()
+    def step(qkv, cos, sin, keep):
+        return module.rope_forward(qkv * 1.5, cos, sin, keep, k, v, position).float().relu()
 
-    out = torch.compile(step, fullgraph=True)(q, k_new, v_new, cos, sin, keep)
-    want = decode_attention_rope_ref(q * 1.5, k_new, v_new, cos, sin, kr, vr, keep, pr, float(module.scale))
+    out = torch.compile(step, fullgraph=True)(qkv, cos, sin, keep)
+    want = decode_attention_rope_ref(qkv * 1.5, cos, sin, kr, vr, keep, pr, float(module.scale))
     torch.cuda.synchronize()
     assert int(position) == p + 1 and torch.equal(v, vr)
     torch.testing.assert_close(k.float(), kr.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(out, want.float().relu(), **TOL[q.dtype])
+    torch.testing.assert_close(out, want.float().relu(), **TOL[qkv.dtype])
