@@ -34,6 +34,9 @@ def test_generate_replays_cuda_graphs_and_follows_the_masked_dense_model(model):
     check_llama_generate(model)
     prompt = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(0)).cuda()
     got = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    # two rows: the decode steps' rotary embedding and cache write ran in the attention kernels (the rope pair), which
+    # read the stacked q/k/v kernel's output in place
+    assert model.decode_modules["attention"]._rope_op is not None
     graphs = model.decoder().sparta_decode_graphs
     assert graphs.replays >= 23 and len(graphs.graphs) == 1
     again = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
@@ -58,16 +61,16 @@ def test_a_kernels_only_save_generates_with_the_weights_of_a_checkpoint(model, t
     a = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     b = loaded.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b)
-    # one row: the decode steps' rotary embedding and cache write ran in the attention kernels (the rope pair); a
-    # batch's strided q/k/v slices keep Hugging Face's (sparta/hf_attention.py)
+    # one row: the decode steps' rotary embedding and cache write ran in the attention kernels (the rope pair)
     assert loaded.decode_modules["attention"]._rope_op is not None
 
 
 def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_tokens(model):
-    """The default greedy call takes sparta's loop (sparta.runtime.decode_loop). Without torch.compile its tokens equal
-    Hugging Face's loop's on the same kernels, for a left-padded batch, with and without an end-of-sequence token;
-    with it (the default: the prefill graph and the step both compiled) Inductor's fused norms round differently, so
-    the tokens agree up to a step, the first included, whose two best logits are within rounding of each other."""
+    """The default greedy call takes sparta's loop (sparta.runtime.decode_loop), for a left-padded batch, with and
+    without an end-of-sequence token. Its decode steps rotate the query and key in the attention kernels (rounded once,
+    where Hugging Face's loop over the same linears rounds twice), and by default Inductor fuses the norms, so its
+    tokens agree with Hugging Face's loop up to a step, the first included, whose two best logits are within rounding
+    of each other; a second call replays the same graphs on the same cache, token for token."""
     from sparta.runtime.decode_loop import greedy_generate
     prompt = torch.randint(3, 512, (3, 21), generator=torch.Generator().manual_seed(4)).cuda()
     mask = torch.ones_like(prompt)
@@ -76,26 +79,39 @@ def test_a_plain_greedy_call_runs_one_graph_per_token_and_gives_hugging_faces_to
     free = model.generate(prompt, eos_token_id=None, do_sample=False, **kw)
     assert free.shape == (3, 61)
     hf_free = model.generate(prompt, eos_token_id=None, do_sample=False, disable_compile=True, **kw)
+    eager_free = None
     with torch.no_grad():
         for eos in (None, int(hf_free[0, 21 + 9])):
             exact = greedy_generate(model.decoder(), prompt, inductor=False, eos_token_id=eos, **kw)
             hf = model.generate(prompt, eos_token_id=eos, do_sample=False, disable_compile=True, **kw)
-            assert torch.equal(exact, hf), (eos, exact, hf)
+            _same_up_to_a_near_tie(model, exact, hf, mask, 21)
+            if eos is None:
+                eager_free = exact
         # the call kept its session: the prompt's bucket (21 -> 32 rows) and the step were captured, and a second
         # call replays both with the same cache
         session = model.decoder().sparta_decode_sessions[3]
         assert session.prefills[32].graph is not None and all(lp.graph is not None for lp in session.loops.values())
         cache = session.cache
         again = greedy_generate(model.decoder(), prompt, inductor=False, eos_token_id=None, **kw)
-        assert torch.equal(again, hf_free) and session.cache is cache
-        differ = (free != hf_free).any(0).nonzero()
-        if len(differ):
-            col = int(differ[0])
-            assert col >= 21, (col, free, hf_free)
-            ext = torch.cat([mask, torch.ones(3, col - 21, dtype=mask.dtype, device=mask.device)], 1)
-            position = (ext.cumsum(-1) - 1).masked_fill(ext == 0, 1)          # as generate() places a padded row
-            logits = model.decoder()(hf_free[:, :col], attention_mask=ext, position_ids=position,
-                                     use_cache=False).logits[:, -1].float()
-            for row in (free[:, col] != hf_free[:, col]).nonzero().flatten().tolist():
-                gap = (logits[row, hf_free[row, col]] - logits[row, free[row, col]]).abs().item()
-                assert gap < 0.1, (row, col, gap)
+        assert torch.equal(again, eager_free) and session.cache is cache
+        _same_up_to_a_near_tie(model, free, hf_free, mask, 21)
+
+
+def _same_up_to_a_near_tie(model, got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, start: int) -> None:
+    """``got`` and ``want``, generated from one left-padded prompt batch of ``start`` tokens, are the same tokens up to
+    their first differing step, where each differing row's two tokens are within rounding of each other (a logit gap
+    under 0.1 in ``want``'s context); after it they may part."""
+    n = min(got.shape[1], want.shape[1])
+    differ = (got[:, :n] != want[:, :n]).any(0).nonzero()
+    if not len(differ):
+        assert got.shape == want.shape, (got, want)
+        return
+    col = int(differ[0])
+    assert col >= start, (col, got, want)
+    ext = torch.cat([mask, torch.ones(mask.shape[0], col - start, dtype=mask.dtype, device=mask.device)], 1)
+    position = (ext.cumsum(-1) - 1).masked_fill(ext == 0, 1)          # as generate() places a padded row
+    logits = model.decoder()(want[:, :col], attention_mask=ext, position_ids=position,
+                             use_cache=False).logits[:, -1].float()
+    for row in (got[:, col] != want[:, col]).nonzero().flatten().tolist():
+        gap = (logits[row, want[row, col]] - logits[row, got[row, col]]).abs().item()
+        assert gap < 0.1, (row, col, gap)
