@@ -86,6 +86,18 @@ def test_serialisation_roundtrip(a):
     assert TeSA.from_bytes(t.to_bytes()).digest() == t.digest()
 
 
+@pytest.mark.parametrize("values,encoding", [((0, 32), "mask"), ((0, 4), "mask"), ((4,), "mask"), ((0, 4, 8), "raw"),
+                                             ((4, 32), "raw"), ((0,), "raw")])
+def test_serialisation_picks_its_encoding_by_the_kept_bit_widths(values, encoding):
+    """One kept bit width (with or without pruned elements) is a packed mask; several, or none kept, the raw values."""
+    g = torch.Generator().manual_seed(len(values))
+    bits = torch.tensor(values, dtype=torch.uint8)[torch.randint(0, len(values), (37, 53), generator=g)]
+    bits[0, :len(values)] = torch.tensor(values, dtype=torch.uint8)                 # every value present
+    t = TeSA.from_bits(bits)
+    header, payload = t.serialize()
+    assert header["encoding"] == encoding and TeSA.deserialize(header, payload) == t
+
+
 def test_serialisation_is_compact_and_not_pickle():
     mask = torch.rand(768, 3072) < 0.1
     t = TeSA.from_mask(mask)
