@@ -3,6 +3,7 @@
     python benchmarks/bench_cuda_bsr_gemv_7b.py --build             # TVM + nvcc: kernels into artifacts/cuda/g7_*/
     python benchmarks/bench_cuda_bsr_gemv_7b.py [--out g7.json]     # the GPU: torch and sparta's runtime only
     ... --rows 8 16 [--build]                                       # builds for 8 and 16 rows, run at M = 8, 16
+    ... --tiles [--build]                                           # the tile kernel at M = 8, 16 (batched decode)
 
 The decode-step linears of Llama-2-7B (bf16, no bias, 32×32 blocks, 90% of them pruned, seeded): ``o`` 4096×4096,
 ``qkv`` 12288×4096 (stacked), ``down`` 4096×11008, ``gated`` gate/up 2×11008×4096 (SiLU-gated: act(gate) · up, one
@@ -18,6 +19,11 @@ On the GPU each variant runs at M = each of ``--rows`` it holds: checked against
 (``torch.testing.assert_close``, bf16 tolerances; a failure is recorded and the sweep goes on), then timed
 kernel-only (CUDA graphs of 40 calls rotating weight sets beyond the L2). Floor = kept bf16 blocks / measured copy
 bandwidth. Prints a table per shape and M sorted by time; the JSON has every row and the best variant per shape and M.
+``--tiles``: the one-tile ``mma.sync`` kernel a plan runs for 5–128 rows (``BsrSpec(m=0)``, bf16, no bias, SiLU-gated
+for ``gated``; prefix ``g7t_``) at M = 8 and 16, over its M tile (16 or 32 rows), warps along M and N, ``stages`` of
+``cp.async`` in flight (4 is selection's; at 16 rows ``down`` and ``o`` have 128 block rows for 132 SMs, so their
+bytes in flight are what the stages hold), checked against the torch reference first like the GEMVs.
+
 The build keeps sm_90 cubins only (the H200) and no CUDA source (``kernel.cu``; ``cuda_source`` on the spec rebuilds
 it), so the folders stay small.
 """
@@ -50,6 +56,13 @@ ARCHS = ("sm_90",)
 ROTATE_BYTES = 120e6
 DTYPE = "bfloat16"
 TILE = dict(bn=BLOCK, bk=BLOCK)
+
+
+TILE_PREFIX = "g7t_"
+TILES = [dict(tm=16, warps_m=1, warps_n=1), dict(tm=16, warps_m=1, warps_n=2), dict(tm=32, warps_m=1, warps_n=1),
+         dict(tm=32, warps_m=2, warps_n=1)]
+STAGES = (4, 6, 8, 12)
+TILE_ROWS = (8, 16)
 
 
 def act_of(shape: str) -> str:
@@ -110,6 +123,19 @@ def kernels(build_rows=ROWS) -> dict:
     return specs
 
 
+def tile_kernels() -> dict:
+    """``--tiles``: kernel name -> the tile kernel's spec (``BsrSpec`` for any rows)."""
+    from sparta.templates.bsr_linear.spec import BsrSpec
+    specs = {}
+    for shape, (n, k, gate) in SHAPES.items():
+        for t in TILES:
+            for stages in STAGES:
+                name = f"{TILE_PREFIX}{shape}_tm{t['tm']}_w{t['warps_m']}x{t['warps_n']}_s{stages}"
+                specs[name] = BsrSpec(0, n, k, **t, stages=stages, bias=False, act=act_of(shape), dtype=DTYPE,
+                                      gate=gate, name=name, **TILE)
+    return specs
+
+
 def cubin_registers(path: Path) -> int | None:
     """Registers a thread of the cubin's kernel holds (``EIATTR_REGCOUNT`` of its ``.nv.info``), None if not found."""
     b = Path(path).read_bytes()
@@ -136,12 +162,14 @@ def cubin_registers(path: Path) -> int | None:
     return None
 
 
-def build(build_rows=ROWS, jobs: int = 2) -> None:
+def build(build_rows=ROWS, jobs: int = 2, tiles: bool = False) -> None:
     from concurrent.futures import ThreadPoolExecutor
     from sparta.codegen.cuda_build import build_cuda, cuda_templates, save_dir
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
-    template, specs = cuda_templates()[BsrGemvSpec], kernels(build_rows)
-    for old in ROOT.glob(f"{PREFIX}*"):
+    from sparta.templates.bsr_linear.spec import BsrSpec
+    kind, prefix = (BsrSpec, TILE_PREFIX) if tiles else (BsrGemvSpec, PREFIX)
+    template, specs = cuda_templates()[kind], tile_kernels() if tiles else kernels(build_rows)
+    for old in ROOT.glob(f"{prefix}*"):
         if old.is_dir() and old.name not in specs:
             shutil.rmtree(old)
     t0 = time.perf_counter()
@@ -158,16 +186,35 @@ def build(build_rows=ROWS, jobs: int = 2) -> None:
     ROOT.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(jobs) as pool:
         for name, spec, art, regs in pool.map(one, specs.items()):
-            print(f"{name}: {spec.ctas} CTAs x {32 * spec.warps} threads, {regs} registers"
-                  f"{' (cached)' if art.cached else ''}", flush=True)
-    print(f"{len(specs)} kernels in {time.perf_counter() - t0:.0f} s into {ROOT}/{PREFIX}*")
+            size = f"{spec.row_blocks} block rows x {spec.threads}" if tiles else f"{spec.ctas} CTAs x {32 * spec.warps}"
+            print(f"{name}: {size} threads, {regs} registers{' (cached)' if art.cached else ''}", flush=True)
+    print(f"{len(specs)} kernels in {time.perf_counter() - t0:.0f} s into {ROOT}/{prefix}*")
 
 
 
-def bench_shape(shape: str, bw: float, ms=ROWS) -> dict:
+def variant(folder: Path, shape: str, tiles: bool) -> tuple:
+    """(the most rows it takes, its row of the JSON, ``make(wp, table, bias)`` -> op) of a built kernel folder."""
     from sparta.templates.bsr_linear.gemv_spec import BsrGemvSpec
-    from sparta.templates.bsr_linear.packing import pack_weight
+    from sparta.templates.bsr_linear.launchers import BsrLinearOp, load_spec
     from sparta.templates.bsr_linear.runtime import BsrGemvOp
+    regs = cubin_registers(folder / f"kernel.{ARCHS[0]}.cubin")
+    name = folder.name[len(TILE_PREFIX if tiles else PREFIX) + len(shape) + 1:]
+    if tiles:
+        spec = load_spec(folder)
+        row = {"variant": name, "tm": spec.tm, "warps_m": spec.warps_m, "warps_n": spec.warps_n,
+               "stages": spec.stages, "block_rows": spec.row_blocks, "registers": regs,
+               "knobs": f"tm {spec.tm}, {spec.warps_m}x{spec.warps_n} warps, {spec.stages} stages"}
+        return 1 << 30, row, lambda p, t, b: BsrLinearOp.packed(folder, spec, p, t)
+    spec = BsrGemvSpec(**json.loads((folder / "spec.json").read_text()))
+    row = {"variant": name, "rows": spec.rows, "warps": spec.warps, "loads": spec.lane_loads,
+           "inflight": spec.inflight, "unit_rows": spec.unit_rows, "ctas": spec.ctas, "registers": regs,
+           "knobs": f"rows {spec.rows}, {spec.warps} warps, loads {spec.lane_loads}, inflight {spec.inflight}, "
+                    f"{spec.ctas} CTAs"}
+    return spec.rows, row, lambda p, t, b: BsrGemvOp(folder, spec, p, t, b)
+
+
+def bench_shape(shape: str, bw: float, ms=ROWS, tiles: bool = False) -> dict:
+    from sparta.templates.bsr_linear.packing import pack_weight
     from sparta.templates.bsr_linear.spec import BsrSpec, reference
 
     n, k, gate = SHAPES[shape]
@@ -182,23 +229,21 @@ def bench_shape(shape: str, bw: float, ms=ROWS) -> dict:
     sets = max(2, math.ceil(ROTATE_BYTES / kept))
     weights = [(wp, table)] + [(wp.clone(), table.clone()) for _ in range(sets - 1)]
     floor_us = kept / bw / 1e3
-    folders = sorted(f for f in ROOT.glob(f"{PREFIX}{shape}_*") if (f / "spec.json").is_file())
+    prefix, sel_name = (TILE_PREFIX, "tm32_w2x1_s4") if tiles else (PREFIX, "sel")
+    folders = sorted(f for f in ROOT.glob(f"{prefix}{shape}_*") if (f / "spec.json").is_file())
     if not folders:
-        raise SystemExit(f"no {PREFIX}{shape}_* kernels under {ROOT}: build them with --build")
+        raise SystemExit(f"no {prefix}{shape}_* kernels under {ROOT}: build them with --build")
     rows = []
     for m in ms:
         xs = [torch.randn(m, k, device="cuda").to(dt) for _ in range(sets)]
         ref = reference(xs[0], w, mask, None, act, BLOCK, BLOCK, gate=gate)
         for folder in folders:
-            spec = BsrGemvSpec(**json.loads((folder / "spec.json").read_text()))
-            if m > spec.rows:
+            most, row, make = variant(folder, shape, tiles)
+            if m > most:
                 continue
-            row = {"variant": folder.name[len(PREFIX) + len(shape) + 1:], "m": m, "rows": spec.rows,
-                   "warps": spec.warps, "loads": spec.lane_loads, "inflight": spec.inflight,
-                   "unit_rows": spec.unit_rows, "ctas": spec.ctas,
-                   "registers": cubin_registers(folder / f"kernel.{ARCHS[0]}.cubin")}
+            row["m"] = m
             try:
-                ops = [BsrGemvOp(folder, spec, p, t, bias) for p, t in weights]
+                ops = [make(p, t, bias) for p, t in weights]
                 for op in ops[1:]:
                     op.kernel = ops[0].kernel          # one loaded module serves every weight set
                 y = ops[0](xs[0])
@@ -219,20 +264,18 @@ def bench_shape(shape: str, bw: float, ms=ROWS) -> dict:
         timed = sorted((r for r in rows if r["m"] == m and "kernel_us" in r), key=lambda r: r["kernel_us"])
         print(f"\n{shape} {n}x{k}{' gated' if gate else ''}, M={m}: floor {floor_us:.2f} us "
               f"({kept / 1e6:.1f} MB kept)")
-        print(f"  {'variant':<16}{'rows':>5}{'warps':>6}{'loads':>6}{'infl':>5}{'CTAs':>6}{'regs':>5}"
-              f"{'us':>8}{'floor%':>7}  check")
+        print(f"  {'variant':<16}{'knobs':<52}{'regs':>5}{'us':>8}{'floor%':>7}  check")
         for r in timed + [r for r in rows if r["m"] == m and "kernel_us" not in r]:
             us = f"{r['kernel_us']:8.2f}{r['floor_pct']:7.0f}" if "kernel_us" in r else f"{'-':>8}{'-':>7}"
             err = f" (err {r['max_rel_err']:.1e})" if "max_rel_err" in r else ""
-            print(f"  {r['variant']:<16}{r['rows']:>5}{r['warps']:>6}{r['loads']:>6}{r['inflight']:>5}"
-                  f"{r['ctas']:>6}{r['registers'] or '?':>5}{us}  "
+            print(f"  {r['variant']:<16}{r['knobs']:<52}{r['registers'] or '?':>5}{us}  "
                   f"{'ok' if r['ok'] else 'FAIL ' + r['error']}{err}", flush=True)
         good = [r for r in timed if r["ok"]]
         if good:
             best[str(m)] = {k_: good[0][k_] for k_ in ("variant", "kernel_us", "floor_pct")}
-        sel = next((r for r in timed if r["variant"] == "sel"), None)
+        sel = next((r for r in timed if r["variant"] == sel_name), None)
         if sel is not None:
-            base[str(m)] = {k_: sel[k_] for k_ in ("variant", "warps", "kernel_us", "floor_pct", "ok")}
+            base[str(m)] = {k_: sel[k_] for k_ in ("variant", "knobs", "kernel_us", "floor_pct", "ok")}
         if good and sel is not None:
             print(f"  best {good[0]['variant']} {good[0]['kernel_us']:.2f} us vs selection's {sel['kernel_us']:.2f} us "
                   f"({sel['kernel_us'] / good[0]['kernel_us']:.2f}x)")
@@ -247,24 +290,26 @@ def main():
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS),
                     help="the most rows of the builds, and the M each is run at")
+    ap.add_argument("--tiles", action="store_true", help="the tile kernel for any rows instead, at M = 8 and 16")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
     if args.list:
-        print(" ".join(kernels(args.rows)))
+        print(" ".join(tile_kernels() if args.tiles else kernels(args.rows)))
         return
     if args.build:
-        build(args.rows)
+        build(args.rows, tiles=args.tiles)
         return
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
-    shapes = [bench_shape(s, bw, args.rows) for s in args.shapes]
+    shapes = [bench_shape(s, bw, TILE_ROWS if args.tiles else args.rows, args.tiles) for s in args.shapes]
     print("\nbest per shape and M (selection's in brackets):")
     for s in shapes:
         for m, b in s["best"].items():
             sel = s["selection"].get(m)
             print(f"  {s['shape']:<6} M={m}: {b['variant']:<14} {b['kernel_us']:6.2f} us ({b['floor_pct']:.0f}% of "
                   f"floor {s['floor_us']:.2f})" + (f" [sel {sel['kernel_us']:.2f}]" if sel else ""))
-    path = save("bsr_gemv_7b", {"copy_GBps": bw, "archs": list(ARCHS), "shapes": shapes})
+    path = save("bsr_tile_7b" if args.tiles else "bsr_gemv_7b", {"copy_GBps": bw, "archs": list(ARCHS),
+                                                                  "shapes": shapes})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, args.out)
