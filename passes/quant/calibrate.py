@@ -15,6 +15,9 @@ searched on the calibration data), kept if it too adds at most ``tolerance``: th
 then writes int8 codes itself instead of an fp16 tensor quantised per token by another pass
 (``static_activations``; default on for the CUDA target). With ``model_tolerance`` (or a ``metric``) the final
 model outputs are checked and the costliest decisions are undone until they pass.
+
+``densities`` makes it a joint plan: each GEMM weight may also keep only its largest blocks (``prune.py``), and of
+the (density, width) choices within the tolerance the one the target's profile estimates cheapest is kept.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .scheme import WeightQuant
 from .report import Decision, QuantReport
 from .scheme import (CLIPS, FLOAT_WIDTHS, GRANULARITIES, QuantParams, fake_quant_float, fake_quant_rows,
                      fake_quant_static, fit_weight)
+from .prune import check_densities, joint_choice
 from .sites import WeightSite, parse_batches, weight_sites
 from .walk import LockstepWalk, relative_mse
 
@@ -61,6 +65,8 @@ class QuantConfig:
     progress: bool = True
     device: str | None = None       # where the batches run: "cpu" or a GPU ("cuda"; what fails there reruns on the
 #                                     CPU with a warning); None: the calibration batches' own device
+    densities: tuple[float, ...] = ()   # joint plan: fractions of a GEMM weight's blocks it may keep (prune.py)
+    prune_block: tuple[int, int] = (32, 32)   # the blocks pruned by magnitude
 
     def __post_init__(self):
         if not (isinstance(self.tolerance, (int, float)) and self.tolerance >= 0 and math.isfinite(self.tolerance)):
@@ -71,6 +77,9 @@ class QuantConfig:
             raise QuantizationError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.group_size < 1 or self.group_size & (self.group_size - 1):
             raise QuantizationError(f"group_size must be a power of two, got {self.group_size}")
+        densities, block = check_densities(self.densities, self.prune_block)
+        object.__setattr__(self, "densities", densities)
+        object.__setattr__(self, "prune_block", block)
 
     def scheme(self, bits: int) -> dict:
         if bits >= 8:
@@ -102,6 +111,7 @@ class _Calibration:
         self._undo: dict[int, Callable] = {}
         self._dequantized: dict[tuple[str, int], torch.Tensor] = {}
         self.lowered_by: dict[str, str] = {}     # weight -> the activation whose decision lowered it
+        self.prune: dict[str, torch.Tensor] = {}       # joint plan: weight -> kept (N, K) of its pruned blocks
 
     def _kept_bits(self, name: str) -> int:
         return self.g.tesa(name).max_bits() or bits_of_dtype(self.g.tensor(name).dtype)
@@ -149,6 +159,8 @@ class _Calibration:
             nk = site.to_nk(w).float()
             q = fake_quant_float(nk, bits) if p is None else p.dequantize(nk)
             mask = site.to_nk(self.g.tesa(site.weight).mask).to(q.device)
+            if site.weight in self.prune:
+                mask = mask & self.prune[site.weight]
             self._dequantized[key] = site.from_nk(q * mask, w.shape).to(w.dtype)
         return self._dequantized[key]
 
@@ -160,6 +172,8 @@ class _Calibration:
         override = None
         if rb is not None and rb < self.model_bits[site.weight]:
             override = {site.weight: self.dequantized(site, rb)}
+        elif site.weight in self.prune:                   # pruned at its own width
+            override = {site.weight: self.weights[site.weight]}
         ab = self.run_act_bits(site.x)
         lowered = site.gemm and ab < bits_of_dtype(self.g.tensor(site.x).dtype)
         act = (site.x, self.act_fn(site.x, ab)) if lowered else None
@@ -175,7 +189,7 @@ class _Calibration:
     def objective(self, site: WeightSite, walk, xs, ys, act_fn=None):
         """``channel_sse(dequantised (N, K) weight)`` of ``site``'s op on inputs ``xs`` against ``ys``."""
         op = self.g.op(site.op)
-        w = self.weights[site.weight]
+        w = walk.weights.get(site.weight, self.weights[site.weight])    # what the op ran with (before any pruning)
         if act_fn is not None:
             xs = [act_fn(x) for x in xs]
         values = {site.x: xs}
@@ -214,7 +228,8 @@ class _Calibration:
         if site is None or site.weight in self.fixed:
             return
         cands = self.weight_candidates(site)
-        if not cands:
+        joint = bool(self.cfg.densities) and site.gemm and self.profile is not None
+        if not cands and not joint:
             return
         ys = outs_fp[0]
         ref = sum(float(y.double().pow(2).sum()) for y in ys) or 1.0
@@ -222,6 +237,10 @@ class _Calibration:
         base = float(objective(self.current_nk(site)).sum())
         before = self.wbits[site.weight]
         d = Decision(site.weight, "weight", [op.name], before, before)
+        if joint:
+            self._joint(site, d, objective, base, ref, walk.q[site.x], cands)
+            self.decisions.append(d)
+            return
         for bits in cands:
             params, sse = self.fit(site, bits, objective)
             added = (float(sse.sum()) - base) / ref
@@ -234,6 +253,29 @@ class _Calibration:
         if d.bits < before:
             self.wbits[site.weight] = d.bits
             self._undo[id(d)] = lambda w=site.weight, b=before: self.wbits.__setitem__(w, b)
+
+    def _joint(self, site: WeightSite, d: Decision, objective, base: float, ref: float, xs, cands: list[int]) -> None:
+        """The joint plan's choice for one GEMM weight (``prune.joint_choice``), applied: its width, and its blocks
+        pruned where that was cheapest."""
+        w = site.weight
+        bits, params, keep = joint_choice(self, site, d, objective, base, ref, xs, cands)
+        before = (self.wbits[w], self.weights[w])
+        if bits < self.wbits[w]:
+            self.wbits[w] = bits
+            self.params[w][bits] = params
+        if keep is not None:
+            self.prune[w] = keep
+            w_nk = site.to_nk(self.weights[w]).float()
+            self.weights[w] = site.from_nk(w_nk * keep, self.weights[w].shape).to(self.weights[w].dtype)
+            self._dequantized = {key: v for key, v in self._dequantized.items() if key[0] != w}
+        if bits < before[0] or keep is not None:
+            self._undo[id(d)] = lambda s=site, b=before: self._restore_weight(s, *b)
+
+    def _restore_weight(self, site: WeightSite, bits: int, weight: torch.Tensor) -> None:
+        """Undo a joint-plan decision: the weight's width and, if it pruned, its blocks."""
+        self.wbits[site.weight], self.weights[site.weight] = bits, weight
+        self.prune.pop(site.weight, None)
+        self._dequantized = {key: v for key, v in self._dequantized.items() if key[0] != site.weight}
 
     # ---- phase B: activations -----------------------------------------------------------------------------
     def on_value(self, name: str, walk):
@@ -356,7 +398,7 @@ class _Calibration:
         err = self.model_error(ref, q)
         limit = self.cfg.model_tolerance
         while limit is not None and err > limit:
-            live = [d for d in self.decisions if d.bits < d.bits_before and not d.reverted]
+            live = [d for d in self.decisions if (d.bits < d.bits_before or d.density < 1) and not d.reverted]
             if not live:
                 break
             worst = max(live, key=lambda d: d.error)
@@ -368,6 +410,11 @@ class _Calibration:
 
     def commit(self, report: QuantReport) -> None:
         """Lower the graph's TeSAs (lattice meet) and store the fitted parameters for codegen."""
+        sites = {s.weight: s for s in self.sites.values()}
+        for w, keep in self.prune.items():                # joint plan: the pruned blocks
+            v = self.g.tensor(w)
+            mask = sites[w].from_nk(keep.float(), v.shape) != 0
+            self.g.set_tesa(w, v.tesa.meet(TeSA.from_mask(mask.cpu(), bits=32)))
         for w, bits in self.wbits.items():
             if bits < self.model_bits[w] and w not in self.fixed:
                 v = self.g.tensor(w)

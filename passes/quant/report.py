@@ -23,6 +23,8 @@ class Decision:
     by: str = ""                       # a weight lowered by the activation decision on this tensor
     scale: float | None = None         # an 8-bit activation at one static scale (else per token at run time)
     static_error: float | None = None  # added relative MSE at the best static scale tried
+    density: float = 1.0               # joint plan: the fraction of the weight's blocks kept (prune.py)
+    prune_trials: dict[str, float] = field(default_factory=dict)   # "density@bits" -> added relative MSE
 
 
 @dataclass
@@ -37,15 +39,17 @@ class QuantReport:
     device: str = "cpu"                # where the calibration batches ran
 
     def lowered(self) -> list[Decision]:
-        return [d for d in self.decisions if d.bits < d.bits_before and not d.reverted]
+        return [d for d in self.decisions if (d.bits < d.bits_before or d.density < 1) and not d.reverted]
 
     def table(self) -> str:
         """Markdown: every tensor tried, its bits before → after and the error added."""
         rows = ["| tensor | kind | ops | bits | runs as | added rel. MSE | tried (bits: added rel. MSE) |",
                 "| --- | --- | --- | --- | --- | --- | --- |"]
         for d in self.decisions:
-            tried = ", ".join(f"{b}: {e:.2e}" for b, e in sorted(d.trials.items(), reverse=True))
-            bits = f"{d.bits_before} → {d.bits}" + (" (undone)" if d.reverted else "") + \
+            tried = ", ".join([f"{b}: {e:.2e}" for b, e in sorted(d.trials.items(), reverse=True)]
+                              + [f"{key}: {e:.2e}" for key, e in d.prune_trials.items()])
+            bits = f"{d.bits_before} → {d.bits}" + (f", {d.density:.0%} of blocks kept" if d.density < 1 else "") + \
+                (" (undone)" if d.reverted else "") + \
                 (f" (with activation {d.by})" if d.by else "") + \
                 (f", static scale {d.scale:.3g}" if d.scale is not None and not d.reverted else "")
             err = "—" if d.by else f"{d.error:.2e}"      # the activation's row holds the error of that step
