@@ -52,8 +52,12 @@ def block_magnitude_mask(w_nk: torch.Tensor, density: float, block: tuple[int, i
 def estimated_us(profile, m: int, n: int, k: int, kept_blocks: int, block: tuple[int, int], weight_bits: int,
                  act_bits: int) -> float:
     """The profile's estimate of an (M, K) × (K, N) GEMM at ``weight_bits`` keeping ``kept_blocks`` of its blocks:
-    the cheaper of the dense kernel and the block kernel (dense where the profile has no block cost for it)."""
-    dense = profile.dense_us(m, n, k, weight_bits, act_bits)
+    the cheaper of the dense kernel and the block kernel (dense where the profile has no block cost for it; inf
+    where it has no kernel at all: never chosen over one it prices)."""
+    try:
+        dense = profile.dense_us(m, n, k, weight_bits, act_bits)
+    except PlanError:
+        dense = math.inf
     total = -(-n // block[0]) * -(-k // block[1])
     if kept_blocks >= total:
         return dense
