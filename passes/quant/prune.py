@@ -1,10 +1,10 @@
 """Pruning beside quantization in one calibration walk (a joint plan): a weight's blocks kept by magnitude, and what a
-(density, bits) choice is estimated to cost on the target.
+(density, bits) choice is estimated to cost on the target (the plan's own estimate of the op with that TeSA).
 
 ``QuantConfig.densities`` asks calibration to try, for each GEMM weight, keeping only the largest ``density`` of its
 ``prune_block`` blocks (by L2 norm, already pruned elements counting as zeros) at each width it tries; of the choices
-whose added output error stays within the tolerance it keeps the one the target's cost profile estimates cheapest
-(ties: the more blocks, then the more bits). A first heuristic: one op at a time in the walk's order, each op's
+whose added output error stays within the tolerance it keeps the one the plan estimates cheapest over the token range
+it plans for (ties: the more blocks, then the more bits). A first heuristic: one op at a time in the walk's order, each op's
 budget the same ``tolerance``, the model's outputs checked afterwards by ``model_tolerance`` as for bits alone.
 """
 
@@ -15,6 +15,7 @@ import math
 import torch
 
 from ...errors import PlanError, QuantizationError
+from ...tesa import TeSA
 from .scheme import fake_quant_float
 
 
@@ -49,32 +50,25 @@ def block_magnitude_mask(w_nk: torch.Tensor, density: float, block: tuple[int, i
     return grid.reshape(gh, gw).repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:n, :k]
 
 
-def estimated_us(profile, m: int, n: int, k: int, kept_blocks: int, block: tuple[int, int], weight_bits: int,
-                 act_bits: int) -> float:
-    """The profile's estimate of an (M, K) × (K, N) GEMM at ``weight_bits`` keeping ``kept_blocks`` of its blocks:
-    the cheaper of the dense kernel and the block kernel (dense where the profile has no block cost for it; inf
-    where it has no kernel at all: never chosen over one it prices)."""
+def plan_cost(graph, site, tesa, profile) -> float:
+    """What the plan would estimate for ``site``'s op were its weight's TeSA ``tesa``: its cost over the token range it
+    plans for (the dense cost times the mean ratio to dense there, as it chooses), or at the example's rows."""
+    from ..transform.transform_op import transform_gemm
+    value = graph.tensor(site.weight)
+    before = value.tesa
+    value.tesa = tesa
     try:
-        dense = profile.dense_us(m, n, k, weight_bits, act_bits)
+        plan = transform_gemm(graph, graph.op(site.op), profile)
     except PlanError:
-        dense = math.inf
-    total = -(-n // block[0]) * -(-k // block[1])
-    if kept_blocks >= total:
-        return dense
-    try:
-        sparse = profile.cover_us(kept_blocks, block, m, weight_bits, act_bits, k)
-    except PlanError:
-        return dense
-    return min(dense, sparse)
-
-
-def block_grid(keep: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Bool grid of the ``block``-shaped blocks of ``keep`` (N, K) holding any kept element."""
-    n, k = keep.shape
-    bh, bw = block
-    padded = torch.zeros(-(-n // bh) * bh, -(-k // bw) * bw, dtype=torch.bool, device=keep.device)
-    padded[:n, :k] = keep
-    return padded.reshape(padded.shape[0] // bh, bh, padded.shape[1] // bw, bw).any(3).any(1)
+        return math.inf
+    finally:
+        value.tesa = before
+    if plan is None:
+        return math.inf
+    rows = getattr(plan, "rows_us", None)
+    if rows:
+        return plan.dense_us * sum(c / d for _, c, d in rows) / len(rows)
+    return plan.est_us
 
 
 def joint_choice(cal, site, d, objective, base: float, ref: float, xs, cands: list[int]):
@@ -84,11 +78,8 @@ def joint_choice(cal, site, d, objective, base: float, ref: float, xs, cands: li
     the tolerance, the cheapest by the profile (ties: more blocks, then more bits). Every trial goes into ``d``."""
     w = site.weight
     w_nk = site.to_nk(cal.weights[w]).float()
-    kept_now = site.to_nk(cal.g.tesa(w).mask).to(w_nk.device)
-    n, k = w_nk.shape
-    m = max(1, sum(x.numel() for x in xs) // (k * max(len(xs), 1)))       # rows of one calibration batch
-    act, block, profile = cal.run_act_bits(site.x), cal.cfg.prune_block, cal.profile
-    widths = profile.weight_widths(act)
+    tesa = cal.g.tesa(w)
+    kept_now = site.to_nk(tesa.mask).to(w_nk.device)
     options = []
     for bits in [d.bits_before, *cands]:
         params, q = None, w_nk
@@ -96,21 +87,23 @@ def joint_choice(cal, site, d, objective, base: float, ref: float, xs, cands: li
             params, _ = cal.fit(site, bits, objective)
             q = fake_quant_float(w_nk, bits) if params is None else params.dequantize(w_nk)
         q = q * kept_now
-        run_bits = profile.round_up(bits, widths) if widths else bits
+        at_bits = tesa if bits >= cal.model_bits[w] else tesa.meet(TeSA.dense(tesa.shape, bits))
         for density in (1.0, *cal.cfg.densities):
-            keep = kept_now if density == 1.0 else kept_now & block_magnitude_mask(w_nk * kept_now, density, block)
+            keep = kept_now if density == 1.0 else \
+                kept_now & block_magnitude_mask(w_nk * kept_now, density, cal.cfg.prune_block)
             added = (float(objective(q if density == 1.0 else q * keep).sum()) - base) / ref
             if density == 1.0:
                 d.trials[bits] = added
             else:
                 d.prune_trials[f"{density:g}@{bits}"] = added
             if added <= cal.cfg.tolerance or (bits == d.bits_before and density == 1.0):    # or as it is
-                us = estimated_us(profile, m, n, k, int(block_grid(keep, block).sum()), block, run_bits, act)
-                options.append((us, -density, -bits, density, bits, added, params,
+                candidate = at_bits if density == 1.0 else \
+                    at_bits.meet(TeSA.from_mask(site.from_nk(keep.float(), tesa.shape).cpu() != 0, bits=32))
+                options.append((plan_cost(cal.g, site, candidate, cal.profile), -density, -bits, density, bits, added, params,
                                 None if density == 1.0 else keep))
     _, _, _, d.density, bits, d.error, params, keep = min(options, key=lambda o: o[:3])
     d.bits = bits
     return bits, params, keep
 
 
-__all__ = ["block_grid", "block_magnitude_mask", "check_densities", "estimated_us", "joint_choice"]
+__all__ = ["block_magnitude_mask", "check_densities", "joint_choice", "plan_cost"]

@@ -8,7 +8,7 @@ import torch.nn as nn
 import sparta
 from sparta.passes import calibrate
 from sparta.passes.quant import QuantizationError, fake_quantized_weights
-from sparta.passes.quant.prune import block_grid, block_magnitude_mask
+from sparta.passes.quant.prune import block_magnitude_mask
 
 
 def _batches(k, n=2, rows=64, seed=0):
@@ -38,7 +38,9 @@ def test_the_largest_blocks_are_kept():
     for i in range(3):
         for j in range(2):
             norms[i, j] = w[32 * i:32 * i + 32, 32 * j:32 * j + 32].pow(2).sum()
-    grid = block_grid(keep, (32, 32))
+    grid = torch.zeros(96, 64, dtype=torch.bool)
+    grid[:70, :45] = keep
+    grid = grid.reshape(3, 32, 2, 32).any(3).any(1)
     assert int(grid.sum()) == 3 and set(norms[grid].tolist()) == set(norms.flatten().topk(3).values.tolist())
     assert torch.equal(keep, grid.repeat_interleave(32, 0).repeat_interleave(32, 1)[:70, :45])
     assert block_magnitude_mask(torch.zeros(64, 64), 0.5, (32, 32)).sum() == 2 * 32 * 32   # ties: the earlier
@@ -71,13 +73,11 @@ def test_no_tolerance_prunes_nothing_and_the_model_tolerance_undoes_pruning():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_each_choice_adds_at_most_the_tolerance_and_the_model_runs_as_calibrated(seed):
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)).eval()
-    with torch.no_grad():
-        for lin in (model[0], model[2]):
-            lin.weight.mul_((torch.rand(lin.weight.shape[0] // 32, lin.weight.shape[1] // 32, generator=g) < 0.4)
-                            .float().add(1e-3).repeat_interleave(32, 0).repeat_interleave(32, 1))
-    batches = _batches(128, seed=seed)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512)).eval()
+    with torch.no_grad():           # a quarter of each weight's blocks large (large enough for sparse kernels to pay)
+        for i, lin in ((0, model[0]), (2, model[2])):
+            lin.weight.copy_(_linear_with_small_blocks(*lin.weight.shape, seed=seed * 3 + i)[0].weight)
+    batches = _batches(512, seed=seed)
     tol = 1e-3
     compiled = sparta.compile(model, {}, batches[0], calibration=batches, target="cpu",
                               quant_tolerance={"tolerance": tol, "densities": (0.5, 0.25), "progress": False})
@@ -89,7 +89,9 @@ def test_each_choice_adds_at_most_the_tolerance_and_the_model_runs_as_calibrated
     state = {k: fq.get(k, compiled.graph.tesa(k).apply(v)) for k, v in model.state_dict().items() if "weight" in k}
     with torch.no_grad():
         want = torch.func.functional_call(model, state, batches[0], strict=False)
-        torch.testing.assert_close(compiled(*batches[0]), want, rtol=1e-4, atol=1e-4)
+        got = compiled(*batches[0])
+    assert float((got - want).pow(2).sum() / want.pow(2).sum()) < 1e-4      # the int8 kernels' rounding
+    assert float((want - model(*batches[0])).pow(2).sum() / want.pow(2).sum()) < 4 * tol
     pruned = [d.tensor for d in report.decisions if d.density < 1]
     assert all(not compiled.graph.tesa(w).is_dense for w in pruned)
     assert "sparse" in {op["kind"] for op in compiled.plan.to_json()["ops"].values()}
