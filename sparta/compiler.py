@@ -112,4 +112,5 @@ def _quantizer(calibration, quant_tolerance, target: str):
         config = quant_tolerance
     else:
         config = QuantConfig(quant_tolerance)
-    return lambda graph: calibrate(graph, calibration, config, target=target)
+    from .passes.transform.price import plan_price
+    return lambda graph: calibrate(graph, calibration, config, target=target, price=plan_price)

@@ -91,8 +91,9 @@ class QuantConfig:
 
 class _Calibration:
     def __init__(self, graph: Graph, batches, config: QuantConfig, profile, weights, static: bool = False,
-                 device: str = "cpu"):
+                 device: str = "cpu", price: Callable | None = None):
         self.g, self.cfg, self.profile, self.static_on = graph, config, profile, static
+        self.price = price                  # joint plan: price(graph, op, weight, tesa, profile) -> µs
         self.static: dict[str, float] = {}        # 8-bit activations at one static scale
         self.batches = [[t.detach().to(device) if isinstance(t, torch.Tensor) else t for t in b] for b in batches]
         self.weights = {v.name: weights.get(v.name, v.data).to(device) for v in graph.tensors("weight")
@@ -228,7 +229,7 @@ class _Calibration:
         if site is None or site.weight in self.fixed:
             return
         cands = self.weight_candidates(site)
-        joint = bool(self.cfg.densities) and site.gemm and self.profile is not None
+        joint = bool(self.cfg.densities) and site.gemm and self.profile is not None and self.price is not None
         if not cands and not joint:
             return
         ys = outs_fp[0]
@@ -444,13 +445,15 @@ class _Calibration:
 
 
 def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, target: str | None = "cpu",
-              weights: dict[str, torch.Tensor] | None = None, **options) -> QuantReport:
+              weights: dict[str, torch.Tensor] | None = None, price: Callable | None = None, **options) -> QuantReport:
     """Find the fewest bits each weight (and GEMM input, with ``activations=True``) can keep.
 
     ``calibration``: batches of example inputs (see :func:`parse_batches`); ``tolerance``: the
     relative output MSE one op may add (or a full :class:`QuantConfig`; ``options`` fill one).
     ``target`` picks the widths tried from its hardware profile (None: 16, 8, 4).
     ``weights`` overrides weight values (default: the graph's, with pruned elements zeroed).
+    ``price(graph, op, weight, tesa, profile) -> µs``: how the joint plan (``densities``) compares its choices
+    (``sparta.passes.calibrate`` and ``compile`` pass the planner's, ``passes/transform/price.py``).
     Lowers the graph's TeSAs in place and returns the report (also in ``graph.quantization``), whose
     fitted weight scales and static activation scales the planner copies into the plan.
     """
@@ -459,6 +462,9 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     config = tolerance if isinstance(tolerance, QuantConfig) else QuantConfig(tolerance, **options)
     batches = parse_batches(graph, calibration)
     profile = load_target(target).profile if target is not None else None
+    if config.densities and (price is None or profile is None):
+        raise QuantizationError("densities (pruning beside the bits) need a target and the planner's prices: call "
+                                "sparta.passes.calibrate or sparta.compile")
     if weights is None:
         weights = {v.name: v.tesa.apply(v.data) for v in graph.tensors("weight")
                    if v.data is not None and v.data.dtype.is_floating_point and not v.tesa.is_dense}
@@ -467,7 +473,8 @@ def calibrate(graph: Graph, calibration, tolerance: float | QuantConfig, *, targ
     with torch.no_grad():
         for device in dict.fromkeys((device, "cpu")):        # the device asked, then the CPU where it fails
             try:
-                cal = _Calibration(graph, batches, config, profile, weights, static and config.activations, device)
+                cal = _Calibration(graph, batches, config, profile, weights, static and config.activations, device,
+                                   price)
                 report = cal.run()
                 break
             except (RuntimeError, NotImplementedError) as exc:

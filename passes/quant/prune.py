@@ -1,5 +1,6 @@
 """Pruning beside quantization in one calibration walk (a joint plan): a weight's blocks kept by magnitude, and what a
-(density, bits) choice is estimated to cost on the target (the plan's own estimate of the op with that TeSA).
+(density, bits) choice is estimated to cost: ``price(graph, op, weight, tesa, profile)``, given by the caller (the
+plan's own estimate of the op with that TeSA, ``passes/transform/price.py``: this package imports nothing of the planner).
 
 ``QuantConfig.densities`` asks calibration to try, for each GEMM weight, keeping only the largest ``density`` of its
 ``prune_block`` blocks (by L2 norm, already pruned elements counting as zeros) at each width it tries; of the choices
@@ -14,7 +15,7 @@ import math
 
 import torch
 
-from ...errors import PlanError, QuantizationError
+from ...errors import QuantizationError
 from ...tesa import TeSA
 from .scheme import fake_quant_float
 
@@ -50,27 +51,6 @@ def block_magnitude_mask(w_nk: torch.Tensor, density: float, block: tuple[int, i
     return grid.reshape(gh, gw).repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:n, :k]
 
 
-def plan_cost(graph, site, tesa, profile) -> float:
-    """What the plan would estimate for ``site``'s op were its weight's TeSA ``tesa``: its cost over the token range it
-    plans for (the dense cost times the mean ratio to dense there, as it chooses), or at the example's rows."""
-    from ..transform.transform_op import transform_gemm
-    value = graph.tensor(site.weight)
-    before = value.tesa
-    value.tesa = tesa
-    try:
-        plan = transform_gemm(graph, graph.op(site.op), profile)
-    except PlanError:
-        return math.inf
-    finally:
-        value.tesa = before
-    if plan is None:
-        return math.inf
-    rows = getattr(plan, "rows_us", None)
-    if rows:
-        return plan.dense_us * sum(c / d for _, c, d in rows) / len(rows)
-    return plan.est_us
-
-
 def joint_choice(cal, site, d, objective, base: float, ref: float, xs, cands: list[int]):
     """``(bits, fitted params, kept (N, K) or None)`` for one GEMM weight of calibration ``cal``: of its widths
     (``cands`` and its own) and block densities (``cal.cfg.densities``, its largest blocks kept), those whose added
@@ -99,11 +79,11 @@ def joint_choice(cal, site, d, objective, base: float, ref: float, xs, cands: li
             if added <= cal.cfg.tolerance or (bits == d.bits_before and density == 1.0):    # or as it is
                 candidate = at_bits if density == 1.0 else \
                     at_bits.meet(TeSA.from_mask(site.from_nk(keep.float(), tesa.shape).cpu() != 0, bits=32))
-                options.append((plan_cost(cal.g, site, candidate, cal.profile), -density, -bits, density, bits, added, params,
-                                None if density == 1.0 else keep))
+                options.append((cal.price(cal.g, site.op, site.weight, candidate, cal.profile), -density, -bits,
+                                density, bits, added, params, None if density == 1.0 else keep))
     _, _, _, d.density, bits, d.error, params, keep = min(options, key=lambda o: o[:3])
     d.bits = bits
     return bits, params, keep
 
 
-__all__ = ["block_magnitude_mask", "check_densities", "joint_choice", "plan_cost"]
+__all__ = ["block_magnitude_mask", "check_densities", "joint_choice"]

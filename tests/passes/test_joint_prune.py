@@ -106,3 +106,12 @@ def test_bad_joint_options_are_explained(bad, match):
     graph = sparta.capture(model, batches[0])
     with pytest.raises(QuantizationError, match=match):
         calibrate(graph, batches, 1e-3, progress=False, **bad)
+
+
+def test_the_joint_plan_needs_the_planners_prices():
+    """``passes.quant`` imports nothing of the planner: its own ``calibrate`` refuses densities without a price."""
+    from sparta.passes.quant import calibrate as quant_calibrate
+    model, _ = _linear_with_small_blocks()
+    batches = _batches(512)
+    with pytest.raises(QuantizationError, match="planner's prices"):
+        quant_calibrate(sparta.capture(model, batches[0]), batches, 1e-3, densities=(0.5,), progress=False)
