@@ -101,7 +101,8 @@ def _quantizer(calibration, quant_tolerance, target: str):
         return None
     if calibration is None or quant_tolerance is None:
         raise SpartaError("quantization needs both calibration (batches of inputs) and quant_tolerance")
-    from .passes.quant import QuantConfig, calibrate
+    from .passes import calibrate                   # with the planner's prices for a joint plan
+    from .passes.quant import QuantConfig
     if isinstance(quant_tolerance, Mapping):
         import dataclasses
         known = {f.name for f in dataclasses.fields(QuantConfig)}
@@ -112,5 +113,4 @@ def _quantizer(calibration, quant_tolerance, target: str):
         config = quant_tolerance
     else:
         config = QuantConfig(quant_tolerance)
-    from .passes.transform.price import plan_price
-    return lambda graph: calibrate(graph, calibration, config, target=target, price=plan_price)
+    return lambda graph: calibrate(graph, calibration, config, target=target)

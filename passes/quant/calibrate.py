@@ -17,7 +17,8 @@ then writes int8 codes itself instead of an fp16 tensor quantised per token by a
 model outputs are checked and the costliest decisions are undone until they pass.
 
 ``densities`` makes it a joint plan: each GEMM weight may also keep only its largest blocks (``prune.py``), and of
-the (density, width) choices within the tolerance the one the target's profile estimates cheapest is kept.
+the (density, width) choices within the tolerance the one the caller's ``price`` (the plan's estimate) finds cheapest is
+kept.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ class _Calibration:
         if site is None or site.weight in self.fixed:
             return
         cands = self.weight_candidates(site)
-        joint = bool(self.cfg.densities) and site.gemm and self.profile is not None and self.price is not None
+        joint = bool(self.cfg.densities) and site.gemm      # calibrate() saw to a profile and a price
         if not cands and not joint:
             return
         ys = outs_fp[0]
@@ -259,8 +260,8 @@ class _Calibration:
         """The joint plan's choice for one GEMM weight (``prune.joint_choice``), applied: its width, and its blocks
         pruned where that was cheapest."""
         w = site.weight
-        bits, params, keep = joint_choice(self, site, d, objective, base, ref, xs, cands)
-        before = (self.wbits[w], self.weights[w])
+        params, keep = joint_choice(self, site, d, objective, base, ref, xs, cands)
+        bits, before = d.bits, (self.wbits[w], self.weights[w])
         if bits < self.wbits[w]:
             self.wbits[w] = bits
             self.params[w][bits] = params

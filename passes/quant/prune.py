@@ -52,10 +52,11 @@ def block_magnitude_mask(w_nk: torch.Tensor, density: float, block: tuple[int, i
 
 
 def joint_choice(cal, site, d, objective, base: float, ref: float, xs, cands: list[int]):
-    """``(bits, fitted params, kept (N, K) or None)`` for one GEMM weight of calibration ``cal``: of its widths
-    (``cands`` and its own) and block densities (``cal.cfg.densities``, its largest blocks kept), those whose added
-    relative output error (``objective`` of the weight as it would run, against ``base``, over ``ref``) stays within
-    the tolerance, the cheapest by the profile (ties: more blocks, then more bits). Every trial goes into ``d``."""
+    """``(fitted params, kept (N, K) or None)`` of the choice for one GEMM weight of calibration ``cal``, whose width,
+    density and error go into ``d`` with every trial: of its widths (``cands`` and its own) and block densities
+    (``cal.cfg.densities``, its largest blocks kept), those whose added relative output error (``objective`` of the
+    weight as it would run, against ``base``, over ``ref``) stays within the tolerance, the cheapest by ``cal.price``
+    (ties: more blocks, then more bits)."""
     w = site.weight
     w_nk = site.to_nk(cal.weights[w]).float()
     tesa = cal.g.tesa(w)
@@ -81,9 +82,8 @@ def joint_choice(cal, site, d, objective, base: float, ref: float, xs, cands: li
                     at_bits.meet(TeSA.from_mask(site.from_nk(keep.float(), tesa.shape).cpu() != 0, bits=32))
                 options.append((cal.price(cal.g, site.op, site.weight, candidate, cal.profile), -density, -bits,
                                 density, bits, added, params, None if density == 1.0 else keep))
-    _, _, _, d.density, bits, d.error, params, keep = min(options, key=lambda o: o[:3])
-    d.bits = bits
-    return bits, params, keep
+    _, _, _, d.density, d.bits, d.error, params, keep = min(options, key=lambda o: o[:3])
+    return params, keep
 
 
 __all__ = ["block_magnitude_mask", "check_densities", "joint_choice"]
