@@ -44,8 +44,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """Hugging Face's attention-function signature: ``(attn_output (B, L, Hq, D), None)``."""
     kernel = module.__dict__.get(KERNEL_ATTRIBUTE)
     if kernel is not None and _decode_step(kernel, query, key, attention_mask, dropout, scaling, kwargs):
-        keep = attention_mask[:, 0, -1].contiguous()                        # (B, S) bool; HF may expand it
-        out = kernel(query[:, :, 0].contiguous(), key, value, keep)        # (B, Hq, D)
+        out = kernel(query[:, :, 0].contiguous(), key, value, _kept_slots(attention_mask))     # (B, Hq, D)
         return out.unsqueeze(1), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -102,8 +101,8 @@ def _rope_forward(module, hidden_states, *args, **kwargs):
     s, b = kernel.spec, hidden_states.shape[0]
     qkv = _stacked_projections(module, hidden_states, s)
     cos, sin = (t.reshape(b, s.d).contiguous() for t in given["position_embeddings"])
-    keep = given["attention_mask"][:, 0, -1].contiguous()
-    out = kernel.rope_forward(qkv, cos, sin, keep, layer.keys, layer.values, layer.cumulative_length)
+    out = kernel.rope_forward(qkv, cos, sin, _kept_slots(given["attention_mask"]), layer.keys, layer.values,
+                              layer.cumulative_length)
     return module.o_proj(out.reshape(b, 1, s.hq * s.d)), None
 
 
@@ -160,6 +159,12 @@ def _cache_mask(mask, slots: int) -> bool:
     """Whether ``mask`` is the boolean (B, 1, 1, slots) mask of one query per row over a static cache's slots."""
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
             and mask.shape[1] == mask.shape[2] == 1 and mask.shape[-1] == slots)
+
+
+def _kept_slots(mask: torch.Tensor) -> torch.Tensor:
+    """The (B, S) bool rows of a :func:`_cache_mask` mask, contiguous as the kernels read them (Hugging Face may build
+    the mask expanded over the batch)."""
+    return mask[:, 0, -1].contiguous()
 
 
 def _same_scale(kernel, scaling) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from bench_generate import checkpoint, graph_ms, meta_path  # noqa: E402
+from bench_generate import checkpoint, graph_ms, meta_path, session_prefill_ms  # noqa: E402
 
 
 def kernel_rows(prof) -> list[dict]:
@@ -45,17 +45,6 @@ def profiled(fn) -> list[dict]:
         fn()
         torch.cuda.synchronize()
     return kernel_rows(prof)
-
-
-def replay_ms(fn, reps: int = 20) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def phases(model, generate, prompt) -> dict:
@@ -126,12 +115,11 @@ def run(args, model, prompt, cache, result) -> None:
         if args.prefill:
             result["prefill"] = show("prefill of 512 tokens", profiled(lambda: model(prompt, use_cache=False)))
         if args.prefill_session:
-            from sparta.runtime.decode_session import DecodeSession
-            session = DecodeSession(model, b, 640, torch.device("cuda"), graphs=True)
+            from sparta.runtime.decode_session import session_for
+            session = session_for(model, b, 640, torch.device("cuda"), graphs=True)
             session.prefill(prompt, None, inductor=True)
-            replay = lambda: session.prefill(prompt, None)   # noqa: E731 - the cache reset, the graph replayed
-            result["prefill_session"] = show("prefill session graph", profiled(replay))
-            result["prefill_session_ms"] = replay_ms(replay)
+            result["prefill_session"] = show("prefill session graph", profiled(lambda: session.prefill(prompt, None)))
+            result["prefill_session_ms"] = session_prefill_ms(model, prompt, reps=20)
             print(f"prefill session graph {result['prefill_session_ms']:.2f} ms")
         if args.phases:
             def generate(p, n):
